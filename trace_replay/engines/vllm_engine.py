@@ -1,0 +1,234 @@
+"""vLLM replay: the only module that imports vllm.
+
+Two paths, chosen at start-up and recorded in ``info()["engine_path"]``:
+
+* **native** — vLLM builds with Model Runner V2 and ``enable_trace_replay`` (GPU): the
+  sampler itself overwrites each sampled token with ``trace_decode_token_ids[step]``.
+* **forcing** — everything else (the CPU build, older vLLM, configs MRV2 rejects): the V1
+  logits processor :class:`TraceForcingProcessor` leaves only the trace token finite.
+  ``logprobs_mode="raw_logprobs"`` makes vLLM compute the reported logprobs *before* logits
+  processors run, so logprob, rank and top-k are those of the unmodified distribution.
+
+Entropy is not reported by vLLM; the column is NaN for this engine.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+from trace_replay.engines.base import ReplayRequest, TraceResult
+from trace_replay.models import hf_folder, resolve_dtype
+from trace_replay.state import RequestState, TraceReplayState
+
+__all__ = ["VLLMEngine", "TraceForcingProcessor", "supports_native_trace_replay"]
+
+TRACE_KEY = "trace_replay_token_ids"
+_NO_OUTPUT: tuple = ()
+
+
+def supports_native_trace_replay() -> bool:
+    """Whether this vLLM knows ``SamplingParams.trace_decode_token_ids``."""
+    return "trace_decode_token_ids" in inspect.signature(SamplingParams.__init__).parameters or \
+        "trace_decode_token_ids" in getattr(SamplingParams, "__struct_fields__", ())
+
+
+class TraceForcingProcessor(LogitsProcessor):
+    """Force each request's trace through vLLM's V1 sampler by masking its logits.
+
+    Requests carry their trace in ``SamplingParams.extra_args["trace_replay_token_ids"]``;
+    others pass through untouched. Slots are vLLM's persistent-batch indices, which are also
+    the logits rows. The replay step of a row is ``total_len - prompt_len`` where ``total_len``
+    is the prompt plus the tokens vLLM has committed, read from the live output lists vLLM
+    hands to logits processors; the package's ``TraceReplayState`` then picks every row's
+    trace token in one kernel launch and one masked ``where`` forces them all.
+    """
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+        max_num_reqs = vllm_config.scheduler_config.max_num_seqs
+        self.req_states = RequestState(max_num_reqs, device)
+        self.trace_state = TraceReplayState(self.req_states)
+        self.device = device
+        self.traces: list[list[int] | None] = [None] * max_num_reqs
+        self.outputs: list = [_NO_OUTPUT] * max_num_reqs
+        self.prompt_lens = [0] * max_num_reqs
+        self.num_traced = 0
+
+    @classmethod
+    def validate_params(cls, params: SamplingParams) -> None:
+        trace = (params.extra_args or {}).get(TRACE_KEY)
+        if trace is None:
+            return
+        if not trace or not all(isinstance(t, int) and t >= 0 for t in trace):
+            raise ValueError(f"{TRACE_KEY} must be a non-empty list of non-negative token ids")
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def _place(self, index: int, trace, prompt_len: int, output) -> None:
+        if (self.traces[index] is not None) != (trace is not None):
+            self.num_traced += 1 if trace is not None else -1
+        self.traces[index] = trace
+        self.prompt_lens[index] = prompt_len
+        self.outputs[index] = output if trace is not None else _NO_OUTPUT
+        self.trace_state.add_request(index, trace)
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if batch_update is None:
+            return
+        for index in batch_update.removed:
+            self._place(index, None, 0, _NO_OUTPUT)
+        for index, params, prompt_ids, output_ids in batch_update.added:
+            trace = (params.extra_args or {}).get(TRACE_KEY)
+            self._place(index, trace, len(prompt_ids or ()), output_ids)
+        for a, b, direction in batch_update.moved:
+            moved_a = (self.traces[a], self.prompt_lens[a], self.outputs[a])
+            moved_b = (self.traces[b], self.prompt_lens[b], self.outputs[b])
+            self._place(b, *moved_a)
+            if direction == MoveDirectionality.SWAP:
+                self._place(a, *moved_b)
+            else:
+                self._place(a, None, 0, _NO_OUTPUT)
+        self.trace_state.apply_staged_writes()
+        self.req_states.prompt_len.copy_(
+            torch.tensor(self.prompt_lens, dtype=torch.int32), non_blocking=True)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.num_traced == 0:
+            return logits
+        rows = logits.shape[0]
+        committed = torch.tensor(list(map(len, self.outputs[:rows])), dtype=torch.int32)
+        self.req_states.total_len[:rows] = self.req_states.prompt_len[:rows] + committed.to(
+            self.device, non_blocking=True)
+        forced = torch.full((rows,), -1, dtype=torch.int64, device=logits.device)
+        self.trace_state.apply_trace(forced, torch.arange(rows, device=logits.device))
+        vocab = torch.arange(logits.shape[1], device=logits.device)
+        drop = (forced[:, None] >= 0) & (vocab[None, :] != forced[:, None])
+        return logits.masked_fill_(drop, float("-inf"))
+
+
+class VLLMEngine:
+    """Replay through ``vllm.LLM`` (native trace replay when available, else forcing).
+
+    Parameters
+    ----------
+    model
+        ``None`` (embedded model, converted once to a Hugging Face folder), a folder, or a
+        cached model name.
+    dtype
+        vLLM ``dtype`` (default float32, the embedded weights' own).
+    batch_size
+        ``max_num_seqs``.
+    top_k
+        Alternatives per step (``SamplingParams.logprobs``).
+    engine_args
+        Passed to ``vllm.LLM`` as they are (``tensor_parallel_size``, ``gpu_memory_utilization``,
+        ``max_model_len``…); they override the defaults chosen here.
+    native
+        ``None`` tries the native path first where the platform can run it; ``False`` forces
+        the logits-processor path; ``True`` requires the native path.
+    """
+
+    name = "vllm"
+
+    def __init__(self, model=None, *, dtype=None, device=None, batch_size=None, top_k=5,
+                 engine_args: dict | None = None, native: bool | None = None):
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+        self.top_k = top_k
+        self.dtype = str(resolve_dtype(dtype)).replace("torch.", "")
+        args = {"model": str(hf_folder(model)), "dtype": self.dtype, "seed": 0,
+                "max_logprobs": max(top_k, 20), "logprobs_mode": "raw_logprobs",
+                "enable_prefix_caching": False}
+        if batch_size:
+            args["max_num_seqs"] = batch_size
+        if not torch.cuda.is_available():
+            args["gpu_memory_utilization"] = 0.3
+        args.update(engine_args or {})
+        self.native_error = None
+        if native is None:
+            native = torch.cuda.is_available() and supports_native_trace_replay()
+            required = False
+        else:
+            required = native
+        self.llm = None
+        if native:
+            try:
+                self.llm = LLM(**args, enable_trace_replay=True)
+                self.path = "vllm-native-trace-replay"
+            except (ValueError, TypeError) as exc:
+                if required:
+                    raise
+                self.native_error = f"{type(exc).__name__}: {exc}"
+        if self.llm is None:
+            processors = list(args.pop("logits_processors", None) or [])
+            processors.append(f"{__name__}:TraceForcingProcessor")
+            self.llm = LLM(**args, logits_processors=processors)
+            self.path = "vllm-logits-processor-forcing"
+        config = self.llm.llm_engine.model_config
+        self.max_model_len = config.max_model_len
+        self.batch_size = self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def info(self) -> dict:
+        import vllm
+
+        info = {"engine_path": self.path, "dtype": self.dtype, "device": self.device,
+                "batch_size": self.batch_size, "vllm_version": vllm.__version__,
+                "logprobs_mode": "raw_logprobs"}
+        if self.native_error:
+            info["native_unavailable"] = self.native_error
+        return info
+
+    def _params(self, request: ReplayRequest) -> SamplingParams:
+        trace = list(request.trace_token_ids)
+        # max_tokens always set: it defaults to 16 and would cut traces (vLLM bug #56730).
+        # No min_tokens: it masks EOS to -inf, which would erase a forced EOS.
+        common = dict(temperature=0.0, max_tokens=len(trace),
+                      logprobs=self.top_k, ignore_eos=True, stop=[], stop_token_ids=[],
+                      detokenize=False)
+        if self.path == "vllm-native-trace-replay":
+            return SamplingParams(**common, trace_decode_token_ids=trace)
+        return SamplingParams(**common, extra_args={TRACE_KEY: trace})
+
+    def run(self, requests: Sequence[ReplayRequest]) -> list[TraceResult]:
+        """Replay ``requests`` in one ``LLM.generate`` call; results in the order given."""
+        prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_token_ids)) for r in requests]
+        outputs = self.llm.generate(prompts, [self._params(r) for r in requests], use_tqdm=False)
+        return [self._result(r, out.outputs[0]) for r, out in zip(requests, outputs)]
+
+    def _result(self, request: ReplayRequest, completion) -> TraceResult:
+        emitted = list(completion.token_ids)
+        if emitted != list(request.trace_token_ids):
+            first = next((i for i, (a, b) in enumerate(zip(emitted, request.trace_token_ids))
+                          if a != b), min(len(emitted), request.trace_len))
+            raise RuntimeError(
+                f"trace {request.trace_id!r}: vLLM ({self.path}) emitted {len(emitted)} tokens "
+                f"that leave the trace at step {first}; replay cannot be trusted")
+        steps = request.trace_len
+        logprob = np.empty(steps)
+        rank = np.empty(steps, dtype=np.int64)
+        top_ids = np.zeros((steps, self.top_k), dtype=np.int64)
+        top_lps = np.full((steps, self.top_k), np.nan)
+        for step, token in enumerate(emitted):
+            entries = completion.logprobs[step]
+            logprob[step] = entries[token].logprob
+            rank[step] = entries[token].rank
+            ordered = sorted(((e.rank, tid, e.logprob) for tid, e in entries.items()
+                              if e.rank is not None and e.rank <= self.top_k))
+            for j, (_, tid, lp) in enumerate(ordered[: self.top_k]):
+                top_ids[step, j], top_lps[step, j] = tid, lp
+        return TraceResult(trace_id=request.trace_id, prompt_len=request.prompt_len,
+                           token_ids=np.asarray(emitted, dtype=np.int64), logprob=logprob,
+                           rank=rank, top_token_ids=top_ids, top_logprobs=top_lps,
+                           entropy=np.full(steps, np.nan))
+
+    def close(self) -> None:
+        """Release the engine (and its worker processes)."""
+        self.llm = None
