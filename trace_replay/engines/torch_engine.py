@@ -88,6 +88,49 @@ class TorchEngine:
                 results[i] = result
         return [results[i] for i in range(len(requests))]
 
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int,
+                 temperature: float = 0.0, seed: int = 0,
+                 eos_token_id: int | None = None) -> list[tuple[list[int], list[float]]]:
+        """Free generation (no trace) for recording: ``(token_ids, raw logprobs)`` per prompt.
+
+        Greedy at ``temperature == 0``, else seeded sampling; each logprob is the chosen
+        token's under the unmodified distribution. A row stops after emitting EOS.
+        """
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        outputs = []
+        for start in range(0, len(prompts), self.batch_size):
+            wave = [ReplayRequest(str(i), tuple(p), ()) for i, p in
+                    enumerate(prompts[start:start + self.batch_size])]
+            idx_mapping = self._admit(wave)
+            logits, cache, mask = self._prefill(wave)
+            tokens, logprobs = [], []
+            finished = torch.zeros(len(wave), dtype=torch.bool, device=self.device)
+            for step in range(max_tokens):
+                if temperature > 0:
+                    probs = torch.softmax(logits.float() / temperature, dim=-1)
+                    sampled = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+                else:
+                    sampled = logits.argmax(dim=-1)
+                tokens.append(sampled)
+                logprobs.append(score_tokens(logits, sampled, 0).logprob)
+                if eos_token_id is not None:
+                    finished |= sampled == eos_token_id
+                if step == max_tokens - 1 or (step % 16 == 15 and bool(finished.all())):
+                    break
+                mask = torch.cat([mask, mask.new_ones((len(wave), 1))], dim=1)
+                self.req_states.total_len[idx_mapping] += 1
+                positions = (self.req_states.total_len[idx_mapping] - 1).long()[:, None]
+                logits, cache = self._forward(sampled[:, None], positions, mask, cache)
+                logits = logits[:, -1]
+            ids = torch.stack(tokens, 1).cpu().tolist()
+            lps = torch.stack(logprobs, 1).double().cpu().tolist()
+            for row_ids, row_lps in zip(ids, lps):
+                end = (row_ids.index(eos_token_id) + 1 if eos_token_id in row_ids
+                       else len(row_ids))
+                outputs.append((row_ids[:end], row_lps[:end]))
+        return outputs
+
     def _admit(self, wave: Sequence[ReplayRequest]) -> torch.Tensor:
         for slot, request in enumerate(wave):
             self.trace_state.add_request(slot, request.trace_token_ids)

@@ -149,7 +149,8 @@ class VLLMEngine:
         if batch_size:
             args["max_num_seqs"] = batch_size
         if not torch.cuda.is_available():
-            args["gpu_memory_utilization"] = 0.3
+            # the CPU build compiles the model with inductor at start-up (minutes on 2 cores)
+            args.update(gpu_memory_utilization=0.3, enforce_eager=True)
         args.update(engine_args or {})
         self.native_error = None
         if native is None:
@@ -202,6 +203,21 @@ class VLLMEngine:
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_token_ids)) for r in requests]
         outputs = self.llm.generate(prompts, [self._params(r) for r in requests], use_tqdm=False)
         return [self._result(r, out.outputs[0]) for r, out in zip(requests, outputs)]
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int,
+                 temperature: float = 0.0, seed: int = 0,
+                 eos_token_id: int | None = None) -> list[tuple[list[int], list[float]]]:
+        """Free generation for recording: ``(token_ids, raw logprobs)`` per prompt."""
+        params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
+                                logprobs=0, detokenize=False)
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        results = []
+        for out in outputs:
+            completion = out.outputs[0]
+            ids = list(completion.token_ids)
+            results.append((ids, [completion.logprobs[i][t].logprob for i, t in enumerate(ids)]))
+        return results
 
     def _result(self, request: ReplayRequest, completion) -> TraceResult:
         emitted = list(completion.token_ids)

@@ -1,0 +1,147 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+# --- synthetic replay frames (analysis, plots, tokens_html, explorer, report) ---------------
+
+_VOCAB = [" the", " cat", "\n", "\t", "<script>alert(1)</script>", " &amp;", " Paris", ".",
+          "  ", "é", " sat", " on", " mat", "\"q\"", "x" * 12]  # fmt: skip
+
+
+def _synthetic_replay(n_traces: int, n_steps: int, seed: int, top_k: int = 5) -> pd.DataFrame:
+    """Replay frame whose rank, logprob and top-k lists agree with one another."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for t in range(n_traces):
+        for step in range(n_steps):
+            top_lp = np.sort(rng.uniform(-8.0, -0.05, top_k))[::-1]
+            top_ids = rng.choice(5000, top_k, replace=False)
+            rank = int(rng.choice([1, 1, 1, 2, 3, 15, 250, 4000]))
+            if rank <= top_k:
+                token_id, logprob = int(top_ids[rank - 1]), float(top_lp[rank - 1])
+            else:
+                token_id, logprob = int(rng.integers(5000, 6000)), float(top_lp[-1] - rank / 500)
+            rows.append(
+                dict(trace_id=f"t{t}", step=step, position=10 + step, token_id=token_id,
+                     token=_VOCAB[token_id % len(_VOCAB)], logprob=logprob, rank=rank,
+                     top_token_ids=[int(i) for i in top_ids], top_logprobs=list(top_lp),
+                     top_tokens=[_VOCAB[i % len(_VOCAB)] for i in top_ids],
+                     entropy=float(rng.uniform(0.1, 3.0)),
+                     ref_logprob=logprob + float(rng.normal(0, 2e-3)))
+            )  # fmt: skip
+    df = pd.DataFrame(rows)
+    df.attrs = {"model": "synthetic", "engine": "hf", "dtype": "float32", "top_k": top_k}
+    return df
+
+
+@pytest.fixture(scope="session")
+def make_replay():
+    """Factory ``make_replay(n_traces, n_steps, seed)`` for module-scoped fixtures."""
+    return _synthetic_replay
+
+
+@pytest.fixture
+def replay_df() -> pd.DataFrame:
+    """Three traces of 40 steps; rank, logprob and top-k lists are consistent."""
+    return _synthetic_replay(n_traces=3, n_steps=40, seed=0)
+
+
+def _second_run(replay: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    b = replay.drop(columns="ref_logprob").copy()
+    rng = np.random.default_rng(1)
+    drift = np.zeros(len(b))
+    for trace_id, start in (("t1", 7), ("t2", 20)):
+        late = (b["trace_id"] == trace_id) & (b["step"] >= start)
+        drift[late.to_numpy()] = rng.normal(0, 0.05, late.sum())
+    b["logprob"] = b["logprob"] + drift
+    b.loc[(b["trace_id"] == "t2") & (b["step"] == 25), "rank"] = 2
+    b.attrs = {**replay.attrs, "engine": "vllm", "dtype": "bfloat16"}
+    return replay.drop(columns="ref_logprob"), b
+
+
+@pytest.fixture(scope="session")
+def make_pair():
+    """Factory ``make_pair(replay) -> (a, b)`` as in ``replay_pair``."""
+    return _second_run
+
+
+@pytest.fixture
+def replay_pair(replay_df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The same replay and a second run: t0 identical, t1 drifts from step 7, t2 from step 20."""
+    return _second_run(replay_df)
+
+
+# --- the embedded model and an independent float64 reference (engine tests) -----------------
+
+REAL_TRACES = [
+    {"id": "paris", "prompt": "The capital of France is", "completion": " Paris. It is a big city."},
+    {"id": "code", "prompt": "def add(a, b):", "completion": "\n    return a + b\n"},
+    {"id": "eos-inside", "prompt": "Say hi.", "completion": " Hi!<|im_end|> Then it goes on."},
+    {"id": "one-token", "prompt": "Once upon a", "completion": " time"},
+    {"id": "short-prompt", "prompt_token_ids": [504], "trace_token_ids": [3575, 282, 4649, 314]},
+    {"id": "long", "prompt": "List three colours:",
+     "completion": " red, green and blue. Then three animals: cat, dog and horse. That is all."},
+]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from trace_replay.models import load_tokenizer
+
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def lm():
+    """The embedded model, float32 on CPU, loaded once per session."""
+    from trace_replay.models import load_model
+
+    return load_model(device="cpu")
+
+
+@pytest.fixture(scope="session")
+def real_traces(tokenizer):
+    """Six real traces: EOS inside, a 1-token trace, a 1-token prompt, mixed lengths."""
+    from trace_replay.traces import load_traces
+
+    return load_traces(REAL_TRACES, tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="session")
+def reference64(lm, real_traces):
+    """Teacher-forced float64 logprobs of every trace token: {trace_id: [T, V] log-softmax}."""
+    import copy
+
+    import torch
+
+    lm64 = copy.deepcopy(lm).double()
+    out = {}
+    with torch.inference_mode():
+        for trace in real_traces:
+            ids = list(trace.prompt_token_ids) + list(trace.trace_token_ids)
+            logits = lm64(input_ids=torch.tensor([ids])).logits[0].double()
+            start = len(trace.prompt_token_ids) - 1
+            rows = logits[start:start + len(trace.trace_token_ids)]
+            out[trace.id] = torch.log_softmax(rows, dim=-1).numpy()
+    del lm64
+    return out
+
+
+def assert_matches_reference(df, reference64, tol=2e-3, tie=1e-4):
+    """Per token |Δlogprob| <= tol against float64, and rank equal up to near-ties."""
+    worst = 0.0
+    for trace_id, group in df.groupby("trace_id", sort=False):
+        ref = reference64[trace_id]
+        assert len(group) == len(ref), trace_id
+        for row, lp64 in zip(group.itertuples(), ref):
+            target = lp64[row.token_id]
+            worst = max(worst, abs(row.logprob - target))
+            lo = 1 + int((lp64 > target + tie).sum())
+            hi = 1 + int((lp64 > target - tie).sum())
+            assert lo <= row.rank <= hi, (trace_id, row.step, row.rank, lo, hi)
+    assert worst <= tol, worst
+    return worst

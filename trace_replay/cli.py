@@ -1,0 +1,176 @@
+"""``trace-replay``: replay, record, merge, report and the demo from the shell.
+
+Errors print one line (``trace-replay: error: …``) and exit with status 2; ``--debug``
+shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _engine_arg(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        index, count = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected INDEX/COUNT like 0/4, got {text!r}") from None
+    return index, count
+
+
+def _speculative(text: str) -> dict:
+    method, _, k = text.partition(":")
+    return {"method": method, "num_tokens": int(k or 4)}
+
+
+def _write_frame(df, out: str) -> None:
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    df.to_parquet(tmp, index=False)
+    tmp.replace(path)
+
+
+def _cmd_replay(args) -> None:
+    from trace_replay.replay import replay
+
+    df = replay(args.traces, args.model, engine=args.engine, top_k=args.top_k,
+                dtype=args.dtype, device=args.device, batch_size=args.batch_size,
+                speculative=args.speculative, engine_args=dict(args.engine_arg) or None,
+                progress=not args.quiet, checkpoint=args.checkpoint, shard=args.shard,
+                truncate=args.truncate)
+    _write_frame(df, args.out)
+    print(f"{df['trace_id'].nunique()} traces, {len(df)} tokens "
+          f"({df.attrs.get('engine_path')}) -> {args.out}")
+
+
+def _cmd_record(args) -> None:
+    from trace_replay.record import record
+
+    path = Path(args.prompts)
+    lines = path.read_text().splitlines()
+    if path.suffix != ".jsonl":
+        prompts = [line for line in lines if line.strip()]
+    else:
+        prompts = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                prompts.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: malformed JSON ({exc.msg})") from None
+    traces = record(prompts, args.model, engine=args.engine, max_tokens=args.max_tokens,
+                    temperature=args.temperature, seed=args.seed)
+    (traces.to_parquet if args.out.endswith(".parquet") else traces.to_jsonl)(args.out)
+    print(f"{len(traces)} traces -> {args.out}")
+
+
+def _cmd_merge(args) -> None:
+    import pandas as pd
+
+    frames = [pd.read_parquet(p) for p in args.parts]
+    merged = pd.concat(frames, ignore_index=True)
+    dup = merged.duplicated(subset=["trace_id", "step"])
+    if dup.any():
+        raise ValueError(f"trace {merged.loc[dup, 'trace_id'].iloc[0]!r} appears in two parts")
+    merged.attrs = {**frames[0].attrs, "merged_from": [str(p) for p in args.parts]}
+    _write_frame(merged, args.out)
+    print(f"{len(frames)} parts, {merged['trace_id'].nunique()} traces -> {args.out}")
+
+
+def _cmd_report(args) -> None:
+    from trace_replay.report import write_report
+
+    out = write_report(args.results, args.results_b, out=args.out, tol=args.tol)
+    print(f"report -> {out}")
+
+
+def _cmd_demo(args) -> None:
+    from trace_replay.demo import run_demo
+
+    run_demo(out=args.out, engines=args.engines, limit=args.limit)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trace-replay", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("replay", help="replay traces and write a Parquet result")
+    p.add_argument("traces", help="JSONL / JSON / Parquet traces")
+    p.add_argument("--engine", default="auto", choices=["auto", "vllm", "torch", "prefill"])
+    p.add_argument("--model", default=None, help="folder or cached model name (default: embedded)")
+    p.add_argument("--out", required=True, help="results .parquet")
+    p.add_argument("--top-k", type=int, default=5)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--speculative", type=_speculative, default=None, metavar="METHOD[:K]",
+                   help="torch engine verify path, e.g. trace:8 or ngram:4")
+    p.add_argument("--engine-arg", type=_engine_arg, action="append", default=[],
+                   metavar="KEY=VALUE", help="passed to vllm.LLM (repeatable)")
+    p.add_argument("--checkpoint", default=None, help="folder for resumable runs")
+    p.add_argument("--shard", type=_shard, default=None, metavar="I/N")
+    p.add_argument("--truncate", action="store_true", help="cut traces that do not fit")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_replay)
+
+    p = sub.add_parser("record", help="generate traces with reference logprobs")
+    p.add_argument("prompts", help="a .txt (one prompt a line) or records with id/prompt")
+    p.add_argument("--out", required=True, help="traces .jsonl or .parquet")
+    p.add_argument("--engine", default="vllm", choices=["vllm", "torch"])
+    p.add_argument("--model", default=None)
+    p.add_argument("--max-tokens", type=int, required=True)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_record)
+
+    p = sub.add_parser("merge", help="concatenate shard results")
+    p.add_argument("parts", nargs="+")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=_cmd_merge)
+
+    p = sub.add_parser("report", help="self-contained HTML report of one or two results")
+    p.add_argument("results")
+    p.add_argument("results_b", nargs="?", default=None)
+    p.add_argument("--out", default="report.html")
+    p.add_argument("--tol", type=float, default=1e-3)
+    p.set_defaults(func=_cmd_report)
+
+    p = sub.add_parser("demo", help="replay the bundled dataset (vLLM and prefill)")
+    p.add_argument("--out", default="out")
+    p.add_argument("--engines", default="vllm,prefill")
+    p.add_argument("--limit", type=int, default=None, help="traces per dataset")
+    p.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, TypeError, OSError, RuntimeError, KeyError) as exc:
+        if args.debug:
+            raise
+        print(f"trace-replay: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""``record``: generate traces with the logprobs the generating engine reported."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from trace_replay.engines import make_engine
+from trace_replay.models import load_tokenizer, model_label
+from trace_replay.traces import Trace, TraceSet
+
+__all__ = ["record"]
+
+
+def _prompt_records(prompts) -> list[dict]:
+    records = []
+    for i, prompt in enumerate(prompts if not isinstance(prompts, (str, dict)) else [prompts]):
+        if isinstance(prompt, str):
+            records.append({"id": f"p{i}", "prompt": prompt})
+        elif isinstance(prompt, Trace):
+            records.append({"id": prompt.id, "prompt": prompt.prompt,
+                            "prompt_token_ids": prompt.prompt_token_ids, "meta": prompt.meta})
+        elif isinstance(prompt, dict):
+            records.append({"id": str(prompt.get("id", f"p{i}")), **prompt})
+        else:
+            raise TypeError(f"prompt {i}: expected str, dict or Trace, got "
+                            f"{type(prompt).__name__}")
+    return records
+
+
+def record(prompts: Iterable, model=None, *, engine="vllm", max_tokens: int,
+           temperature: float = 0.0, seed: int = 0, top_k: int = 5,
+           batch_size: int | None = None, engine_args: dict | None = None,
+           stop_at_eos: bool = True) -> TraceSet:
+    """Generate one trace per prompt, keeping the engine's own logprobs as ``ref_logprobs``.
+
+    Parameters
+    ----------
+    prompts
+        Strings, dicts with ``id`` and ``prompt`` (or ``prompt_token_ids``) and optional
+        ``meta``, or :class:`~trace_replay.Trace` objects.
+    model
+        As in :func:`trace_replay.replay`.
+    engine
+        ``"vllm"`` or ``"torch"`` (or an engine object with a ``generate`` method).
+    max_tokens
+        Tokens generated per prompt at most; generation stops earlier at EOS when
+        ``stop_at_eos`` (the EOS is kept in the trace).
+    temperature, seed
+        Greedy at 0, else seeded sampling.
+    top_k
+        Unused by generation; kept for symmetry with :func:`replay` engine settings.
+
+    Returns
+    -------
+    TraceSet
+        Tokenized traces with ``completion`` text, ``ref_logprobs`` (the raw logprob of each
+        emitted token under the generating engine) and generation settings in ``meta``.
+    """
+    tokenizer = load_tokenizer(model)
+    traces = TraceSet(Trace(**{k: v for k, v in r.items()
+                               if k in ("id", "prompt", "prompt_token_ids", "meta")})
+                      for r in _prompt_records(prompts))
+    prompt_ids = []
+    for trace in traces:
+        ids = trace.prompt_token_ids or tokenizer.encode(trace.prompt, add_special_tokens=True)
+        prompt_ids.append(list(ids))
+    if isinstance(engine, str):
+        if engine not in ("vllm", "torch"):
+            raise ValueError(f"record runs on 'vllm' or 'torch', not {engine!r}")
+        engine, _ = make_engine(engine, model, batch_size=batch_size, top_k=top_k,
+                                engine_args=engine_args)
+    eos = tokenizer.eos_token_id if stop_at_eos else None
+    generated = engine.generate(prompt_ids, max_tokens=max_tokens, temperature=temperature,
+                                seed=seed, eos_token_id=eos)
+    settings = {"model": model_label(model), "engine": engine.name,
+                "engine_path": engine.info()["engine_path"], "temperature": temperature,
+                "seed": seed, "max_tokens": max_tokens}
+    out = []
+    for trace, ids, (tokens, logprobs) in zip(traces, prompt_ids, generated):
+        out.append(Trace(id=trace.id, prompt=trace.prompt, prompt_token_ids=tuple(ids),
+                         completion=tokenizer.decode(tokens), trace_token_ids=tuple(tokens),
+                         ref_logprobs=tuple(logprobs),
+                         meta={**trace.meta, "recorded_with": settings}))
+    return TraceSet(out, source=f"record({settings['engine_path']})")

@@ -1,0 +1,202 @@
+"""Self-contained HTML report of one replay or of two compared replays.
+
+Figures are embedded as base64 PNG, styles are inline; the page loads nothing from
+elsewhere. Every string that comes from data (token text, trace ids, attrs, the title) is
+escaped.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import os
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pandas as pd
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from trace_replay.analysis import (
+    compare,
+    dataset_summary,
+    rank_bucket_transitions,
+    summarize,
+    trace_summary,
+)
+from trace_replay.plots import (
+    plot_delta_hist,
+    plot_divergence_heatmap,
+    plot_first_divergence,
+    plot_logprob_scatter,
+    plot_rank_buckets,
+    plot_trace,
+)
+from trace_replay.tokens_html import render_tokens
+
+__all__ = ["write_report"]
+
+_MAX_TABLE_ROWS = 50
+_CSS = """<style>
+body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:24px auto;max-width:1200px;
+ color:#222;padding:0 16px}
+h1{font-size:22px}
+h2{font-size:18px;border-bottom:1px solid #ddd;padding-bottom:4px;margin-top:32px}
+table.tr-table{border-collapse:collapse;font-size:12px;margin:8px 0}
+table.tr-table td,table.tr-table th{padding:2px 8px;border-bottom:1px solid #eee;text-align:right}
+table.tr-table th{background:#f5f5f5}
+.tr-figs{display:flex;flex-wrap:wrap;gap:12px} .tr-figs img{max-width:100%}
+.tr-note{color:#666;font-size:12px}
+</style>"""
+
+
+def _load(x: pd.DataFrame | str | os.PathLike, default: str) -> tuple[pd.DataFrame, str]:
+    if isinstance(x, pd.DataFrame):
+        return x, str(x.attrs.get("engine") or default)
+    return pd.read_parquet(x), Path(x).stem
+
+
+def _table(df: pd.DataFrame, *, index: bool = False) -> str:
+    return df.to_html(index=index, escape=True, border=0, classes="tr-table", na_rep="—",
+                      float_format=lambda v: f"{v:.4g}")  # fmt: skip
+
+
+def _head(df: pd.DataFrame) -> str:
+    note = ""
+    if len(df) > _MAX_TABLE_ROWS:
+        note = f'<p class="tr-note">first {_MAX_TABLE_ROWS} of {len(df)} rows</p>'
+    return _table(df.head(_MAX_TABLE_ROWS)) + note
+
+
+def _attrs_table(attrs: dict, label: str) -> str:
+    rows = pd.DataFrame({"key": list(attrs), "value": [str(v) for v in attrs.values()]})
+    return f"<h3>{html.escape(label)}</h3>" + (_table(rows) if len(rows) else "<p>no attrs</p>")
+
+
+def _figure(draw: Callable[[Axes], object], alt: str, size: tuple[float, float] = (6, 4)) -> str:
+    """One figure drawn by ``draw(ax)``, as an <img> holding a base64 PNG."""
+    fig = Figure(figsize=size, layout="constrained")
+    draw(fig.add_subplot())
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=90)
+    data = base64.b64encode(buffer.getvalue()).decode("ascii")
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+
+
+def _comparison_sections(cmp: pd.DataFrame, tol: float) -> list[str]:
+    summary = summarize(cmp, tol=tol)
+    n = len(summary)
+    heat_size = (11.0, min(2.0 + 0.2 * n, 14.0))
+    figures = [
+        _figure(lambda ax: plot_delta_hist(cmp, ax=ax), "delta histogram"),
+        _figure(lambda ax: plot_logprob_scatter(cmp, ax=ax, tol=tol), "logprob scatter"),
+        _figure(lambda ax: plot_first_divergence(summary, ax=ax), "first divergence CDF"),
+        _figure(lambda ax: plot_rank_buckets(cmp, ax=ax), "rank buckets"),
+    ]
+    worst = summary.sort_values("max_abs_delta", ascending=False, kind="stable")
+    return [
+        "<h2>Dataset</h2>",
+        '<div class="tr-figs">',
+        _table(dataset_summary(cmp)),
+        "<div><h3>Rank-bucket transitions (rows: a, columns: b)</h3>",
+        _table(rank_bucket_transitions(cmp), index=True),
+        "</div></div>",
+        f"<h2>Traces</h2><p class='tr-note'>sorted by max |Δ|, tol = {tol:g}</p>",
+        _head(worst),
+        "<h2>Figures</h2>",
+        _figure(lambda ax: plot_divergence_heatmap(cmp, tol=tol, ax=ax), "heatmap", heat_size),
+        f'<div class="tr-figs">{"".join(figures)}</div>',
+    ]
+
+
+def _trace_sections(frame: pd.DataFrame, trace_ids: list, color_by: str, tol: float) -> list[str]:
+    parts = ["<h2>Worst traces</h2>"]
+    for trace_id in trace_ids:
+        parts.append(f"<h3>trace {html.escape(str(trace_id))}</h3>")
+        draw = lambda ax, t=trace_id: plot_trace(frame, t, ax=ax, tol=tol)  # noqa: E731
+        parts.append(_figure(draw, f"trace {trace_id}", (11.0, 3.6)))
+        parts.append(render_tokens(frame, trace_id, color_by, tol=tol).html)
+    return parts
+
+
+def write_report(
+    a: pd.DataFrame | str | os.PathLike,
+    b: pd.DataFrame | str | os.PathLike | None = None,
+    *,
+    out: str | os.PathLike = "report.html",
+    tol: float = 1e-3,
+    n_traces: int = 5,
+    title: str | None = None,
+) -> Path:
+    """Write a self-contained HTML report of a replay, or of two replays compared.
+
+    With ``b``: dataset summary, rank-bucket transitions, per-trace summary, heatmap, Δ
+    histogram, logprob scatter, first-divergence CDF, rank buckets, and the ``n_traces``
+    traces with the largest max |Δ| (plot and tokens coloured by Δ). Without ``b``: per-trace
+    summary, rank buckets and the ``n_traces`` traces with the lowest mean logprob (tokens
+    coloured by rank), plus the comparison sections against the trace's ``ref_logprob`` when
+    the frame has that column.
+
+    Parameters
+    ----------
+    a, b : DataFrame or path
+        Replay frames, or paths to Parquet files holding them.
+    out : path
+        Where to write the page.
+    tol : float
+        Divergence threshold on ``abs_delta``.
+    n_traces : int
+        Number of worst traces drawn and rendered token by token.
+    title : str, optional
+        Page title; by default names the run(s).
+
+    Returns
+    -------
+    pathlib.Path
+        The written file.
+
+    Examples
+    --------
+    >>> write_report("fp32.parquet", "bf16.parquet", out="fp32_vs_bf16.html")  # doctest: +SKIP
+    """
+    df_a, label_a = _load(a, "a")
+    parts: list[str] = []
+    if b is not None:
+        df_b, label_b = _load(b, "b")
+        labels = (label_a, label_b) if label_a != label_b else ("a", "b")
+        cmp = compare(df_a, df_b, labels=labels)
+        title = title or f"trace replay: {labels[0]} vs {labels[1]}"
+        sides = [(f"a: {labels[0]}", df_a.attrs), (f"b: {labels[1]}", df_b.attrs)]
+        parts += _comparison_sections(cmp, tol)
+        worst = summarize(cmp, tol=tol).nlargest(n_traces, "max_abs_delta", keep="first")
+        parts += _trace_sections(cmp, worst["trace_id"].tolist(), "delta", tol)
+    else:
+        title = title or f"trace replay: {label_a}"
+        sides = [(label_a, df_a.attrs)]
+        summary = trace_summary(df_a)
+        parts += [
+            "<h2>Traces</h2><p class='tr-note'>sorted by mean logprob</p>",
+            _head(summary.sort_values("mean_logprob", kind="stable")),
+            _figure(lambda ax: plot_rank_buckets(df_a, ax=ax), "rank buckets"),
+        ]
+        if "ref_logprob" in df_a.columns and df_a["ref_logprob"].notna().any():
+            parts.append("<h2>Replay vs the trace's recorded logprobs</h2>")
+            parts += _comparison_sections(compare(df_a, "ref"), tol)
+        worst = summary.nsmallest(n_traces, "mean_logprob", keep="first")
+        parts += _trace_sections(df_a, worst["trace_id"].tolist(), "rank", tol)
+
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    provenance = "".join(_attrs_table(dict(attrs), label) for label, attrs in sides)
+    page = "\n".join([
+        '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{html.escape(title)}</title>{_CSS}</head><body>",
+        f"<h1>{html.escape(title)}</h1><p class='tr-note'>generated {stamp}</p>",
+        *parts,
+        f"<h2>Provenance</h2>{provenance}",
+        "</body></html>",
+    ])  # fmt: skip
+    path = Path(out)
+    path.write_text(page, encoding="utf-8")
+    return path
