@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml Makefile
 	# beside torch 2.13.0+cpu torchvision breaks transformers' model imports
 	# ("operator torchvision::nms does not exist"). Nothing here needs them.
 	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	# Debian's chromium for tests/test_browser.py (playwright drives it; browser downloads are impossible here)
+	if [ ! -x /usr/bin/chromium ] && [ "$$(id -u)" = 0 ]; then apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; fi
 	touch $@
 
 demo: $(STAMP)

@@ -192,8 +192,10 @@ class Explorer:
         self.topk_html.value = f'{_TABLE_CSS}<div style="display:flex">{tables}</div>'
 
     def _draw(self, trace: pd.DataFrame, trace_id: str, step: int) -> None:
+        import io
+
         from IPython import get_ipython
-        from IPython.display import display
+        from IPython.display import Image, display
 
         from trace_replay.plots import plot_trace
 
@@ -207,9 +209,12 @@ class Explorer:
         ax.axvline(step, color="#d62728", lw=1.5, label="selected step")
         if get_ipython() is None:  # no frontend to show it; the figure itself is up to date
             return
+        # a bare Figure has a PNG form only once pyplot's inline backend is active
+        png = io.BytesIO()
+        self.figure.savefig(png, format="png")
         with self.plot_output:
             self.plot_output.clear_output(wait=True)
-            display(self.figure)
+            display(Image(data=png.getvalue(), format="png"))
 
 
 def explore(df_or_cmp: pd.DataFrame, *, tol: float = 1e-3) -> Explorer:

@@ -78,6 +78,9 @@ def embedded_gguf_path() -> Path:
 def _offline() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # weight-loading bars clutter notebooks
 
 
 def _file_digest(path: Path) -> str:
