@@ -1,6 +1,8 @@
 """Tests for trace_replay.kernels: Triton kernels against the torch reference and a loop oracle."""
 
 import os
+import subprocess
+import sys
 
 import torch
 
@@ -12,6 +14,7 @@ import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+import trace_replay._triton  # noqa: E402
 from trace_replay._triton import HAS_TRITON, use_triton  # noqa: E402
 from trace_replay.kernels import (  # noqa: E402
     apply_trace_tokens,
@@ -120,8 +123,23 @@ def test_use_triton_runs_kernels_under_the_interpreter():
 
 def test_use_triton_is_false_for_cpu_tensors_without_interpreter(monkeypatch):
     """Without the interpreter, CPU tensors always take the reference path."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert not use_triton(torch.zeros(1))
+    monkeypatch.setattr(trace_replay._triton, "_INTERPRET", False)
+    assert not use_triton(torch.zeros(1), torch.zeros(1))
+
+
+def test_kernels_import_and_fall_back_without_triton():
+    """With triton unimportable, the kernel modules still import and launchers run the reference."""
+    code = (
+        "import sys, torch; sys.modules['triton'] = None\n"
+        "from trace_replay._triton import HAS_TRITON\n"
+        "from trace_replay.kernels import apply_trace_tokens\n"
+        "i32 = lambda *v: torch.tensor(v, dtype=torch.int32)\n"
+        "sampled = torch.zeros(1, dtype=torch.int64)\n"
+        "apply_trace_tokens(sampled, i32(0), i32(4, 5).view(1, 2), i32(2), i32(1), i32(0))\n"
+        "assert not HAS_TRITON and sampled.tolist() == [5]\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -129,7 +147,8 @@ def test_use_triton_is_false_for_cpu_tensors_without_interpreter(monkeypatch):
 @SETTINGS
 @given(case=replay_cases())
 def test_apply_trace_tokens_matches_reference_and_oracle(device, layout, case):
-    """Kernel == reference == loop oracle: row b gets trace[r][step] iff r >= 0 and step is in range."""
+    """Kernel == reference == loop oracle: row b gets trace[r][step] iff r >= 0 and
+    0 <= step < trace_len[r]; other rows and the other column stay untouched."""
     trace_ids, offsets = build_traces(
         case["traces"], layout, case["trace_dtype"], device, case["seed"]
     )
@@ -191,7 +210,8 @@ def test_verified_matches_reference_and_oracle(device, layout, case):
         case["traces"], layout, case["trace_dtype"], device, case["seed"]
     )
     batch, width = len(case["idx_mapping"]), case["k"] + 1
-    wide = -torch.arange(batch * (width + 3), dtype=torch.int64, device=device).view(batch, width + 3)
+    wide = torch.arange(batch * (width + 3), dtype=torch.int64, device=device)
+    wide = -wide.view(batch, width + 3)
     num_sampled = int32([7] * batch, device)
     drafts = torch.tensor(case["drafts"], dtype=case["draft_dtype"], device=device)
     args = (
@@ -307,6 +327,6 @@ def test_empty_batch_is_a_no_op(device):
 def test_trace_with_strided_columns_is_rejected():
     """The kernels index trace tokens contiguously, so a strided last dimension is refused."""
     traces = torch.zeros(2, 8, dtype=torch.int32)[:, ::2]
-    lens = int32([4, 4], "cpu")
+    lens, sampled = int32([4, 4], "cpu"), torch.zeros(1, dtype=torch.int64)
     with pytest.raises(ValueError, match="unit stride"):
-        apply_trace_tokens(torch.zeros(1, dtype=torch.int64), int32([0], "cpu"), traces, lens, lens, lens)
+        apply_trace_tokens(sampled, int32([0], "cpu"), traces, lens, lens, lens)

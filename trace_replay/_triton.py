@@ -28,6 +28,9 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 
 __all__ = ["HAS_TRITON", "triton", "tl", "use_triton"]
 
+# read once, as triton.jit does when it decorates a kernel: setting it later changes neither
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
 
 def use_triton(*tensors: torch.Tensor | None) -> bool:
     """Whether a launcher should run its Triton kernel on these tensors.
@@ -41,12 +44,11 @@ def use_triton(*tensors: torch.Tensor | None) -> bool:
     -------
     bool
         True when Triton is importable and either every tensor is on CUDA or
-        ``TRITON_INTERPRET=1`` (the interpreter runs the real kernels on CPU tensors).
-        The variable must be set before Triton is imported: ``triton.jit`` reads it when
-        the kernel is decorated.
+        ``TRITON_INTERPRET=1`` was set before this module was imported (the interpreter
+        runs the real kernels on CPU tensors).
     """
     if not HAS_TRITON:
         return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if _INTERPRET:
         return True
     return all(t.is_cuda for t in tensors if t is not None)
