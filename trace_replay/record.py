@@ -18,7 +18,8 @@ def _prompt_records(prompts) -> list[dict]:
             records.append({"id": f"p{i}", "prompt": prompt})
         elif isinstance(prompt, Trace):
             records.append({"id": prompt.id, "prompt": prompt.prompt,
-                            "prompt_token_ids": prompt.prompt_token_ids, "meta": prompt.meta})
+                            "prompt_token_ids": prompt.prompt_token_ids,
+                            "meta": dict(prompt.meta)})
         elif isinstance(prompt, dict):
             records.append({"id": str(prompt.get("id", f"p{i}")), **prompt})
         else:
@@ -57,13 +58,13 @@ def record(prompts: Iterable, model=None, *, engine="vllm", max_tokens: int,
         emitted token under the generating engine) and generation settings in ``meta``.
     """
     tokenizer = load_tokenizer(model)
-    traces = TraceSet(Trace(**{k: v for k, v in r.items()
-                               if k in ("id", "prompt", "prompt_token_ids", "meta")})
-                      for r in _prompt_records(prompts))
+    records = _prompt_records(prompts)
     prompt_ids = []
-    for trace in traces:
-        ids = trace.prompt_token_ids or tokenizer.encode(trace.prompt, add_special_tokens=True)
-        prompt_ids.append(list(ids))
+    for i, r in enumerate(records):
+        if r.get("prompt_token_ids") is None and not isinstance(r.get("prompt"), str):
+            raise ValueError(f"prompt {i} ({r['id']!r}): needs 'prompt' text or 'prompt_token_ids'")
+        ids = r.get("prompt_token_ids") or tokenizer.encode(r["prompt"], add_special_tokens=True)
+        prompt_ids.append([int(t) for t in ids])
     if isinstance(engine, str):
         if engine not in ("vllm", "torch"):
             raise ValueError(f"record runs on 'vllm' or 'torch', not {engine!r}")
@@ -76,9 +77,9 @@ def record(prompts: Iterable, model=None, *, engine="vllm", max_tokens: int,
                 "engine_path": engine.info()["engine_path"], "temperature": temperature,
                 "seed": seed, "max_tokens": max_tokens}
     out = []
-    for trace, ids, (tokens, logprobs) in zip(traces, prompt_ids, generated):
-        out.append(Trace(id=trace.id, prompt=trace.prompt, prompt_token_ids=tuple(ids),
+    for r, ids, (tokens, logprobs) in zip(records, prompt_ids, generated):
+        out.append(Trace(id=r["id"], prompt=r.get("prompt"), prompt_token_ids=tuple(ids),
                          completion=tokenizer.decode(tokens), trace_token_ids=tuple(tokens),
                          ref_logprobs=tuple(logprobs),
-                         meta={**trace.meta, "recorded_with": settings}))
+                         meta={**(r.get("meta") or {}), "recorded_with": settings}))
     return TraceSet(out, source=f"record({settings['engine_path']})")
