@@ -5,6 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
+import torch
+
+# One intra-op thread: on a 2-core machine any other busy process (a vLLM engine core, a
+# notebook kernel) makes two OpenMP threads spin against each other, measured here as 30x
+# slower small matmuls; one thread keeps the suite's run time predictable.
+torch.set_num_threads(1)
 
 # --- synthetic replay frames (analysis, plots, tokens_html, explorer, report) ---------------
 

@@ -19,6 +19,7 @@ import torch
 
 from trace_replay.engines.base import ReplayRequest, TraceResult, collect_rows, score_tokens
 from trace_replay.engines.drafts import ngram_drafts, parse_speculative
+from trace_replay.engines.hf_backend import HFBackend
 from trace_replay.models import load_model, resolve_dtype
 from trace_replay.state import RequestState, TraceReplayState
 
@@ -41,12 +42,15 @@ class TorchEngine:
         Alternatives recorded per step.
     speculative
         ``None``, or ``{"method": "trace" | "ngram", "num_tokens": k}``.
+    backend
+        The forward pass: ``"hf"`` (the transformers model with a growing cache, any
+        architecture).
     """
 
     name = "torch"
 
     def __init__(self, model=None, *, dtype=None, device=None, batch_size=None, top_k=5,
-                 speculative=None):
+                 speculative=None, backend: str = "hf"):
         if isinstance(model, torch.nn.Module):
             self.lm = model.eval()
         else:
@@ -59,19 +63,22 @@ class TorchEngine:
         self.max_model_len = getattr(self.lm.config, "max_position_embeddings", None)
         pad = self.lm.config.pad_token_id
         self.pad_id = 0 if pad is None else int(pad)
+        if backend != "hf":
+            raise ValueError(f"unknown torch engine backend {backend!r}")
+        self.backend = HFBackend(self.lm, self.pad_id)
         self.req_states = RequestState(self.batch_size, self.device)
         self.trace_state = TraceReplayState(self.req_states)
         self._slots_in_use = 0
         self.drafted = 0
         self.accepted = 0
-        self.forwards = 0
 
     def info(self) -> dict:
-        info = {"engine_path": "torch-decode", "dtype": str(self.dtype).replace("torch.", ""),
+        info = {"engine_path": f"torch-decode[{self.backend.name}]",
+                "dtype": str(self.dtype).replace("torch.", ""),
                 "device": str(self.device), "batch_size": self.batch_size}
         if self.speculative is not None:
             method, k = self.speculative
-            info["engine_path"] = f"torch-decode+verify({method}, k={k})"
+            info["engine_path"] += f"+verify({method}, k={k})"
             info["speculative"] = {"method": method, "num_tokens": k}
             info["acceptance_rate"] = self.accepted / self.drafted if self.drafted else float("nan")
         return info
@@ -103,7 +110,7 @@ class TorchEngine:
             wave = [ReplayRequest(str(i), tuple(p), ()) for i, p in
                     enumerate(prompts[start:start + self.batch_size])]
             idx_mapping = self._admit(wave)
-            logits, cache, mask = self._prefill(wave)
+            logits = self.backend.prefill([r.prompt_token_ids for r in wave], max_tokens)
             tokens, logprobs = [], []
             finished = torch.zeros(len(wave), dtype=torch.bool, device=self.device)
             for step in range(max_tokens):
@@ -118,11 +125,9 @@ class TorchEngine:
                     finished |= sampled == eos_token_id
                 if step == max_tokens - 1 or (step % 16 == 15 and bool(finished.all())):
                     break
-                mask = torch.cat([mask, mask.new_ones((len(wave), 1))], dim=1)
                 self.req_states.total_len[idx_mapping] += 1
                 positions = (self.req_states.total_len[idx_mapping] - 1).long()[:, None]
-                logits, cache = self._forward(sampled[:, None], positions, mask, cache)
-                logits = logits[:, -1]
+                logits = self.backend.decode(sampled[:, None], positions)[:, -1]
             ids = torch.stack(tokens, 1).cpu().tolist()
             lps = torch.stack(logprobs, 1).double().cpu().tolist()
             for row_ids, row_lps in zip(ids, lps):
@@ -143,33 +148,14 @@ class TorchEngine:
         self.req_states.total_len[: len(wave)] = prompt_len.to(self.device)
         return torch.arange(len(wave), device=self.device)
 
-    def _prefill(self, wave: Sequence[ReplayRequest]):
-        width = max(r.prompt_len for r in wave)
-        input_ids = torch.full((len(wave), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(wave), width), dtype=torch.long)
-        for row, request in enumerate(wave):
-            input_ids[row, width - request.prompt_len:] = torch.tensor(request.prompt_token_ids)
-            mask[row, width - request.prompt_len:] = 1
-        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(1) - 1).clamp(min=0)
-        out = self.lm(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                      use_cache=True)
-        self.forwards += 1
-        return out.logits[:, -1], out.past_key_values, mask
-
-    def _forward(self, tokens, positions, mask, cache):
-        out = self.lm(input_ids=tokens, attention_mask=mask, position_ids=positions,
-                      past_key_values=cache, use_cache=True)
-        self.forwards += 1
-        return out.logits, out.past_key_values
-
     def _run_wave(self, wave: Sequence[ReplayRequest]) -> list[TraceResult]:
         idx_mapping = self._admit(wave)
-        logits, cache, mask = self._prefill(wave)
+        longest = max(r.trace_len for r in wave)
+        logits = self.backend.prefill([r.prompt_token_ids for r in wave], longest)
         if self.speculative is None:
-            steps = self._decode(wave, idx_mapping, logits, cache, mask)
+            steps = self._decode(wave, idx_mapping, logits)
         else:
-            steps = self._decode_verified(wave, idx_mapping, logits, cache, mask)
+            steps = self._decode_verified(wave, idx_mapping, logits)
         return self._to_results(wave, steps)
 
     def _step(self, logits, idx_mapping):
@@ -178,7 +164,7 @@ class TorchEngine:
         self.req_states.total_len[idx_mapping] += 1
         return sampled, score_tokens(logits, sampled, self.top_k)
 
-    def _decode(self, wave, idx_mapping, logits, cache, mask):
+    def _decode(self, wave, idx_mapping, logits):
         num_steps = max(r.trace_len for r in wave)
         steps = []
         for step in range(num_steps):
@@ -188,13 +174,11 @@ class TorchEngine:
             if step == num_steps - 1:
                 break
             # feed the forced token at its position (total_len - 1)
-            mask = torch.cat([mask, mask.new_ones((len(wave), 1))], dim=1)
             positions = (self.req_states.total_len[idx_mapping] - 1).long()[:, None]
-            logits, cache = self._forward(sampled[:, None], positions, mask, cache)
-            logits = logits[:, -1]
+            logits = self.backend.decode(sampled[:, None], positions)[:, -1]
         return steps, torch.ones((len(steps), len(wave)), dtype=torch.int32)
 
-    def _decode_verified(self, wave, idx_mapping, logits, cache, mask):
+    def _decode_verified(self, wave, idx_mapping, logits):
         method, k = self.speculative
         batch = len(wave)
         trace_len = torch.tensor([r.trace_len for r in wave], device=self.device)
@@ -215,9 +199,8 @@ class TorchEngine:
             else:
                 drafts = ngram_drafts(context, total_len, k)
             fed = torch.cat([last[:, None], drafts], dim=1)  # [B, k+1]
-            mask = torch.cat([mask, mask.new_ones((batch, k + 1))], dim=1)
             positions = total_len[:, None] - 1 + offsets
-            logits, cache = self._forward(fed, positions, mask, cache)
+            logits = self.backend.decode(fed, positions)
             verified = logits.argmax(dim=-1)  # [B, k+1]
             num_sampled = torch.zeros(batch, dtype=torch.int32, device=self.device)
             # the draft checked by logits row j is fed.flatten()[j + 1]
@@ -225,7 +208,7 @@ class TorchEngine:
                 verified, num_sampled, fed.flatten(), cu_num_logits, idx_mapping)
             self.req_states.total_len[idx_mapping] += num_sampled
             keep = offsets[None, :] < num_sampled[:, None]
-            mask[:, -(k + 1):] = keep.long()  # rejected drafts never attended again
+            self.backend.keep(keep)  # rejected drafts never attended again
             scores = score_tokens(logits.flatten(0, 1), verified.flatten(), self.top_k)
             steps.append((scores, verified.flatten()))
             counts.append(num_sampled)

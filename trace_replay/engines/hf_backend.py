@@ -1,0 +1,59 @@
+"""The forward pass of the built-in engine: a transformers model with a growing KV cache.
+
+A backend holds one wave's KV cache and answers three calls: ``prefill`` (left-padded
+prompts → next-token logits), ``decode`` (q new tokens per row at given positions → logits
+for each) and ``keep`` (which of the last decoded tokens stay in context). Rows of a wave
+advance by different amounts in the verify path; a dropped token stays in the cache but is
+masked out of attention for every later step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["HFBackend"]
+
+
+class HFBackend:
+    """Any transformers causal LM: ``DynamicCache`` and a 2-D key mask per row."""
+
+    name = "hf"
+
+    def __init__(self, lm, pad_id: int) -> None:
+        self.lm = lm
+        self.pad_id = pad_id
+        self.device = next(lm.parameters()).device
+        self.forwards = 0
+        self._cache = None
+        self._mask = None
+
+    def prefill(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> torch.Tensor:
+        """Start a wave: left-pad ``prompts``, run them, return ``[B, V]`` next-token logits."""
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        out = self.lm(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                      use_cache=True)
+        self.forwards += 1
+        self._cache, self._mask = out.past_key_values, mask
+        return out.logits[:, -1]
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Feed ``tokens`` ``[B, q]`` at ``positions`` ``[B, q]``; return ``[B, q, V]`` logits."""
+        self._mask = torch.cat([self._mask, self._mask.new_ones(tokens.shape)], dim=1)
+        out = self.lm(input_ids=tokens, attention_mask=self._mask, position_ids=positions,
+                      past_key_values=self._cache, use_cache=True)
+        self.forwards += 1
+        self._cache = out.past_key_values
+        return out.logits
+
+    def keep(self, keep: torch.Tensor) -> None:
+        """``keep`` ``[B, q]`` bool: which tokens of the last ``decode`` stay in context."""
+        self._mask[:, -keep.shape[1]:] = keep.to(self._mask.dtype)
