@@ -59,10 +59,13 @@ class PrefillEngine:
             rows += [row] * r.trace_len
             cols += range(r.prompt_len - 1, r.prompt_len - 1 + r.trace_len)
             targets += r.trace_token_ids
-        logits = self.lm(input_ids=input_ids.to(self.device),
-                         attention_mask=mask.to(self.device)).logits
+        # the lm_head only runs where a trace token is scored (prompts can be long)
+        first = min(cols)
+        keep = torch.arange(first, max(cols) + 1, device=self.device)
+        logits = self.lm(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
+                         logits_to_keep=keep).logits
         rows_t = torch.tensor(rows, device=self.device)
-        cols_t = torch.tensor(cols, device=self.device)
+        cols_t = torch.tensor(cols, device=self.device) - first
         targets_t = torch.tensor(targets, device=self.device)
         host = collect_rows(score_tokens(logits[rows_t, cols_t], targets_t, self.top_k), targets_t)
         results, start = [], 0
