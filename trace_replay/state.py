@@ -165,24 +165,6 @@ class TraceReplayState:
         self._num_held += num_new
         self._num_used = append_at + num_new
 
-    def peek(self, idx_mapping: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """Each row's trace tokens from its current step on, as draft proposals.
-
-        Returns ``[len(idx_mapping), num_tokens]`` int64; positions past the trace's end (and
-        rows with ``idx_mapping < 0``) hold 0. A gather on the ragged storage: no host sync.
-        """
-        rows = idx_mapping.long()
-        out = torch.zeros((len(rows), num_tokens), dtype=torch.int64, device=self.device)
-        if self.trace_token_ids.numel() == 0 or len(rows) == 0:
-            return out
-        safe = rows.clamp(min=0)
-        step = (self.req_states.total_len[safe] - self.req_states.prompt_len[safe]).long()
-        pos = step[:, None] + torch.arange(num_tokens, device=self.device)
-        valid = (rows[:, None] >= 0) & (pos >= 0) & (pos < self.trace_len[safe][:, None])
-        flat = (self.trace_offsets[safe][:, None] + pos.clamp(min=0)).clamp(
-            max=self.trace_token_ids.numel() - 1)
-        return torch.where(valid, self.trace_token_ids[flat].long(), out)
-
     def apply_trace(self, sampled: torch.Tensor, idx_mapping: torch.Tensor) -> None:
         """Force ``sampled`` to each request's trace token; see :func:`apply_trace_tokens`."""
         if self._num_traced == 0:

@@ -20,10 +20,13 @@ import torch
 from trace_replay.engines.base import ReplayRequest, TraceResult, collect_rows, score_tokens
 from trace_replay.engines.drafts import ngram_drafts, parse_speculative
 from trace_replay.engines.hf_backend import HFBackend
+from trace_replay.engines.static_backend import StaticLlamaBackend, supports
 from trace_replay.models import load_model, resolve_dtype
 from trace_replay.state import RequestState, TraceReplayState
 
-__all__ = ["TorchEngine"]
+__all__ = ["BACKENDS", "TorchEngine"]
+
+BACKENDS = ("auto", "hf", "static")
 
 
 class TorchEngine:
@@ -44,13 +47,14 @@ class TorchEngine:
         ``None``, or ``{"method": "trace" | "ngram", "num_tokens": k}``.
     backend
         The forward pass: ``"hf"`` (the transformers model with a growing cache, any
-        architecture).
+        architecture), ``"static"`` (static KV cache, CUDA graphs on GPU; Llama-family
+        models) or ``"auto"`` (static on CUDA when the model is supported, else hf).
     """
 
     name = "torch"
 
     def __init__(self, model=None, *, dtype=None, device=None, batch_size=None, top_k=5,
-                 speculative=None, backend: str = "hf"):
+                 speculative=None, backend: str = "auto"):
         if isinstance(model, torch.nn.Module):
             self.lm = model.eval()
         else:
@@ -63,14 +67,23 @@ class TorchEngine:
         self.max_model_len = getattr(self.lm.config, "max_position_embeddings", None)
         pad = self.lm.config.pad_token_id
         self.pad_id = 0 if pad is None else int(pad)
-        if backend != "hf":
-            raise ValueError(f"unknown torch engine backend {backend!r}")
-        self.backend = HFBackend(self.lm, self.pad_id)
+        self.backend = self._make_backend(backend)
         self.req_states = RequestState(self.batch_size, self.device)
         self.trace_state = TraceReplayState(self.req_states)
         self._slots_in_use = 0
         self.drafted = 0
         self.accepted = 0
+
+    def _make_backend(self, backend: str):
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown torch engine backend {backend!r}; choose one of "
+                             f"{', '.join(BACKENDS)}")
+        if backend == "auto":
+            backend = "static" if self.device.type == "cuda" and supports(self.lm) else "hf"
+        if backend == "hf":
+            return HFBackend(self.lm, self.pad_id)
+        max_query_len = 1 if self.speculative is None else self.speculative[1] + 1
+        return StaticLlamaBackend(self.lm, self.pad_id, max_query_len=max_query_len)
 
     def info(self) -> dict:
         info = {"engine_path": f"torch-decode[{self.backend.name}]",
