@@ -55,8 +55,8 @@ def _as_comparison(df: pd.DataFrame, other: pd.DataFrame | None) -> pd.DataFrame
         return compare(df, other, labels=names if names[0] != names[1] else ("run", "other"))
     if _is_comparison(df):
         return df
-    if "ref_logprob" in df.columns:
-        return compare(df, "ref")
+    if "ref_logprob" in df.columns and df["ref_logprob"].notna().any():
+        return compare(df.dropna(subset=["ref_logprob"]), "ref")
     return None
 
 

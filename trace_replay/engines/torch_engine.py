@@ -202,7 +202,9 @@ class TorchEngine:
         last = sampled
         cu_num_logits = torch.arange(batch + 1, device=self.device, dtype=torch.int32) * (k + 1)
         offsets = torch.arange(k + 1, device=self.device)
-        remaining = max(r.trace_len for r in wave) - 1
+        # trace drafts are always accepted: every forward commits k + 1 tokens per row
+        left = max(r.trace_len for r in wave) - 1
+        remaining = -(-left // (k + 1)) if method == "trace" else left
         drafted = accepted = torch.zeros((), dtype=torch.long, device=self.device)
         while remaining > 0:
             total_len = self.req_states.total_len[idx_mapping].long()
@@ -233,7 +235,8 @@ class TorchEngine:
             context.scatter_(1, torch.where(keep, total_len[:, None] + offsets,
                                             context.shape[1] - 1), verified)
             remaining -= 1
-            if remaining % 8 == 0 or remaining == 0:
+            if method != "trace":
+                # acceptance is data-dependent: one host read per forward (not per token)
                 remaining = int((trace_len - (self.req_states.total_len[idx_mapping]
                                  - self.req_states.prompt_len[idx_mapping])).max().item())
         self.drafted += int(drafted)
