@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from trace_replay._io import write_atomic
+
 __all__ = ["Checkpoint"]
 
 
@@ -36,7 +38,7 @@ class Checkpoint:
                 raise ValueError(f"checkpoint {self.path} was written with other settings "
                                  f"({', '.join(changed)}); use a new folder")
         else:
-            self._atomic(settings_file, lambda p: p.write_text(json.dumps(settings, indent=1)))
+            write_atomic(settings_file, lambda p: p.write_text(json.dumps(settings, indent=1)))
 
     def parts(self) -> list[Path]:
         return sorted(self.path.glob("part-*.parquet"))
@@ -60,13 +62,4 @@ class Checkpoint:
         if frame.empty:
             return
         name = f"part-{len(self.parts()):06d}-{uuid.uuid4().hex[:8]}.parquet"
-        self._atomic(self.path / name, lambda p: frame.to_parquet(p, index=False))
-
-    @staticmethod
-    def _atomic(target: Path, write) -> None:
-        tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
-        try:
-            write(tmp)
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_atomic(self.path / name, lambda p: frame.to_parquet(p, index=False))

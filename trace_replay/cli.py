@@ -38,11 +38,10 @@ def _speculative(text: str) -> dict:
 
 
 def _write_frame(df, out: str) -> None:
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    df.to_parquet(tmp, index=False)
-    tmp.replace(path)
+    from trace_replay._io import write_atomic
+
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out, lambda tmp: df.to_parquet(tmp, index=False))
 
 
 def _cmd_replay(args) -> None:

@@ -9,11 +9,12 @@ import json
 import numbers
 import os
 import sys
-import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NoReturn
+
+from trace_replay._io import write_atomic
 
 if TYPE_CHECKING:
     import pandas
@@ -252,7 +253,7 @@ class TraceSet(collections.abc.Sequence):
                 for trace in self:
                     file.write(json.dumps(_record(trace), ensure_ascii=False) + "\n")
 
-        _write_atomic(path, write)
+        write_atomic(path, write)
 
     def to_parquet(self, path: str | os.PathLike) -> None:
         """Write a Parquet file: list columns for ids and logprobs, ``meta`` as a JSON string."""
@@ -267,7 +268,7 @@ class TraceSet(collections.abc.Sequence):
         ])
         rows = [{**_record(trace), "meta": json.dumps(trace.meta)} for trace in self]
         table = pa.Table.from_pylist(rows, schema=schema)
-        _write_atomic(path, lambda temporary: pq.write_table(table, temporary))
+        write_atomic(path, lambda temporary: pq.write_table(table, temporary))
 
     def to_pandas(self) -> pandas.DataFrame:
         """Return one row per trace: the record fields plus ``n_prompt_tokens``/``n_trace_tokens``.
@@ -483,14 +484,3 @@ def _open_text(path: str | os.PathLike, mode: str, *, gzipped: bool) -> IO[str]:
     if gzipped:
         return gzip.open(path, mode + "t", encoding="utf-8")
     return open(path, mode, encoding="utf-8")
-
-
-def _write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
-    """Write through a temporary file in the same directory, so readers never see a partial file."""
-    path = Path(path)
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        write(temporary)
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)

@@ -60,6 +60,8 @@ class TraceForcingProcessor(LogitsProcessor):
         self.outputs: list = [_NO_OUTPUT] * max_num_reqs
         self.prompt_lens = [0] * max_num_reqs
         self.num_traced = 0
+        self._rows = torch.arange(max_num_reqs, device=device)  # idx_mapping: row b is slot b
+        self._vocab = None  # arange over the vocabulary, made at the first step
 
     @classmethod
     def validate_params(cls, params: SamplingParams) -> None:
@@ -108,9 +110,10 @@ class TraceForcingProcessor(LogitsProcessor):
         self.req_states.total_len[:rows] = self.req_states.prompt_len[:rows] + committed.to(
             self.device, non_blocking=True)
         forced = torch.full((rows,), -1, dtype=torch.int64, device=logits.device)
-        self.trace_state.apply_trace(forced, torch.arange(rows, device=logits.device))
-        vocab = torch.arange(logits.shape[1], device=logits.device)
-        drop = (forced[:, None] >= 0) & (vocab[None, :] != forced[:, None])
+        self.trace_state.apply_trace(forced, self._rows[:rows])
+        if self._vocab is None or len(self._vocab) != logits.shape[1]:
+            self._vocab = torch.arange(logits.shape[1], device=logits.device)
+        drop = (forced[:, None] >= 0) & (self._vocab[None, :] != forced[:, None])
         return logits.masked_fill_(drop, float("-inf"))
 
 
