@@ -11,6 +11,7 @@ draft that agrees with the trace.
 import torch
 
 from trace_replay._triton import tl, triton, use_triton
+from trace_replay.kernels._position import trace_position
 
 __all__ = ["apply_trace_tokens_to_verified", "apply_trace_tokens_to_verified_reference"]
 
@@ -35,18 +36,12 @@ def _verified_kernel(
     BLOCK_SIZE: tl.constexpr,  # next power of 2 >= num_cols
 ):
     batch_idx = tl.program_id(0)
-    req_idx = tl.load(idx_mapping_ptr + batch_idx)
-    if req_idx < 0:
+    active, step, trace_len, start = trace_position(
+        batch_idx, idx_mapping_ptr, trace_row_stride, trace_offsets_ptr, trace_len_ptr,
+        total_len_ptr, prompt_len_ptr, RAGGED,
+    )
+    if not active:
         return
-    trace_len = tl.load(trace_len_ptr + req_idx)
-    step = tl.load(total_len_ptr + req_idx) - tl.load(prompt_len_ptr + req_idx)
-    # step >= trace_len also skips requests without a trace (trace_len <= 0)
-    if (step < 0) | (step >= trace_len):
-        return
-    if RAGGED:
-        start = tl.load(trace_offsets_ptr + req_idx)
-    else:
-        start = req_idx.to(tl.int64) * trace_row_stride
     first_logit = tl.load(cu_num_logits_ptr + batch_idx)
     num_logits = tl.load(cu_num_logits_ptr + batch_idx + 1) - first_logit
 
