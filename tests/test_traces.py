@@ -463,3 +463,41 @@ def test_completion_that_tokenizes_to_nothing_is_an_error():
 
     with pytest.raises(TraceError, match=r"^<list> row 0: trace 'e': completion tokenizes to no"):
         load_traces([{"id": "e", "prompt": "p", "completion": "c"}], tokenizer=EmptyTokenizer())
+
+
+# --- truncate ----------------------------------------------------------------------------
+
+
+def test_truncate_cuts_ids_and_ref_logprobs_together():
+    """A longer trace keeps its first max_tokens ids and as many ref_logprobs; shorter ones and
+    the prompts are unchanged; order and ids are kept."""
+    cut = EXPECTED.exclude("he/1").truncate(2)
+    assert cut.ids == ["he/0", "7"]
+    assert cut[0] == EXPECTED[0]  # exactly 2 tokens: untouched
+    assert cut[1].trace_token_ids == (10, 11) and cut[1].prompt_token_ids == (9,)
+    many = load_traces([{**GOOD, "trace_token_ids": [5, 6, 7], "ref_logprobs": [-1, -2, -3]}])
+    assert many.truncate(1)[0].ref_logprobs == (-1.0,)
+
+
+def test_truncate_drops_the_completion_text_it_no_longer_matches(tokenizer):
+    """A cut trace loses its completion text (the ids win); an uncut one keeps it."""
+    traces = load_traces([{"id": "t", "prompt": "Hi", "completion": " one two three four"}],
+                         tokenizer=tokenizer)
+    n_tokens = len(traces[0].trace_token_ids)
+    assert traces.truncate(n_tokens)[0].completion == " one two three four"
+    assert traces.truncate(n_tokens - 1)[0].completion is None
+
+
+def test_truncate_text_only_trace_says_to_tokenize_first(tmp_path):
+    """Token counts of text depend on the model: the error names the trace, its line, and the fix."""
+    path = write_jsonl(tmp_path / "x.jsonl", [GOOD, RECORDS[1]])
+    with pytest.raises(TraceError, match=r"^.*x\.jsonl:2: trace 'he/1': has no trace_token_ids "
+                                         r"to truncate.*tokenize\(tokenizer\)\.truncate"):
+        load_traces(path).truncate(4)
+
+
+@pytest.mark.parametrize("max_tokens", [0, -1, 1.5, True])
+def test_truncate_rejects_a_bad_length(max_tokens):
+    """max_tokens is an integer >= 1 (0 would leave an empty, unreplayable trace)."""
+    with pytest.raises(ValueError, match="max_tokens"):
+        EXPECTED.truncate(max_tokens)

@@ -15,6 +15,9 @@ _EXPORTS = {
     "TraceSet": "trace_replay.traces",
     "TraceError": "trace_replay.traces",
     "load_traces": "trace_replay.traces",
+    "load_model": "trace_replay.models",
+    "load_tokenizer": "trace_replay.models",
+    "make_engine": "trace_replay.engines",
     "RequestState": "trace_replay.state",
     "TraceReplayState": "trace_replay.state",
     "replay": "trace_replay.replay",
@@ -23,6 +26,7 @@ _EXPORTS = {
     "summarize": "trace_replay.analysis",
     "dataset_summary": "trace_replay.analysis",
     "trace_summary": "trace_replay.analysis",
+    "engine_table": "trace_replay.analysis",
     "plot_trace": "trace_replay.plots",
     "plot_divergence_heatmap": "trace_replay.plots",
     "plot_delta_hist": "trace_replay.plots",
@@ -34,14 +38,19 @@ _EXPORTS = {
     "write_report": "trace_replay.report",
 }
 
-__all__ = ["__version__", *_EXPORTS]
+# subpackages reached as attributes, e.g. ``tr.datasets.load(...)``
+_SUBMODULES = ("datasets",)
+
+__all__ = ["__version__", *_EXPORTS, *_SUBMODULES]
 
 
 def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
+    if name in _SUBMODULES:
+        value = importlib.import_module(f"trace_replay.{name}")
+    elif name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    else:
         raise AttributeError(f"module 'trace_replay' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 

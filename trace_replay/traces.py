@@ -289,6 +289,49 @@ class TraceSet(collections.abc.Sequence):
         frame.attrs["source"] = self.source
         return frame
 
+    def truncate(self, max_tokens: int) -> TraceSet:
+        """Return a copy whose every trace has at most ``max_tokens`` trace tokens.
+
+        A longer trace keeps its first ``max_tokens`` token ids and as many ``ref_logprobs``;
+        its ``completion`` text is dropped, since it would no longer match the ids. Shorter
+        traces are kept as they are.
+
+        Parameters
+        ----------
+        max_tokens : int
+            Trace tokens kept per trace, at least 1.
+
+        Raises
+        ------
+        TraceError
+            If a trace has no ``trace_token_ids`` yet (text only): token counts depend on the
+            model, so tokenize first, ``traces.tokenize(tokenizer).truncate(max_tokens)``.
+
+        Examples
+        --------
+        >>> traces = load_traces([{"id": "a", "prompt_token_ids": [1], "trace_token_ids": [5, 6, 7],
+        ...                        "ref_logprobs": [-0.1, -0.2, -0.3]}])
+        >>> cut = traces.truncate(2)[0]
+        >>> cut.trace_token_ids, cut.ref_logprobs
+        ((5, 6), (-0.1, -0.2))
+        """
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        traces = []
+        for trace in self:
+            if trace.trace_token_ids is None:
+                raise TraceError("has no trace_token_ids to truncate: token counts depend on "
+                                 "the model, so tokenize first "
+                                 "(traces.tokenize(tokenizer).truncate(max_tokens))",
+                                 trace_id=trace.id, location=self._locations[trace.id])
+            if len(trace.trace_token_ids) > max_tokens:
+                ref = trace.ref_logprobs
+                trace = replace(trace, completion=None,
+                                trace_token_ids=trace.trace_token_ids[:max_tokens],
+                                ref_logprobs=None if ref is None else ref[:max_tokens])
+            traces.append(trace)
+        return self._derive(traces)
+
     def _derive(self, traces: Iterable[Trace]) -> TraceSet:
         derived = TraceSet(traces, source=self.source)
         derived._locations = self._locations  # read-only, and covers every id of a derived set
