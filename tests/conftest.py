@@ -1,16 +1,37 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and the settings every test module runs under."""
 
 from __future__ import annotations
 
-import numpy as np
-import pandas as pd
-import pytest
+import os
+import sys
+
 import torch
+
+# Before anything imports triton: trace_replay._triton reads it once, and triton.jit when it
+# decorates a kernel. Without CUDA the interpreter runs the real kernels on CPU tensors (the
+# launchers take the kernel path, not the torch reference); with CUDA they compile.
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
+
+import matplotlib  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import pytest  # noqa: E402
+
+matplotlib.use("Agg")  # tests draw into files and buffers; no window is ever opened
 
 # One intra-op thread: on a 2-core machine any other busy process (a vLLM engine core, a
 # notebook kernel) makes two OpenMP threads spin against each other, measured here as 30x
 # slower small matmuls; one thread keeps the suite's run time predictable.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    """Close every matplotlib figure a test opened, so figures never pile up across tests."""
+    yield
+    if "matplotlib.pyplot" in sys.modules:  # a test that never plots does not import it
+        sys.modules["matplotlib.pyplot"].close("all")
+
 
 # --- synthetic replay frames (analysis, plots, tokens_html, explorer, report) ---------------
 
@@ -137,17 +158,27 @@ def reference64(lm, real_traces):
     return out
 
 
-def assert_matches_reference(df, reference64, tol=2e-3, tie=1e-4):
-    """Per token |Δlogprob| <= tol against float64, and rank equal up to near-ties."""
-    worst = 0.0
-    for trace_id, group in df.groupby("trace_id", sort=False):
-        ref = reference64[trace_id]
-        assert len(group) == len(ref), trace_id
-        for row, lp64 in zip(group.itertuples(), ref):
-            target = lp64[row.token_id]
-            worst = max(worst, abs(row.logprob - target))
-            lo = 1 + int((lp64 > target + tie).sum())
-            hi = 1 + int((lp64 > target - tie).sum())
-            assert lo <= row.rank <= hi, (trace_id, row.step, row.rank, lo, hi)
-    assert worst <= tol, worst
-    return worst
+@pytest.fixture(scope="session")
+def assert_matches_reference(reference64):
+    """``assert_matches_reference(df, tol=2e-3, tie=1e-4)`` checks a replay of ``real_traces``.
+
+    Per token, |Δlogprob| <= tol against the float64 reference, and rank equal to the
+    reference's up to near-ties (tokens within ``tie`` of the trace token may rank either
+    way). Returns the worst |Δlogprob|.
+    """
+
+    def check(df: pd.DataFrame, tol: float = 2e-3, tie: float = 1e-4) -> float:
+        worst = 0.0
+        for trace_id, group in df.groupby("trace_id", sort=False):
+            ref = reference64[trace_id]
+            assert len(group) == len(ref), trace_id
+            for row, lp64 in zip(group.itertuples(), ref):
+                target = lp64[row.token_id]
+                worst = max(worst, abs(row.logprob - target))
+                lo = 1 + int((lp64 > target + tie).sum())
+                hi = 1 + int((lp64 > target - tie).sum())
+                assert lo <= row.rank <= hi, (trace_id, row.step, row.rank, lo, hi)
+        assert worst <= tol, worst
+        return worst
+
+    return check

@@ -5,23 +5,12 @@ from __future__ import annotations
 import re
 import sys
 
-import matplotlib
-
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402
-import pytest  # noqa: E402
+import pytest
 
 widgets = pytest.importorskip("ipywidgets", reason="explorer tests need ipywidgets")
 
 from trace_replay.analysis import compare  # noqa: E402
 from trace_replay.explorer import explore  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _close_figures():
-    yield
-    plt.close("all")
 
 
 @pytest.fixture

@@ -4,19 +4,14 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-# Before triton is imported: triton.jit reads it when a kernel is decorated. Without CUDA the
-# interpreter runs the real kernels on CPU tensors; with CUDA they compile unless it is set.
-os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
-
-import pytest  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-import trace_replay._triton  # noqa: E402
-from trace_replay._triton import HAS_TRITON, use_triton  # noqa: E402
-from trace_replay.kernels import (  # noqa: E402
+import trace_replay._triton
+from trace_replay._triton import HAS_TRITON, use_triton
+from trace_replay.kernels import (
     apply_trace_tokens,
     apply_trace_tokens_reference,
     apply_trace_tokens_to_verified,

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
+from matplotlib.colors import LogNorm, SymLogNorm
+from matplotlib.container import BarContainer
 
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from matplotlib.colors import LogNorm, SymLogNorm  # noqa: E402
-from matplotlib.container import BarContainer  # noqa: E402
-
-from trace_replay.analysis import compare, summarize  # noqa: E402
-from trace_replay.plots import (  # noqa: E402
+from trace_replay.analysis import compare, summarize
+from trace_replay.plots import (
     plot_delta_hist,
     plot_divergence_heatmap,
     plot_first_divergence,
@@ -21,12 +17,6 @@ from trace_replay.plots import (  # noqa: E402
     plot_rank_buckets,
     plot_trace,
 )
-
-
-@pytest.fixture(autouse=True)
-def _close_figures():
-    yield
-    plt.close("all")
 
 
 @pytest.fixture

@@ -34,11 +34,10 @@ def test_frame_columns_and_attrs(engine, real_traces):
     assert "ref_logprob" not in df.columns
 
 
-def test_prefill_matches_reference(engine, real_traces, reference64):
+def test_prefill_matches_reference(engine, real_traces, assert_matches_reference):
     """Teacher-forced float32 scoring agrees with the float64 computation."""
-    from conftest import assert_matches_reference
-
-    assert_matches_reference(replay(real_traces, engine=engine, progress=False), reference64)
+    
+    assert_matches_reference(replay(real_traces, engine=engine, progress=False))
 
 
 def test_ref_logprob_column(engine):

@@ -4,22 +4,11 @@ from __future__ import annotations
 
 import re
 
-import matplotlib
+import pytest
 
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402
-import pytest  # noqa: E402
-
-from trace_replay.report import write_report  # noqa: E402
+from trace_replay.report import write_report
 
 EVIL = "<img src=x onerror=alert(1)>"
-
-
-@pytest.fixture(autouse=True)
-def _close_figures():
-    yield
-    plt.close("all")
 
 
 @pytest.fixture(scope="module")

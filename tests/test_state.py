@@ -1,18 +1,12 @@
 """Tests for trace_replay.state: staging, slot reuse, ragged storage and compaction."""
 
-import os
-
+import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-# Before triton is imported: triton.jit reads it when a kernel is decorated.
-os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
-
-import pytest  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-import trace_replay.state as state_module  # noqa: E402
-from trace_replay.state import RequestState, TraceReplayState  # noqa: E402
+import trace_replay.state as state_module
+from trace_replay.state import RequestState, TraceReplayState
 
 DEVICES = [
     "cpu",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import assert_matches_reference
 
 from trace_replay.engines import make_engine
 from trace_replay.replay import replay
@@ -22,9 +21,9 @@ def result(engine, real_traces):
     return replay(real_traces, engine=engine, progress=False)
 
 
-def test_fidelity_float32(result, reference64):
+def test_fidelity_float32(result, assert_matches_reference):
     """float32 decode replay: |Δlogprob| <= 2e-3 per token vs float64, ranks equal up to ties."""
-    assert_matches_reference(result, reference64)
+    assert_matches_reference(result)
 
 
 def test_replay_emits_exactly_the_trace(result, real_traces):

@@ -20,6 +20,7 @@ __all__ = [
     "dataset_summary",
     "rank_bucket_transitions",
     "trace_summary",
+    "engine_table",
 ]
 
 RANK_BUCKETS = ("top-10", "top-100", "top-1000", "rest")
@@ -363,3 +364,37 @@ def trace_summary(df: pd.DataFrame) -> pd.DataFrame:
     out["min_logprob"] = logprob.groupby(df["trace_id"], sort=False).min()
     out["mean_entropy"] = per_trace(pd.Series(_float64(entropy), index=df.index))
     return out.reset_index()
+
+
+def engine_table(results: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """One row per run of the same traces: size, mean logprob, top-1 agreement, perplexity.
+
+    Parameters
+    ----------
+    results : dict of str to DataFrame
+        Replay frames by run label (e.g. ``"torch float32"``).
+
+    Returns
+    -------
+    DataFrame
+        ``engine`` (the label), ``path`` (``attrs["engine_path"]``), ``traces, tokens,
+        mean_logprob, top1_agreement`` (share of rank-1 tokens), ``ppl`` and ``wall_s``
+        (``attrs["wall_s"]`` when the caller timed the run, else ``None``).
+
+    Examples
+    --------
+    >>> run = pd.DataFrame({"trace_id": ["t", "t"], "step": [0, 1], "logprob": [-0.5, -1.5],
+    ...                     "rank": [1, 4]})
+    >>> engine_table({"torch": run})[["engine", "tokens", "mean_logprob", "top1_agreement"]]
+      engine  tokens  mean_logprob  top1_agreement
+    0  torch       2          -1.0             0.5
+    """
+    rows = []
+    for name, df in results.items():
+        rows.append({"engine": name, "path": df.attrs.get("engine_path"),
+                     "traces": df["trace_id"].nunique(), "tokens": len(df),
+                     "mean_logprob": df["logprob"].mean(),
+                     "top1_agreement": (df["rank"] == 1).mean(),
+                     "ppl": float(np.exp(-df["logprob"].mean())),
+                     "wall_s": df.attrs.get("wall_s")})
+    return pd.DataFrame(rows)

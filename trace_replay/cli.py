@@ -100,6 +100,9 @@ def _cmd_report(args) -> None:
 
 
 def _cmd_demo(args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # the demo writes its figure to a file; no window is opened
     from trace_replay.demo import run_demo
 
     run_demo(out=args.out, engines=args.engines, limit=args.limit)

@@ -1,50 +1,36 @@
-"""The demo (``make demo``): the bundled dataset through vLLM and prefill scoring."""
+"""The demo (``make demo``): the bundled traces through vLLM and prefill scoring."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
-from trace_replay.traces import TraceSet, load_traces
+from trace_replay import datasets
+from trace_replay.analysis import engine_table
 
-__all__ = ["bundled_traces", "run_demo", "engine_table"]
-
-DATA_DIR = Path(__file__).resolve().parents[1] / "data"
-
-
-def bundled_traces(limit: int | None = None, data_dir: Path = DATA_DIR) -> TraceSet:
-    """All bundled trace files (``data/*.jsonl``) in one set, ``limit`` traces per file."""
-    files = sorted(data_dir.glob("*.jsonl"))
-    if not files:
-        raise FileNotFoundError(f"no bundled traces in {data_dir} (run from a source checkout)")
-    traces = []
-    for path in files:
-        traces.extend(list(load_traces(path))[:limit])
-    return TraceSet(traces, source=str(data_dir))
-
-
-def engine_table(results: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    """One row per engine: traces, tokens, mean logprob, top-1 agreement, perplexity."""
-    rows = []
-    for name, df in results.items():
-        rows.append({"engine": name, "path": df.attrs.get("engine_path"),
-                     "traces": df["trace_id"].nunique(), "tokens": len(df),
-                     "mean_logprob": df["logprob"].mean(),
-                     "top1_agreement": (df["rank"] == 1).mean(),
-                     "ppl": float(np.exp(-df["logprob"].mean())),
-                     "wall_s": df.attrs.get("wall_s")})
-    return pd.DataFrame(rows)
+__all__ = ["run_demo"]
 
 
 def run_demo(out: str | Path = "out", engines: str = "vllm,prefill",
              limit: int | None = None) -> dict[str, pd.DataFrame]:
-    """Replay the bundled traces with each engine; print summaries, write Parquet and a figure."""
-    import matplotlib
+    """Replay the bundled traces with each engine; print summaries, write Parquet and a figure.
 
-    matplotlib.use("Agg")
+    Parameters
+    ----------
+    out : path
+        Folder for ``results_{engine}.parquet`` and ``demo.png``; created when missing.
+    engines : str
+        Comma-separated engine names, replayed in order; the first two are compared.
+    limit : int, optional
+        Traces taken from each bundled file (:func:`trace_replay.datasets.load`).
+
+    Returns
+    -------
+    dict of str to DataFrame
+        The replay frame of each engine.
+    """
     import matplotlib.pyplot as plt
 
     from trace_replay.analysis import compare, summarize
@@ -53,7 +39,7 @@ def run_demo(out: str | Path = "out", engines: str = "vllm,prefill",
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    traces = bundled_traces(limit)
+    traces = datasets.load(limit=limit)
     print(f"{len(traces)} bundled traces from {traces.source}")
     results = {}
     for name in [e.strip() for e in engines.split(",") if e.strip()]:
