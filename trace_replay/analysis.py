@@ -124,8 +124,14 @@ def compare(
 
     Examples
     --------
-    >>> cmp = compare(run_fp32, run_bf16, labels=("fp32", "bf16"))  # doctest: +SKIP
-    >>> cmp.groupby("trace_id").delta.sum()  # doctest: +SKIP
+    >>> a = pd.DataFrame({"trace_id": "t", "step": [0, 1, 2], "token_id": [11, 12, 13],
+    ...                   "logprob": [-0.5, -1.0, -2.0], "rank": [1, 2, 1]})
+    >>> b = a.assign(logprob=[-0.5, -1.25, -2.0], rank=[1, 3, 1])
+    >>> compare(a, b, labels=("fp32", "bf16"))[["step", "delta", "rank_a", "rank_b"]]
+       step  delta  rank_a  rank_b
+    0     0   0.00       1       1
+    1     1  -0.25       2       3
+    2     2   0.00       1       1
     """
     if isinstance(b, str):
         if b != "ref":
@@ -222,7 +228,13 @@ def summarize(cmp: pd.DataFrame, *, tol: float = 1e-3) -> pd.DataFrame:
 
     Examples
     --------
-    >>> summarize(compare(a, b), tol=1e-4).sort_values("max_abs_delta")  # doctest: +SKIP
+    >>> a = pd.DataFrame({"trace_id": "t", "step": [0, 1, 2], "token_id": [11, 12, 13],
+    ...                   "logprob": [-0.5, -1.0, -2.0], "rank": [1, 2, 1]})
+    >>> b = a.assign(logprob=[-0.5, -1.25, -2.0], rank=[1, 3, 1])
+    >>> summary = summarize(compare(a, b), tol=0.1)
+    >>> summary[["trace_id", "n_tokens", "first_divergence_step", "max_abs_delta"]]
+      trace_id  n_tokens  first_divergence_step  max_abs_delta
+    0        t         3                      1           0.25
     """
     delta = cmp["delta"].astype("float64")
     finite = delta.where(np.isfinite(delta))
@@ -269,7 +281,12 @@ def dataset_summary(cmp: pd.DataFrame) -> pd.DataFrame:
 
     Examples
     --------
-    >>> dataset_summary(compare(a, b)).set_index("metric").value["p99_abs_delta"]  # doctest: +SKIP
+    >>> a = pd.DataFrame({"trace_id": "t", "step": [0, 1, 2], "token_id": [11, 12, 13],
+    ...                   "logprob": [-0.5, -1.0, -2.0], "rank": [1, 2, 1]})
+    >>> b = a.assign(logprob=[-0.5, -1.25, -2.0], rank=[1, 3, 1])
+    >>> metrics = dataset_summary(compare(a, b)).set_index("metric")["value"]
+    >>> metrics[["n_tokens", "max_abs_delta", "top1_agree"]].tolist()
+    [3.0, 0.25, 1.0]
     """
     delta = cmp["delta"].astype("float64")
     finite = delta[np.isfinite(delta)]
@@ -313,7 +330,11 @@ def rank_bucket_transitions(cmp: pd.DataFrame) -> pd.DataFrame:
 
     Examples
     --------
-    >>> rank_bucket_transitions(compare(a, b)).loc["top-10", "rest"]  # doctest: +SKIP
+    >>> a = pd.DataFrame({"trace_id": "t", "step": [0, 1, 2], "token_id": [11, 12, 13],
+    ...                   "logprob": [-0.5, -1.0, -2.0], "rank": [1, 2, 1]})
+    >>> b = a.assign(rank=[1, 30, 1])
+    >>> rank_bucket_transitions(compare(a, b)).loc["top-10"].tolist()  # to top-10 ... rest
+    [2, 1, 0, 0]
     """
     a, b = rank_bucket(cmp["rank_a"]), rank_bucket(cmp["rank_b"])
     known = a.notna() & b.notna()
@@ -342,7 +363,11 @@ def trace_summary(df: pd.DataFrame) -> pd.DataFrame:
 
     Examples
     --------
-    >>> trace_summary(replay_df).sort_values("mean_logprob").head()  # doctest: +SKIP
+    >>> df = pd.DataFrame({"trace_id": "t", "step": [0, 1, 2], "logprob": [-0.5, -1.0, -2.0],
+    ...                    "rank": [1, 2, 1]})
+    >>> trace_summary(df)[["trace_id", "n_tokens", "ppl", "top1_frac", "first_off_top1_step"]]
+      trace_id  n_tokens       ppl  top1_frac  first_off_top1_step
+    0        t         3  3.211271   0.666667                    1
     """
     logprob = pd.Series(_float64(df["logprob"]), index=df.index)
     rank = df["rank"].astype("Int64")

@@ -241,9 +241,13 @@ def explore(df_or_cmp: pd.DataFrame, *, tol: float = 1e-3) -> Explorer:
 
     Examples
     --------
-    >>> ex = explore(compare(a, b))  # doctest: +SKIP
-    >>> ex  # doctest: +SKIP
-    >>> ex.step_slider.value = 12  # doctest: +SKIP
+    >>> from trace_replay.analysis import compare
+    >>> a = pd.DataFrame({"trace_id": "t", "step": [0, 1, 2], "token_id": [11, 12, 13],
+    ...                   "logprob": [-0.5, -1.0, -2.0], "rank": [1, 2, 1]})
+    >>> ex = explore(compare(a, a.assign(logprob=[-0.5, -1.25, -2.0])))
+    >>> ex.step_slider.max
+    2
+    >>> ex.step_slider.value = 1  # selects step 1: the plot, the token strip and the tables follow
     """
     try:
         import ipywidgets as widgets

@@ -117,9 +117,13 @@ def plot_trace(
 
     Examples
     --------
-    >>> ax = plot_trace(replay_df, "t0", window=(0, 100))  # doctest: +SKIP
-    >>> ax.rank_ax.get_ylabel()  # doctest: +SKIP
-    'rank (log, 1 at top)'
+    >>> df = pd.DataFrame({"trace_id": "t", "step": [0, 1, 2], "token": [" a", " b", " c"],
+    ...                    "logprob": [-0.5, -1.0, -2.0], "rank": [1, 2, 1]})
+    >>> fig, ax = plt.subplots()
+    >>> ax = plot_trace(df, "t", ax=ax)
+    >>> ax.get_title(), ax.rank_ax.get_ylabel()
+    ('trace t', 'rank (log, 1 at top)')
+    >>> plt.close(fig)
     """
     ax = ax or plt.gca()
     df = _one_trace(df, trace_id)
@@ -206,7 +210,14 @@ def plot_divergence_heatmap(
 
     Examples
     --------
-    >>> ax = plot_divergence_heatmap(compare(a, b), tol=1e-4)  # doctest: +SKIP
+    >>> a = pd.DataFrame({"trace_id": "t", "step": [0, 1, 2], "token_id": [11, 12, 13],
+    ...                   "logprob": [-0.5, -1.0, -2.0], "rank": [1, 2, 1]})
+    >>> b = a.assign(logprob=[-0.5, -1.25, -2.0], rank=[1, 3, 1])
+    >>> fig, ax = plt.subplots()
+    >>> ax = plot_divergence_heatmap(compare(a, b), tol=0.1, ax=ax)
+    >>> ax.images[0].get_array().shape  # traces x steps
+    (1, 3)
+    >>> plt.close(fig)
     """
     ax = ax or plt.gca()
     summary = summarize(cmp, tol=tol)
@@ -252,7 +263,13 @@ def plot_delta_hist(cmp: pd.DataFrame, ax: Axes | None = None, *, bins: int = 80
 
     Examples
     --------
-    >>> ax = plot_delta_hist(compare(a, b))  # doctest: +SKIP
+    >>> a = pd.DataFrame({"trace_id": "t", "step": [0, 1, 2], "token_id": [11, 12, 13],
+    ...                   "logprob": [-0.5, -1.0, -2.0], "rank": [1, 2, 1]})
+    >>> b = a.assign(logprob=[-0.5, -1.25, -2.0], rank=[1, 3, 1])
+    >>> fig, ax = plt.subplots()
+    >>> plot_delta_hist(compare(a, b), ax=ax).get_title()
+    'Δ logprob over 3 tokens'
+    >>> plt.close(fig)
     """
     ax = ax or plt.gca()
     delta = cmp["delta"].to_numpy(dtype="float64")
@@ -276,7 +293,14 @@ def plot_logprob_scatter(
 
     Examples
     --------
-    >>> ax = plot_logprob_scatter(compare(a, b))  # doctest: +SKIP
+    >>> a = pd.DataFrame({"trace_id": "t", "step": [0, 1, 2], "token_id": [11, 12, 13],
+    ...                   "logprob": [-0.5, -1.0, -2.0], "rank": [1, 2, 1]})
+    >>> b = a.assign(logprob=[-0.5, -1.25, -2.0], rank=[1, 3, 1])
+    >>> fig, ax = plt.subplots()
+    >>> ax = plot_logprob_scatter(compare(a, b, labels=("fp32", "bf16")), ax=ax, tol=0.1)
+    >>> ax.get_xlabel(), ax.get_ylabel()
+    ('logprob fp32', 'logprob bf16')
+    >>> plt.close(fig)
     """
     ax = ax or plt.gca()
     x, y = cmp["logprob_a"].to_numpy(dtype="float64"), cmp["logprob_b"].to_numpy(dtype="float64")
@@ -308,7 +332,14 @@ def plot_first_divergence(summary: pd.DataFrame, ax: Axes | None = None) -> Axes
 
     Examples
     --------
-    >>> ax = plot_first_divergence(summarize(compare(a, b)))  # doctest: +SKIP
+    >>> a = pd.DataFrame({"trace_id": "t", "step": [0, 1, 2], "token_id": [11, 12, 13],
+    ...                   "logprob": [-0.5, -1.0, -2.0], "rank": [1, 2, 1]})
+    >>> b = a.assign(logprob=[-0.5, -1.25, -2.0], rank=[1, 3, 1])
+    >>> fig, ax = plt.subplots()
+    >>> ax = plot_first_divergence(summarize(compare(a, b), tol=0.1), ax=ax)
+    >>> [text.get_text() for text in ax.get_legend().get_texts()]
+    ['diverged by step', 'never diverged: 0/1 traces']
+    >>> plt.close(fig)
     """
     ax = ax or plt.gca()
     if "first_divergence_step" not in summary.columns:
@@ -338,8 +369,15 @@ def plot_rank_buckets(
 
     Examples
     --------
-    >>> runs = pd.concat([fp32, bf16], keys=["fp32", "bf16"], names=["run", None])  # doctest: +SKIP
-    >>> ax = plot_rank_buckets(runs.reset_index("run"), by="run")  # doctest: +SKIP
+    >>> a = pd.DataFrame({"trace_id": "t", "step": [0, 1, 2], "token_id": [11, 12, 13],
+    ...                   "logprob": [-0.5, -1.0, -2.0], "rank": [1, 2, 1]})
+    >>> b = a.assign(logprob=[-0.5, -1.25, -2.0], rank=[1, 3, 1])
+    >>> runs = pd.concat([a, b], keys=["fp32", "bf16"], names=["run", None]).reset_index("run")
+    >>> fig, ax = plt.subplots()
+    >>> ax = plot_rank_buckets(runs, by="run", ax=ax)
+    >>> [label.get_text() for label in ax.get_xticklabels()]
+    ['fp32', 'bf16']
+    >>> plt.close(fig)
     """
     ax = ax or plt.gca()
     if _is_comparison(df):

@@ -159,7 +159,14 @@ def write_report(
 
     Examples
     --------
-    >>> write_report("fp32.parquet", "bf16.parquet", out="fp32_vs_bf16.html")  # doctest: +SKIP
+    >>> import tempfile
+    >>> a = pd.DataFrame({"trace_id": "t", "step": [0, 1, 2], "token_id": [11, 12, 13],
+    ...                   "logprob": [-0.5, -1.0, -2.0], "rank": [1, 2, 1]})
+    >>> out = Path(tempfile.mkdtemp()) / "a_vs_b.html"
+    >>> write_report(a, a.assign(logprob=[-0.5, -1.25, -2.0]), out=out) == out
+    True
+    >>> "<h2>Provenance</h2>" in out.read_text()
+    True
     """
     df_a, label_a = _load(a, "a")
     parts: list[str] = []

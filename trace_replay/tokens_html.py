@@ -207,8 +207,14 @@ def render_tokens(
 
     Examples
     --------
-    >>> render_tokens(replay_df, "t0", highlight_step=12)  # doctest: +SKIP
-    >>> render_tokens(compare(a, b), "t0", "delta").save("t0.html")  # doctest: +SKIP
+    >>> df = pd.DataFrame({"trace_id": "t", "step": [0, 1], "token_id": [11, 12],
+    ...                    "token": [" Paris", "."], "logprob": [-0.2, -3.5], "rank": [1, 40],
+    ...                    "ref_logprob": [-0.2, -3.0]})
+    >>> strip = render_tokens(df, "t", highlight_step=1)
+    >>> strip.html.count("data-step="), 'class="tr-tok tr-highlight" data-step="1"' in strip.html
+    (2, True)
+    >>> "Δ" in render_tokens(df, "t", "delta").html  # against the trace's own ref_logprob
+    True
     """
     if color_by not in ("rank", "delta", "logprob"):
         raise ValueError(f'color_by must be "rank", "delta" or "logprob", got {color_by!r}')
