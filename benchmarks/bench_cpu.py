@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from trace_replay.demo import bundled_traces
+from trace_replay import datasets
 from trace_replay.engines import make_engine
 from trace_replay.engines.base import ReplayRequest
 from trace_replay.models import load_tokenizer
@@ -55,7 +55,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engines", default="vllm,torch")
     args = parser.parse_args()
-    traces = bundled_traces(args.limit).tokenize(load_tokenizer())
+    traces = datasets.load(limit=args.limit).tokenize(load_tokenizer())
     requests = [ReplayRequest(t.id, tuple(t.prompt_token_ids),
                               tuple(t.trace_token_ids[: args.length]))
                 for t in traces if len(t.trace_token_ids) >= args.length]

@@ -19,7 +19,7 @@ import platform
 import numpy as np
 import torch
 
-from trace_replay.demo import bundled_traces
+from trace_replay import datasets
 from trace_replay.engines import make_engine
 from trace_replay.models import load_model, load_tokenizer
 from trace_replay.replay import replay
@@ -57,7 +57,7 @@ def main():
     parser.add_argument("--engines", default="torch,prefill,vllm")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     args = parser.parse_args()
-    traces = bundled_traces(args.limit).tokenize(load_tokenizer())
+    traces = datasets.load(limit=args.limit).tokenize(load_tokenizer())
     ref = reference64(traces)
     rows = []
     for engine_name in args.engines.split(","):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -63,6 +64,21 @@ def test_committed_without_outputs():
             if cell.cell_type == "code":
                 assert not cell.outputs, f"{path.name}: a cell has outputs"
                 assert cell.execution_count is None, f"{path.name}: a cell has an execution count"
+
+
+def test_one_imports_cell_and_one_parameters_cell():
+    """Each notebook imports in its first code cell only and sets its parameters in the next
+    one, tagged "parameters"; of trace_replay it imports the package (and kernels) only."""
+    for path in NOTEBOOKS:
+        code = [cell for cell in nbformat.read(path, as_version=4).cells
+                if cell.cell_type == "code"]
+        importing = [i for i, cell in enumerate(code)
+                     if re.search(r"^\s*(import|from) \w", cell.source, re.MULTILINE)]
+        assert importing == [0], f"{path.name}: code cells {importing} import"
+        tagged = [i for i, cell in enumerate(code) if "parameters" in cell.metadata.get("tags", [])]
+        assert tagged == [1], f"{path.name}: code cells {tagged} are tagged parameters"
+        used = re.findall(r"^\s*(?:import|from) (trace_replay\S*)", code[0].source, re.MULTILINE)
+        assert set(used) <= {"trace_replay", "trace_replay.kernels"}, f"{path.name}: {used}"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])

@@ -53,3 +53,30 @@ def test_public_names_resolve():
 
     for name in trace_replay.__all__:
         assert getattr(trace_replay, name) is not None, name
+
+
+def test_wheel_ships_the_bundled_traces(tmp_path):
+    """A built wheel holds the bundled trace files, and trace_replay.datasets loads all of them
+    from the wheel alone, with no source checkout around (Python imports straight from it)."""
+    import shutil
+    import zipfile
+
+    # built from a copy: setuptools writes build/ and *.egg-info next to the sources
+    source = tmp_path / "source"
+    shutil.copytree(ROOT / "trace_replay", source / "trace_replay",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps",
+                    "--no-build-isolation", "-q", "-w", str(tmp_path / "dist")],
+                   check=True, capture_output=True, cwd=tmp_path, timeout=300)
+    (wheel,) = (tmp_path / "dist").glob("trace_replay-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {"trace_replay/datasets/humaneval_human.jsonl",
+            "trace_replay/datasets/gsm8k_cot_model.jsonl"} <= set(names)
+    code = ("import trace_replay as tr; "
+            "print(tr.__file__.startswith(sys.argv[1]), len(tr.datasets.load()))")
+    out = subprocess.run([sys.executable, "-c", "import sys; " + code, str(wheel)],
+                         capture_output=True, text=True, check=True, cwd=tmp_path,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(wheel)})
+    assert out.stdout.split() == ["True", "64"]

@@ -1,0 +1,174 @@
+"""Tests for trace_replay.datasets: the bundled traces load by name, match data/README.md,
+and are what the README says they are."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from trace_replay import datasets
+from trace_replay.traces import load_traces
+
+README = Path(__file__).resolve().parents[1] / "data" / "README.md"
+# (dataset, source) -> (rows, id prefix, max trace tokens), as stated in data/README.md
+FILES = {
+    ("humaneval", "human"): (24, "he-human/", 128),
+    ("humaneval", "model"): (24, "he-model/", 96),
+    ("gsm8k_cot", "human"): (8, "gsm8k-human/", 128),
+    ("gsm8k_cot", "model"): (8, "gsm8k-model/", 96),
+}
+MODEL_SETS = [key for key in FILES if key[1] == "model"]
+HUMAN_SETS = [key for key in FILES if key[1] == "human"]
+MAX_PROMPT_TOKENS = 256
+MAX_TOTAL_BYTES = 1 << 20
+
+
+def _id(key: tuple[str, str]) -> str:
+    return "-".join(key)
+
+
+@pytest.fixture(scope="module")
+def tokenized(tokenizer):
+    return {key: datasets.load(key[0], source=key[1]).tokenize(tokenizer) for key in FILES}
+
+
+# --- the API ---------------------------------------------------------------------------------
+
+
+def test_load_takes_the_first_traces_of_each_file():
+    """load(name, source, limit) gives the file's first ``limit`` traces, in file order."""
+    full = datasets.load("humaneval", source="human")
+    first = datasets.load("humaneval", source="human", limit=8)
+    assert first.ids == full.ids[:8] == [f"he-human/{i}" for i in range(8)]
+    assert list(first) == list(full)[:8]
+
+
+def test_load_without_name_or_source_is_everything():
+    """load() holds every bundled trace once: datasets in name order, human before model."""
+    everything = datasets.load()
+    parts = [datasets.load(name, source=source) for name in ("gsm8k_cot", "humaneval")
+             for source in datasets.SOURCES]
+    assert everything.ids == [i for part in parts for i in part.ids]
+    assert len(everything) == sum(rows for rows, _, _ in FILES.values())
+    assert datasets.load(limit=2).ids == [i for part in parts for i in part.ids[:2]]
+
+
+def test_unknown_names_are_refused_with_the_choices():
+    """An unknown dataset or source, or a negative limit, is a ValueError naming what exists."""
+    with pytest.raises(ValueError, match="no bundled dataset 'mmlu'.*gsm8k_cot.*humaneval"):
+        datasets.load("mmlu")
+    with pytest.raises(ValueError, match="source must be one of human, model, got 'people'"):
+        datasets.load("humaneval", source="people")
+    with pytest.raises(ValueError, match="limit must be >= 0"):
+        datasets.load(limit=-1)
+
+
+def test_available_counts_every_file():
+    """available() has one row per file, and its counts are what load() returns."""
+    table = datasets.available()
+    assert set(zip(table["dataset"], table["source"])) == set(FILES)
+    for row in table.itertuples():
+        assert row.traces == len(datasets.load(row.dataset, source=row.source))
+        assert row.traces == FILES[row.dataset, row.source][0]
+
+
+def test_readme_states_each_file_and_its_licence():
+    """data/README.md lists every bundled file with its row count, and states each dataset's
+    licence as available() reports it (the licences must stay written down with the data)."""
+    readme = README.read_text()
+    for row in datasets.available().itertuples():
+        assert re.search(rf"\| `{row.file}` \| {row.traces} \|", readme), row.file
+        section = readme[readme.index(f"`{row.dataset}_human.jsonl`, "):]
+        assert f"Licence: {row.licence}" in section.split("\n## ")[0], row.dataset
+    assert "Apache-2.0" in readme  # the embedded model that wrote the model traces
+
+
+# --- what the bundled traces are ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", FILES, ids=_id)
+def test_file_loads_and_tokenizes(key, tokenized):
+    """Each bundled file tokenizes with the embedded tokenizer and has its stated rows."""
+    assert len(tokenized[key]) == FILES[key][0]
+    assert all(trace.is_tokenized for trace in tokenized[key])
+
+
+def test_ids_unique_across_files():
+    """Ids are unique across all bundled files, and each file uses its own prefix."""
+    for (name, source), (_, prefix, _) in FILES.items():
+        assert all(i.startswith(prefix) for i in datasets.load(name, source=source).ids)
+    ids = datasets.load().ids
+    assert len(ids) == len(set(ids))
+
+
+@pytest.mark.parametrize("key", MODEL_SETS, ids=_id)
+def test_model_traces_carry_ref_logprobs(key):
+    """Every model-written trace stores its token ids and one finite logprob ≤ 0 per token."""
+    for trace in datasets.load(key[0], source=key[1]):
+        assert trace.trace_token_ids is not None
+        assert len(trace.ref_logprobs) == len(trace.trace_token_ids)
+        assert all(math.isfinite(lp) and lp <= 0.0 for lp in trace.ref_logprobs)
+
+
+@pytest.mark.parametrize("key", MODEL_SETS, ids=_id)
+def test_model_traces_record_their_generator(key):
+    """Model-written traces name the embedded model, the torch engine and greedy decoding."""
+    from trace_replay.models import EMBEDDED_MODEL
+
+    for trace in datasets.load(key[0], source=key[1]):
+        assert trace.meta["source"] == "model"
+        recorded = trace.meta["recorded_with"]
+        assert (recorded["model"], recorded["engine"]) == (EMBEDDED_MODEL, "torch")
+        assert recorded["temperature"] == 0.0
+
+
+@pytest.mark.parametrize("key", HUMAN_SETS, ids=_id)
+def test_human_traces_are_text_only(key):
+    """Human-written traces are stored as text, so any model replays them with its own tokenizer."""
+    for trace in datasets.load(key[0], source=key[1]):
+        assert trace.meta["source"] == "human"
+        assert trace.prompt_token_ids is None and trace.trace_token_ids is None
+        assert trace.ref_logprobs is None
+
+
+@pytest.mark.parametrize("key", HUMAN_SETS, ids=_id)
+def test_human_traces_split_on_a_token_boundary(key, tokenized, tokenizer):
+    """Prompt and trace tokenized apart give the tokens of their joined text, so a trace's
+    first token is one the model would see in the original text."""
+    for trace in tokenized[key]:
+        joined = tokenizer.encode(trace.prompt + trace.completion, add_special_tokens=True)
+        assert joined == [*trace.prompt_token_ids, *trace.trace_token_ids], trace.id
+
+
+@pytest.mark.parametrize("name, key", [("humaneval", "task_id"), ("gsm8k_cot", "exemplar")])
+def test_human_and_model_sets_share_prompts(name, key):
+    """The human and model files of a dataset cover the same problems with the same prompts."""
+    human, model = (datasets.load(name, source=source) for source in datasets.SOURCES)
+    assert [t.meta[key] for t in human] == [t.meta[key] for t in model]
+    assert [t.prompt for t in human] == [t.prompt for t in model]
+
+
+@pytest.mark.parametrize("key", FILES, ids=_id)
+def test_token_counts_within_bounds(key, tokenized):
+    """Traces have 1..max tokens and prompts at most MAX_PROMPT_TOKENS (embedded tokenizer)."""
+    max_trace_tokens = FILES[key][2]
+    for trace in tokenized[key]:
+        assert 1 <= len(trace.trace_token_ids) <= max_trace_tokens, trace.id
+        assert len(trace.prompt_token_ids) <= MAX_PROMPT_TOKENS, trace.id
+
+
+def test_bundled_files_are_small():
+    """All bundled data files together stay under 1 MiB (they ship in the wheel)."""
+    folder = Path(datasets.__file__).parent
+    assert sum(path.stat().st_size for path in folder.glob("*.jsonl")) < MAX_TOTAL_BYTES
+
+
+def test_files_are_what_load_traces_reads():
+    """The package folder holds exactly the bundled files, each a valid trace file."""
+    folder = Path(datasets.__file__).parent
+    names = sorted(path.name for path in folder.glob("*.jsonl"))
+    assert names == sorted(f"{name}_{source}.jsonl" for name, source in FILES)
+    assert sum(len(load_traces(folder / name)) for name in names) == len(datasets.load())

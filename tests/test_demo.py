@@ -1,0 +1,28 @@
+"""Tests for trace_replay.demo: the bundled traces through an engine, to files."""
+
+from __future__ import annotations
+
+import matplotlib
+import pandas as pd
+import pytest
+
+from trace_replay.demo import run_demo
+
+pytestmark = pytest.mark.slow
+
+
+def test_demo_writes_results_and_figure(tmp_path, capsys):
+    """One engine over the first trace of each bundled file: a Parquet result with the
+    engine's provenance, the figure, a per-engine table; the matplotlib backend is the
+    caller's (library code does not switch it)."""
+    matplotlib.use("pdf")  # any backend but Agg, the one the CLI picks
+    try:
+        results = run_demo(out=tmp_path / "out", engines="prefill", limit=1)
+        assert matplotlib.get_backend() == "pdf"
+    finally:
+        matplotlib.use("Agg")
+    df = pd.read_parquet(tmp_path / "out" / "results_prefill.parquet")
+    assert df["trace_id"].unique().tolist() == results["prefill"]["trace_id"].unique().tolist()
+    assert df["trace_id"].nunique() == 4 and df.attrs["engine"] == "prefill"
+    assert (tmp_path / "out" / "demo.png").stat().st_size > 0
+    assert "Per engine:" in capsys.readouterr().out

@@ -1,0 +1,142 @@
+"""Tests for trace_replay.engines: make_engine, EngineConfig, and every engine (vLLM included)
+keeping the Engine protocol on the embedded model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+from trace_replay.engines import ENGINES, Engine, EngineConfig, make_engine
+from trace_replay.engines.base import Generator, ReplayRequest
+
+COMMON_SETTINGS = {"engine", "engine_path", "model", "dtype", "device", "batch_size", "top_k"}
+TOP_K = 3
+NAMES = [
+    pytest.param("torch", marks=pytest.mark.slow),
+    pytest.param("prefill", marks=pytest.mark.slow),
+    pytest.param("vllm", marks=[
+        pytest.mark.slow, pytest.mark.vllm,
+        pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                           reason="vllm is not installed (pip install 'trace-replay[cpu]')")]),
+]  # fmt: skip
+
+
+# --- EngineConfig and make_engine: checked before any model is loaded --------------------
+
+
+@pytest.mark.parametrize("fields, error, message", [
+    ({"top_k": -1}, ValueError, "top_k must be an integer >= 0, got -1"),
+    ({"top_k": "5"}, ValueError, "top_k must be an integer"),
+    ({"batch_size": 0}, ValueError, "batch_size must be an integer >= 1, got 0"),
+    ({"batch_size": True}, ValueError, "batch_size must be an integer"),
+    ({"dtype": "float7"}, ValueError, "float7"),
+    ({"device": "gpu"}, RuntimeError, "gpu"),
+])  # fmt: skip
+def test_config_refuses_bad_values(fields, error, message):
+    """EngineConfig validates on construction, naming the field and the value."""
+    with pytest.raises(error, match=message):
+        EngineConfig(**fields)
+
+
+def test_config_defaults_leave_choices_to_the_engine():
+    """Unset model, dtype, device and batch size are None (each engine picks); top_k is 5."""
+    assert EngineConfig() == EngineConfig(model=None, dtype=None, device=None, batch_size=None,
+                                          top_k=5)
+
+
+def test_make_engine_refuses_an_unknown_engine():
+    """An unknown name is a ValueError listing the engines."""
+    with pytest.raises(ValueError, match="unknown engine 'hf'; choose one of " + ", ".join(ENGINES)):
+        make_engine("hf")
+
+
+def test_make_engine_refuses_options_the_engine_does_not_take():
+    """An option of another engine is refused, naming what this one takes; None is no option."""
+    with pytest.raises(ValueError, match=r"engine 'prefill' does not take speculative \(it takes "
+                                         r"no options\)"):
+        make_engine("prefill", speculative={"method": "trace"})
+    with pytest.raises(ValueError, match=r"'torch' does not take engine_args \(it takes "
+                                         r"speculative, backend\)"):
+        make_engine("torch", engine_args={})
+
+
+def test_bad_settings_fail_before_the_model_loads(tmp_path):
+    """A bad setting is reported even when the model does not exist: nothing was loaded yet."""
+    with pytest.raises(ValueError, match="top_k"):
+        make_engine("torch", tmp_path / "no-such-model", top_k=-1)
+
+
+@pytest.mark.slow
+def test_auto_with_speculative_picks_torch_and_says_why(lm):
+    """auto with speculative settings chooses the torch engine and records why."""
+    engine = make_engine("auto", lm, speculative={"method": "trace", "num_tokens": 2})
+    assert engine.name == "torch"
+    assert engine.settings()["selected_by"] == \
+        "auto: torch (speculative verify runs in the torch engine)"
+
+
+# --- every engine keeps the protocol -------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def engine(request, lm):
+    """Each engine on the embedded model, float32, 2 slots, used as a context manager."""
+    options = {"engine_args": {"max_model_len": 512, "max_num_batched_tokens": 512}}
+    model = None if request.param == "vllm" else lm  # vLLM loads the weights itself
+    with make_engine(request.param, model, batch_size=2, top_k=TOP_K,
+                     **(options if request.param == "vllm" else {})) as engine:
+        yield engine
+    # leaving the with-block closed it: the model (and vLLM's engine core) is released
+    assert getattr(engine, "lm", None) is None and getattr(engine, "llm", None) is None
+
+
+@pytest.fixture(scope="module")
+def requests(real_traces):
+    return [ReplayRequest(t.id, t.prompt_token_ids, t.trace_token_ids) for t in real_traces]
+
+
+def test_is_an_engine(engine, tokenizer):
+    """Every engine satisfies the Engine protocol, the decode engines can also generate, and
+    the tokenizer is the model's."""
+    assert isinstance(engine, Engine)
+    assert isinstance(engine, Generator) == (engine.name != "prefill")
+    text = "def add(a, b): return a + b"
+    assert engine.tokenizer.encode(text) == tokenizer.encode(text)
+
+
+def test_run_returns_one_result_per_request_in_order(engine, requests):
+    """run keeps the requests' order (several waves of 2 slots); each result has one entry per
+    trace token, the trace's own tokens, and scores in range."""
+    results = engine.run(requests)
+    assert [r.trace_id for r in results] == [r.trace_id for r in requests]
+    for result, request in zip(results, requests):
+        assert result.prompt_len == request.prompt_len
+        assert result.token_ids.tolist() == list(request.trace_token_ids)
+        assert result.top_token_ids.shape == result.top_logprobs.shape == (request.trace_len, TOP_K)
+        assert (result.logprob <= 0).all() and (result.rank >= 1).all()
+
+
+def test_settings_are_fixed_provenance(engine, requests):
+    """settings() names engine, path, model, dtype, device, batch size and top_k; it is
+    JSON-ready (it goes into df.attrs and Parquet) and a run does not change it."""
+    before = engine.settings()
+    assert COMMON_SETTINGS <= set(before)
+    assert (before["engine"], before["dtype"], before["batch_size"], before["top_k"]) == \
+        (engine.name, "float32", 2, TOP_K)
+    json.dumps(before)
+    engine.run(requests[:1])
+    assert engine.settings() == before
+
+
+def test_stats_are_apart_from_settings(engine, requests):
+    """stats() is a dict of run statistics, none of them a setting; counts only grow."""
+    first = engine.stats()
+    assert isinstance(first, dict) and not set(first) & COMMON_SETTINGS
+    engine.run(requests[:2])
+    second = engine.stats()
+    for key, value in first.items():
+        if isinstance(value, (int, np.integer)):
+            assert second[key] >= value, key

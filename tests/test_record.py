@@ -1,0 +1,79 @@
+"""Tests for trace_replay.record on the embedded model (torch engine): recorded traces carry
+what the generating engine reported, and replay through it gives the same logprobs back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from trace_replay.engines import make_engine
+from trace_replay.record import record
+from trace_replay.replay import replay
+from trace_replay.traces import Trace
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def engine(lm):
+    return make_engine("torch", lm, batch_size=2)
+
+
+@pytest.fixture(scope="module")
+def recorded(engine):
+    prompts = ["The capital of France is",
+               {"id": "code", "prompt": "def add(a, b):", "meta": {"task": "add"}},
+               Trace("story", prompt="Once upon a", completion=" time", meta={"n": 1})]
+    return record(prompts, engine=engine, max_tokens=MAX_TOKENS)
+
+
+def test_one_trace_per_prompt_with_its_id(recorded):
+    """Strings get ids p0, p1...; dicts and Traces keep theirs; order is the prompts' order."""
+    assert recorded.ids == ["p0", "code", "story"]
+
+
+def test_traces_carry_tokens_text_and_reported_logprobs(recorded, tokenizer):
+    """Each trace has its prompt ids, at most max_tokens trace ids, their decoded text, and one
+    finite logprob <= 0 per token."""
+    for trace in recorded:
+        assert trace.prompt_token_ids == tuple(tokenizer.encode(trace.prompt))
+        assert 1 <= len(trace.trace_token_ids) <= MAX_TOKENS
+        assert trace.completion == tokenizer.decode(list(trace.trace_token_ids))
+        assert len(trace.ref_logprobs) == len(trace.trace_token_ids)
+        assert all(np.isfinite(lp) and lp <= 0 for lp in trace.ref_logprobs)
+
+
+def test_meta_records_the_generation_settings(recorded, engine):
+    """meta keeps the prompt's own keys and adds recorded_with: model, engine, path, sampling."""
+    assert recorded[1].meta["task"] == "add" and recorded[2].meta["n"] == 1
+    assert recorded[0].meta["recorded_with"] == {
+        "model": engine.settings()["model"], "engine": "torch",
+        "engine_path": engine.settings()["engine_path"], "temperature": 0.0, "seed": 0,
+        "max_tokens": MAX_TOKENS}
+
+
+def test_replay_gives_the_recorded_logprobs_back(recorded, engine):
+    """Greedy traces replayed through the engine that wrote them: the same logprobs (float32
+    decode both times) and rank 1 at every step, up to exact ties."""
+    df = replay(recorded, engine=engine, progress=False)
+    np.testing.assert_allclose(df["logprob"], df["ref_logprob"], atol=1e-4)
+    top = df["top_logprobs"].map(lambda values: values[0])
+    assert ((df["rank"] == 1) | (top - df["logprob"] < 1e-5)).all()
+
+
+def test_an_engine_that_cannot_generate_is_refused(lm):
+    """Prefill scoring cannot write traces: a TypeError names the engine; unknown names too."""
+    with pytest.raises(TypeError, match="engine 'prefill' cannot generate"):
+        record(["Hi"], engine=make_engine("prefill", lm), max_tokens=2)
+    with pytest.raises(ValueError, match="record runs on 'vllm' or 'torch', not 'prefill'"):
+        record(["Hi"], engine="prefill", max_tokens=2)
+
+
+def test_a_bad_prompt_is_named_by_its_index(engine):
+    """A prompt that is neither text, a record nor a Trace is refused with its index."""
+    with pytest.raises(TypeError, match="prompt 1: expected str, dict or Trace, got int"):
+        record(["Hi", 42], engine=engine, max_tokens=2)
+    with pytest.raises(ValueError, match=r"prompt 0 \('x'\): needs 'prompt' text"):
+        record([{"id": "x"}], engine=engine, max_tokens=2)

@@ -1,0 +1,80 @@
+"""Tests for trace_replay.engines.scoring: the one rule every engine scores a token by."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trace_replay.engines.scoring import collect_rows, score_tokens
+
+
+@pytest.fixture(scope="module")
+def logits():
+    """Eight positions over a 50-token vocabulary, seeded, float32."""
+    return torch.randn(8, 50, generator=torch.Generator().manual_seed(0)) * 3
+
+
+def test_logprob_is_the_float64_log_softmax(logits):
+    """logprob and entropy match a float64 computation of the same distribution."""
+    token_ids = torch.arange(8) * 5
+    scores = score_tokens(logits, token_ids, top_k=3)
+    exact = torch.log_softmax(logits.double(), dim=-1)
+    np.testing.assert_allclose(scores.logprob, exact[torch.arange(8), token_ids], atol=1e-5)
+    entropy = -(exact.exp() * exact).sum(dim=-1)
+    np.testing.assert_allclose(scores.entropy, entropy, atol=1e-4)
+
+
+def test_rank_counts_strictly_greater_logprobs(logits):
+    """rank is 1 + the number of tokens with a strictly greater logprob; 1 for the argmax."""
+    token_ids = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7])
+    scores = score_tokens(logits, token_ids, top_k=3)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    for row, token in enumerate(token_ids):
+        expected = 1 + int((logprobs[row] > logprobs[row, token]).sum())
+        assert scores.rank[row] == expected
+    assert (score_tokens(logits, logits.argmax(-1), top_k=1).rank == 1).all()
+
+
+def test_tied_tokens_share_the_best_rank():
+    """Tokens with equal logits get the same rank, the best one of the tie."""
+    logits = torch.tensor([[2.0, 1.0, 1.0, 0.0]] * 3)
+    scores = score_tokens(logits, torch.tensor([1, 2, 3]), top_k=2)
+    assert scores.rank.tolist() == [2, 2, 4]
+
+
+def test_top_k_is_sorted_and_holds_the_argmax(logits):
+    """top_logprobs come sorted, descending; the first top id is the argmax; top_k=0 is empty."""
+    scores = score_tokens(logits, torch.zeros(8, dtype=torch.long), top_k=5)
+    assert scores.top_token_ids.shape == scores.top_logprobs.shape == (8, 5)
+    assert (scores.top_logprobs.diff(dim=1) <= 0).all()
+    assert torch.equal(scores.top_token_ids[:, 0], logits.argmax(-1))
+    empty = score_tokens(logits, torch.zeros(8, dtype=torch.long), top_k=0)
+    assert empty.top_token_ids.shape == empty.top_logprobs.shape == (8, 0)
+
+
+def test_masked_vocabulary_keeps_entropy_finite():
+    """Tokens with probability 0 (logit -inf) add nothing to the entropy: it stays finite."""
+    logits = torch.tensor([[0.0, 0.0, -float("inf"), -float("inf")]])
+    scores = score_tokens(logits, torch.tensor([0]), top_k=2)
+    assert scores.entropy.item() == pytest.approx(np.log(2))
+    assert scores.logprob.item() == pytest.approx(-np.log(2))
+
+
+def test_low_precision_logits_are_scored_in_float32(logits):
+    """bfloat16 logits are upcast before log-softmax (as vLLM's sampler does): float32 out."""
+    scores = score_tokens(logits.bfloat16(), torch.arange(8), top_k=2)
+    assert scores.logprob.dtype == scores.top_logprobs.dtype == torch.float32
+    exact = torch.log_softmax(logits.bfloat16().double(), dim=-1)[torch.arange(8), torch.arange(8)]
+    np.testing.assert_allclose(scores.logprob, exact, atol=1e-5)
+
+
+def test_collect_rows_gives_host_arrays_in_result_dtypes(logits):
+    """collect_rows returns numpy arrays: float64 logprobs and entropy, int64 ids and ranks."""
+    token_ids = torch.arange(8, dtype=torch.int32)
+    host = collect_rows(score_tokens(logits, token_ids, top_k=2), token_ids)
+    assert set(host) == {"token_ids", "logprob", "rank", "top_token_ids", "top_logprobs",
+                         "entropy"}
+    assert host["token_ids"].dtype == host["rank"].dtype == np.int64
+    assert all(host[k].dtype == np.float64 for k in ("logprob", "top_logprobs", "entropy"))
+    assert host["token_ids"].tolist() == list(range(8))
