@@ -49,7 +49,8 @@ def test_config_defaults_leave_choices_to_the_engine():
 
 def test_make_engine_refuses_an_unknown_engine():
     """An unknown name is a ValueError listing the engines."""
-    with pytest.raises(ValueError, match="unknown engine 'hf'; choose one of " + ", ".join(ENGINES)):
+    choices = ", ".join(ENGINES)
+    with pytest.raises(ValueError, match=f"unknown engine 'hf'; choose one of {choices}"):
         make_engine("hf")
 
 
