@@ -153,13 +153,13 @@ def test_chat_jsonl_replays_on_the_embedded_model(tokenizer, lm, tmp_path):
     """A multi-turn chat JSONL replays through the decode loop; the rows labelled assistant
     are exactly the assistant tokens of apply_chat_template on the conversation, and every
     row names its turn and role."""
-    from trace_replay.engines.torch_engine import TorchEngine
+    from trace_replay.engines import make_engine
     from trace_replay.replay import replay
 
     path = tmp_path / "chat.jsonl"
     path.write_text(json.dumps({"id": "all", "messages": CONVERSATION, "turns": "all"}) + "\n"
                     + json.dumps({"id": "last", "messages": CONVERSATION}) + "\n")
-    df = replay(path, engine=TorchEngine(lm, batch_size=2, top_k=3), progress=False)
+    df = replay(path, engine=make_engine("torch", lm, batch_size=2, top_k=3), progress=False)
     assert df[["turn", "role"]].notna().all().all()
     whole = template_ids(tokenizer, CONVERSATION[:LAST + 1])
     expected = {}

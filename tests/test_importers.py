@@ -205,13 +205,13 @@ def test_unknown_format_is_refused():
 @pytest.mark.slow
 def test_imported_log_replays_with_its_logprobs(tokenizer, lm, tmp_path):
     """load → replay: the logged logprobs come back as ref_logprob beside the model's own."""
-    from trace_replay.engines.prefill import PrefillEngine
+    from trace_replay.engines import make_engine
     from trace_replay.replay import replay
 
     path = write_log(tmp_path, {"request": CHAT_REQUEST, "response": chat_response()},
                      {"request": COMPLETION_REQUEST, "response": completion_response()})
     traces = load_traces(path, format="openai", tokenizer=tokenizer)
-    df = replay(traces, engine=PrefillEngine(lm, top_k=2), progress=False)
+    df = replay(traces, engine=make_engine("prefill", lm, top_k=2), progress=False)
     assert df["ref_logprob"].tolist() == [lp for _, lp in CHAT_TOKENS + COMPLETION_TOKENS]
     assert df.groupby("trace_id", sort=False)["token_id"].apply(list).tolist() == [
         CHAT_IDS, [7042, 30]]
