@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pandas as pd
@@ -288,6 +289,19 @@ def test_trainer_metrics_leave_out_nonfinite_tokens():
     assert metric(table, "mean_ratio") == 2.0 and metric(table, "chi2_token") == 3.0
     assert metric(table, "frac_ratio_outside_0.5_2") == 0.5
     assert metric(table, "n_nonfinite") == 1 and metric(table, "max_ulp_distance") == 2**23
+
+
+NAME_SCHEME = (r"^(n_\w+|frac_[\w.]+|(mean|median|p99|max|min|std|sum)_\w+|first_\w+_step"
+               r"|chi2_token|chi2_seq|ess|ppl(_a|_b)?|trace_id)$")
+
+
+def test_summary_names_follow_one_scheme(power_of_two_cmp):
+    """Every summary name is n_*, frac_*, <stat>_*, first_*_step or a trainer's own name."""
+    from trace_replay.analysis import trace_summary
+
+    names = [*dataset_summary(power_of_two_cmp)["metric"], *summarize(power_of_two_cmp).columns,
+             *trace_summary(frame([-1.0, -2.0])).columns]  # fmt: skip
+    assert [n for n in names if not re.match(NAME_SCHEME, n)] == []
 
 
 def test_dataset_summary_ref_side_buckets_unknown():
