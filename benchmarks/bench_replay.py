@@ -34,8 +34,7 @@ import warnings
 import torch
 
 from trace_replay.engines.base import ReplayRequest
-from trace_replay.engines.prefill import PrefillEngine
-from trace_replay.engines.torch_engine import TorchEngine
+from trace_replay.engines import make_engine
 from trace_replay.models import load_model, load_tokenizer
 
 PROMPTS = [
@@ -110,7 +109,7 @@ def profile_replay(engine, requests, device, steps):
         engine.run(short)
         _sync(device)
     ms = (time.perf_counter() - start) * 1e3
-    tables = [f"{engine.info()['engine_path']}: {steps} decode steps (+ prefill) in {ms:.1f} ms "
+    tables = [f"{engine.settings()['engine_path']}: {steps} decode steps (+ prefill) in {ms:.1f} ms "
               "under the profiler"]
     keys = (["self_cuda_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]
     for key in keys:
@@ -153,7 +152,7 @@ def main():
     prompts = [tok.encode(PROMPTS[i % len(PROMPTS)]) for i in range(args.batch)]
 
     backends = args.backends.split(",")
-    greedy = TorchEngine(lm, batch_size=args.batch, backend=backends[0])
+    greedy = make_engine("torch", lm, batch_size=args.batch, backend=backends[0])
     generated = greedy.generate(prompts, max_tokens=args.new_tokens)  # no EOS stop: fixed length
     traces = [ids for ids, _ in generated]
     requests = [ReplayRequest(str(i), tuple(p), tuple(t))
@@ -171,18 +170,18 @@ def main():
         add("hf-generate+forcing", hf_generate_forcing(lm, prompts, traces, greedy.pad_id))
     profiles, syncs = [], {}
     for backend in backends:
-        engine = TorchEngine(lm, batch_size=args.batch, backend=backend)
+        engine = make_engine("torch", lm, batch_size=args.batch, backend=backend)
         label = f"torch[{engine.backend.name}]"
         add(f"{label} greedy (no trace)", lambda e=engine: e.generate(
             prompts, max_tokens=args.new_tokens), backend)
         add(f"{label} replay", lambda e=engine: e.run(requests), backend)
-        verify = TorchEngine(lm, batch_size=args.batch, backend=backend,
+        verify = make_engine("torch", lm, batch_size=args.batch, backend=backend,
                              speculative={"method": "trace", "num_tokens": args.k})
         add(f"{label} verify(trace, k={args.k})", lambda e=verify: e.run(requests), backend)
         syncs[label] = count_syncs(engine, requests, device)
         if args.profile:
             profiles.append(profile_replay(engine, requests, device, args.profile))
-    prefill = PrefillEngine(lm, batch_size=args.batch)
+    prefill = make_engine("prefill", lm, batch_size=args.batch)
     add("prefill (teacher-forced)", lambda: prefill.run(requests))
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()

@@ -11,6 +11,7 @@ import torch
 
 from trace_replay.engines.hf_backend import HFBackend
 from trace_replay.engines.static_backend import StaticLlamaBackend, supports
+from trace_replay.engines import make_engine
 from trace_replay.replay import replay
 
 pytestmark = pytest.mark.slow
@@ -29,10 +30,9 @@ def assert_same_replay(a, b, atol=1e-4):
 
 
 def _engine(lm, backend, method=None, batch_size=4):
-    from trace_replay.engines.torch_engine import TorchEngine
-
     speculative = None if method is None else {"method": method, "num_tokens": 3}
-    return TorchEngine(lm, batch_size=batch_size, backend=backend, speculative=speculative)
+    return make_engine("torch", lm, batch_size=batch_size, backend=backend,
+                       speculative=speculative)
 
 
 @pytest.fixture(scope="module")
