@@ -154,6 +154,17 @@ def test_ref_comparison_uses_recorded_logprobs_as_side_a():
     assert summarize(cmp)["first_rank_flip_step"].isna().all()
 
 
+def test_chat_turn_and_role_survive_compare():
+    """A chat trace's turn and role columns are kept once, so assistant tokens can be selected."""
+    a = frame([-1.0, -2.0, -0.5], turn=[1, 1, 2], role=["assistant", "template", "assistant"])
+    b = frame([-1.5, -2.0, -0.5], turn=[1, 1, 2], role=["assistant", "template", "assistant"])
+    cmp = compare(a, b)
+    assert cmp["turn"].tolist() == [1, 1, 2] and "role_a" not in cmp.columns
+    assert cmp.loc[cmp["role"] == "assistant", "delta"].tolist() == [-0.5, 0.0]
+    ref = compare(frame([-1.0], turn=[3], role=["assistant"], ref_logprob=[-1.0]), "ref")
+    assert ref["role"].tolist() == ["assistant"]
+
+
 def test_ref_comparison_needs_ref_column():
     """Without ref_logprob, "ref" is an error that says what is missing."""
     with pytest.raises(ValueError, match="ref_logprob"):

@@ -179,7 +179,8 @@ def compare(
     -------
     DataFrame
         One row per token, ordered by trace (first appearance in ``a``) then step:
-        ``trace_id, step, position, token, token_id, logprob_a, logprob_b``,
+        ``trace_id, step, position, token`` (and ``turn, role`` for chat traces),
+        ``token_id, logprob_a, logprob_b``,
         ``delta`` (logprob_b - logprob_a), ``abs_delta``, ``ratio`` (exp(delta) = p_b / p_a),
         ``k1`` (-delta), ``k3`` (ratio - 1 - delta), ``abs_delta_prob``
         (|p_b - p_a|), ``rank_a, rank_b`` (Int64), ``top1_a, top1_b`` (rank == 1),
@@ -223,7 +224,9 @@ def compare(
             f"{only_b} rows only in b ({labels[1]}); {first}"
         )
 
-    shared = [c for c in ("position", "token") if c in a.columns or c in b.columns]
+    # per-token facts of the trace itself, not of a run: kept once
+    shared = [c for c in ("position", "token", "turn", "role")
+              if c in a.columns or c in b.columns]
     side_a = a[[*_KEY, "token_id", *[c for c in shared if c in a.columns]]]
     side_b = b[[*_KEY, "token_id", *[c for c in shared if c not in a.columns]]]
     order = {t: i for i, t in enumerate(pd.unique(a["trace_id"]))}
