@@ -47,6 +47,17 @@ def test_import_is_light():
     assert out.stdout.strip() == "[]"
 
 
+def test_functions_named_like_their_modules_stay_functions():
+    """tr.replay and tr.record are the functions even when their modules were imported first
+    (importing a submodule binds it on the package under the same name)."""
+    code = ("import trace_replay.replay, trace_replay.record, trace_replay as tr; "
+            "from trace_replay import replay; "
+            "print(type(tr.replay).__name__, type(tr.record).__name__, type(replay).__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    assert out.stdout.split() == ["function", "function", "function"]
+
+
 def test_public_names_resolve():
     """Every name in ``trace_replay.__all__`` resolves."""
     import trace_replay

@@ -7,6 +7,8 @@ transformers. Public names are resolved lazily from their modules on first use.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 
 __version__ = "0.1.0"
 
@@ -42,6 +44,23 @@ _EXPORTS = {
 _SUBMODULES = ("datasets",)
 
 __all__ = ["__version__", *_EXPORTS, *_SUBMODULES]
+
+
+class _Package(types.ModuleType):
+    """Keeps ``tr.replay`` and ``tr.record`` the functions once their modules are imported.
+
+    Importing a submodule binds it as an attribute of its package, so importing
+    ``trace_replay.replay`` (anywhere, even inside the library) would otherwise rebind
+    ``tr.replay`` from the function to the module of the same name.
+    """
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == value.__name__:
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str):
