@@ -20,7 +20,7 @@ import torch
 from trace_replay.engines.base import ReplayRequest, TraceResult, collect_rows, score_tokens
 from trace_replay.engines.drafts import ngram_drafts, parse_speculative
 from trace_replay.engines.hf_backend import HFBackend
-from trace_replay.engines.static_backend import StaticLlamaBackend, supports
+from trace_replay.engines.static_backend import StaticCacheBackend, supports
 from trace_replay.models import load_model, resolve_dtype
 from trace_replay.state import RequestState, TraceReplayState
 
@@ -47,8 +47,8 @@ class TorchEngine:
         ``None``, or ``{"method": "trace" | "ngram", "num_tokens": k}``.
     backend
         The forward pass: ``"hf"`` (the transformers model with a growing cache, any
-        architecture), ``"static"`` (static KV cache, CUDA graphs on GPU; Llama-family
-        models) or ``"auto"`` (static on CUDA when the model is supported, else hf).
+        architecture), ``"static"`` (the model's own forward over a static KV cache,
+        compiled CUDA graphs on GPU; Llama, Mistral, Qwen2/3 and Gemma families) or ``"auto"`` (static on CUDA when the model is supported, else hf).
     """
 
     name = "torch"
@@ -83,7 +83,7 @@ class TorchEngine:
         if backend == "hf":
             return HFBackend(self.lm, self.pad_id)
         max_query_len = 1 if self.speculative is None else self.speculative[1] + 1
-        return StaticLlamaBackend(self.lm, self.pad_id, max_query_len=max_query_len)
+        return StaticCacheBackend(self.lm, self.pad_id, max_query_len=max_query_len)
 
     def info(self) -> dict:
         info = {"engine_path": f"torch-decode[{self.backend.name}]",
