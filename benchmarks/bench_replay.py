@@ -17,8 +17,8 @@ divides by greedy on the same backend. "HBM bound" is the least time of the deco
 when every weight and every row's keys and values are read once per step at
 ``--bandwidth`` (4.8 TB/s: the H200's), over the measured time. On CUDA the host
 synchronizations of one full replay are counted and the start-up cost of compiling and
-capturing is printed; ``--profile N`` adds, per backend, torch.profiler tables of a replay
-of N decode steps; ``--fidelity`` compares every replay's logprobs with a float64
+capturing is printed; ``--profile`` adds, per backend, a torch.profiler table of one replay's kernels per
+decode step; ``--fidelity`` compares every replay's logprobs with a float64
 teacher-forced forward of the same model.
 
 ``--shape`` replaces the embedded model by random weights of a published shape
@@ -29,7 +29,7 @@ Usage::
 
     python benchmarks/bench_replay.py --device cpu --batch 8 --new-tokens 64
     python benchmarks/bench_replay.py --device cuda --batch 64 --new-tokens 128 --backends hf,static
-    python benchmarks/bench_replay.py --shape llama-3.1-8b --dtype bfloat16 --batch 1 --backends static
+    python benchmarks/bench_replay.py --shape llama-3.1-8b --dtype bfloat16 --batch 1,16,64 --backends static --k 0
 """
 
 from __future__ import annotations
@@ -107,27 +107,31 @@ def hf_generate_forcing(lm, prompts, traces, pad_id):
     return run
 
 
-def profile_replay(engine, requests, device, steps):
-    """Top ops of a replay of ``steps`` decode steps (after a warm-up), as text tables."""
+def profile_replay(engine, requests, device):
+    """Top kernels of one full replay (after a warm-up), per decode step, as a text table."""
     from torch.profiler import ProfilerActivity, profile
 
-    short = [ReplayRequest(r.trace_id, r.prompt_token_ids, r.trace_token_ids[: steps + 1])
-             for r in requests]
-    engine.run(short)  # warm-up: graph capture happens here
+    engine.run(requests)  # warm-up: graph capture happens here
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     _sync(device)
     start = time.perf_counter()
     with profile(activities=activities) as prof:
-        engine.run(short)
+        engine.run(requests)
         _sync(device)
     ms = (time.perf_counter() - start) * 1e3
-    tables = [f"{engine.info()['engine_path']}: {steps} decode steps (+ prefill) in {ms:.1f} ms "
-              "under the profiler"]
-    keys = (["self_cuda_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]
-    for key in keys:
-        tables.append(prof.key_averages().table(sort_by=key, row_limit=12,
-                                                max_name_column_width=48))
-    return "\n".join(tables)
+    steps = max(r.trace_len for r in requests)
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    kind = "CUDA" if device.type == "cuda" else "CPU"  # kernels only: ops would count twice
+    events = sorted((e for e in prof.key_averages() if e.device_type.name == kind),
+                    key=lambda e: getattr(e, key), reverse=True)
+    total = sum(getattr(e, key) for e in events) or 1
+    lines = [f"{engine.info()['engine_path']}: one replay ({steps} steps + prefill) in "
+             f"{ms:.1f} ms under the profiler; kernels per step (device time):",
+             "| kernel | µs/step | calls/step | share |", "|---|---:|---:|---:|"]
+    for e in events[:25]:
+        lines.append(f"| {e.key[:70]} | {getattr(e, key) / steps:.1f} | {e.count / steps:.1f} | "
+                     f"{getattr(e, key) / total:.1%} |")
+    return "\n".join(lines)
 
 
 def count_syncs(engine, requests, device):
@@ -178,8 +182,8 @@ def main():
     parser.add_argument("--skip-hf", action="store_true", help="skip hf-generate+forcing")
     parser.add_argument("--backends", default="hf,static", help="torch engine backends")
     parser.add_argument("--bandwidth", type=float, default=4.8e12, help="HBM bytes/s")
-    parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="profile N decode steps of replay per backend")
+    parser.add_argument("--profile", action="store_true",
+                        help="kernel table of one replay per backend")
     parser.add_argument("--fidelity", action="store_true",
                         help="max |Δ logprob| of each replay against float64")
     args = parser.parse_args()
@@ -204,6 +208,7 @@ def run_batch(lm, args, batch, device):
     backends = args.backends.split(",")
     greedy = TorchEngine(lm, batch_size=batch, backend=backends[0])
     generated = greedy.generate(prompts, max_tokens=args.new_tokens)  # no EOS stop: fixed length
+    first_compile = getattr(greedy.backend, "compile_seconds", None)
     del greedy
     traces = [ids for ids, _ in generated]
     requests = [ReplayRequest(str(i), tuple(p), tuple(t))
@@ -214,6 +219,12 @@ def run_batch(lm, args, batch, device):
     reference = float64_logprobs(lm, requests) if args.fidelity else None
 
     rows, notes = [], []
+    if first_compile is not None:
+        from torch._dynamo.utils import counters
+
+        notes.append(f"torch[{backends[0]}] first decode shape: compile + capture "
+                     f"{first_compile:.1f} s; dynamo graphs so far "
+                     f"{counters['stats']['unique_graphs']}")
 
     def add(name, fn, backend="–"):
         seconds = timed(fn, device, args.repeats)
@@ -244,7 +255,7 @@ def run_batch(lm, args, batch, device):
                              f"{max_abs_delta(e.run(requests), reference):.2e}")
         syncs[label] = count_syncs(engine, requests, device)
         if args.profile:
-            profiles.append(profile_replay(engine, requests, device, args.profile))
+            profiles.append(profile_replay(engine, requests, device))
         del engine, engines
     if args.shape == "embedded":
         prefill = PrefillEngine(lm, batch_size=batch)

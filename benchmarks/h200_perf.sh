@@ -11,13 +11,18 @@ bench() { name=$1; shift; timeout "$LIMIT" python3 benchmarks/bench_replay.py --
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 case $1 in
 torch)
-  LIMIT=200 bench smol_fp32 --shape smollm2-135m --dtype float32 --batch 64 --k 8 --fidelity --profile 5
-  LIMIT=100 bench smol_bf16 --shape smollm2-135m --dtype bfloat16 --batch 256 --k 0 --skip-hf --profile 5
-  LIMIT=240 bench llama8b --shape llama-3.1-8b --dtype bfloat16 --batch 1,16,64 --k 0 --repeats 2 --profile 3
+  LIMIT=200 bench smol_fp32 --shape smollm2-135m --dtype float32 --batch 64 --k 8 --fidelity --profile
+  LIMIT=100 bench smol_bf16 --shape smollm2-135m --dtype bfloat16 --batch 256 --k 0 --skip-hf --profile
+  LIMIT=240 bench llama8b --shape llama-3.1-8b --dtype bfloat16 --batch 1,16,64 --k 0 --repeats 2 --profile
+  ;;
+fp32)
+  LIMIT=150 bench smol_fp32 --shape smollm2-135m --dtype float32 --batch 64 --k 8 --fidelity --profile
   ;;
 big)
-  LIMIT=240 bench qwen7b --shape qwen2.5-7b --dtype bfloat16 --batch 1,16,64 --k 0 --repeats 2
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_static_backend.py 2>&1 \
-    | tail -15 | tee "$out/gpu_tests.txt"
+  LIMIT=150 bench qwen7b --shape qwen2.5-7b --dtype bfloat16 --batch 1,64 --k 0 --repeats 2
+  ;;
+tests)
+  timeout 150 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_static_backend.py \
+    -k "${TESTS:-.}" 2>&1 | grep -E "PASS|FAIL|Error|error|passed|failed" | tee "$out/gpu_tests.txt"
   ;;
 esac

@@ -62,7 +62,8 @@ def grouped_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
         scores = torch.tanh(scores / softcap) * softcap + attention_mask
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         out = torch.matmul(probs, value)
-    return out.view(batch, heads, q, dim).transpose(1, 2), None
+    # rows g * q + i of kv head h are query head h * g + (row // q), position row % q
+    return out.reshape(batch, heads, q, dim).transpose(1, 2), None
 
 
 class LayerCache:
