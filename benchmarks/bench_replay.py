@@ -17,9 +17,9 @@ divides by greedy on the same backend. "HBM bound" is the least time of the deco
 when every weight and every row's keys and values are read once per step at
 ``--bandwidth`` (4.8 TB/s: the H200's), over the measured time. On CUDA the host
 synchronizations of one full replay are counted and the start-up cost of compiling and
-capturing is printed; ``--profile`` adds, per backend, a torch.profiler table of one replay's kernels per
-decode step; ``--fidelity`` compares every replay's logprobs with a float64
-teacher-forced forward of the same model.
+capturing is printed; ``--profile`` adds, per backend, a torch.profiler table of one
+replay's kernels per decode step; ``--fidelity`` compares every replay's logprobs with a
+float64 teacher-forced forward of the same model.
 
 ``--shape`` replaces the embedded model by random weights of a published shape
 (``smollm2-135m``, ``llama-3.1-8b``, ``qwen2.5-7b``; see ``shapes.py``) and the prompts by
@@ -29,7 +29,8 @@ Usage::
 
     python benchmarks/bench_replay.py --device cpu --batch 8 --new-tokens 64
     python benchmarks/bench_replay.py --device cuda --batch 64 --new-tokens 128 --backends hf,static
-    python benchmarks/bench_replay.py --shape llama-3.1-8b --dtype bfloat16 --batch 1,16,64 --backends static --k 0
+    python benchmarks/bench_replay.py --shape llama-3.1-8b --dtype bfloat16 --batch 1,16,64 \
+        --backends static --k 0
 """
 
 from __future__ import annotations

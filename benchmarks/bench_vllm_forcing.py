@@ -87,8 +87,9 @@ def main():
         print(f"  batch {batch}: greedy {g:.3f} s, forcing {f:.3f} s", flush=True)
 
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    print(f"\n{dt.date.today()} · {name} · vLLM {vllm.__version__} · torch {torch.__version__} · "
-          f"{args.shape} random weights · {args.dtype} · {args.prompt_len}-token prompts · "
+    print(f"\n{dt.date.today()} · {name} · vLLM {vllm.__version__} · "
+          f"torch {torch.__version__} · {args.shape} random weights · {args.dtype} · "
+          f"{args.prompt_len}-token prompts · "
           f"{args.new_tokens} tokens/row · median of {args.repeats} · start-up {startup:.0f} s")
     print("\n| batch | vLLM greedy tok/s | vLLM forcing tok/s | forcing / greedy | "
           "emitted = trace | max |Δ logprob| vs greedy |")

@@ -222,13 +222,15 @@ class StaticCacheBackend:
     def _allocate(self, batch: int, length: int) -> None:
         """Cache for ``batch`` rows of ``length`` slots; reuse the current one when it fits."""
         length = _bucket(length)
-        if self.cache is not None and self.cache.shape[1] == length and batch <= self.cache.shape[0]:
+        shape = None if self.cache is None else self.cache.shape
+        if shape is not None and shape[1] == length and batch <= shape[0]:
             return
         self._graphs.clear()
         self.cache = None  # free before allocating the new one
         config = self.lm.config
         attn = self.lm.model.layers[0].self_attn
-        head_dim = getattr(attn, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = (getattr(attn, "head_dim", None)
+                    or config.hidden_size // config.num_attention_heads)
         self.cache = StaticKVCache(len(self.lm.model.layers), batch, config.num_key_value_heads,
                                    length, head_dim, self.dtype, self.device)
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
