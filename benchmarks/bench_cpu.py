@@ -62,20 +62,20 @@ def main():
     tokens = sum(r.trace_len for r in requests)
     rows = []
     for name in args.engines.split(","):
-        engine, _ = make_engine(name, device="cpu", batch_size=args.batch)
+        engine = make_engine(name, device="cpu", batch_size=args.batch)
         if name == "vllm":
             greedy = vllm_greedy(engine, requests, engine.top_k)
         else:
             prompts = [r.prompt_token_ids for r in requests]
             greedy = lambda e=engine, p=prompts: e.generate(p, max_tokens=args.length)  # noqa: E731
-        label = engine.info()["engine_path"]
+        label = engine.settings()["engine_path"]
         greedy_s = timed(greedy, args.repeats)
         replay_s = timed(lambda e=engine: e.run(requests), args.repeats)
         rows.append((label, greedy_s, replay_s))
         print(f"  {label}: greedy {greedy_s:.2f} s, replay {replay_s:.2f} s", flush=True)
         if hasattr(engine, "close"):
             engine.close()
-    prefill, _ = make_engine("prefill", device="cpu", batch_size=args.batch)
+    prefill = make_engine("prefill", device="cpu", batch_size=args.batch)
     prefill_s = timed(lambda: prefill.run(requests), args.repeats)
 
     print(f"\n{dt.date.today()} · {platform.machine()} CPU, {os.cpu_count()} cores · "

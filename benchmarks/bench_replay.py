@@ -45,9 +45,8 @@ import warnings
 import torch
 from shapes import SHAPES, hbm_bound_seconds, random_model
 
+from trace_replay.engines import make_engine
 from trace_replay.engines.base import ReplayRequest
-from trace_replay.engines.prefill import PrefillEngine
-from trace_replay.engines.torch_engine import TorchEngine
 from trace_replay.models import load_model, load_tokenizer, resolve_dtype
 
 PROMPTS = [
@@ -126,7 +125,7 @@ def profile_replay(engine, requests, device):
     events = sorted((e for e in prof.key_averages() if e.device_type.name == kind),
                     key=lambda e: getattr(e, key), reverse=True)
     total = sum(getattr(e, key) for e in events) or 1
-    lines = [f"{engine.info()['engine_path']}: one replay ({steps} steps + prefill) in "
+    lines = [f"{engine.settings()['engine_path']}: one replay ({steps} steps + prefill) in "
              f"{ms:.1f} ms under the profiler; kernels per step (device time):",
              "| kernel | µs/step | calls/step | share |", "|---|---:|---:|---:|"]
     for e in events[:25]:
@@ -207,7 +206,7 @@ def run_batch(lm, args, batch, device):
         prompts = [torch.randint(3, lm.config.vocab_size, (args.prompt_len,), generator=gen)
                    .tolist() for _ in range(batch)]
     backends = args.backends.split(",")
-    greedy = TorchEngine(lm, batch_size=batch, backend=backends[0])
+    greedy = make_engine("torch", lm, batch_size=batch, backend=backends[0])
     generated = greedy.generate(prompts, max_tokens=args.new_tokens)  # no EOS stop: fixed length
     first_compile = getattr(greedy.backend, "compile_seconds", None)
     del greedy
@@ -236,14 +235,14 @@ def run_batch(lm, args, batch, device):
         add("hf-generate+forcing", hf_generate_forcing(lm, prompts, traces, 0))
     profiles, syncs = [], {}
     for backend in backends:
-        engine = TorchEngine(lm, batch_size=batch, backend=backend)
+        engine = make_engine("torch", lm, batch_size=batch, backend=backend)
         label = f"torch[{engine.backend.name}]"
         add(f"{label} greedy (no trace)", lambda e=engine: e.generate(
             prompts, max_tokens=args.new_tokens), backend)
         add(f"{label} replay", lambda e=engine: e.run(requests), backend)
         engines = {"replay": engine}
         if args.k:
-            verify = TorchEngine(lm, batch_size=batch, backend=backend,
+            verify = make_engine("torch", lm, batch_size=batch, backend=backend,
                                  speculative={"method": "trace", "num_tokens": args.k})
             add(f"{label} verify(trace, k={args.k})", lambda e=verify: e.run(requests), backend)
             engines[f"verify(trace, k={args.k})"] = verify
@@ -259,7 +258,7 @@ def run_batch(lm, args, batch, device):
             profiles.append(profile_replay(engine, requests, device))
         del engine, engines
     if args.shape == "embedded":
-        prefill = PrefillEngine(lm, batch_size=batch)
+        prefill = make_engine("prefill", lm, batch_size=batch)
         add("prefill (teacher-forced)", lambda: prefill.run(requests))
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()

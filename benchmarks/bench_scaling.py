@@ -20,7 +20,7 @@ import time
 import torch
 
 from trace_replay.engines.base import ReplayRequest
-from trace_replay.engines.torch_engine import TorchEngine
+from trace_replay.engines import make_engine
 from trace_replay.models import load_model
 
 
@@ -30,7 +30,7 @@ def run(lm, batch, length, backend, repeats, device):
     requests = [ReplayRequest(str(i), tuple(torch.randint(3, vocab, (16,), generator=gen).tolist()),
                               tuple(torch.randint(3, vocab, (length,), generator=gen).tolist()))
                 for i in range(batch)]
-    engine = TorchEngine(lm, batch_size=batch, backend=backend)
+    engine = make_engine("torch", lm, batch_size=batch, backend=backend)
     engine.run(requests)  # warm-up (graph capture)
     if device.type == "cuda":
         torch.cuda.synchronize()

@@ -62,7 +62,7 @@ def main():
     rows = []
     for engine_name in args.engines.split(","):
         for dtype in args.dtypes.split(","):
-            engine, _ = make_engine(engine_name, dtype=dtype, device="cpu")
+            engine = make_engine(engine_name, dtype=dtype, device="cpu")
             df = replay(traces, engine=engine, progress=False)
             rows.append({"engine": engine_name, "path": df.attrs["engine_path"], "dtype": dtype,
                          **score(df, ref)})

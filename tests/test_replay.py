@@ -6,6 +6,7 @@ import pandas as pd
 import pytest
 
 from trace_replay import TraceError
+from trace_replay.engines import make_engine
 from trace_replay.replay import replay
 
 pytestmark = pytest.mark.slow
@@ -16,9 +17,7 @@ REQUIRED = ["trace_id", "step", "position", "token_id", "token", "logprob", "ran
 
 @pytest.fixture(scope="module")
 def engine(lm):
-    from trace_replay.engines.prefill import PrefillEngine
-
-    return PrefillEngine(lm, batch_size=4, top_k=3)
+    return make_engine("prefill", lm, batch_size=4, top_k=3)
 
 
 def test_frame_columns_and_attrs(engine, real_traces):
@@ -83,10 +82,8 @@ def test_resume_equals_uninterrupted(engine, real_traces, tmp_path):
 
 def test_checkpoint_refuses_other_settings(engine, real_traces, tmp_path, lm):
     """A checkpoint written with one top_k is not silently extended with another."""
-    from trace_replay.engines.prefill import PrefillEngine
-
     replay(real_traces[:2], engine=engine, progress=False, checkpoint=tmp_path)
-    other = PrefillEngine(lm, batch_size=4, top_k=5)
+    other = make_engine("prefill", lm, batch_size=4, top_k=5)
     with pytest.raises(ValueError, match="other settings"):
         replay(real_traces, engine=other, progress=False, checkpoint=tmp_path)
 
@@ -102,9 +99,7 @@ def test_shards_partition_the_dataset(engine, real_traces):
 
 def test_too_long_trace_is_named(lm):
     """A trace beyond max_model_len is an error naming it, or cut with truncate=True."""
-    from trace_replay.engines.prefill import PrefillEngine
-
-    engine = PrefillEngine(lm, batch_size=4, top_k=3)
+    engine = make_engine("prefill", lm, batch_size=4, top_k=3)
     engine.max_model_len = 16  # the model's real 8192 would make this test slow
     long = [{"id": "too-long", "prompt": "Hi", "trace_token_ids": [28] * 20}]
     with pytest.raises(TraceError, match="too-long.*max_model_len"):

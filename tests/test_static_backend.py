@@ -15,10 +15,10 @@ import pytest
 import torch
 from conftest import assert_matches_reference
 
+from trace_replay.engines import make_engine
 from trace_replay.engines.base import ReplayRequest
 from trace_replay.engines.hf_backend import HFBackend
 from trace_replay.engines.static_backend import StaticCacheBackend, supports
-from trace_replay.engines.torch_engine import TorchEngine
 from trace_replay.replay import replay
 
 PROMPTS = [[50, 35, 28, 46], [1], [95, 30, 21], [50, 35]]
@@ -65,7 +65,7 @@ def requests(vocab: int = 128) -> list[ReplayRequest]:
 def run(lm, backend: str, method: str | None = None):
     """Replay ``requests()`` in four slots; returns (engine, results)."""
     speculative = None if method is None else {"method": method, "num_tokens": 3}
-    engine = TorchEngine(lm, batch_size=4, backend=backend, speculative=speculative)
+    engine = make_engine("torch", lm, batch_size=4, backend=backend, speculative=speculative)
     return engine, engine.run(requests(lm.config.vocab_size))
 
 
@@ -117,7 +117,7 @@ def test_ngram_verify_equals_hf():
     ours_engine, ours = run(lm, "static", "ngram")
     theirs_engine, theirs = run(lm, "hf", "ngram")
     assert_same_results(ours, theirs)
-    assert ours_engine.info()["acceptance_rate"] == theirs_engine.info()["acceptance_rate"]
+    assert ours_engine.stats()["acceptance_rate"] == theirs_engine.stats()["acceptance_rate"]
 
 
 def test_model_left_unmodified():
@@ -195,10 +195,10 @@ def test_smaller_wave_reuses_cache():
 def test_backend_choice():
     """``auto`` is hf on CPU; ``static`` runs without graphs on CPU; unknown names raise."""
     lm = tiny_model("llama")
-    assert TorchEngine(lm, backend="auto").backend.name == "hf"
-    assert TorchEngine(lm, backend="static").backend.name == "static"
+    assert make_engine("torch", lm, backend="auto").backend.name == "hf"
+    assert make_engine("torch", lm, backend="static").backend.name == "static"
     with pytest.raises(ValueError, match="backend"):
-        TorchEngine(lm, backend="bogus")
+        make_engine("torch", lm, backend="bogus")
     with pytest.raises(ValueError, match="cuda_graphs"):
         StaticCacheBackend(lm, 0, cuda_graphs=True)
 
@@ -207,10 +207,10 @@ def test_backend_choice():
 def test_embedded_model_replay_equals_hf(lm, real_traces, reference64):
     """The embedded SmolLM2 replays real traces through the static backend as through HF,
     within 2e-3 of float64 per token (ranks equal up to near-ties)."""
-    ours = replay(real_traces, engine=TorchEngine(lm, batch_size=4, backend="static"),
+    ours = replay(real_traces, engine=make_engine("torch", lm, batch_size=4, backend="static"),
                   progress=False)
     assert_matches_reference(ours, reference64)
-    theirs = replay(real_traces, engine=TorchEngine(lm, batch_size=4, backend="hf"),
+    theirs = replay(real_traces, engine=make_engine("torch", lm, batch_size=4, backend="hf"),
                     progress=False)
     assert ours.attrs["engine_path"] == "torch-decode[static]"
     assert ours["token_id"].tolist() == theirs["token_id"].tolist()

@@ -8,6 +8,7 @@ from conftest import assert_matches_reference
 
 pytest.importorskip("vllm", reason="vllm is not installed (pip install 'trace-replay[cpu]')")
 
+from trace_replay.engines import make_engine  # noqa: E402
 from trace_replay.replay import replay  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -15,11 +16,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 @pytest.fixture(scope="module")
 def engine():
-    from trace_replay.engines.vllm_engine import VLLMEngine
-
     # small batch: slots get reused across the six traces
-    engine = VLLMEngine(None, batch_size=4, top_k=5,
-                        engine_args={"max_model_len": 1024, "max_num_batched_tokens": 1024})
+    engine = make_engine("vllm", None, batch_size=4, top_k=5,
+                         engine_args={"max_model_len": 1024, "max_num_batched_tokens": 1024})
     yield engine
     engine.close()
 
@@ -57,9 +56,8 @@ def test_off_trace_token_gets_its_true_rank(engine, tokenizer):
 
 def test_agrees_with_torch_engine(result, lm, real_traces):
     """The two decode engines agree per token within the fidelity tolerance."""
-    from trace_replay.engines.torch_engine import TorchEngine
 
-    torch_df = replay(real_traces, engine=TorchEngine(lm, batch_size=4), progress=False)
+    torch_df = replay(real_traces, engine=make_engine("torch", lm, batch_size=4), progress=False)
     np.testing.assert_allclose(result["logprob"], torch_df["logprob"], atol=2e-3)
     assert (result["top_token_ids"].map(lambda v: v[0]) ==
             torch_df["top_token_ids"].map(lambda v: v[0])).mean() > 0.95

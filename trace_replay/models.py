@@ -29,6 +29,7 @@ __all__ = [
     "hf_folder",
     "load_model",
     "load_tokenizer",
+    "model_for_engine",
     "model_label",
     "resolve_dtype",
 ]
@@ -42,6 +43,10 @@ GGUF_ENV = "TRACE_REPLAY_GGUF"
 
 class ModelNotFoundError(FileNotFoundError):
     """A model argument that names nothing on this machine."""
+
+
+# the tokenizer source of a module that was not loaded from a folder
+_NO_TOKENIZER = object()
 
 
 def cache_dir() -> Path:
@@ -190,6 +195,9 @@ def load_tokenizer(model: str | os.PathLike | None = None):
     """The tokenizer of ``model`` (see :func:`hf_folder`)."""
     from transformers import AutoTokenizer
 
+    if model is _NO_TOKENIZER:
+        raise ModelNotFoundError("this in-memory model was not loaded from a folder, so its "
+                                 "tokenizer is unknown: set engine.tokenizer = <tokenizer>")
     return AutoTokenizer.from_pretrained(str(hf_folder(model)))
 
 
@@ -223,3 +231,38 @@ def load_model(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     lm = AutoModelForCausalLM.from_pretrained(str(hf_folder(model)), dtype=resolve_dtype(dtype))
     return lm.to(device).eval()
+
+
+def model_for_engine(model, *, dtype=None, device=None):
+    """The transformers model an engine runs: ``model`` loaded, or a loaded one checked.
+
+    Parameters
+    ----------
+    model
+        ``None``, a folder or a cached name (loaded with :func:`load_model`), or a causal LM
+        already in memory (an ``nn.Module``), used as it is.
+    dtype, device
+        For a module, only checked: a module whose weights are not ``dtype`` / not on
+        ``device`` is an error rather than a silent copy of the weights.
+
+    Returns
+    -------
+    tuple
+        ``(lm, label, source)``: the model in eval mode, the name recorded in provenance,
+        and where its tokenizer is (``model`` itself, or the folder a module was loaded
+        from; ``None`` means the embedded model's).
+    """
+    if not isinstance(model, torch.nn.Module):
+        return load_model(model, dtype=dtype, device=device), model_label(model), model
+    weight = next(model.parameters())
+    if dtype is not None and resolve_dtype(dtype) != weight.dtype:
+        raise ValueError(f"the model passed is {weight.dtype}, not {resolve_dtype(dtype)}: "
+                         "cast it first (model.to(dtype)) or pass a path")
+    if device is not None and torch.device(device).type != weight.device.type:
+        raise ValueError(f"the model passed is on {weight.device}, not {device}: "
+                         "move it first (model.to(device)) or pass a path")
+    folder = getattr(getattr(model, "config", None), "name_or_path", None) or ""
+    if Path(folder).name.startswith(f"{EMBEDDED_MODEL}-f32-"):
+        return model.eval(), EMBEDDED_MODEL, None  # the converted folder of the embedded model
+    source = folder if folder and Path(folder).is_dir() else _NO_TOKENIZER
+    return model.eval(), folder or type(model).__name__, source

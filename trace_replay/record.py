@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from trace_replay.engines import make_engine
-from trace_replay.models import load_tokenizer, model_label
+from trace_replay.engines.base import Generator
 from trace_replay.traces import Trace, TraceSet
 
 __all__ = ["record"]
@@ -57,7 +57,26 @@ def record(prompts: Iterable, model=None, *, engine="vllm", max_tokens: int,
         Tokenized traces with ``completion`` text, ``ref_logprobs`` (the raw logprob of each
         emitted token under the generating engine) and generation settings in ``meta``.
     """
-    tokenizer = load_tokenizer(model)
+    owned = isinstance(engine, str)
+    if owned:
+        if engine not in ("vllm", "torch"):
+            raise ValueError(f"record runs on 'vllm' or 'torch', not {engine!r}")
+        engine = make_engine(engine, model, batch_size=batch_size, top_k=top_k,
+                             engine_args=engine_args)
+    elif not isinstance(engine, Generator):
+        raise TypeError(f"engine {getattr(engine, 'name', engine)!r} cannot generate; "
+                        "record with the 'vllm' or 'torch' engine")
+    try:
+        return _record(prompts, engine, max_tokens=max_tokens, temperature=temperature,
+                       seed=seed, stop_at_eos=stop_at_eos)
+    finally:
+        if owned:
+            engine.close()
+
+
+def _record(prompts, engine, *, max_tokens: int, temperature: float, seed: int,
+            stop_at_eos: bool) -> TraceSet:
+    tokenizer = engine.tokenizer
     records = _prompt_records(prompts)
     prompt_ids = []
     for i, r in enumerate(records):
@@ -65,16 +84,12 @@ def record(prompts: Iterable, model=None, *, engine="vllm", max_tokens: int,
             raise ValueError(f"prompt {i} ({r['id']!r}): needs 'prompt' text or 'prompt_token_ids'")
         ids = r.get("prompt_token_ids") or tokenizer.encode(r["prompt"], add_special_tokens=True)
         prompt_ids.append([int(t) for t in ids])
-    if isinstance(engine, str):
-        if engine not in ("vllm", "torch"):
-            raise ValueError(f"record runs on 'vllm' or 'torch', not {engine!r}")
-        engine, _ = make_engine(engine, model, batch_size=batch_size, top_k=top_k,
-                                engine_args=engine_args)
     eos = tokenizer.eos_token_id if stop_at_eos else None
     generated = engine.generate(prompt_ids, max_tokens=max_tokens, temperature=temperature,
                                 seed=seed, eos_token_id=eos)
-    settings = {"model": model_label(model), "engine": engine.name,
-                "engine_path": engine.info()["engine_path"], "temperature": temperature,
+    engine_settings = engine.settings()
+    settings = {"model": engine_settings["model"], "engine": engine.name,
+                "engine_path": engine_settings["engine_path"], "temperature": temperature,
                 "seed": seed, "max_tokens": max_tokens}
     out = []
     for r, ids, (tokens, logprobs) in zip(records, prompt_ids, generated):

@@ -4,18 +4,26 @@ from __future__ import annotations
 
 import datetime as dt
 import importlib.metadata
+import os
 import platform
 import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import pandas as pd
+import torch
 from tqdm.auto import tqdm
 
 from trace_replay.checkpoint import Checkpoint
-from trace_replay.engines import make_engine
-from trace_replay.engines.base import ReplayRequest
+from trace_replay.engines import ENGINES, make_engine
+from trace_replay.engines.base import Engine, ReplayRequest
 from trace_replay.frame import TokenDecoder, to_frame
-from trace_replay.models import load_tokenizer, model_label
 from trace_replay.traces import TraceError, TraceSet, load_traces
+
+# what load_traces reads: a path, a TraceSet, a DataFrame, a Dataset, or records
+TraceInput = str | os.PathLike | TraceSet | pd.DataFrame | Iterable[Mapping[str, Any]]
+# None (the embedded model), a local folder, a cached model name, or a loaded nn.Module
+ModelArg = str | os.PathLike | torch.nn.Module | None
 
 __all__ = ["replay", "prepare_requests", "package_versions"]
 
@@ -58,9 +66,11 @@ def prepare_requests(traces: TraceSet, max_model_len: int | None, *,
     return requests, notes
 
 
-def replay(traces, model=None, *, engine="auto", top_k: int = 5, dtype=None, device=None,
-           batch_size: int | None = None, speculative: dict | None = None,
-           engine_args: dict | None = None, progress: bool = True, checkpoint=None,
+def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine = "auto",
+           top_k: int = 5, dtype: str | torch.dtype | None = None,
+           device: str | torch.device | None = None, batch_size: int | None = None,
+           speculative: dict[str, Any] | None = None, engine_args: dict[str, Any] | None = None,
+           progress: bool = True, checkpoint: str | os.PathLike | None = None,
            shard: tuple[int, int] | None = None, truncate: bool = False,
            chunk_size: int | None = None) -> pd.DataFrame:
     """Replay every trace through a model's decode path and score each trace token.
@@ -79,8 +89,11 @@ def replay(traces, model=None, *, engine="auto", top_k: int = 5, dtype=None, dev
         ``None`` for the embedded SmolLM2-135M-Instruct, a local folder, or a model name in
         the local Hugging Face cache.
     engine
-        ``"auto"``, ``"vllm"``, ``"torch"``, ``"prefill"``, or an engine object built earlier
-        (``trace_replay.engines.make_engine``) to reuse its loaded model.
+        ``"auto"``, ``"vllm"``, ``"torch"``, ``"prefill"`` (built for this call and closed
+        after it), or an :class:`~trace_replay.engines.Engine` built earlier with
+        :func:`~trace_replay.engines.make_engine` to reuse its loaded model; its own
+        settings (model, dtype, batch size, top-k) then apply and the arguments that
+        configure an engine are not used.
     top_k
         Alternatives recorded per step (``top_token_ids``, ``top_logprobs``, ``top_tokens``).
     dtype, device
@@ -123,30 +136,47 @@ def replay(traces, model=None, *, engine="auto", top_k: int = 5, dtype=None, dev
     traceset = load_traces(traces)
     if shard is not None:
         traceset = traceset.shard(*shard)
-    tokenizer = load_tokenizer(model)
-    traceset = traceset.tokenize(tokenizer)
     if isinstance(engine, str):
-        engine_obj, note = make_engine(engine, model, dtype=dtype, device=device,
-                                       batch_size=batch_size, top_k=top_k,
-                                       speculative=speculative, engine_args=engine_args)
-    else:
-        engine_obj, note = engine, None
-    requests, cut_notes = prepare_requests(traceset, engine_obj.max_model_len,
-                                           truncate=truncate)
-    settings = {"model": model_label(model), "engine": engine_obj.name,
-                "top_k": engine_obj.top_k, **engine_obj.info()}
-    settings.pop("acceptance_rate", None)
+        engine_obj = make_engine(engine, model, dtype=dtype, device=device,
+                                 batch_size=batch_size, top_k=top_k, speculative=speculative,
+                                 engine_args=engine_args)
+        with engine_obj:
+            return _replay(traceset, engine_obj, progress=progress, checkpoint=checkpoint,
+                           shard=shard, truncate=truncate, chunk_size=chunk_size,
+                           started=started)
+    if not all(callable(getattr(engine, m, None)) for m in ("run", "settings", "stats")):
+        raise TypeError(f"engine must be a name ({', '.join(ENGINES)}) or an Engine, "
+                        f"got {type(engine).__name__}")
+    given = {"model": model, "dtype": dtype, "device": device, "batch_size": batch_size,
+             "speculative": speculative, "engine_args": engine_args}
+    given = sorted(name for name, value in given.items() if value is not None)
+    if top_k != 5:
+        given.append("top_k")
+    if given:
+        raise ValueError(f"{', '.join(given)} configure an engine; an engine object was passed, "
+                         "so give them to make_engine instead")
+    return _replay(traceset, engine, progress=progress, checkpoint=checkpoint, shard=shard,
+                   truncate=truncate, chunk_size=chunk_size, started=started)
+
+
+def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
+            checkpoint: str | os.PathLike | None, shard: tuple[int, int] | None,
+            truncate: bool, chunk_size: int | None, started: str) -> pd.DataFrame:
+    settings = engine.settings()
+    tokenizer = engine.tokenizer
+    traceset = traceset.tokenize(tokenizer)
+    requests, cut_notes = prepare_requests(traceset, engine.max_model_len, truncate=truncate)
     store = Checkpoint(checkpoint, settings) if checkpoint is not None else None
     finished = store.finished_ids() if store is not None else set()
     pending = [r for r in requests if r.trace_id not in finished]
     by_id = {t.id: t for t in traceset}
     decode = TokenDecoder(tokenizer)
-    chunk = chunk_size or max(engine_obj.batch_size, 1) * 4
+    chunk = chunk_size or max(engine.batch_size, 1) * 4
     frames = []
     with tqdm(total=len(requests), initial=len(requests) - len(pending), unit="trace",
-              disable=not progress, desc=f"replay[{engine_obj.name}]") as bar:
+              disable=not progress, desc=f"replay[{engine.name}]") as bar:
         for start in range(0, len(pending), chunk):
-            frame = to_frame(engine_obj.run(pending[start:start + chunk]), by_id, decode)
+            frame = to_frame(engine.run(pending[start:start + chunk]), by_id, decode)
             if store is not None:
                 store.write(frame)
             frames.append(frame)
@@ -162,7 +192,7 @@ def replay(traces, model=None, *, engine="auto", top_k: int = 5, dtype=None, dev
         result = result.drop(columns="ref_logprob")
     result.attrs = {
         **settings,
-        "engine_note": note,
+        **engine.stats(),
         "num_traces": len(requests),
         "resumed_traces": len(requests) - len(pending),
         "truncated": cut_notes,
@@ -172,6 +202,4 @@ def replay(traces, model=None, *, engine="auto", top_k: int = 5, dtype=None, dev
         "started_at": started,
         "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }
-    if "acceptance_rate" in engine_obj.info():
-        result.attrs["acceptance_rate"] = engine_obj.info()["acceptance_rate"]
     return result

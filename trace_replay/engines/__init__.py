@@ -3,51 +3,92 @@
 * ``"torch"``  — built-in batched decode loop over a transformers model (CPU, CUDA).
 * ``"prefill"`` — teacher-forced scoring, one forward over prompt + trace.
 * ``"vllm"``   — vLLM, native trace replay or logits-processor forcing.
-* ``"auto"``   — vLLM when it imports and starts, else torch; the choice is recorded.
+* ``"auto"``   — vLLM when it imports and starts, else torch; the choice is in the
+  engine's ``settings()["selected_by"]``.
+
+Every engine implements :class:`~trace_replay.engines.base.Engine`.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import warnings
+from typing import Any
 
-__all__ = ["ENGINES", "make_engine"]
+from trace_replay.engines.base import Engine, EngineConfig
+
+__all__ = ["ENGINES", "ENGINE_OPTIONS", "Engine", "EngineConfig", "make_engine"]
 
 ENGINES = ("auto", "torch", "prefill", "vllm")
+# keyword options each engine takes beyond EngineConfig
+ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {
+    "torch": ("speculative", "backend"),
+    "prefill": (),
+    "vllm": ("engine_args", "native"),
+}
 
 
-def make_engine(name: str, model=None, *, dtype=None, device=None, batch_size=None, top_k=5,
-                speculative=None, engine_args=None):
-    """Build the engine ``name``; returns ``(engine, note)`` where note explains an auto choice."""
+def make_engine(name: str, model: Any = None, *, dtype=None, device=None,
+                batch_size: int | None = None, top_k: int = 5, **options: Any) -> Engine:
+    """Build the engine ``name``.
+
+    Parameters
+    ----------
+    name
+        One of :data:`ENGINES`.
+    model, dtype, device, batch_size, top_k
+        The :class:`~trace_replay.engines.base.EngineConfig` fields, validated before
+        anything is loaded.
+    **options
+        Engine-specific: ``speculative``, ``backend`` (torch); ``engine_args``, ``native``
+        (vllm). ``None`` values count as not given.
+
+    Returns
+    -------
+    Engine
+        Ready to ``run``; close it (or use ``with``) to release its model and processes.
+    """
     if name not in ENGINES:
         raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}")
-    if speculative is not None and name not in ("torch", "auto"):
-        raise ValueError(f"speculative verify runs in the torch engine, not {name!r}")
-    if engine_args and name in ("torch", "prefill"):
-        raise ValueError(f"engine_args are passed to vllm.LLM; engine {name!r} takes none")
-    note = None
+    config = EngineConfig(model=model, dtype=dtype, device=device, batch_size=batch_size,
+                          top_k=top_k)
+    options = {k: v for k, v in options.items() if v is not None}
     if name == "auto":
-        if speculative is None and importlib.util.find_spec("vllm") is not None:
-            try:
-                return make_engine("vllm", model, dtype=dtype, device=device,
-                                   batch_size=batch_size, top_k=top_k,
-                                   engine_args=engine_args)[0], "auto: vllm"
-            except Exception as exc:  # noqa: BLE001 - any start-up failure falls back
-                note = f"auto: torch (vllm failed to start: {type(exc).__name__}: {exc})"
-        else:
-            note = "auto: torch (" + ("speculative verify" if speculative is not None
-                                      else "vllm not installed") + ")"
-        name = "torch"
+        return _make_auto(config, options)
+    unknown = sorted(set(options) - set(ENGINE_OPTIONS[name]))
+    if unknown:
+        takes = ", ".join(ENGINE_OPTIONS[name]) or "no options"
+        raise ValueError(f"engine {name!r} does not take {', '.join(unknown)} (it takes {takes})")
     if name == "torch":
         from trace_replay.engines.torch_engine import TorchEngine
 
-        return TorchEngine(model, dtype=dtype, device=device, batch_size=batch_size,
-                           top_k=top_k, speculative=speculative), note
+        return TorchEngine(config, **options)
     if name == "prefill":
         from trace_replay.engines.prefill import PrefillEngine
 
-        return PrefillEngine(model, dtype=dtype, device=device, batch_size=batch_size,
-                             top_k=top_k), note
+        return PrefillEngine(config)
     from trace_replay.engines.vllm_engine import VLLMEngine
 
-    return VLLMEngine(model, dtype=dtype, device=device, batch_size=batch_size, top_k=top_k,
-                      engine_args=engine_args), note
+    return VLLMEngine(config, **options)
+
+
+def _make_auto(config: EngineConfig, options: dict[str, Any]) -> Engine:
+    """vLLM when it is installed and starts, else the torch engine; say which and why."""
+    if "speculative" in options:
+        reason = "speculative verify runs in the torch engine"
+    elif importlib.util.find_spec("vllm") is None:
+        reason = "vllm is not installed"
+    else:
+        try:
+            engine = make_engine("vllm", **vars(config), **options)
+        except Exception as exc:  # noqa: BLE001 - any start-up failure falls back, said below
+            reason = f"vllm failed to start: {type(exc).__name__}: {exc}"
+            warnings.warn(f"engine='auto' falls back to the torch engine ({reason})",
+                          RuntimeWarning, stacklevel=3)
+        else:
+            engine.selected_by = "auto: vllm"
+            return engine
+    torch_options = {k: v for k, v in options.items() if k in ENGINE_OPTIONS["torch"]}
+    engine = make_engine("torch", **vars(config), **torch_options)
+    engine.selected_by = f"auto: torch ({reason})"
+    return engine

@@ -1,14 +1,21 @@
-"""What every engine takes and gives back, and the one scoring rule they share."""
+"""The engine interface: what every engine takes, does and gives back.
+
+An engine is built once (it holds a loaded model), replays batches of
+:class:`ReplayRequest` into :class:`TraceResult` s, and says what it is (``settings``, the
+provenance recorded in ``df.attrs``) apart from what it has done so far (``stats``).
+:func:`trace_replay.replay` calls nothing else.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
-__all__ = ["ReplayRequest", "TraceResult", "TokenScores", "score_tokens", "collect_rows"]
+__all__ = ["Engine", "EngineBase", "EngineConfig", "Generator", "ReplayRequest", "TraceResult"]
 
 
 @dataclass(frozen=True)
@@ -43,45 +50,122 @@ class TraceResult:
     extra: dict = field(default_factory=dict)
 
 
-class TokenScores(NamedTuple):
-    """Device tensors for N scored positions."""
+@dataclass(frozen=True)
+class EngineConfig:
+    """What every engine takes; engine-specific options are keyword arguments of its own.
 
-    logprob: torch.Tensor  # [N] float32
-    rank: torch.Tensor  # [N] int64
-    top_token_ids: torch.Tensor  # [N, top_k] int64
-    top_logprobs: torch.Tensor  # [N, top_k] float32
-    entropy: torch.Tensor  # [N] float32
-
-
-def score_tokens(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int) -> TokenScores:
-    """Score ``token_ids`` under the unmodified distribution ``logits`` ([N, V]).
-
-    Log-softmax runs in float32 whatever the model dtype, as vLLM's sampler does. Rank is
-    1 + the number of tokens with a strictly greater logprob, so ties share the best rank.
-    Everything stays on the device: no host synchronization.
+    Validated on construction, so a bad value fails before any model is loaded.
     """
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    token_ids = token_ids.long()
-    logprob = logprobs.gather(1, token_ids[:, None]).squeeze(1)
-    rank = (logprobs > logprob[:, None]).sum(dim=1) + 1
-    top = logprobs.topk(top_k, dim=-1) if top_k > 0 else None
-    # p * log p is 0 for p = 0 (log p = -inf gives NaN otherwise)
-    entropy = -(logprobs.exp() * logprobs).nan_to_num(nan=0.0).sum(dim=1)
-    empty_ids = token_ids.new_zeros((len(token_ids), 0))
-    return TokenScores(
-        logprob=logprob,
-        rank=rank,
-        top_token_ids=top.indices if top is not None else empty_ids,
-        top_logprobs=top.values if top is not None else logprob.new_zeros((len(token_ids), 0)),
-        entropy=entropy,
-    )
+
+    model: Any = None  # None (embedded model), a folder, a cached name, or a loaded nn.Module
+    dtype: str | torch.dtype | None = None  # None: the weights' own (float32 for the embedded)
+    device: str | torch.device | None = None  # None: CUDA when available, else CPU
+    batch_size: int | None = None  # request slots (vLLM: max_num_seqs); None: per engine
+    top_k: int = 5  # alternatives recorded per step
+
+    def __post_init__(self) -> None:
+        for name, lowest in (("top_k", 0), ("batch_size", 1)):
+            value = getattr(self, name)
+            if value is None and name == "batch_size":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+                raise ValueError(f"{name} must be an integer >= {lowest}, got {value!r}")
+        if self.dtype is not None:
+            from trace_replay.models import resolve_dtype
+
+            resolve_dtype(self.dtype)  # raises on an unknown name
+        if isinstance(self.device, str):
+            torch.device(self.device)  # raises on a malformed device string
 
 
-def collect_rows(scores: TokenScores, token_ids: torch.Tensor) -> dict[str, np.ndarray]:
-    """Move one batch of scores to the host in a single transfer per field."""
-    host = {name: value.cpu().numpy() for name, value in scores._asdict().items()}
-    host["token_ids"] = token_ids.long().cpu().numpy()
-    host["logprob"] = host["logprob"].astype(np.float64)
-    host["top_logprobs"] = host["top_logprobs"].astype(np.float64)
-    host["entropy"] = host["entropy"].astype(np.float64)
-    return host
+@runtime_checkable
+class Engine(Protocol):
+    """What :func:`trace_replay.replay` needs from an engine.
+
+    ``run`` keeps the order of its requests; ``tokenizer`` is the model's (text traces are
+    tokenized with it). ``settings`` is fixed once the engine is built
+    (two runs with equal settings are comparable); ``stats`` accumulates over ``run`` calls.
+    ``close`` releases the model and any worker processes; engines are context managers.
+    """
+
+    name: str
+    max_model_len: int | None
+    tokenizer: Any
+
+    def settings(self) -> dict[str, Any]: ...
+
+    def run(self, requests: Sequence[ReplayRequest]) -> list[TraceResult]: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Engine: ...
+
+    def __exit__(self, *exc_info: object) -> None: ...
+
+
+@runtime_checkable
+class Generator(Protocol):
+    """Engines that can also generate freely (used by :func:`trace_replay.record`)."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int,
+                 temperature: float = 0.0, seed: int = 0,
+                 eos_token_id: int | None = None) -> list[tuple[list[int], list[float]]]: ...
+
+
+class EngineBase:
+    """Shared plumbing: the common settings, an empty ``stats``, ``close`` and ``with``.
+
+    Subclasses set ``name``, ``model_label``, ``engine_path``, ``dtype``, ``device``,
+    ``batch_size``, ``top_k``, ``max_model_len`` and ``tokenizer_source``, and may extend
+    :meth:`settings`.
+    """
+
+    name: str = "engine"
+    model_label: str
+    engine_path: str
+    dtype: str
+    device: str
+    batch_size: int
+    top_k: int
+    max_model_len: int | None = None
+    selected_by: str | None = None  # set by make_engine("auto", ...): how the choice was made
+    tokenizer_source: Any = None  # what models.load_tokenizer reads (None: the embedded model)
+    _tokenizer: Any = None
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer, loaded on first use (text traces, token texts)."""
+        if self._tokenizer is None:
+            from trace_replay.models import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.tokenizer_source)
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def settings(self) -> dict[str, Any]:
+        settings = {"engine": self.name, "engine_path": self.engine_path,
+                    "model": self.model_label, "dtype": self.dtype, "device": self.device,
+                    "batch_size": self.batch_size, "top_k": self.top_k}
+        if self.selected_by is not None:
+            settings["selected_by"] = self.selected_by
+        return settings
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        """Release what the engine holds; a closed engine cannot run again."""
+
+    def __enter__(self) -> EngineBase:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.engine_path}, {self.dtype}, {self.device})"

@@ -8,34 +8,45 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from trace_replay.engines.base import ReplayRequest, TraceResult, collect_rows, score_tokens
-from trace_replay.models import load_model, resolve_dtype
+from trace_replay.engines.base import EngineBase, EngineConfig, ReplayRequest, TraceResult
+from trace_replay.engines.results import split_results
+from trace_replay.engines.scoring import collect_rows, score_tokens
+from trace_replay.models import model_for_engine
 
 __all__ = ["PrefillEngine"]
 
 
-class PrefillEngine:
-    """Score traces with a single teacher-forced forward per batch (right padded)."""
+class PrefillEngine(EngineBase):
+    """Score traces with a single teacher-forced forward per batch (right padded).
+
+    ``config`` as for every engine (``batch_size``: traces per forward, default 8 on CPU,
+    64 on CUDA).
+    """
 
     name = "prefill"
+    engine_path = "teacher-forced-prefill"
 
-    def __init__(self, model=None, *, dtype=None, device=None, batch_size=None, top_k=5):
-        if isinstance(model, torch.nn.Module):
-            self.lm = model.eval()
-        else:
-            self.lm = load_model(model, dtype=resolve_dtype(dtype), device=device)
-        self.device = next(self.lm.parameters()).device
-        self.dtype = next(self.lm.parameters()).dtype
-        self.batch_size = batch_size or (64 if self.device.type == "cuda" else 8)
-        self.top_k = top_k
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        config = config or EngineConfig()
+        self.lm, self.model_label, self.tokenizer_source = model_for_engine(
+            config.model, dtype=config.dtype, device=config.device)
+        weight = next(self.lm.parameters())
+        self.torch_device = weight.device
+        self.device = str(weight.device)
+        self.dtype = str(weight.dtype).replace("torch.", "")
+        self.batch_size = config.batch_size or (64 if weight.device.type == "cuda" else 8)
+        self.top_k = config.top_k
         self.max_model_len = getattr(self.lm.config, "max_position_embeddings", None)
+        self._forwards = 0
 
-    def info(self) -> dict:
-        return {"engine_path": "teacher-forced-prefill",
-                "dtype": str(self.dtype).replace("torch.", ""),
-                "device": str(self.device), "batch_size": self.batch_size}
+    def stats(self) -> dict:
+        return {"forwards": self._forwards}
+
+    def close(self) -> None:
+        self.lm = None
 
     @torch.inference_mode()
     def run(self, requests: Sequence[ReplayRequest]) -> list[TraceResult]:
@@ -61,17 +72,14 @@ class PrefillEngine:
             targets += r.trace_token_ids
         # the lm_head only runs where a trace token is scored (prompts can be long)
         first = min(cols)
-        keep = torch.arange(first, max(cols) + 1, device=self.device)
-        logits = self.lm(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
+        device = self.torch_device
+        keep = torch.arange(first, max(cols) + 1, device=device)
+        logits = self.lm(input_ids=input_ids.to(device), attention_mask=mask.to(device),
                          logits_to_keep=keep).logits
-        rows_t = torch.tensor(rows, device=self.device)
-        cols_t = torch.tensor(cols, device=self.device) - first
-        targets_t = torch.tensor(targets, device=self.device)
+        rows_t = torch.tensor(rows, device=device)
+        cols_t = torch.tensor(cols, device=device) - first
+        targets_t = torch.tensor(targets, device=device)
+        self._forwards += 1
         host = collect_rows(score_tokens(logits[rows_t, cols_t], targets_t, self.top_k), targets_t)
-        results, start = [], 0
-        for r in batch:
-            take = slice(start, start + r.trace_len)
-            start += r.trace_len
-            results.append(TraceResult(trace_id=r.trace_id, prompt_len=r.prompt_len,
-                                       **{name: values[take] for name, values in host.items()}))
-        return results
+        bounds = np.cumsum([0] + [r.trace_len for r in batch])
+        return split_results(batch, host, [np.arange(a, b) for a, b in zip(bounds, bounds[1:])])

@@ -1,6 +1,6 @@
 """vLLM replay: the only module that imports vllm.
 
-Two paths, chosen at start-up and recorded in ``info()["engine_path"]``:
+Two paths, chosen at start-up and recorded in ``settings()["engine_path"]``:
 
 * **native** — vLLM builds with Model Runner V2 and ``enable_trace_replay`` (GPU): the
   sampler itself overwrites each sampled token with ``trace_decode_token_ids[step]``.
@@ -24,8 +24,8 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from trace_replay.engines.base import ReplayRequest, TraceResult
-from trace_replay.models import hf_folder, resolve_dtype
+from trace_replay.engines.base import EngineBase, EngineConfig, ReplayRequest, TraceResult
+from trace_replay.models import hf_folder, model_label, resolve_dtype
 from trace_replay.state import RequestState, TraceReplayState
 
 __all__ = ["VLLMEngine", "TraceForcingProcessor", "supports_native_trace_replay"]
@@ -145,20 +145,15 @@ class TraceForcingProcessor(LogitsProcessor):
         return host.to(self.device, non_blocking=True)
 
 
-class VLLMEngine:
+class VLLMEngine(EngineBase):
     """Replay through ``vllm.LLM`` (native trace replay when available, else forcing).
 
     Parameters
     ----------
-    model
-        ``None`` (embedded model, converted once to a Hugging Face folder), a folder, or a
-        cached model name.
-    dtype
-        vLLM ``dtype`` (default float32, the embedded weights' own).
-    batch_size
-        ``max_num_seqs``.
-    top_k
-        Alternatives per step (``SamplingParams.logprobs``).
+    config
+        Model (``None``, a folder or a cached name; vLLM loads it itself, so not a module),
+        ``dtype`` (default float32, the embedded weights' own), ``batch_size``
+        (``max_num_seqs``) and ``top_k`` (``SamplingParams.logprobs``).
     engine_args
         Passed to ``vllm.LLM`` as they are (``tensor_parallel_size``, ``gpu_memory_utilization``,
         ``max_model_len``…); they override the defaults chosen here.
@@ -169,16 +164,22 @@ class VLLMEngine:
 
     name = "vllm"
 
-    def __init__(self, model=None, *, dtype=None, device=None, batch_size=None, top_k=5,
-                 engine_args: dict | None = None, native: bool | None = None):
+    def __init__(self, config: EngineConfig | None = None, *, engine_args: dict | None = None,
+                 native: bool | None = None) -> None:
+        config = config or EngineConfig()
+        if isinstance(config.model, torch.nn.Module):
+            raise TypeError("the vllm engine loads its model itself: pass a folder or a "
+                            "model name, not a loaded module")
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
-        self.top_k = top_k
-        self.dtype = str(resolve_dtype(dtype)).replace("torch.", "")
-        args = {"model": str(hf_folder(model)), "dtype": self.dtype, "seed": 0,
-                "max_logprobs": max(top_k, 20), "logprobs_mode": "raw_logprobs",
+        self.model_label = model_label(config.model)
+        self.tokenizer_source = config.model
+        self.top_k = config.top_k
+        self.dtype = str(resolve_dtype(config.dtype)).replace("torch.", "")
+        args = {"model": str(hf_folder(config.model)), "dtype": self.dtype, "seed": 0,
+                "max_logprobs": max(config.top_k, 20), "logprobs_mode": "raw_logprobs",
                 "enable_prefix_caching": False}
-        if batch_size:
-            args["max_num_seqs"] = batch_size
+        if config.batch_size:
+            args["max_num_seqs"] = config.batch_size
         if not torch.cuda.is_available():
             # the CPU build compiles the model with inductor at start-up (minutes on 2 cores)
             args.update(gpu_memory_utilization=0.3, enforce_eager=True)
@@ -193,7 +194,7 @@ class VLLMEngine:
         if native:
             try:
                 self.llm = LLM(**args, enable_trace_replay=True)
-                self.path = "vllm-native-trace-replay"
+                self.engine_path = "vllm-native-trace-replay"
             except (ValueError, TypeError) as exc:
                 if required:
                     raise
@@ -202,21 +203,26 @@ class VLLMEngine:
             processors = list(args.pop("logits_processors", None) or [])
             processors.append(f"{__name__}:TraceForcingProcessor")
             self.llm = LLM(**args, logits_processors=processors)
-            self.path = "vllm-logits-processor-forcing"
+            self.engine_path = "vllm-logits-processor-forcing"
         config = self.llm.llm_engine.model_config
         self.max_model_len = config.max_model_len
         self.batch_size = self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
 
-    def info(self) -> dict:
+    def settings(self) -> dict:
         import vllm
 
-        info = {"engine_path": self.path, "dtype": self.dtype, "device": self.device,
-                "batch_size": self.batch_size, "vllm_version": vllm.__version__,
-                "logprobs_mode": "raw_logprobs"}
+        settings = {**super().settings(), "vllm_version": vllm.__version__,
+                    "logprobs_mode": "raw_logprobs"}
         if self.native_error:
-            info["native_unavailable"] = self.native_error
-        return info
+            settings["native_unavailable"] = self.native_error
+        return settings
+
+    def close(self) -> None:
+        """Shut the engine core (and its worker processes) down."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
 
     def _params(self, request: ReplayRequest) -> SamplingParams:
         trace = list(request.trace_token_ids)
@@ -225,7 +231,7 @@ class VLLMEngine:
         common = dict(temperature=0.0, max_tokens=len(trace),
                       logprobs=self.top_k, ignore_eos=True, stop=[], stop_token_ids=[],
                       detokenize=False)
-        if self.path == "vllm-native-trace-replay":
+        if self.engine_path == "vllm-native-trace-replay":
             return SamplingParams(**common, trace_decode_token_ids=trace)
         return SamplingParams(**common, extra_args={TRACE_KEY: trace})
 
@@ -256,7 +262,7 @@ class VLLMEngine:
             first = next((i for i, (a, b) in enumerate(zip(emitted, request.trace_token_ids))
                           if a != b), min(len(emitted), request.trace_len))
             raise RuntimeError(
-                f"trace {request.trace_id!r}: vLLM ({self.path}) emitted {len(emitted)} tokens "
+                f"trace {request.trace_id!r}: vLLM ({self.engine_path}) emitted {len(emitted)} tokens "
                 f"that leave the trace at step {first}; replay cannot be trusted")
         steps = request.trace_len
         logprob = np.empty(steps)
@@ -276,6 +282,3 @@ class VLLMEngine:
                            rank=rank, top_token_ids=top_ids, top_logprobs=top_lps,
                            entropy=np.full(steps, np.nan))
 
-    def close(self) -> None:
-        """Release the engine (and its worker processes)."""
-        self.llm = None
