@@ -208,7 +208,8 @@ def run_batch(lm, args, batch, device):
     backends = args.backends.split(",")
     greedy = make_engine("torch", lm, batch_size=batch, backend=backends[0])
     generated = greedy.generate(prompts, max_tokens=args.new_tokens)  # no EOS stop: fixed length
-    first_compile = getattr(greedy.backend, "compile_seconds", None)
+    compiled = getattr(greedy.backend, "cuda_graphs", False)
+    first_compile = greedy.backend.compile_seconds if compiled else None
     del greedy
     traces = [ids for ids, _ in generated]
     requests = [ReplayRequest(str(i), tuple(p), tuple(t))
@@ -247,7 +248,7 @@ def run_batch(lm, args, batch, device):
             add(f"{label} verify(trace, k={args.k})", lambda e=verify: e.run(requests), backend)
             engines[f"verify(trace, k={args.k})"] = verify
         for what, e in engines.items():
-            if hasattr(e.backend, "compile_seconds"):
+            if getattr(e.backend, "cuda_graphs", False):
                 notes.append(f"{label} {what}: compile + capture {e.backend.compile_seconds:.1f} s"
                              " at start-up")
             if reference is not None:
