@@ -108,7 +108,11 @@ def plot_layer_divergence(data: pd.DataFrame, *, trace_id: str | None = None,
         raise ValueError(f"site {site!r} was not captured (sites: {data.attrs.get('sites')})")
     grid = shown.pivot_table(index="layer", columns="step", values=value, aggfunc="max",
                              observed=True)
-    layers = np.arange(int(grid.index.min()), int(grid.index.max()) + 1)
+    origin = divergence_origin(rows, tol=tol, by="step").dropna(subset=["layer"])
+    # a mark below the site's layers (e.g. embeddings, for the residual) gets a blank row
+    marked = origin["layer"].to_numpy(dtype="int64")
+    low = min(int(grid.index.min()), *marked) if len(marked) else int(grid.index.min())
+    layers = np.arange(low, int(grid.index.max()) + 1)
     steps = np.arange(int(rows["step"].max()) + 1)
     grid = grid.reindex(index=layers, columns=steps)
     ax = _own_axes(ax, (min(4.0 + 0.12 * len(steps), 14.0), 2.5 + 0.12 * len(layers)))
@@ -117,9 +121,8 @@ def plot_layer_divergence(data: pd.DataFrame, *, trace_id: str | None = None,
     every = max(1, -(-len(layers) // 16))
     ticks = [v for v in layers if v % every == 0 or v in (layers[0], layers[-1])]
     ax.set_yticks(np.asarray(ticks) - layers[0], [str(v) for v in ticks])
-    origin = divergence_origin(rows, tol=tol, by="step").dropna(subset=["layer"])
     if len(origin):
-        ax.plot(origin["step"].to_numpy(), origin["layer"].to_numpy(dtype="int64") - layers[0],
+        ax.plot(origin["step"].to_numpy(), marked - layers[0],
                 "o", color=_MARK, ms=4, label="first divergent layer")
         ax.legend(loc="upper left", fontsize=7, framealpha=0.8)
     ax.set_xlabel("step")
