@@ -11,31 +11,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+from matplotlib import colormaps
 from matplotlib.axes import Axes
 from matplotlib.colors import LogNorm, Normalize
 
+from trace_replay._figures import MARK, finish, own_axes
 from trace_replay.attribution import divergence_origin
 from trace_replay.capture import SITES
 
 __all__ = ["plot_layer_divergence", "plot_layer_profile", "plot_sweep"]
 
-_MARK = "#00c8ff"  # first divergence marks, visible on light and dark cells
 _EQUAL = "#eeeeee"  # cells without any difference
 _LABEL_KEYS = ("engine", "dtype", "device", "batch_size", "backend", "deterministic", "model")
-
-
-def _own_axes(ax: Axes | None, size: tuple[float, float]) -> Axes:
-    if ax is None:
-        _, ax = plt.subplots(figsize=size, layout="constrained")
-    return ax
-
-
-def _finish(ax: Axes) -> Axes:
-    plt.sca(ax)  # colour bars make their own axes current
-    return ax
 
 
 def _pair_label(attrs: Mapping) -> str:
@@ -52,7 +41,7 @@ def _log_image(ax: Axes, values: np.ndarray, label: str, norm: Normalize | None)
     if norm is None:
         low, high = (positive.min(), positive.max()) if len(positive) else (1e-12, 1e-11)
         norm = LogNorm(low, max(high, low * 10))
-    cmap = plt.get_cmap("magma_r").with_extremes(under=_EQUAL, bad="white", over="black")
+    cmap = colormaps["magma_r"].with_extremes(under=_EQUAL, bad="white", over="black")
     shown = np.where(values == 0, norm.vmin / 10, values)  # zeros fall below the scale
     image = ax.imshow(np.ma.masked_invalid(shown), aspect="auto", interpolation="nearest",
                       origin="lower", norm=norm, cmap=cmap)
@@ -115,7 +104,7 @@ def plot_layer_divergence(data: pd.DataFrame, *, trace_id: str | None = None,
     layers = np.arange(low, int(grid.index.max()) + 1)
     steps = np.arange(int(rows["step"].max()) + 1)
     grid = grid.reindex(index=layers, columns=steps)
-    ax = _own_axes(ax, (min(4.0 + 0.12 * len(steps), 14.0), 2.5 + 0.12 * len(layers)))
+    ax = own_axes(ax, (min(4.0 + 0.12 * len(steps), 14.0), 2.5 + 0.12 * len(layers)))
     _log_image(ax, grid.to_numpy(dtype="float64"), value, norm)
     ax.set_xticks(np.arange(len(steps)) if len(steps) <= 40 else ax.get_xticks()[1:-1])
     every = max(1, -(-len(layers) // 16))
@@ -123,7 +112,7 @@ def plot_layer_divergence(data: pd.DataFrame, *, trace_id: str | None = None,
     ax.set_yticks(np.asarray(ticks) - layers[0], [str(v) for v in ticks])
     if len(origin):
         ax.plot(origin["step"].to_numpy(), marked - layers[0],
-                "o", color=_MARK, ms=4, label="first divergent layer")
+                "o", color=MARK, ms=4, label="first divergent layer")
         ax.legend(loc="upper left", fontsize=7, framealpha=0.8)
     ax.set_xlabel("step")
     num_layers = data.attrs.get("num_layers")
@@ -131,7 +120,7 @@ def plot_layer_divergence(data: pd.DataFrame, *, trace_id: str | None = None,
                              if site is None and num_layers is not None else ""))
     ax.set_title(f"{value} of {site or 'any site'} · {_pair_label(data.attrs)} · {trace_id}",
                  fontsize=9)
-    return _finish(ax)
+    return finish(ax)
 
 
 def plot_layer_profile(data: pd.DataFrame, *, y: str = "rel_l2", hue: str | None = "site",
@@ -161,7 +150,7 @@ def plot_layer_profile(data: pd.DataFrame, *, y: str = "rel_l2", hue: str | None
     --------
     >>> plot_layer_profile(frame, y="rel_l2", estimator="max")  # doctest: +SKIP
     """
-    ax = _own_axes(ax, (8.0, 4.0))
+    ax = own_axes(ax, (8.0, 4.0))
     values = data.assign(_y=data[y].astype("float64"))
     groups = [(None, values)] if hue is None else values.groupby(hue, sort=True, observed=True)
     for level, part in groups:
@@ -177,7 +166,7 @@ def plot_layer_profile(data: pd.DataFrame, *, y: str = "rel_l2", hue: str | None
     ax.set_title(_pair_label(data.attrs), fontsize=9)
     if hue is not None:
         ax.legend(fontsize=7, title=hue)
-    return _finish(ax)
+    return finish(ax)
 
 
 def _linthresh(values: pd.Series) -> float:
@@ -232,7 +221,7 @@ def plot_sweep(data: pd.DataFrame, *, metric: str = "mean_abs_delta", x: str | N
                          "name every varying grid key in x or y")
     grid = cells.pivot(index="_y", columns="_x", values=metric)
     grid = grid.reindex(index=pd.unique(cells["_y"]), columns=pd.unique(cells["_x"]))
-    ax = _own_axes(ax, (2.5 + 1.3 * grid.shape[1], 1.5 + 0.45 * grid.shape[0]))
+    ax = own_axes(ax, (2.5 + 1.3 * grid.shape[1], 1.5 + 0.45 * grid.shape[0]))
     values = grid.to_numpy(dtype="float64")
     image = _log_image(ax, values, metric, norm)
     ax.invert_yaxis()  # first configuration on top, as in the frame
@@ -246,4 +235,4 @@ def plot_sweep(data: pd.DataFrame, *, metric: str = "mean_abs_delta", x: str | N
             ax.text(j, i, text, ha="center", va="center", fontsize=8,
                     color="white" if light else "black")
     ax.set_title(f"{metric} against the base run", fontsize=9)
-    return _finish(ax)
+    return finish(ax)
