@@ -27,7 +27,7 @@ def test_grid_values_must_be_lists():
 
 
 @pytest.mark.slow
-def test_sweep_rows_hold_dataset_summary_metrics(lm, real_traces):
+def test_sweep_rows_hold_dataset_summary_metrics(lm, real_traces, replay_df):
     """One row per configuration with the grid keys and every dataset_summary metric; the
     configuration equal to the base reproduces it exactly (same process, same shapes)."""
     traces = real_traces.select(["paris", "short-prompt"])
@@ -37,7 +37,7 @@ def test_sweep_rows_hold_dataset_summary_metrics(lm, real_traces):
                   progress=False, models=models)
     assert table[["engine", "dtype"]].values.tolist() == [
         ["torch", "float32"], ["torch", "bfloat16"], ["prefill", "float32"], ["prefill", "bfloat16"]]
-    own = dataset_summary(compare(*(_replay(traces, base) for _ in range(2))))["metric"]
+    own = dataset_summary(compare(replay_df, replay_df))["metric"]
     assert table.attrs["metrics"] == own.tolist()
     assert set(own) <= set(table.columns) and "wall_s" in table.columns
     assert table.loc[0, "max_abs_delta"] == 0
@@ -45,9 +45,3 @@ def test_sweep_rows_hold_dataset_summary_metrics(lm, real_traces):
     assert len(models) == 1  # the bfloat16 cast, made once for two configurations
     assert table.attrs["base"]["engine"] == "torch"
 
-
-def _replay(traces, settings):
-    from trace_replay.replay import replay
-
-    with ModelCache().engine(settings) as engine:
-        return replay(traces, engine=engine, progress=False)
