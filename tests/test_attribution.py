@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from trace_replay.attribution import divergence_origin, locate_divergence, row_metrics
+from trace_replay.attribution import divergence_origin, locate_divergence
 from trace_replay.capture import SITES
 
 PERTURBED_LAYER = 7
@@ -56,7 +56,7 @@ def test_planted_perturbation_is_the_first_divergence(lm, perturbed, traces):
     and every earlier site (layers < 7, and layer 7's norm and attention) is bitwise equal."""
     frame = locate_divergence(traces, {"model": lm}, {"model": perturbed}, progress=False)
     origin = divergence_origin(frame)
-    assert origin["first_step"].tolist() == [0] * len(traces)
+    assert origin["first_divergence_step"].tolist() == [0] * len(traces)
     assert origin["layer"].tolist() == [PERTURBED_LAYER] * len(traces)
     assert origin["site"].tolist() == ["mlp"] * len(traces)
     per_step = divergence_origin(frame, by="step")
@@ -110,20 +110,6 @@ def test_unsupported_settings_are_refused_before_loading():
         locate_divergence([], {}, {}, sites=["attn"])
 
 
-def test_row_metrics_by_hand():
-    """max |b - a|, ‖b - a‖/‖a‖ and cosine as computed by hand; bits decide equality."""
-    a = torch.tensor([[3.0, 4.0], [1.0, 0.0], [0.0, 0.0]])
-    b = torch.tensor([[3.0, 5.0], [0.0, 1.0], [-0.0, 0.0]])
-    metrics = row_metrics(a, b)
-    np.testing.assert_allclose(metrics["max_abs_diff"], [1.0, 1.0, 0.0])
-    np.testing.assert_allclose(metrics["rel_l2"], [1 / 5, np.sqrt(2), 0.0])
-    np.testing.assert_allclose(metrics["cosine"], [(9 + 20) / (5 * np.sqrt(34)), 0.0, 1.0])
-    # -0.0 and 0.0 are equal values but different bits
-    assert metrics["bitwise_equal"].tolist() == [False, False, False]
-    assert row_metrics(a, a.clone())["bitwise_equal"].all()
-    assert not row_metrics(a, a.to(torch.bfloat16))["bitwise_equal"].any()
-
-
 def _frame(rows: list[tuple]) -> pd.DataFrame:
     frame = pd.DataFrame(rows, columns=["trace_id", "step", "layer", "site", "max_abs_diff"])
     frame["site"] = pd.Categorical(frame["site"], categories=SITES, ordered=True)
@@ -143,12 +129,12 @@ def test_divergence_origin_takes_the_first_in_forward_order():
     ])
     origin = divergence_origin(frame)
     assert origin["trace_id"].tolist() == ["t0", "t1", "t2"]
-    assert origin["first_step"].tolist()[0::2] == [0, 0] and pd.isna(origin["first_step"][1])
+    assert origin["first_divergence_step"].tolist()[0::2] == [0, 0] and pd.isna(origin["first_divergence_step"][1])
     assert origin.loc[0, ["layer", "site", "max_abs_diff"]].tolist() == [0, "mlp", 1e-9]
     assert origin.loc[2, ["layer", "site"]].tolist() == [-1, "embeddings"]
     assert origin["n_divergent_steps"].tolist() == [2, 0, 1]
     strict = divergence_origin(frame, tol=1e-6)
-    assert strict.loc[0, ["first_step", "layer", "site"]].tolist() == [1, 0, "attention"]
+    assert strict.loc[0, ["first_divergence_step", "layer", "site"]].tolist() == [1, 0, "attention"]
     per_step = divergence_origin(frame, tol=1e-6, by="step")
     assert per_step[["trace_id", "step"]].values.tolist() == [
         ["t0", 0], ["t0", 1], ["t1", 0], ["t2", 0]]

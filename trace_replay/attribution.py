@@ -26,18 +26,17 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import torch
 from tqdm.auto import tqdm
 
-from trace_replay.capture import SITES, ForwardRows, Site, SiteCapture, model_sites
+from trace_replay.capture import SITES, Site, SiteCapture, model_sites
 from trace_replay.engines.base import ReplayRequest
 from trace_replay.model_cache import ModelCache
+from trace_replay.pairing import METRICS, Comparer, HeldActivations
 from trace_replay.replay import TraceInput, prepare_requests
 from trace_replay.traces import TraceSet, load_traces
 
-__all__ = ["METRICS", "locate_divergence", "divergence_origin"]
+__all__ = ["locate_divergence", "divergence_origin"]
 
-METRICS = ("max_abs_diff", "rel_l2", "cosine", "bitwise_equal")
 _UNSUPPORTED = {"speculative": "verify feeds several tokens per forward and drops some",
                 "engine_args": "vLLM runs its model in another process"}
 
@@ -189,79 +188,12 @@ def _bands(chunk: Sequence[ReplayRequest], sites: Sequence[Site], lm,
     return bands
 
 
-class _Held:
-    """Run a's activations of one pass, per forward, until run b's partner arrives."""
-
-    def __init__(self) -> None:
-        self.blocks: dict[int, dict[int, torch.Tensor]] = {}  # forward -> site -> [N, width]
-        self.where: dict[tuple[int, int], tuple[int, int]] = {}  # (trace, step) -> (fwd, row)
-        self.left: dict[tuple[int, int], int] = {}  # (fwd, site) -> rows not yet compared
-
-    def put(self, site: Site, rows: ForwardRows, values: torch.Tensor) -> None:
-        fid = rows.forward_id
-        if fid not in self.blocks:
-            self.blocks[fid] = {}
-            for i, key in enumerate(zip(rows.trace_index.tolist(), rows.step.tolist())):
-                if key in self.where:
-                    raise RuntimeError(f"run a computed trace #{key[0]} step {key[1]} twice")
-                self.where[key] = (fid, i)
-        self.blocks[fid][site.index] = values.cpu()
-        self.left[fid, site.index] = len(rows.step)
-
-    def take(self, site: Site, groups: dict[int, tuple[np.ndarray, np.ndarray]],
-             n: int) -> torch.Tensor:
-        """Run a's values for ``n`` rows of b, gathered per a-forward; drops what is used up."""
-        out = None
-        for fid, (b_rows, a_rows) in groups.items():
-            block = self.blocks[fid][site.index]
-            if out is None:
-                out = block.new_empty((n, block.shape[1]))
-            out[torch.from_numpy(b_rows)] = block[torch.from_numpy(a_rows)]
-            self.left[fid, site.index] -= len(a_rows)
-            if self.left[fid, site.index] == 0:
-                del self.blocks[fid][site.index]
-        return out
-
-
-class _Comparer:
-    """Run b's sink: pairs each activation with run a's and keeps four numbers per row."""
-
-    def __init__(self, held: _Held, requests: Sequence[ReplayRequest], last_site: int,
-                 bar) -> None:
-        self.held, self.requests, self.last_site, self.bar = held, requests, last_site, bar
-        self.groups: tuple[int, dict] | None = None  # (b forward, its rows grouped by a fwd)
-        self.parts: list[dict[str, np.ndarray]] = []
-
-    def __call__(self, site: Site, rows: ForwardRows, values: torch.Tensor) -> None:
-        if self.groups is None or self.groups[0] != rows.forward_id:
-            self.groups = (rows.forward_id, self._group(rows))
-        mine = values.cpu()
-        theirs = self.held.take(site, self.groups[1], len(mine))
-        self.parts.append({"trace_index": rows.trace_index, "step": rows.step,
-                           "layer": np.full(len(mine), site.layer),
-                           "site": np.full(len(mine), site.name, dtype=object),
-                           **row_metrics(theirs, mine)})
-        if site.index == self.last_site:
-            self.bar.update(len(mine))
-
-    def _group(self, rows: ForwardRows) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        found: dict[int, tuple[list, list]] = {}
-        for i, key in enumerate(zip(rows.trace_index.tolist(), rows.step.tolist())):
-            if key not in self.held.where:
-                raise RuntimeError(f"run b computed trace {self.requests[key[0]].trace_id!r} "
-                                   f"step {key[1]}, which run a did not")
-            fid, row = self.held.where.pop(key)
-            found.setdefault(fid, ([], []))[0].append(i)
-            found[fid][1].append(row)
-        return {fid: (np.array(b), np.array(a)) for fid, (b, a) in found.items()}
-
-
 def _compare_pass(engines, lms, chunk: Sequence[ReplayRequest], sites, bar) -> pd.DataFrame:
     """One pass over ``chunk``: run a holding its sites, run b comparing as it goes."""
-    held = _Held()
+    held = HeldActivations()
     with SiteCapture(lms[0], engines[0], chunk, sites[0], held.put):
         engines[0].run(chunk)
-    comparer = _Comparer(held, chunk, sites[1][-1].index, bar)
+    comparer = Comparer(held, chunk, sites[1][-1].index, bar)
     with SiteCapture(lms[1], engines[1], chunk, sites[1], comparer):
         engines[1].run(chunk)
     if held.where:
@@ -272,30 +204,6 @@ def _compare_pass(engines, lms, chunk: Sequence[ReplayRequest], sites, bar) -> p
     parts["trace_id"] = np.array([chunk[i].trace_id for i in parts.pop("trace_index")],
                                  dtype=object)
     return pd.DataFrame(parts)
-
-
-def row_metrics(a: torch.Tensor, b: torch.Tensor) -> dict[str, np.ndarray]:
-    """``max_abs_diff``, ``rel_l2``, ``cosine`` and ``bitwise_equal`` of each row of b vs a.
-
-    Computed in float64. A row without any difference has ``rel_l2`` 0 and ``cosine`` 1
-    exactly; ``bitwise_equal`` needs the same dtype and identical bit patterns.
-    """
-    if a.dtype == b.dtype:
-        ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        bitwise = (a.view(ints) == b.view(ints)).all(dim=1)
-    else:
-        bitwise = torch.zeros(len(a), dtype=torch.bool)
-    a, b = a.double(), b.double()
-    diff = b - a
-    max_abs = diff.abs().amax(dim=1)
-    norm_a, norm_b = a.norm(dim=1), b.norm(dim=1)
-    rel_l2 = diff.norm(dim=1) / norm_a
-    cosine = ((a * b).sum(dim=1) / (norm_a * norm_b)).clamp(-1.0, 1.0)
-    same = (max_abs == 0) | bitwise
-    return {"max_abs_diff": torch.where(same, 0.0, max_abs).numpy(),
-            "rel_l2": torch.where(same, 0.0, rel_l2).numpy(),
-            "cosine": torch.where(same, 1.0, cosine).numpy(),
-            "bitwise_equal": bitwise.numpy()}
 
 
 def _to_frame(frames: list[pd.DataFrame], requests: Sequence[ReplayRequest]) -> pd.DataFrame:
@@ -328,9 +236,10 @@ def divergence_origin(frame: pd.DataFrame, *, tol: float | None = None,
     Returns
     -------
     DataFrame
-        ``trace_id`` (and ``step`` for ``by="step"``), ``first_step`` (``by="trace"`` only),
-        ``layer``, ``site``, ``max_abs_diff`` and ``rel_l2`` of that site; ``<NA>``/NaN
-        where nothing diverges. Also ``n_divergent_steps`` (``by="trace"``).
+        ``trace_id``, then ``first_divergence_step`` (``by="trace"``) or ``step``
+        (``by="step"``), then ``layer``, ``site``, ``max_abs_diff`` and ``rel_l2`` of that
+        site; ``<NA>``/NaN where nothing diverges. ``by="trace"`` adds
+        ``n_divergent_steps``.
 
     Examples
     --------
@@ -350,8 +259,8 @@ def divergence_origin(frame: pd.DataFrame, *, tol: float | None = None,
                       on=keys, how="left")
     out["layer"] = out["layer"].astype("Int64")
     if by == "trace":
-        out = out.rename(columns={"step": "first_step"})
-        out["first_step"] = out["first_step"].astype("Int64")
+        out = out.rename(columns={"step": "first_divergence_step"})
+        out["first_divergence_step"] = out["first_divergence_step"].astype("Int64")
         counts = divergent.drop_duplicates(["trace_id", "step"]).groupby("trace_id").size()
         out["n_divergent_steps"] = out["trace_id"].map(counts).fillna(0).astype("int64")
     out.attrs = {"tol": tol}
