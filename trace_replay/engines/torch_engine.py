@@ -110,6 +110,8 @@ class TorchEngine(EngineBase):
         return [results[i] for i in range(len(requests))]
 
     def _run_wave(self, wave: Sequence[ReplayRequest]) -> list[TraceResult]:
+        if self.on_batch is not None:
+            self.on_batch(wave)
         idx_mapping = self.slots.admit(wave)
         longest = max(r.trace_len for r in wave)
         logits = self.backend.prefill([r.prompt_token_ids for r in wave], longest)
