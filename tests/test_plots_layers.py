@@ -2,29 +2,19 @@
 
 from __future__ import annotations
 
-import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import pytest
 
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-import pytest  # noqa: E402
-
-from trace_replay.capture import LAYER_SITES, SITES  # noqa: E402
-from trace_replay.plots_layers import (  # noqa: E402
+from trace_replay.capture import LAYER_SITES, SITES
+from trace_replay.plots_layers import (
     plot_layer_divergence,
     plot_layer_profile,
     plot_sweep,
 )
 
 NUM_LAYERS = 3
-
-
-@pytest.fixture(autouse=True)
-def _close_figures():
-    yield
-    plt.close("all")
 
 
 @pytest.fixture

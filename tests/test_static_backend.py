@@ -13,7 +13,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import assert_matches_reference
 
 from trace_replay.engines import make_engine
 from trace_replay.engines.base import ReplayRequest
@@ -204,12 +203,12 @@ def test_backend_choice():
 
 
 @pytest.mark.slow
-def test_embedded_model_replay_equals_hf(lm, real_traces, reference64):
+def test_embedded_model_replay_equals_hf(lm, real_traces, assert_matches_reference):
     """The embedded SmolLM2 replays real traces through the static backend as through HF,
     within 2e-3 of float64 per token (ranks equal up to near-ties)."""
     ours = replay(real_traces, engine=make_engine("torch", lm, batch_size=4, backend="static"),
                   progress=False)
-    assert_matches_reference(ours, reference64)
+    assert_matches_reference(ours)
     theirs = replay(real_traces, engine=make_engine("torch", lm, batch_size=4, backend="hf"),
                     progress=False)
     assert ours.attrs["engine_path"] == "torch-decode[static]"

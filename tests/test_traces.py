@@ -539,7 +539,8 @@ def test_truncate_drops_the_completion_text_it_no_longer_matches(tokenizer):
 
 
 def test_truncate_text_only_trace_says_to_tokenize_first(tmp_path):
-    """Token counts of text depend on the model: the error names the trace, its line, and the fix."""
+    """Text has no token count until a model tokenizes it: the error names the trace, its
+    line, and the fix."""
     path = write_jsonl(tmp_path / "x.jsonl", [GOOD, RECORDS[1]])
     with pytest.raises(TraceError, match=r"^.*x\.jsonl:2: trace 'he/1': has no trace_token_ids "
                                          r"to truncate.*tokenize\(tokenizer\)\.truncate"):
@@ -549,7 +550,7 @@ def test_truncate_text_only_trace_says_to_tokenize_first(tmp_path):
 def test_truncate_cuts_a_chat_trace_with_its_turn_labels(tokenizer):
     """A tokenized chat trace keeps the turn and role labels of exactly the tokens it keeps."""
     chat = {"id": "c", "messages": [{"role": "user", "content": "Hi"},
-                                    {"role": "assistant", "content": "Hello there, how are you?"}]}
+                                    {"role": "assistant", "content": "Hello there, how are"}]}
     whole = load_traces([chat], tokenizer=tokenizer)[0]
     cut = load_traces([chat], tokenizer=tokenizer).truncate(2)[0]
     assert cut.trace_token_ids == whole.trace_token_ids[:2]

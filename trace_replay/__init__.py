@@ -41,6 +41,7 @@ _EXPORTS = {
     "locate_divergence": "trace_replay.attribution",
     "divergence_origin": "trace_replay.attribution",
     "sweep": "trace_replay.sweep",
+    "ModelCache": "trace_replay.model_cache",
     "plot_layer_divergence": "trace_replay.plots_layers",
     "plot_layer_profile": "trace_replay.plots_layers",
     "plot_sweep": "trace_replay.plots_layers",

@@ -88,9 +88,17 @@ def locate_divergence(traces: TraceInput, a: Mapping[str, Any], b: Mapping[str, 
 
     Examples
     --------
-    >>> frame = tr.locate_divergence(traces, {"dtype": "float32"},  # doctest: +SKIP
-    ...                              {"dtype": "float32", "engine": "prefill"})
-    >>> tr.divergence_origin(frame)  # doctest: +SKIP
+    >>> import trace_replay as tr
+    >>> traces = [{"id": "t", "prompt": "The capital of France is", "completion": " Paris."}]
+    >>> frame = tr.locate_divergence(traces, {"dtype": "float32"},
+    ...                              {"dtype": "float32", "engine": "prefill"}, progress=False)
+    >>> frame.attrs["num_layers"], len(frame)  # 2 steps x (embeddings, 30 x 4 sites, 2)
+    (30, 246)
+    >>> bool(frame.loc[frame["layer"] == -1, "bitwise_equal"].all())  # the same lookup
+    True
+    >>> tr.divergence_origin(frame).columns.tolist()
+    ['trace_id', 'first_divergence_step', 'layer', 'site', 'max_abs_diff', 'rel_l2',
+     'n_divergent_steps']
     """
     for name, settings in (("a", a), ("b", b)):
         _check_settings(name, settings)
@@ -243,7 +251,12 @@ def divergence_origin(frame: pd.DataFrame, *, tol: float | None = None,
 
     Examples
     --------
-    >>> divergence_origin(frame, tol=1e-6)  # doctest: +SKIP
+    >>> traces = [{"id": "t", "prompt": "Hi", "completion": " there"}]
+    >>> frame = locate_divergence(traces, {"dtype": "float32"}, {"dtype": "bfloat16"},
+    ...                           progress=False)
+    >>> divergence_origin(frame)[["trace_id", "first_divergence_step", "layer", "site"]]
+      trace_id  first_divergence_step  layer        site
+    0        t                      0     -1  embeddings
     """
     if by not in ("trace", "step"):
         raise ValueError(f'by must be "trace" or "step", got {by!r}')

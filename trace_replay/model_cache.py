@@ -43,9 +43,13 @@ class ModelCache:
 
     Examples
     --------
-    >>> cache = ModelCache()  # doctest: +SKIP
-    >>> with cache.engine({"engine": "prefill", "dtype": "bfloat16"}) as engine:  # doctest: +SKIP
-    ...     df = tr.replay(traces, engine=engine)
+    >>> import trace_replay as tr
+    >>> cache = ModelCache()
+    >>> with cache.engine({"engine": "prefill", "dtype": "bfloat16"}) as engine:
+    ...     df = tr.replay([{"id": "t", "prompt": "Hi", "completion": " there"}],
+    ...                    engine=engine, progress=False)
+    >>> len(cache), df.attrs["dtype"]  # the bfloat16 model stays loaded for the next engine
+    (1, 'bfloat16')
     """
 
     def __init__(self) -> None:

@@ -83,7 +83,12 @@ def plot_layer_divergence(data: pd.DataFrame, *, trace_id: str | None = None,
 
     Examples
     --------
-    >>> ax = plot_layer_divergence(frame, site="mlp", value="rel_l2")  # doctest: +SKIP
+    >>> import trace_replay as tr
+    >>> frame = tr.locate_divergence([{"id": "t", "prompt": "Hi", "completion": " there"}],
+    ...                              {"dtype": "float32"}, {"dtype": "bfloat16"}, progress=False)
+    >>> ax = plot_layer_divergence(frame, site="mlp", value="rel_l2")
+    >>> ax.images[0].get_array().shape  # 30 layers (+ the logits row) x 1 step
+    (31, 1)
     """
     if site is not None and site not in SITES:
         raise ValueError(f"unknown site {site!r}; choose from {', '.join(SITES)}")
@@ -148,7 +153,12 @@ def plot_layer_profile(data: pd.DataFrame, *, y: str = "rel_l2", hue: str | None
 
     Examples
     --------
-    >>> plot_layer_profile(frame, y="rel_l2", estimator="max")  # doctest: +SKIP
+    >>> import trace_replay as tr
+    >>> frame = tr.locate_divergence([{"id": "t", "prompt": "Hi", "completion": " there"}],
+    ...                              {"dtype": "float32"}, {"dtype": "bfloat16"}, progress=False)
+    >>> ax = plot_layer_profile(frame, y="rel_l2", estimator="max")
+    >>> ax.get_title()
+    'bfloat16 vs float32'
     """
     ax = own_axes(ax, (8.0, 4.0))
     values = data.assign(_y=data[y].astype("float64"))
@@ -203,7 +213,13 @@ def plot_sweep(data: pd.DataFrame, *, metric: str = "mean_abs_delta", x: str | N
 
     Examples
     --------
-    >>> plot_sweep(sweep_frame, metric="max_abs_delta", x="batch_size")  # doctest: +SKIP
+    >>> table = pd.DataFrame({"dtype": ["float32", "float32", "bfloat16", "bfloat16"],
+    ...                       "batch_size": [1, 8, 1, 8],
+    ...                       "max_abs_delta": [0.0, 2e-6, 0.02, 0.03]})
+    >>> table.attrs["grid"] = ["dtype", "batch_size"]  # as sweep() sets it
+    >>> ax = plot_sweep(table, metric="max_abs_delta", x="batch_size")
+    >>> [label.get_text() for label in ax.get_yticklabels()]
+    ['dtype=float32', 'dtype=bfloat16']
     """
     if metric not in data.columns:
         raise KeyError(f"no metric {metric!r} in the sweep frame")

@@ -62,9 +62,17 @@ def sweep(traces: TraceInput, base: Mapping[str, Any], grid: Mapping[str, Sequen
 
     Examples
     --------
-    >>> table = tr.sweep(traces, {"engine": "torch"},  # doctest: +SKIP
-    ...                  {"dtype": ["float32", "bfloat16"], "batch_size": [1, 8]})
-    >>> tr.plot_sweep(table, metric="max_abs_delta", x="batch_size")  # doctest: +SKIP
+    >>> import trace_replay as tr
+    >>> traces = [{"id": "t", "prompt": "The capital of France is", "completion": " Paris."}]
+    >>> table = tr.sweep(traces, {"engine": "prefill"}, {"dtype": ["float32", "bfloat16"]},
+    ...                  progress=False)
+    >>> table[["dtype", "n_tokens"]]
+          dtype  n_tokens
+    0   float32       2.0
+    1  bfloat16       2.0
+    >>> bool(table.loc[1, "max_abs_delta"] > 0)  # bfloat16 moves the logprobs
+    True
+    >>> ax = tr.plot_sweep(table, metric="max_abs_delta", x="dtype")
     """
     configurations = grid_settings(base, grid)
     traceset = load_traces(traces)
