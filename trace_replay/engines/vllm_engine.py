@@ -10,12 +10,18 @@ Two paths, chosen at start-up and recorded in ``settings()["engine_path"]``:
   processors run, so logprob, rank and top-k are those of the unmodified distribution.
 
 Entropy is not reported by vLLM; the column is NaN for this engine.
+
+``deterministic=True`` turns on vLLM's own batch-invariant mode (``VLLM_BATCH_INVARIANT=1``
+for the engine's processes) where vLLM supports it — NVIDIA GPUs of compute capability
+>= 8.0, AMD Instinct, Intel XPU. Elsewhere (the CPU build) vLLM has no such mode: the run
+goes ahead with a warning, and ``settings()["batch_invariant"]`` is False.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,7 +34,8 @@ from trace_replay.engines.base import EngineBase, EngineConfig, ReplayRequest, T
 from trace_replay.models import hf_folder, model_label, resolve_dtype
 from trace_replay.state import RequestState, TraceReplayState
 
-__all__ = ["VLLMEngine", "TraceForcingProcessor", "supports_native_trace_replay"]
+__all__ = ["VLLMEngine", "TraceForcingProcessor", "batch_invariance_unavailable",
+           "supports_native_trace_replay"]
 
 TRACE_KEY = "trace_replay_token_ids"
 _NO_OUTPUT: tuple = ()
@@ -38,6 +45,17 @@ def supports_native_trace_replay() -> bool:
     """Whether this vLLM knows ``SamplingParams.trace_decode_token_ids``."""
     return "trace_decode_token_ids" in inspect.signature(SamplingParams.__init__).parameters or \
         "trace_decode_token_ids" in getattr(SamplingParams, "__struct_fields__", ())
+
+
+def batch_invariance_unavailable() -> str | None:
+    """Why vLLM's batch-invariant mode cannot run here (None when it can)."""
+    if torch.cuda.is_available():
+        if torch.version.hip is not None or torch.cuda.get_device_capability() >= (8, 0):
+            return None
+        return "vLLM's batch-invariant mode needs a GPU of compute capability >= 8.0"
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return None
+    return "vLLM's batch-invariant mode runs on GPUs only, not on this CPU build"
 
 
 class TraceForcingProcessor(LogitsProcessor):
@@ -156,6 +174,28 @@ class VLLMEngine(EngineBase):
             # the CPU build compiles the model with inductor at start-up (minutes on 2 cores)
             args.update(gpu_memory_utilization=0.3, enforce_eager=True)
         args.update(engine_args or {})
+        self.deterministic = config.deterministic
+        self.batch_invariant_note = batch_invariance_unavailable() if self.deterministic else None
+        self.batch_invariant = self.deterministic and self.batch_invariant_note is None
+        if self.batch_invariant_note:
+            warnings.warn(f"deterministic=True: {self.batch_invariant_note}; this vLLM run is "
+                          "NOT batch-invariant (use engine='torch' or 'prefill' for that)",
+                          RuntimeWarning, stacklevel=3)
+        # read by vLLM in the engine's processes, which start with LLM(...)
+        previous = os.environ.get("VLLM_BATCH_INVARIANT")
+        if self.batch_invariant:
+            os.environ["VLLM_BATCH_INVARIANT"] = "1"
+        try:
+            self._start(args, native)
+        finally:
+            if self.batch_invariant:
+                _restore_env("VLLM_BATCH_INVARIANT", previous)
+        config = self.llm.llm_engine.model_config
+        self.max_model_len = config.max_model_len
+        self.batch_size = self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def _start(self, args: dict, native: bool | None) -> None:
         self.native_error = None
         if native is None:
             native = torch.cuda.is_available() and supports_native_trace_replay()
@@ -176,10 +216,6 @@ class VLLMEngine(EngineBase):
             processors.append(f"{__name__}:TraceForcingProcessor")
             self.llm = LLM(**args, logits_processors=processors)
             self.engine_path = "vllm-logits-processor-forcing"
-        config = self.llm.llm_engine.model_config
-        self.max_model_len = config.max_model_len
-        self.batch_size = self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
 
     def settings(self) -> dict:
         import vllm
@@ -188,6 +224,10 @@ class VLLMEngine(EngineBase):
                     "logprobs_mode": "raw_logprobs"}
         if self.native_error:
             settings["native_unavailable"] = self.native_error
+        if self.deterministic:
+            settings["batch_invariant"] = self.batch_invariant
+            if self.batch_invariant_note:
+                settings["batch_invariant_unavailable"] = self.batch_invariant_note
         return settings
 
     def close(self) -> None:
@@ -254,3 +294,10 @@ class VLLMEngine(EngineBase):
                            rank=rank, top_token_ids=top_ids, top_logprobs=top_lps,
                            entropy=np.full(steps, np.nan))
 
+
+
+def _restore_env(name: str, previous: str | None) -> None:
+    if previous is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = previous
