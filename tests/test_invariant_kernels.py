@@ -21,6 +21,10 @@ from trace_replay.kernels.invariant_linear import (  # noqa: E402
     linear_rows_reference,
     linear_rows_triton,
 )
+from trace_replay.kernels.invariant_rms_norm import (  # noqa: E402
+    rms_norm_rows_reference,
+    rms_norm_rows_triton,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
@@ -140,10 +144,11 @@ def test_attention_reference_needs_whole_key_blocks():
 
 
 @needs_triton
-def test_attention_triton_matches_reference():
-    """The Triton kernel computes the reference's attention (GQA, dropped slots, any slot)."""
-    k, v, valid = (t.to(DEVICE) for t in _cache(kv_heads=3, length=96))
-    q = torch.randn(5, 9, 16, device=DEVICE)  # 3 query heads per kv head (padded to 4)
+@pytest.mark.parametrize("dim", [16, 24])
+def test_attention_triton_matches_reference(dim):
+    """The Triton kernel computes plain attention (GQA, dropped slots, any slot, any dim)."""
+    k, v, valid = (t.to(DEVICE) for t in _cache(kv_heads=3, length=96, dim=dim))
+    q = torch.randn(5, 9, dim, device=DEVICE)  # 3 query heads per kv head (padded to 4)
     cache_row = torch.tensor([0, 1, 2, 2, 0], device=DEVICE)
     slot = torch.tensor([0, 31, 32, 95, 50], device=DEVICE)
     got = attention_rows_triton(q, k, v, valid, cache_row, slot, 0.25)
@@ -166,3 +171,28 @@ def test_attention_triton_row_invariant():
                                   torch.tensor([0, 2, 2, 1], device=DEVICE),
                                   torch.tensor([127, 3, 64, 40], device=DEVICE), 0.25)
     assert torch.equal(crowd[3], alone[0])
+
+
+def _hf_rms_norm(x, weight, eps):
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def test_rms_norm_reference_matches_llama_formula():
+    """The blocked reference is LlamaRMSNorm, padding rows dropped."""
+    x, w = torch.randn(11, 40), torch.rand(40)
+    torch.testing.assert_close(rms_norm_rows_reference(x, w, 1e-5, 4), _hf_rms_norm(x, w, 1e-5))
+
+
+@needs_triton
+def test_rms_norm_triton_matches_and_is_row_invariant():
+    """The Triton norm computes LlamaRMSNorm; a row's bits ignore the other rows."""
+    w, row = torch.rand(40, device=DEVICE), torch.randn(40, device=DEVICE)
+    outs = []
+    for rows, position in ((1, 0), (7, 3), (130, 129)):
+        x = torch.randn(rows, 40, device=DEVICE)
+        x[position] = row
+        got = rms_norm_rows_triton(x, w, 1e-5)
+        torch.testing.assert_close(got, _hf_rms_norm(x, w, 1e-5), atol=1e-5, rtol=1e-5)
+        outs.append(got[position])
+    assert all(torch.equal(o, outs[0]) for o in outs)

@@ -17,7 +17,9 @@ Design contract:
 * Prompt prefill, a decode step and teacher forcing run the same row arithmetic, so
   decode replay and teacher-forced prefill give the same bits (``teacher_forced``).
 * Rotary cos/sin come from one table indexed by position.
-* On CUDA, decode steps are captured in CUDA graphs per (rows, tokens per row).
+* On CUDA, norms and attention are Triton kernels and decode steps are captured in CUDA
+  graphs per (rows, tokens per row); rows are padded to a multiple of the smallest GEMM
+  block once per forward (padding rows live in a scratch cache row, never read by others).
 """
 
 from __future__ import annotations
@@ -29,12 +31,12 @@ from typing import NamedTuple
 import torch
 
 from trace_replay._triton import HAS_TRITON
-from trace_replay.engines.invariant_ops import (
-    RowBlocks, probe_linear, rms_norm_rows, score_rows, silu_mul)
+from trace_replay.engines.invariant_ops import RowBlocks, probe_linear, score_rows, silu_mul
 from trace_replay.engines.scoring import TokenScores
 from trace_replay.kernels.invariant_attention import (
     BLOCK_N, attention_rows_reference, attention_rows_triton)
 from trace_replay.kernels.invariant_linear import linear_rows_reference, linear_rows_triton
+from trace_replay.kernels.invariant_rms_norm import rms_norm_rows_reference, rms_norm_rows_triton
 
 __all__ = ["InvariantBackend", "unsupported_reason"]
 
@@ -90,7 +92,9 @@ class InvariantBackend:
     cuda_graphs
         Capture decode steps (default: on CUDA).
     triton
-        Linear layers and attention by the Triton kernels (default: on CUDA with Triton).
+        Norms and attention by the Triton kernels (default: on CUDA with Triton). Linear
+        layers use the GEMM library in fixed row blocks where :func:`probe_linear` finds it
+        row-invariant, else the Triton GEMM (which needs ``triton``).
     """
 
     def __init__(self, lm, pad_id: int = 0, *, max_query_len: int = 1,
@@ -108,9 +112,16 @@ class InvariantBackend:
         if self.cuda_graphs and not on_cuda:
             raise ValueError("cuda_graphs needs the model on a CUDA device")
         self.blocks = RowBlocks.for_device(self.device)
-        if not self.triton:
-            linears = [m.weight for m in lm.modules() if isinstance(m, torch.nn.Linear)]
+        linears = [m.weight for m in lm.modules() if isinstance(m, torch.nn.Linear)]
+        self.triton_linear = False
+        try:
             self.blocks = replace(self.blocks, linear=probe_linear(linears, self.blocks.linear))
+        except RuntimeError:
+            if not self.triton:
+                raise
+            self.triton_linear = True  # the Triton GEMM is row-invariant by construction
+        # rows of a forward are padded to this once (CUDA: GEMM blocks need no copies)
+        self.row_multiple = 1 if not on_cuda or self.triton_linear else min(self.blocks.linear)
         self.name = "invariant" + ("+cudagraph" if self.cuda_graphs else "")
         self.forwards = 0
         config = lm.config
@@ -123,10 +134,12 @@ class InvariantBackend:
 
     def describe(self) -> dict:
         """The arithmetic choices, for ``settings()`` (results depend on them)."""
-        return {"linear": "triton" if self.triton else f"torch rows {list(self.blocks.linear)}",
-                "attention": "triton" if self.triton else f"torch rows {self.blocks.attention}",
-                "rowwise_rows": self.blocks.rowwise, "score_rows": self.blocks.score,
-                "key_block": BLOCK_N}
+        torch_rows = "torch, {} rows per call".format
+        return {"linear": "triton" if self.triton_linear else torch_rows(list(self.blocks.linear)),
+                "norm": "triton" if self.triton else torch_rows(self.blocks.rowwise),
+                "attention": "triton" if self.triton else torch_rows(self.blocks.attention),
+                "key_block": BLOCK_N, "score": torch_rows(self.blocks.score),
+                "row_multiple": self.row_multiple}
 
     # ---- the interface -------------------------------------------------------------------
     @torch.inference_mode()
@@ -212,26 +225,32 @@ class InvariantBackend:
         batch, q = tokens.shape
         slot = (self.cursor[:batch, None] + self._arange[:q]).clamp(max=self.shape[1] - 1)
         cache_row = self._arange[:batch, None].expand(batch, q)
-        self.valid[cache_row, slot] = True
+        self.valid[:batch].scatter_(1, slot, True)
         hidden = self._forward(tokens.flatten(), cache_row.flatten(), slot.flatten(),
                                positions.flatten())
         self.cursor[:batch] += q
-        return self._lm_head(hidden)
+        return self._lm_head(hidden)[: batch * q]
 
     def _forward(self, tokens: torch.Tensor, cache_row: torch.Tensor, slot: torch.Tensor,
                  positions: torch.Tensor) -> torch.Tensor:
-        """Hidden states ``[R, hidden]`` after the final norm; writes each layer's K/V first.
+        """Hidden states after the final norm, ``[R + padding, hidden]``; writes K/V first.
 
         All rows' keys of a layer are in the cache before any row of that layer attends, so
         rows of one sequence may share a call (prefill) or come one per call (decode).
+        Padding rows (token 0 at position 0) sit in the scratch cache row.
         """
+        pad = -tokens.shape[0] % self.row_multiple
+        if pad:
+            tokens, slot, positions = (torch.cat([t, t.new_zeros(pad)])
+                                       for t in (tokens, slot, positions))
+            cache_row = torch.cat([cache_row, cache_row.new_full((pad,), self.shape[0])])
         rows = tokens.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = self._rotary(positions)
         x = self.model.embed_tokens(tokens)
         for i, layer in enumerate(self.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            h = rms_norm_rows(x, layer.input_layernorm, self.blocks.rowwise)
+            h = self._norm(x, layer.input_layernorm)
             q = _rotate(self._linear(h, attn.q_proj).view(rows, heads, dim), cos, sin)
             k = _rotate(self._linear(h, attn.k_proj).view(rows, kv_heads, dim), cos, sin)
             v = self._linear(h, attn.v_proj).view(rows, kv_heads, dim)
@@ -239,13 +258,19 @@ class InvariantBackend:
             self.v_cache[i][cache_row, :, slot] = v
             out = self._attention(q, self.k_cache[i], self.v_cache[i], cache_row, slot)
             x = x + self._linear(out.view(rows, heads * dim), attn.o_proj)
-            h = rms_norm_rows(x, layer.post_attention_layernorm, self.blocks.rowwise)
+            h = self._norm(x, layer.post_attention_layernorm)
             x = x + self._linear(silu_mul(self._linear(h, mlp.gate_proj),
                                           self._linear(h, mlp.up_proj)), mlp.down_proj)
-        return rms_norm_rows(x, self.model.norm, self.blocks.rowwise)
+        return self._norm(x, self.model.norm)
+
+    def _norm(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+        if self.triton:
+            return rms_norm_rows_triton(x, norm.weight, eps)
+        return rms_norm_rows_reference(x, norm.weight, eps, self.blocks.rowwise)
 
     def _linear(self, x: torch.Tensor, module: torch.nn.Linear) -> torch.Tensor:
-        if self.triton:
+        if self.triton_linear:
             out = linear_rows_triton(x, module.weight)
         else:
             out = linear_rows_reference(x, module.weight, self.blocks.linear)
@@ -286,11 +311,12 @@ class InvariantBackend:
             batch, length = max(batch, self.shape[0]), max(length, self.shape[1])
         self._graphs.clear()
         self.k_cache = self.v_cache = None  # free before allocating the new ones
-        shape = (len(self.model.layers), batch, self.num_kv_heads, length, self.head_dim)
+        # one more row than asked: the scratch row of padding rows (never valid)
+        shape = (len(self.model.layers), batch + 1, self.num_kv_heads, length, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.cursor = torch.zeros(batch, dtype=torch.long, device=self.device)
-        self.valid = torch.zeros((batch, length), dtype=torch.bool, device=self.device)
+        self.cursor = torch.zeros(batch + 1, dtype=torch.long, device=self.device)
+        self.valid = torch.zeros((batch + 1, length), dtype=torch.bool, device=self.device)
         self._arange = torch.arange(max(batch, length), device=self.device)
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.shape = (batch, length)

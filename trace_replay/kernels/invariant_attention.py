@@ -50,26 +50,29 @@ def _attention_kernel(
     G: tl.constexpr,  # query heads per kv head
     G_PAD: tl.constexpr,
     D: tl.constexpr,
+    D_PAD: tl.constexpr,  # power of two >= D (tl.arange needs one)
     BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
-    b = tl.load(cache_row_ptr + row)
-    own = tl.load(slot_ptr + row)
+    b = tl.load(cache_row_ptr + row).to(tl.int64)
+    own = tl.load(slot_ptr + row).to(tl.int32)
     g = tl.arange(0, G_PAD)
-    d = tl.arange(0, D)
+    d = tl.arange(0, D_PAD)
     heads = kv_head * G + g
+    q_mask = (g[:, None] < G) & (d[None, :] < D)
     q = tl.load(q_ptr + row * stride_qr + heads[:, None] * stride_qh + d[None, :],
-                mask=g[:, None] < G, other=0.0).to(tl.float32)
+                mask=q_mask, other=0.0).to(tl.float32)
     m_i = tl.full((G_PAD,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((G_PAD,), dtype=tl.float32)
-    acc = tl.zeros((G_PAD, D), dtype=tl.float32)
+    acc = tl.zeros((G_PAD, D_PAD), dtype=tl.float32)
     offsets = tl.arange(0, BLOCK_N)
     for start in range(0, own + 1, BLOCK_N):
         t = start + offsets
         inside = t < L
+        kv_mask = inside[:, None] & (d[None, :] < D)
         keys = tl.load(k_ptr + b * stride_kb + kv_head * stride_kh + t[:, None] * stride_kl
-                       + d[None, :], mask=inside[:, None], other=0.0).to(tl.float32)
+                       + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         scores = tl.sum(q[:, None, :] * keys[None, :, :], axis=2) * scale  # [G_PAD, BLOCK_N]
         ok = tl.load(valid_ptr + b * stride_valid + t, mask=inside, other=0) != 0
         allowed = (ok & (t <= own)) | (t == own)
@@ -79,12 +82,12 @@ def _attention_kernel(
         p = tl.where(allowed[None, :], tl.exp(scores - m_new[:, None]), 0.0)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         values = tl.load(v_ptr + b * stride_vb + kv_head * stride_vh + t[:, None] * stride_vl
-                         + d[None, :], mask=inside[:, None], other=0.0).to(tl.float32)
+                         + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * values[None, :, :], axis=1)
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(out_ptr + row * stride_or + heads[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=g[:, None] < G)
+             out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -104,7 +107,8 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), valid.stride(0),
         out.stride(0), out.stride(1),
-        G=groups, G_PAD=triton.next_power_of_2(groups), D=dim, BLOCK_N=BLOCK_N)
+        G=groups, G_PAD=triton.next_power_of_2(groups), D=dim,
+        D_PAD=triton.next_power_of_2(dim), BLOCK_N=BLOCK_N)
     return out
 
 
