@@ -9,7 +9,8 @@ import torch
 
 from trace_replay.engines import make_engine
 from trace_replay.engines.hf_backend import HFBackend
-from trace_replay.engines.invariant_backend import InvariantBackend, unsupported_reason
+from trace_replay.engines.invariant_backend import InvariantBackend
+from trace_replay.engines.invariant_model import unsupported_reason
 
 pytestmark = pytest.mark.slow
 
