@@ -18,9 +18,9 @@ exactly 1 and its probabilities are exactly 0.
 
 import torch
 
-from trace_replay._triton import HAS_TRITON, tl, triton
+from trace_replay._triton import tl, triton
 
-__all__ = ["attention_rows", "attention_rows_reference", "attention_rows_triton"]
+__all__ = ["attention_rows_reference", "attention_rows_triton"]
 
 BLOCK_N = 32  # keys per step; fixed, so a row's reduction order depends on its slot alone
 
@@ -93,7 +93,26 @@ def _attention_kernel(
 def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           valid: torch.Tensor, cache_row: torch.Tensor, slot: torch.Tensor,
                           scale: float) -> torch.Tensor:
-    """Batch-invariant attention by the Triton kernel (arguments as :func:`attention_rows`)."""
+    """Each query row's attention over its own cache row, by the Triton kernel.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[R, H, D]`` query heads of R tokens (rotary applied).
+    k_cache, v_cache : torch.Tensor
+        ``[B, H_kv, L, D]`` one layer's cache; ``H`` is a multiple of ``H_kv`` (GQA).
+    valid : torch.Tensor
+        ``[B, L]`` bool: slots that hold a key in context (dropped drafts are False).
+    cache_row, slot : torch.Tensor
+        ``[R]`` int64: each query's cache row and its own slot there.
+    scale : float
+        Multiplies ``q . k``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[R, H, D]`` in ``q``'s dtype.
+    """
     rows, heads, dim = q.shape
     kv_heads, length = k_cache.shape[1], k_cache.shape[2]
     groups = heads // kv_heads
@@ -115,12 +134,11 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 def attention_rows_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              valid: torch.Tensor, cache_row: torch.Tensor, slot: torch.Tensor,
                              scale: float, rows_per_call: int = 8) -> torch.Tensor:
-    """Batch-invariant attention in torch ops, ``rows_per_call`` query rows at a time.
+    """:func:`attention_rows_triton` in torch ops, ``rows_per_call`` query rows at a time.
 
     Every torch call sees the same shapes (a block of ``rows_per_call`` rows, zero-padded,
     and ``BLOCK_N`` keys), so its algorithm is fixed; the blocks of keys are combined in a
-    Python loop from slot 0 on. Arguments as :func:`attention_rows`; the cache length must
-    be a multiple of ``BLOCK_N``.
+    Python loop from slot 0 on. The cache length must be a multiple of ``BLOCK_N``.
     """
     rows, heads, dim = q.shape
     batch, kv_heads, length, _ = k_cache.shape
@@ -162,36 +180,3 @@ def attention_rows_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
             out[start:start + take] = block[:take].to(out.dtype)
     return out
 
-
-def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   valid: torch.Tensor, cache_row: torch.Tensor, slot: torch.Tensor,
-                   scale: float, rows_per_call: int = 8) -> torch.Tensor:
-    """Each query row's attention over its own cache row, independent of the other rows.
-
-    Runs the Triton kernel on CUDA tensors (Triton installed), else
-    :func:`attention_rows_reference`.
-
-    Parameters
-    ----------
-    q : torch.Tensor
-        ``[R, H, D]`` query heads of R tokens (rotary applied).
-    k_cache, v_cache : torch.Tensor
-        ``[B, H_kv, L, D]`` one layer's cache; ``H`` is a multiple of ``H_kv`` (GQA).
-    valid : torch.Tensor
-        ``[B, L]`` bool: slots that hold a key in context (dropped drafts are False).
-    cache_row, slot : torch.Tensor
-        ``[R]`` int64: each query's cache row and its own slot there.
-    scale : float
-        Multiplies ``q . k``.
-    rows_per_call : int
-        Query rows per torch call in the reference (fixed per engine).
-
-    Returns
-    -------
-    torch.Tensor
-        ``[R, H, D]`` in ``q``'s dtype.
-    """
-    if HAS_TRITON and q.is_cuda:
-        return attention_rows_triton(q, k_cache, v_cache, valid, cache_row, slot, scale)
-    return attention_rows_reference(q, k_cache, v_cache, valid, cache_row, slot, scale,
-                                    rows_per_call)

@@ -23,9 +23,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from trace_replay._triton import HAS_TRITON, tl, triton
+from trace_replay._triton import tl, triton
 
-__all__ = ["block_plan", "linear_rows", "linear_rows_reference", "linear_rows_triton"]
+__all__ = ["block_plan", "linear_rows_reference", "linear_rows_triton"]
 
 # Tile of one program. Constants: the arithmetic of an output element must not depend on
 # the number of rows (autotuning keyed on M, or split-K, would make it depend).
@@ -142,13 +142,3 @@ def linear_rows_reference(x: torch.Tensor, weight: torch.Tensor,
     out = [F.linear(x[start:start + size].contiguous(), weight) for start, size in plan]
     return torch.cat(out)[:rows] if len(out) > 1 else out[0][:rows]
 
-
-def linear_rows(x: torch.Tensor, weight: torch.Tensor,
-                sizes: Sequence[int] = (16,)) -> torch.Tensor:
-    """Batch-invariant ``x @ weight.T``: the Triton kernel on CUDA, else the reference.
-
-    ``sizes`` is the reference's block menu (unused by the kernel, which takes any rows).
-    """
-    if HAS_TRITON and x.is_cuda:
-        return linear_rows_triton(x, weight)
-    return linear_rows_reference(x, weight, sizes)
