@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 def engine():
     # small batch: slots get reused across the six traces. deterministic=True: on a GPU
     # vLLM runs batch-invariant; the CPU build cannot, and must say so (below)
-    from trace_replay.engines.vllm_engine import batch_invariance_unavailable
+    from trace_replay.engines.vllm_invariance import batch_invariance_unavailable
 
     unavailable = batch_invariance_unavailable()
     with pytest.warns(RuntimeWarning, match="NOT batch-invariant") if unavailable else \
@@ -50,7 +50,7 @@ def test_forcing_path_is_recorded(result):
 
 def test_deterministic_is_not_claimed_where_vllm_cannot(result):
     """attrs say whether vLLM ran batch-invariant, and why not where it could not."""
-    from trace_replay.engines.vllm_engine import batch_invariance_unavailable
+    from trace_replay.engines.vllm_invariance import batch_invariance_unavailable
 
     reason = batch_invariance_unavailable()
     assert result.attrs["deterministic"] is True

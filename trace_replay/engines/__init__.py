@@ -16,6 +16,7 @@ import warnings
 from typing import Any
 
 from trace_replay.engines.base import Engine, EngineConfig
+from trace_replay.engines.vllm_invariance import batch_invariance_unavailable
 
 __all__ = ["ENGINES", "ENGINE_OPTIONS", "Engine", "EngineConfig", "make_engine"]
 
@@ -81,8 +82,8 @@ def _make_auto(config: EngineConfig, options: dict[str, Any]) -> Engine:
     """vLLM when it is installed and starts, else the torch engine; say which and why."""
     if "speculative" in options:
         reason = "speculative verify runs in the torch engine"
-    elif config.deterministic and not _vllm_can_be_invariant(config.device):
-        reason = "deterministic: vLLM's batch-invariant mode needs a GPU of compute capability >= 8.0"
+    elif config.deterministic and (why := batch_invariance_unavailable(config.device)):
+        reason = f"deterministic: {why}"
     elif importlib.util.find_spec("vllm") is None:
         reason = "vllm is not installed"
     else:
@@ -100,11 +101,3 @@ def _make_auto(config: EngineConfig, options: dict[str, Any]) -> Engine:
     engine.selected_by = f"auto: torch ({reason})"
     return engine
 
-
-def _vllm_can_be_invariant(device) -> bool:
-    """Whether vLLM's batch-invariant mode could run here (without importing vLLM)."""
-    import torch
-
-    if device is not None and torch.device(device).type != "cuda":
-        return False
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)

@@ -72,6 +72,8 @@ class PrefillEngine(EngineBase):
         return results
 
     def _run_batch(self, batch: Sequence[ReplayRequest]) -> list[TraceResult]:
+        if self.on_batch is not None:
+            self.on_batch(batch)
         if self.deterministic:
             return self._run_invariant(batch)
         # the last trace token is scored but never fed
