@@ -11,13 +11,16 @@ a call differently from others (see Assumptions).
 Assumptions, checked by ``tests/test_invariant_ops.py`` and, for the GEMM, again each time
 an engine starts (:func:`probe_linear`):
 
-* GEMM (MKL/oneDNN on CPU, cuBLAS on CUDA without Triton): for a fixed ``[M, K] x [K, N]``
-  shape, row ``r`` of the product depends only on row ``r`` of the input, not on the other
-  rows' values or on ``r``. Measured on an AMD EPYC (AVX-512, MKL 2024.2, torch 2.13): true
-  for every M, on 1 or 2 threads; moreover every M >= 4 gives a row the same bits (M <= 3
-  takes another path), so the menu of sizes 4..64 is one arithmetic. On an H200 (cuBLAS,
-  torch 2.11) the same holds for bfloat16 at 16..256 rows; float32 gives a row other bits
-  at 16..128 than at 256. The probe keeps, at start-up, a group of sizes that agree.
+* GEMM (MKL/oneDNN on CPU, cuBLAS on CUDA): for a fixed ``[M, K] x [K, N]`` shape, row
+  ``r`` of the product depends only on row ``r`` of the input, not on the other rows'
+  values or on ``r``. Measured on an AMD EPYC (AVX-512, MKL 2024.2, torch 2.13): true for
+  every M, on 1 or 2 threads (which also agree with each other); moreover every M >= 4
+  gives a row the same bits (M <= 3 takes another path), so the menu 4..64 is one
+  arithmetic. On an H200 (cuBLAS 13, torch 2.11): true at each M tried (16..2048);
+  bfloat16 rows get the same bits at every M from 16 to 2048, float32 rows different bits
+  at every M, so float32 runs blocks of 256 rows. The probe keeps, at start-up, a group of
+  sizes that agree (:func:`probe_linear`); without one, the Triton GEMM
+  (:mod:`~trace_replay.kernels.invariant_linear`, invariant by construction) is used.
 * Reductions over the last dimension (sum, mean, amax, log_softmax, softmax) of a
   ``[rows, n]`` tensor reduce each row with the same code whatever its index, as long as
   there are at least two rows (PyTorch's CPU reductions split a *single* output's reduction
@@ -41,8 +44,7 @@ from trace_replay.engines.scoring import TokenScores
 __all__ = ["LINEAR_MENU", "RowBlocks", "probe_linear", "silu_mul", "score_rows"]
 
 LINEAR_MENU = (4, 8, 16, 32, 64)  # GEMM row counts on CPU, as far as the probe finds them equal
-# on CUDA (cuBLAS); measured on an H200: bfloat16 rows agree at 16..256, float32 rows get
-# other bits at every size from 16 to 256 (so float32 runs blocks of 256 rows)
+# on CUDA (cuBLAS); on an H200 bfloat16 rows agree across all, float32 rows at none
 CUDA_LINEAR_MENU = (64, 128, 256, 512, 1024, 2048)
 
 
