@@ -16,9 +16,9 @@ an engine starts (:func:`probe_linear`):
   values or on ``r``. Measured on an AMD EPYC (AVX-512, MKL 2024.2, torch 2.13): true for
   every M, on 1 or 2 threads (which also agree with each other); moreover every M >= 4
   gives a row the same bits (M <= 3 takes another path), so the menu 4..64 is one
-  arithmetic. On an H200 (cuBLAS 13, torch 2.11): true at each M tried (16..2048);
-  bfloat16 rows get the same bits at every M from 16 to 2048, float32 rows different bits
-  at every M, so float32 runs blocks of 256 rows. The probe keeps, at start-up, a group of
+  arithmetic. On an H200 (cuBLAS 13, torch 2.11): bfloat16 rows get the same bits at
+  every M from 16 to 2048; float32 rows keep their bits at a fixed M (seen at 16, 64 and
+  256) but get other bits at another M, so float32 runs blocks of 256 rows. The probe keeps, at start-up, a group of
   sizes that agree (:func:`probe_linear`); without one, the Triton GEMM
   (:mod:`~trace_replay.kernels.invariant_linear`, invariant by construction) is used.
 * Reductions over the last dimension (sum, mean, amax, log_softmax, softmax) of a
