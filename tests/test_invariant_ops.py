@@ -65,7 +65,7 @@ def test_probe_keeps_the_menu_that_agrees():
     """On this machine the probe returns sizes of the menu; each gives a row the same bits."""
     weight = torch.randn(160, 64)
     sizes = probe_linear([weight], LINEAR_MENU)
-    assert sizes and set(sizes) <= set(LINEAR_MENU) and max(sizes) == max(LINEAR_MENU)
+    assert sizes and set(sizes) <= set(LINEAR_MENU)
     row = torch.randn(64)
     outs = [torch.nn.functional.linear(_placed(row, s, s - 1, s), weight)[s - 1] for s in sizes]
     assert all(torch.equal(o, outs[0]) for o in outs)
