@@ -182,3 +182,22 @@ def assert_matches_reference(reference64):
         return worst
 
     return check
+
+
+@pytest.fixture(scope="session")
+def assert_frames_bitwise_equal():
+    """``assert_frames_bitwise_equal(a, b)``: every column equal, floats exactly (NaN matches
+    NaN); list cells compared as lists (a checkpoint's Parquet gives numpy arrays where an
+    in-memory run gives lists)."""
+
+    def plain(frame: pd.DataFrame) -> pd.DataFrame:
+        frame = frame.reset_index(drop=True).copy()
+        for column in ("top_token_ids", "top_logprobs", "top_tokens"):
+            if column in frame:
+                frame[column] = frame[column].map(lambda v: np.asarray(v).tolist())
+        return frame
+
+    def check(a: pd.DataFrame, b: pd.DataFrame) -> None:
+        pd.testing.assert_frame_equal(plain(a), plain(b), check_exact=True)
+
+    return check
