@@ -19,7 +19,8 @@ __all__ = ["write_atomic", "remove_stale_temporaries", "pid_alive", "HOST"]
 
 # host names may hold dots and other characters; temporaries are parsed on dots
 HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:40] or "host"
-_TEMPORARY = re.compile(r"^\.(?P<target>.+)\.(?P<host>[A-Za-z0-9-]+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.tmp$")
+_TEMPORARY = re.compile(
+    r"^\.(?P<target>.+)\.(?P<host>[A-Za-z0-9-]+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.tmp$")
 
 
 def pid_alive(pid: int) -> bool:

@@ -27,7 +27,7 @@ from trace_replay._io import remove_stale_temporaries, write_atomic
 from trace_replay.claims import Claims
 from trace_replay.engines.base import ReplayRequest
 
-__all__ = ["Checkpoint", "CorruptPart", "settings_key", "trace_digest"]
+__all__ = ["Checkpoint", "CorruptPart", "settings_key", "trace_digest", "write_part"]
 
 _PART = re.compile(r"^part-\d{20}-(?P<sha>[0-9a-f]{16})\.parquet$")
 _TOLERANCE = 1e-3  # float32 scores round-tripped through float64: far above rounding
@@ -45,9 +45,10 @@ def settings_key(settings: dict) -> str:
 
 def trace_digest(key: str, request: ReplayRequest,
                  ref_logprobs: Sequence[float] | None = None) -> str:
-    """What a finished trace's rows depend on: the settings' ``key``, the exact prompt and
-    trace tokens, and the trace's ``ref_logprobs`` (copied into its rows)."""
+    """What a finished trace's rows depend on: the settings' ``key``, the trace id, the exact
+    prompt and trace tokens, and the trace's ``ref_logprobs`` (copied into its rows)."""
     digest = hashlib.sha256(key.encode())
+    digest.update(json.dumps(request.trace_id).encode())
     for values, dtype in ((request.prompt_token_ids, "<i8"), (request.trace_token_ids, "<i8"),
                           (ref_logprobs or (), "<f8")):
         digest.update(len(values).to_bytes(8, "little"))
@@ -143,13 +144,15 @@ class Checkpoint:
         with self._claims.locked():
             self._scan()
             taken = self._claims.others() | self._claims.mine
+            # a part holds at most max_traces: fill up what is buffered, no more
+            size = min(self._group, self.max_traces - self._buffered())
             group = []
             for digest in list(self._todo):
                 if self._held[digest]:
                     del self._todo[digest]
                 elif digest not in taken:
                     group.append(digest)
-                    if len(group) == self._group:
+                    if len(group) == size:
                         break
             self._claims.set(self._claims.mine | set(group))
         for digest in group:
@@ -210,11 +213,15 @@ class Checkpoint:
     def _save_if_due(self, force: bool = False) -> None:
         if not self._buffer:
             return
-        traces = sum(frame["trace_id"].nunique() for frame in self._buffer)
-        due = traces >= self.max_traces or time.monotonic() - self._last_write >= self.every_s
+        waited = time.monotonic() - self._last_write
+        due = self._buffered() >= self.max_traces or waited >= self.every_s
         if force or due:
             self._write(pd.concat(self._buffer, ignore_index=True))
             self._buffer = []
+
+    def _buffered(self) -> int:
+        """Traces computed and not yet written (each frame holds whole traces)."""
+        return sum(frame["trace_id"].nunique() for frame in self._buffer)
 
     def _save_quietly(self) -> None:
         try:
@@ -224,16 +231,8 @@ class Checkpoint:
                           RuntimeWarning, stacklevel=3)
 
     def _write(self, frame: pd.DataFrame) -> None:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
         frame = frame.assign(trace_digest=frame["trace_id"].map(self._digest_of))
-        sink = pa.BufferOutputStream()
-        pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), sink,
-                       write_page_checksum=True)
-        data = sink.getvalue().to_pybytes()
-        name = f"part-{time.time_ns():020d}-{hashlib.sha256(data).hexdigest()[:16]}.parquet"
-        write_atomic(self.path / name, lambda temporary: temporary.write_bytes(data))
+        name = write_part(self.path, frame).name
         digests = frozenset(frame["trace_digest"])
         self._parts[name] = digests
         self._held.update(digests)
@@ -310,6 +309,23 @@ class Checkpoint:
                              f"({', '.join(changed)}); use a new folder")
 
 
+def write_part(folder: Path, frame: pd.DataFrame) -> Path:
+    """Write ``frame`` (with its ``trace_digest`` column) as a part; return its path.
+
+    The part's pages carry CRC checksums and its name the start of its bytes' SHA-256.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), sink,
+                   write_page_checksum=True)
+    data = sink.getvalue().to_pybytes()
+    path = folder / f"part-{time.time_ns():020d}-{hashlib.sha256(data).hexdigest()[:16]}.parquet"
+    write_atomic(path, lambda temporary: temporary.write_bytes(data))
+    return path
+
+
 def _check_values(frame: pd.DataFrame, top_k: int | None,
                   requests: dict[str, ReplayRequest]) -> None:
     """Raise :class:`CorruptPart` unless every trace's rows are complete and plausible."""
@@ -320,11 +336,11 @@ def _check_values(frame: pd.DataFrame, top_k: int | None,
     frame = frame.sort_values(["trace_digest", "step"], kind="stable")
     groups = frame.groupby("trace_digest", sort=False)
     logprob, rank = frame["logprob"].to_numpy(), frame["rank"].to_numpy()
-    entropy = frame["entropy"].to_numpy()
+    entropy, step = frame["entropy"].to_numpy(), frame["step"].to_numpy()
+    offsets = (frame["position"] - frame["step"]).groupby(frame["trace_digest"])
     problems = {
-        "steps are not 0, 1, 2…": (groups.cumcount().to_numpy() != frame["step"].to_numpy()).any(),
-        "positions are not prompt_len + step":
-            (frame["position"] - frame["step"]).groupby(frame["trace_digest"]).nunique().gt(1).any(),
+        "steps are not 0, 1, 2…": (groups.cumcount().to_numpy() != step).any(),
+        "positions are not prompt_len + step": offsets.nunique().gt(1).any(),
         "logprob is NaN or positive": (np.isnan(logprob) | (logprob > _TOLERANCE)).any(),
         "rank below 1": (rank < 1).any(),
         "negative entropy": (entropy < -_TOLERANCE).any(),
