@@ -13,8 +13,6 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from trace_replay.checkpoint import write_part
-from trace_replay.claims import Claims
 from trace_replay.engines import make_engine
 from trace_replay.replay import replay
 
@@ -79,6 +77,8 @@ def test_flipped_bit_is_detected_and_recomputed(engine, records, tmp_path):
 
 def test_implausible_values_are_refused(engine, records, tmp_path):
     """A part with a valid checksum but a rank its top-k contradicts is not served."""
+    from trace_replay.checkpoint import write_part
+
     want = replay(records, engine=engine, progress=False, checkpoint=tmp_path)
     [part] = tmp_path.glob("part-*.parquet")
     bad = pd.read_parquet(part)
@@ -114,6 +114,8 @@ def test_parts_bounded_in_traces_and_time(engine, records, tmp_path):
 
 def test_dead_runs_claims_are_released(tmp_path):
     """Claims of a live run are seen by others; once it is killed (-9) they are freed."""
+    from trace_replay.claims import Claims
+
     script = ("import sys, time; from pathlib import Path; from trace_replay.claims import Claims\n"
               "c = Claims(Path(sys.argv[1]))\n"
               "with c.locked(): c.set(['d1', 'd2'])\n"
