@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import signal
@@ -73,6 +74,24 @@ def test_bad_arguments_fail_before_any_work(tmp_path):
         _assert_one_line_error(result, message)
         assert not (tmp_path / f"ckpt{i}").exists()  # refused before the engine was built
     assert not (tmp_path / "r.parquet").exists()
+
+
+def test_damaged_inputs_are_one_line_errors(tmp_path):
+    """A truncated .jsonl.gz, non-UTF-8 bytes, a lone surrogate: one line naming file and
+    line (and trace), exit 2, no traceback."""
+    good = json.dumps({"id": "a", "prompt": "x", "completion": "y"}) + "\n"
+    packed = gzip.compress(good.encode() * 300)
+    truncated = tmp_path / "cut.jsonl.gz"
+    truncated.write_bytes(packed[: len(packed) // 2])
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(good.encode() + b'{"id": "b", "prompt": "caf\xe9", "completion": "y"}\n')
+    surrogate = tmp_path / "surrogate.jsonl"
+    surrogate.write_text(good + '{"id": "s", "prompt": "\\ud800", "completion": "y"}\n')
+    results = _run_together(*[["replay", path, "--engine", "prefill", "--quiet", "--out",
+                               tmp_path / "r.parquet"] for path in (truncated, latin, surrogate)])
+    _assert_one_line_error(results[0], f"{truncated}:", "gzip data is damaged or truncated")
+    _assert_one_line_error(results[1], f"{latin}:2: not UTF-8 text: byte 0xe9")
+    _assert_one_line_error(results[2], f"{surrogate}:2: trace 's': prompt holds a lone surrogate")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")

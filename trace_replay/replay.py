@@ -51,7 +51,7 @@ def prepare_requests(traces: TraceSet, max_model_len: int | None, *,
         prompt, tokens = trace.prompt_token_ids, trace.trace_token_ids
         if not prompt:
             raise TraceError("empty prompt: decode replay needs at least one prompt token",
-                             trace_id=trace.id, location=_location(traces, trace.id))
+                             trace_id=trace.id, location=traces.location(trace.id))
         if max_model_len is not None and len(prompt) + len(tokens) > max_model_len:
             room = max_model_len - len(prompt)
             problem = (f"prompt ({len(prompt)}) + trace ({len(tokens)}) tokens exceed the "
@@ -59,7 +59,7 @@ def prepare_requests(traces: TraceSet, max_model_len: int | None, *,
             if not truncate or room < 1:
                 hint = "" if truncate else "; allow cutting with truncate=True (CLI: --truncate)"
                 raise TraceError(problem + hint, trace_id=trace.id,
-                                 location=_location(traces, trace.id))
+                                 location=traces.location(trace.id))
             tokens = tokens[:room]
             notes.append(f"trace {trace.id!r}: {problem}; cut to {room} tokens")
             warnings.warn(notes[-1], stacklevel=3)
@@ -195,11 +195,6 @@ def _check_arguments(*, shard: Any, chunk_size: Any, checkpoint_every: Any, trun
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _location(traces: TraceSet, trace_id: str) -> str | None:
-    """Where ``trace_id`` was read from (file:line or row), when the set knows."""
-    return getattr(traces, "_locations", {}).get(trace_id)
 
 
 def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
