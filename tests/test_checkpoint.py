@@ -77,7 +77,7 @@ def test_flipped_bit_is_detected_and_recomputed(engine, records, tmp_path):
 
 def test_implausible_values_are_refused(engine, records, tmp_path):
     """A part with a valid checksum but a rank its top-k contradicts is not served."""
-    from trace_replay.checkpoint import write_part
+    from trace_replay.parts import write_part
 
     want = replay(records, engine=engine, progress=False, checkpoint=tmp_path)
     [part] = tmp_path.glob("part-*.parquet")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import time
 import warnings
 from collections import Counter
@@ -26,15 +25,9 @@ import pandas as pd
 from trace_replay._io import remove_stale_temporaries, write_atomic
 from trace_replay.claims import Claims
 from trace_replay.engines.base import ReplayRequest
+from trace_replay.parts import PART_NAME, CorruptPart, read_part, write_part
 
-__all__ = ["Checkpoint", "CorruptPart", "settings_key", "trace_digest", "write_part"]
-
-_PART = re.compile(r"^part-\d{20}-(?P<sha>[0-9a-f]{16})\.parquet$")
-_TOLERANCE = 1e-3  # float32 scores round-tripped through float64: far above rounding
-
-
-class CorruptPart(ValueError):
-    """A part whose bytes, pages or values fail verification."""
+__all__ = ["Checkpoint", "settings_key", "trace_digest"]
 
 
 def settings_key(settings: dict) -> str:
@@ -61,9 +54,10 @@ class Checkpoint:
 
     Invariants, whatever kills a run and when:
 
-    * Every row carries ``trace_digest`` (settings + prompt ids + trace ids). A trace is
-      served from the folder only when its digest matches, so an edited trace is recomputed,
-      never served stale. A folder written with other settings is refused.
+    * Every row carries ``trace_digest`` (settings, trace id, prompt and trace ids,
+      ``ref_logprobs``). A trace is served from the folder only when its digest matches, so
+      an edited trace is recomputed, never served stale. A folder written with other
+      settings is refused.
     * A part appears whole (temporary, then rename); its name carries the SHA-256 of its
       bytes, its pages carry CRCs, and its values are checked on read. A part failing any
       check is renamed ``*.corrupt`` with a warning, and its traces are recomputed.
@@ -71,6 +65,11 @@ class Checkpoint:
       runs on one folder split the work; a dead run's claims are taken over.
     * A part is written every ``max_traces`` traces and every ``every_s`` seconds of
       compute (at engine-call granularity; calls shrink to fit ``every_s``).
+
+    The run loop: ``claim()`` traces, compute them, ``add()`` their frame; when ``claim()``
+    gives nothing, ``waiting()`` sleeps while other runs hold claims on this run's traces,
+    then ``read()`` gives the result. Leaving the ``with`` block on an error or Ctrl-C saves
+    what was computed and drops this run's claims.
 
     Parameters
     ----------
@@ -83,7 +82,7 @@ class Checkpoint:
     ref_logprobs
         Each trace's ``ref_logprobs`` by trace id, where it has them.
     batch_size
-        Engine calls take a multiple of this many traces.
+        Engine calls take whole batches of this many traces where they can.
     max_traces, every_s
         A part at least every ``max_traces`` traces and ``every_s`` seconds.
     """
@@ -146,16 +145,16 @@ class Checkpoint:
             taken = self._claims.others() | self._claims.mine
             # a part holds at most max_traces: fill up what is buffered, no more
             size = min(self._group, self.max_traces - self._buffered())
-            group = []
-            for digest in list(self._todo):
+            group, finished = [], []
+            for digest in self._todo:  # finished and claimed digests leave, so this stays short
                 if self._held[digest]:
-                    del self._todo[digest]
+                    finished.append(digest)
                 elif digest not in taken:
                     group.append(digest)
                     if len(group) == size:
                         break
             self._claims.set(self._claims.mine | set(group))
-        for digest in group:
+        for digest in finished + group:
             del self._todo[digest]
         self._claimed_at = time.monotonic()
         return [self._requests[d] for d in group]
@@ -202,7 +201,9 @@ class Checkpoint:
             frames.append(frame[frame["trace_digest"].isin(wanted)])
             served |= wanted
         missing = self._requests.keys() - served
-        if missing:
+        if missing:  # claimed but never written (an engine that dropped a trace): claim again
+            with self._claims.locked():
+                self._claims.set(self._claims.mine - missing)
             self._todo.update(dict.fromkeys(d for d in self._requests if d in missing))
             return None
         frame = pd.concat(frames, ignore_index=True) if frames else None
@@ -245,7 +246,7 @@ class Checkpoint:
         for path in sorted(self.path.glob("part-*.parquet")):
             if path.name in self._parts:
                 continue
-            if _PART.match(path.name) is None:
+            if PART_NAME.match(path.name) is None:
                 warnings.warn(f"checkpoint part {path} has no content digest (written by an "
                               "older trace_replay); ignored, its traces are recomputed",
                               RuntimeWarning, stacklevel=4)
@@ -274,21 +275,7 @@ class Checkpoint:
                                         if d in self._requests and not self._held[d]))
 
     def _load(self, path: Path) -> pd.DataFrame:
-        """A part's rows, after its SHA-256, page checksums and values are verified."""
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        data = path.read_bytes()
-        match = _PART.match(path.name)
-        if match is None or hashlib.sha256(data).hexdigest()[:16] != match["sha"]:
-            raise CorruptPart("its bytes do not match the checksum in its name")
-        try:
-            frame = pq.read_table(pa.BufferReader(data), page_checksum_verification=True
-                                  ).to_pandas()
-        except (pa.ArrowException, OSError, ValueError) as error:
-            raise CorruptPart(f"unreadable: {error}") from None
-        _check_values(frame, self.top_k, self._requests)
-        return frame
+        return read_part(path, top_k=self.top_k, requests=self._requests)
 
     def _check_settings(self, settings: dict) -> None:
         """Store ``settings`` on first use, else refuse other ones. Call under the lock."""
@@ -307,67 +294,6 @@ class Checkpoint:
                              if stored.get(k) != settings.get(k))
             raise ValueError(f"checkpoint {self.path} was written with other settings "
                              f"({', '.join(changed)}); use a new folder")
-
-
-def write_part(folder: Path, frame: pd.DataFrame) -> Path:
-    """Write ``frame`` (with its ``trace_digest`` column) as a part; return its path.
-
-    The part's pages carry CRC checksums and its name the start of its bytes' SHA-256.
-    """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    sink = pa.BufferOutputStream()
-    pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), sink,
-                   write_page_checksum=True)
-    data = sink.getvalue().to_pybytes()
-    path = folder / f"part-{time.time_ns():020d}-{hashlib.sha256(data).hexdigest()[:16]}.parquet"
-    write_atomic(path, lambda temporary: temporary.write_bytes(data))
-    return path
-
-
-def _check_values(frame: pd.DataFrame, top_k: int | None,
-                  requests: dict[str, ReplayRequest]) -> None:
-    """Raise :class:`CorruptPart` unless every trace's rows are complete and plausible."""
-    need = {"trace_id", "trace_digest", "step", "position", "token_id", "logprob", "rank",
-            "top_token_ids", "top_logprobs", "entropy"}
-    if not need <= set(frame.columns):
-        raise CorruptPart(f"columns {sorted(need - set(frame.columns))} missing")
-    frame = frame.sort_values(["trace_digest", "step"], kind="stable")
-    groups = frame.groupby("trace_digest", sort=False)
-    logprob, rank = frame["logprob"].to_numpy(), frame["rank"].to_numpy()
-    entropy, step = frame["entropy"].to_numpy(), frame["step"].to_numpy()
-    offsets = (frame["position"] - frame["step"]).groupby(frame["trace_digest"])
-    problems = {
-        "steps are not 0, 1, 2…": (groups.cumcount().to_numpy() != step).any(),
-        "positions are not prompt_len + step": offsets.nunique().gt(1).any(),
-        "logprob is NaN or positive": (np.isnan(logprob) | (logprob > _TOLERANCE)).any(),
-        "rank below 1": (rank < 1).any(),
-        "negative entropy": (entropy < -_TOLERANCE).any(),
-    }
-    if top_k is not None:
-        lengths = frame["top_logprobs"].map(len).to_numpy()
-        problems["top-k lists of the wrong length"] = (
-            (lengths != top_k).any() or (frame["top_token_ids"].map(len).to_numpy() != top_k).any())
-        if top_k > 0 and not problems["top-k lists of the wrong length"]:
-            top = np.stack(frame["top_logprobs"].to_numpy()).astype(np.float64)
-            within = rank <= top_k
-            at_rank = top[np.arange(len(top)), np.minimum(rank, top_k) - 1]
-            slack = _TOLERANCE * np.maximum(1.0, np.abs(logprob))
-            problems["top-k logprobs not sorted"] = (np.diff(top, axis=1) > slack[:, None]).any()
-            # rank r: r - 1 logprobs are greater, so the r-th largest is the token's own
-            problems["rank disagrees with top-k"] = (
-                (within & (np.abs(at_rank - logprob) > slack))
-                | (~within & (top[:, -1] < logprob - slack))).any()
-    for digest, rows in groups:
-        request = requests.get(digest)
-        if request is not None and (
-                not np.array_equal(rows["token_id"].to_numpy(), request.trace_token_ids)
-                or rows["position"].iloc[0] != request.prompt_len):
-            problems[f"trace {request.trace_id!r}: tokens differ from its digest's"] = True
-    failed = [problem for problem, bad in problems.items() if bad]
-    if failed:
-        raise CorruptPart("; ".join(failed))
 
 
 def _in_request_order(frame: pd.DataFrame | None, digests: list[str]) -> pd.DataFrame | None:
