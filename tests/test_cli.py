@@ -32,6 +32,9 @@ def test_bad_trace_file_is_one_line_error(tmp_path):
     assert f"{path}:2" in out.stderr and out.stderr.count("\n") == 1
 
 
+HELLO = {"id": "a", "prompt": "Hello", "completion": " world"}
+
+
 def _run_together(*commands, env=None):
     """Run CLI commands side by side (start-up dominates); their CompletedProcess-like results."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
@@ -56,7 +59,7 @@ def _write_traces(path, records):
 
 def test_bad_arguments_fail_before_any_work(tmp_path):
     """Bad --batch-size/--top-k/--device/--shard/--out: one line, exit 2, nothing started."""
-    traces = _write_traces(tmp_path / "t.jsonl", [{"id": "a", "prompt": "x", "completion": "y"}])
+    traces = _write_traces(tmp_path / "t.jsonl", [HELLO])
     (tmp_path / "file").write_text("")
     cases = {
         "batch_size must be an integer >= 1": ["--batch-size", "-1"],
@@ -79,7 +82,7 @@ def test_bad_arguments_fail_before_any_work(tmp_path):
 def test_damaged_inputs_are_one_line_errors(tmp_path):
     """A truncated .jsonl.gz, non-UTF-8 bytes, a lone surrogate: one line naming file and
     line (and trace), exit 2, no traceback."""
-    good = json.dumps({"id": "a", "prompt": "x", "completion": "y"}) + "\n"
+    good = json.dumps(HELLO) + "\n"
     packed = gzip.compress(good.encode() * 300)
     truncated = tmp_path / "cut.jsonl.gz"
     truncated.write_bytes(packed[: len(packed) // 2])
@@ -97,7 +100,7 @@ def test_damaged_inputs_are_one_line_errors(tmp_path):
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_unwritable_out_fails_before_any_work(tmp_path):
     """--out in a read-only folder is refused before the model is loaded."""
-    traces = _write_traces(tmp_path / "t.jsonl", [{"id": "a", "prompt": "x", "completion": "y"}])
+    traces = _write_traces(tmp_path / "t.jsonl", [HELLO])
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o555)
     [result] = _run_together(["replay", traces, "--engine", "prefill", "--quiet", "--out",
@@ -113,14 +116,15 @@ def test_empty_input_empty_shard_and_overflow(tmp_path):
 
     blank = tmp_path / "blank.jsonl"
     blank.write_text("\n  \n")
-    one = _write_traces(tmp_path / "one.jsonl", [{"id": "a", "prompt": "x", "completion": "y"}])
+    one = _write_traces(tmp_path / "one.jsonl", [HELLO])
     empty_shard = 1 - _shard_of("a", 2)
     big = _write_traces(tmp_path / "big.jsonl", [
-        {"id": "a", "prompt": "x", "completion": "y"},
+        HELLO,
         {"id": "big", "prompt": "x", "trace_token_ids": [28] * 9000}])
     common = ["--engine", "prefill", "--quiet"]
     results = _run_together(
-        ["replay", blank, *common, "--out", tmp_path / "b.parquet", "--checkpoint", tmp_path / "c1"],
+        ["replay", blank, *common, "--out", tmp_path / "b.parquet",
+         "--checkpoint", tmp_path / "c1"],
         ["replay", one, *common, "--out", tmp_path / "s.parquet", "--checkpoint", tmp_path / "c2",
          "--shard", f"{empty_shard}/2"],
         ["replay", big, *common, "--out", tmp_path / "o.parquet"])
