@@ -6,7 +6,8 @@ whole sequence instead of one decode step at a time.
 Memory: the model body runs once per batch; the lm_head and the log-softmax run over the
 scored positions in chunks of ``score_chunk_bytes``, so full-vocabulary logits never exist
 for more than one chunk and peak memory does not grow with trace length beyond the model's
-own activations.
+own activations. While forward hooks watch the engine (``on_batch`` set, as
+:mod:`trace_replay.capture` does), the model's own forward runs instead, logits included.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ class PrefillEngine(EngineBase):
         rows_t, cols_t = torch.tensor(rows, device=device), torch.tensor(cols, device=device)
         targets_t = torch.tensor(targets, device=device)
         input_ids, mask = input_ids.to(device), mask.to(device)
-        if self._split:
+        # hooks watching the forwards (on_batch: trace_replay.capture) see the model's own
+        if self._split and self.on_batch is None:
             states = self.lm.base_model(input_ids=input_ids, attention_mask=mask)
             scored, head = states.last_hidden_state[rows_t, cols_t], self._head
         else:  # the model's own logits, only where a trace token is scored
