@@ -73,7 +73,8 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
            speculative: dict[str, Any] | None = None, engine_args: dict[str, Any] | None = None,
            progress: bool = True, checkpoint: str | os.PathLike | None = None,
            shard: tuple[int, int] | None = None, truncate: bool = False,
-           chunk_size: int | None = None, checkpoint_every: float = 10.0) -> pd.DataFrame:
+           chunk_size: int | None = None, checkpoint_every: float = 10.0,
+           deterministic: bool = False) -> pd.DataFrame:
     """Replay every trace through a model's decode path and score each trace token.
 
     At each decode step the engine computes its normal next-token distribution, the emitted
@@ -122,6 +123,12 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
     checkpoint_every
         With ``checkpoint``: seconds of compute after which finished traces are written,
         however few (engine calls shrink to whole batches to keep to it).
+    deterministic
+        Batch-invariant arithmetic (torch and prefill engines): every column of a trace's
+        rows is the same bits whatever ``batch_size``, ``chunk_size``, ``shard``, the other
+        traces, their order, and interruption and resume; decode replay and prefill then
+        agree bitwise too. For vLLM, its batch-invariant mode where the platform has one
+        (``df.attrs["batch_invariant"]`` says whether it ran). Recorded in ``df.attrs``.
 
     Returns
     -------
@@ -153,7 +160,7 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
     if isinstance(engine, str):
         engine_obj = make_engine(engine, model, dtype=dtype, device=device,
                                  batch_size=batch_size, top_k=top_k, speculative=speculative,
-                                 engine_args=engine_args)
+                                 engine_args=engine_args, deterministic=deterministic)
         with engine_obj:
             return _replay(traceset, engine_obj, progress=progress, checkpoint=checkpoint,
                            shard=shard, truncate=truncate, chunk_size=chunk_size,
@@ -169,6 +176,9 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
     if given:
         raise ValueError(f"{', '.join(given)} configure an engine; an engine object was passed, "
                          "so give them to make_engine instead")
+    if deterministic and not engine.settings().get("deterministic"):
+        raise ValueError("deterministic=True, but the engine passed was built without it; "
+                         "build it with make_engine(..., deterministic=True)")
     return _replay(traceset, engine, progress=progress, checkpoint=checkpoint, shard=shard,
                    truncate=truncate, chunk_size=chunk_size, checkpoint_every=checkpoint_every,
                    started=started)
