@@ -134,6 +134,12 @@ def lm():
 
 
 @pytest.fixture(scope="session")
+def real_records() -> list[dict]:
+    """The six real traces as records (copies of REAL_TRACES), before loading."""
+    return [dict(record) for record in REAL_TRACES]
+
+
+@pytest.fixture(scope="session")
 def real_traces(tokenizer):
     """Six real traces: EOS inside, a 1-token trace, a 1-token prompt, mixed lengths."""
     from trace_replay.traces import load_traces

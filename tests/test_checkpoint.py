@@ -25,11 +25,9 @@ def engine(lm):
 
 
 @pytest.fixture(scope="module")
-def records(tokenizer):
+def records(tokenizer, real_records):
     """Four traces; 'long' as token ids so that it can be cut."""
-    from conftest import REAL_TRACES
-
-    chosen = {r["id"]: dict(r) for r in REAL_TRACES if r["id"] in ("paris", "code", "long")}
+    chosen = {r["id"]: r for r in real_records if r["id"] in ("paris", "code", "long")}
     long = chosen.pop("long")
     chosen["long"] = {"id": "long", "prompt": long["prompt"],
                       "trace_token_ids": tokenizer.encode(long["completion"])}

@@ -10,10 +10,8 @@ from trace_replay.replay import replay
 pytestmark = pytest.mark.slow
 
 
-def test_lm_head_runs_in_bounded_chunks(lm, real_traces, reference64):
+def test_lm_head_runs_in_bounded_chunks(lm, real_traces, assert_matches_reference):
     """Full-vocabulary logits exist for at most one chunk of positions, and scores stay exact."""
-    from conftest import assert_matches_reference
-
     engine = make_engine("prefill", lm, batch_size=6, top_k=3)
     vocab = lm.get_output_embeddings().weight.shape[0]
     engine.score_chunk_bytes = 4 * vocab * 20  # 4 positions a chunk
@@ -27,4 +25,4 @@ def test_lm_head_runs_in_bounded_chunks(lm, real_traces, reference64):
     assert len(df) == sum(len(t.trace_token_ids) for t in real_traces)
     assert max(rows_seen) <= 4
     assert sum(rows_seen) == len(df)  # no logits for prompt or padding positions
-    assert_matches_reference(df, reference64)
+    assert_matches_reference(df)
