@@ -33,7 +33,7 @@ NAMES = [
     ({"batch_size": 0}, ValueError, "batch_size must be an integer >= 1, got 0"),
     ({"batch_size": True}, ValueError, "batch_size must be an integer"),
     ({"dtype": "float7"}, ValueError, "float7"),
-    ({"device": "gpu"}, RuntimeError, "gpu"),
+    ({"device": "gpu"}, ValueError, "device .gpu. is not a device name"),
 ])  # fmt: skip
 def test_config_refuses_bad_values(fields, error, message):
     """EngineConfig validates on construction, naming the field and the value."""
