@@ -72,7 +72,7 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
            speculative: dict[str, Any] | None = None, engine_args: dict[str, Any] | None = None,
            progress: bool = True, checkpoint: str | os.PathLike | None = None,
            shard: tuple[int, int] | None = None, truncate: bool = False,
-           chunk_size: int | None = None) -> pd.DataFrame:
+           chunk_size: int | None = None, verbose: bool = False) -> pd.DataFrame:
     """Replay every trace through a model's decode path and score each trace token.
 
     At each decode step the engine computes its normal next-token distribution, the emitted
@@ -105,16 +105,18 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
     engine_args
         Passed through to ``vllm.LLM`` (parallelism, memory, ``max_model_len``…).
     progress
-        Show a tqdm bar over traces.
+        Show a tqdm bar counting trace tokens as they are scored.
     checkpoint
         Folder for resumable runs: finished traces are written there as Parquet parts and a
-        rerun with the same folder skips them.
+        rerun with the same folder skips them (and says how many).
     shard
         ``(index, count)``: replay only this deterministic slice (by hash of the trace id).
     truncate
         Cut traces that do not fit the engine's context instead of raising.
     chunk_size
         Traces handed to the engine at a time (and written per checkpoint part).
+    verbose
+        Show the engine's own start-up logging (vLLM's); by default only its errors.
 
     Returns
     -------
@@ -139,7 +141,7 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
     if isinstance(engine, str):
         engine_obj = make_engine(engine, model, dtype=dtype, device=device,
                                  batch_size=batch_size, top_k=top_k, speculative=speculative,
-                                 engine_args=engine_args)
+                                 engine_args=engine_args, verbose=verbose)
         with engine_obj:
             return _replay(traceset, engine_obj, progress=progress, checkpoint=checkpoint,
                            shard=shard, truncate=truncate, chunk_size=chunk_size,
@@ -152,6 +154,8 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
     given = sorted(name for name, value in given.items() if value is not None)
     if top_k != 5:
         given.append("top_k")
+    if verbose:
+        given.append("verbose")
     if given:
         raise ValueError(f"{', '.join(given)} configure an engine; an engine object was passed, "
                          "so give them to make_engine instead")
@@ -173,14 +177,22 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
     decode = TokenDecoder(tokenizer)
     chunk = chunk_size or max(engine.batch_size, 1) * 4
     frames = []
-    with tqdm(total=len(requests), initial=len(requests) - len(pending), unit="trace",
-              disable=not progress, desc=f"replay[{engine.name}]") as bar:
+    total = sum(r.trace_len for r in requests)
+    done = total - sum(r.trace_len for r in pending)
+    with tqdm(total=total, initial=done, unit="tok", disable=not progress,
+              desc=f"replay[{engine.name}]") as bar:
+        if len(pending) < len(requests) and progress:
+            bar.write(f"replay: resuming {checkpoint}: {len(requests) - len(pending)} of "
+                      f"{len(requests)} traces ({done} tokens) already done, "
+                      f"{len(pending)} to replay")
         for start in range(0, len(pending), chunk):
-            frame = to_frame(engine.run(pending[start:start + chunk]), by_id, decode)
+            part = pending[start:start + chunk]
+            done += sum(r.trace_len for r in part)
+            frame = to_frame(engine.run(part, on_tokens=bar.update), by_id, decode)
             if store is not None:
                 store.write(frame)
             frames.append(frame)
-            bar.update(min(chunk, len(pending) - start))
+            bar.update(max(done - bar.n, 0))  # an engine that reported fewer catches up
     result = store.read() if store is not None else (
         pd.concat(frames, ignore_index=True) if frames else to_frame([], by_id, decode))
     wanted = {r.trace_id: i for i, r in enumerate(requests)}

@@ -6,7 +6,7 @@ whole sequence instead of one decode step at a time.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -49,11 +49,15 @@ class PrefillEngine(EngineBase):
         self.lm = None
 
     @torch.inference_mode()
-    def run(self, requests: Sequence[ReplayRequest]) -> list[TraceResult]:
+    def run(self, requests: Sequence[ReplayRequest], *,
+            on_tokens: Callable[[int], None] | None = None) -> list[TraceResult]:
         """Score ``requests``; results come back in the order given."""
         results = []
         for start in range(0, len(requests), self.batch_size):
-            results.extend(self._run_batch(requests[start:start + self.batch_size]))
+            batch = requests[start:start + self.batch_size]
+            results.extend(self._run_batch(batch))
+            if on_tokens is not None:
+                on_tokens(sum(r.trace_len for r in batch))
         return results
 
     def _run_batch(self, batch: Sequence[ReplayRequest]) -> list[TraceResult]:

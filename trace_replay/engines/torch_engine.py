@@ -10,9 +10,10 @@ is a backend: ``hf`` (the transformers model with a growing cache) or ``static``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from trace_replay.engines.base import EngineBase, EngineConfig, ReplayRequest, TraceResult
@@ -100,25 +101,32 @@ class TorchEngine(EngineBase):
         self.backend = self.lm = None
 
     @torch.inference_mode()
-    def run(self, requests: Sequence[ReplayRequest]) -> list[TraceResult]:
+    def run(self, requests: Sequence[ReplayRequest], *,
+            on_tokens: Callable[[int], None] | None = None) -> list[TraceResult]:
         """Replay ``requests``; results come back in the order given."""
         results: dict[int, TraceResult] = {}
         for indices in waves(requests, self.batch_size):
             wave = [requests[i] for i in indices]
-            results.update(zip(indices, self._run_wave(wave)))
+            progress = _WaveProgress(wave, on_tokens)
+            results.update(zip(indices, self._run_wave(wave, progress)))
+            progress.finish()
         return [results[i] for i in range(len(requests))]
 
-    def _run_wave(self, wave: Sequence[ReplayRequest]) -> list[TraceResult]:
+    def _run_wave(self, wave: Sequence[ReplayRequest],
+                  progress: _WaveProgress) -> list[TraceResult]:
         idx_mapping = self.slots.admit(wave)
         longest = max(r.trace_len for r in wave)
         logits = self.backend.prefill([r.prompt_token_ids for r in wave], longest)
         if self.speculative is None:
             steps, counts = replay_steps(self.backend, self.slots, idx_mapping, logits,
-                                         longest, self.top_k)
+                                         longest, self.top_k, on_step=progress.forward(1))
         else:
             method, k = self.speculative
+            # trace drafts are all accepted (k + 1 per forward); n-gram ones at least 1
             verified = verify_steps(self.backend, self.slots, idx_mapping, logits, wave,
-                                    method=method, k=k, top_k=self.top_k)
+                                    method=method, k=k, top_k=self.top_k,
+                                    on_forward=progress.forward(k + 1 if method == "trace"
+                                                                else 1))
             steps, counts = verified.steps, verified.counts
             self._drafted += verified.drafted
             self._accepted += verified.accepted
@@ -148,3 +156,30 @@ class TorchEngine(EngineBase):
                        else len(row_ids))
                 outputs.append((row_ids[:end], row_lps[:end]))
         return outputs
+
+
+class _WaveProgress:
+    """Tokens committed by a wave so far, from its trace lengths alone (no device reads).
+
+    Forward ``i`` brings every row to ``min(1 + i * per_forward, trace_len)`` tokens; a
+    lower bound for n-gram verify, whose remainder :meth:`finish` reports.
+    """
+
+    def __init__(self, wave: Sequence[ReplayRequest],
+                 on_tokens: Callable[[int], None] | None) -> None:
+        self.lengths = np.array([r.trace_len for r in wave])
+        self.on_tokens = on_tokens
+        self.reported = 0
+
+    def _report(self, done: int) -> None:
+        if self.on_tokens is not None and done > self.reported:
+            self.on_tokens(done - self.reported)
+            self.reported = done
+
+    def forward(self, per_forward: int) -> Callable[[int], None] | None:
+        if self.on_tokens is None:
+            return None
+        return lambda i: self._report(int(np.minimum(1 + i * per_forward, self.lengths).sum()))
+
+    def finish(self) -> None:
+        self._report(int(self.lengths.sum()))
