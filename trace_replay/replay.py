@@ -6,6 +6,7 @@ import datetime as dt
 import importlib.metadata
 import os
 import platform
+import sys
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -184,7 +185,7 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
         if len(pending) < len(requests) and progress:
             bar.write(f"replay: resuming {checkpoint}: {len(requests) - len(pending)} of "
                       f"{len(requests)} traces ({done} tokens) already done, "
-                      f"{len(pending)} to replay")
+                      f"{len(pending)} to replay", file=sys.stderr)
         for start in range(0, len(pending), chunk):
             part = pending[start:start + chunk]
             done += sum(r.trace_len for r in part)
@@ -205,6 +206,7 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
     result.attrs = {
         **settings,
         **engine.stats(),
+        "settings_keys": sorted(settings),  # which attrs make two runs comparable (merge)
         "num_traces": len(requests),
         "resumed_traces": len(requests) - len(pending),
         "truncated": cut_notes,

@@ -23,6 +23,7 @@ from trace_replay.engines.hf_backend import HFBackend
 from trace_replay.engines.results import wave_results
 from trace_replay.engines.slots import SlotTable, waves
 from trace_replay.engines.static_backend import StaticLlamaBackend, supports
+from trace_replay.engines.threads import engine_threads, intra_op_threads
 from trace_replay.engines.verify import verify_steps
 from trace_replay.models import model_for_engine
 
@@ -64,6 +65,7 @@ class TorchEngine(EngineBase):
         self.dtype = str(weight.dtype).replace("torch.", "")
         self.batch_size = config.batch_size or (64 if weight.device.type == "cuda" else 8)
         self.top_k = config.top_k
+        self.threads = engine_threads() if weight.device.type == "cpu" else None
         self.max_model_len = getattr(self.lm.config, "max_position_embeddings", None)
         pad = self.lm.config.pad_token_id
         self.pad_id = 0 if pad is None else int(pad)
@@ -92,6 +94,8 @@ class TorchEngine(EngineBase):
     def stats(self) -> dict[str, Any]:
         """Forwards run so far and, for verify, the draft acceptance rate."""
         stats: dict[str, Any] = {"forwards": self.backend.forwards}
+        if self.threads is not None:
+            stats["threads"] = self.threads
         if self.speculative is not None:
             stats["acceptance_rate"] = (self._accepted / self._drafted if self._drafted
                                         else float("nan"))
@@ -105,11 +109,12 @@ class TorchEngine(EngineBase):
             on_tokens: Callable[[int], None] | None = None) -> list[TraceResult]:
         """Replay ``requests``; results come back in the order given."""
         results: dict[int, TraceResult] = {}
-        for indices in waves(requests, self.batch_size):
-            wave = [requests[i] for i in indices]
-            progress = _WaveProgress(wave, on_tokens)
-            results.update(zip(indices, self._run_wave(wave, progress)))
-            progress.finish()
+        with intra_op_threads(self.threads):
+            for indices in waves(requests, self.batch_size):
+                wave = [requests[i] for i in indices]
+                progress = _WaveProgress(wave, on_tokens)
+                results.update(zip(indices, self._run_wave(wave, progress)))
+                progress.finish()
         return [results[i] for i in range(len(requests))]
 
     def _run_wave(self, wave: Sequence[ReplayRequest],
@@ -143,18 +148,20 @@ class TorchEngine(EngineBase):
         """
         generator = torch.Generator(device=self.torch_device).manual_seed(seed)
         outputs = []
-        for start in range(0, len(prompts), self.batch_size):
-            wave = [ReplayRequest(str(i), tuple(p), ()) for i, p in
-                    enumerate(prompts[start:start + self.batch_size])]
-            idx_mapping = self.slots.admit(wave)
-            logits = self.backend.prefill([r.prompt_token_ids for r in wave], max_tokens)
-            tokens, logprobs = generate_steps(
-                self.backend, self.slots, idx_mapping, logits, max_tokens=max_tokens,
-                temperature=temperature, generator=generator, eos_token_id=eos_token_id)
-            for row_ids, row_lps in zip(tokens.cpu().tolist(), logprobs.double().cpu().tolist()):
-                end = (row_ids.index(eos_token_id) + 1 if eos_token_id in row_ids
-                       else len(row_ids))
-                outputs.append((row_ids[:end], row_lps[:end]))
+        with intra_op_threads(self.threads):
+            for start in range(0, len(prompts), self.batch_size):
+                wave = [ReplayRequest(str(i), tuple(p), ()) for i, p in
+                        enumerate(prompts[start:start + self.batch_size])]
+                idx_mapping = self.slots.admit(wave)
+                logits = self.backend.prefill([r.prompt_token_ids for r in wave], max_tokens)
+                tokens, logprobs = generate_steps(
+                    self.backend, self.slots, idx_mapping, logits, max_tokens=max_tokens,
+                    temperature=temperature, generator=generator, eos_token_id=eos_token_id)
+                for row_ids, row_lps in zip(tokens.cpu().tolist(),
+                                            logprobs.double().cpu().tolist()):
+                    end = (row_ids.index(eos_token_id) + 1 if eos_token_id in row_ids
+                           else len(row_ids))
+                    outputs.append((row_ids[:end], row_lps[:end]))
         return outputs
 
 

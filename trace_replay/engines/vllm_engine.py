@@ -29,6 +29,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDi
 
 from trace_replay.engines.base import EngineBase, EngineConfig, ReplayRequest, TraceResult
 from trace_replay.engines.inprocess import QuietLogs, engine_core_mode, hosted_startup
+from trace_replay.engines.threads import engine_threads, intra_op_threads
 from trace_replay.models import hf_folder, model_label, resolve_dtype
 from trace_replay.state import RequestState, TraceReplayState
 
@@ -201,6 +202,12 @@ class VLLMEngine(EngineBase):
         self.max_model_len = config.max_model_len
         self.batch_size = self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        # in-process on CPU, vLLM's forward runs on this process's threads
+        self.threads = (engine_threads() if self.device == "cpu"
+                        and self.engine_core == "in-process" else None)
+
+    def stats(self) -> dict:
+        return {"threads": self.threads} if self.threads is not None else {}
 
     def settings(self) -> dict:
         import vllm
@@ -246,16 +253,17 @@ class VLLMEngine(EngineBase):
             slots[request_id] = index
         outputs: list[tuple[list[int], list]] = [([], []) for _ in prompts]
         try:
-            while engine.has_unfinished_requests():
-                new = 0
-                for out in engine.step():
-                    ids, logprobs = outputs[slots[out.request_id]]
-                    completion = out.outputs[0]
-                    ids.extend(completion.token_ids)
-                    logprobs.extend(completion.logprobs or ())
-                    new += len(completion.token_ids)
-                if on_tokens is not None and new:
-                    on_tokens(new)
+            with intra_op_threads(self.threads):
+                while engine.has_unfinished_requests():
+                    new = 0
+                    for out in engine.step():
+                        ids, logprobs = outputs[slots[out.request_id]]
+                        completion = out.outputs[0]
+                        ids.extend(completion.token_ids)
+                        logprobs.extend(completion.logprobs or ())
+                        new += len(completion.token_ids)
+                    if on_tokens is not None and new:
+                        on_tokens(new)
         except BaseException:
             # an interrupted run must not leave its requests to the next one
             engine.abort_request(list(slots))
