@@ -88,11 +88,14 @@ def test_human_traces_are_text_only(name):
 
 @pytest.mark.parametrize("name", HUMAN_FILES)
 def test_human_traces_split_on_a_token_boundary(name, tokenized, tokenizer):
-    """Prompt and trace tokenized apart give the tokens of their joined text, so a trace's
-    first token is one the model would see in the original text."""
+    """The joined text has a token boundary exactly at the prompt's end: the prompt keeps all
+    its own tokens and no trace token carries prompt text, so tokenizing prompt and trace
+    apart would give the same ids."""
     for trace in tokenized[name]:
-        joined = tokenizer.encode(trace.prompt + trace.completion, add_special_tokens=True)
-        assert joined == [*trace.prompt_token_ids, *trace.trace_token_ids], trace.id
+        assert "prompt_tail_in_trace" not in trace.meta, trace.id
+        assert list(trace.prompt_token_ids) == tokenizer.encode(trace.prompt), trace.id
+        assert list(trace.trace_token_ids) == tokenizer.encode(
+            trace.completion, add_special_tokens=False), trace.id
 
 
 @pytest.mark.parametrize("dataset, key", [("humaneval", "task_id"), ("gsm8k_cot", "exemplar")])

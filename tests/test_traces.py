@@ -28,6 +28,7 @@ EXPECTED = TraceSet([
     Trace("7", prompt="Hi", prompt_token_ids=(9,), trace_token_ids=(10, 11, 12)),
 ])
 GOOD = {"id": "ok", "prompt_token_ids": [1], "trace_token_ids": [2]}
+CHAT = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
 
 
 @pytest.fixture(scope="session")
@@ -136,6 +137,20 @@ BAD_RECORDS = {
     "ref_logprobs null": ({**GOOD, "id": "bad", "ref_logprobs": [None]},
                           "ref_logprobs[0] = None is not a number"),
     "meta not a dict": ({**GOOD, "id": "bad", "meta": [1]}, "meta must be a dict, got list"),
+    "messages and prompt": ({"id": "bad", "prompt": "p", "messages": CHAT},
+                            "give either 'messages' or 'prompt'/'completion' text, not both"),
+    "messages not a list": ({"id": "bad", "messages": {"role": "user"}},
+                            "messages must be a list of message objects, got dict"),
+    "message without role": ({"id": "bad", "messages": [*CHAT, {"content": "x"}]},
+                             "messages[2] has no 'role'"),
+    "unknown turns": ({"id": "bad", "messages": CHAT, "turns": "first"},
+                      "turns must be one of 'last', 'all', got 'first'"),
+    "turns without messages": ({**GOOD, "id": "bad", "turns": "all"},
+                               "tools and turns apply to chat traces only (give 'messages')"),
+    "roles length": ({**GOOD, "id": "bad", "trace_turns": [1, 1], "trace_roles": ["a", "a"]},
+                     "trace_turns has 2 values for 1 trace tokens"),
+    "roles alone": ({**GOOD, "id": "bad", "trace_roles": ["assistant"]},
+                    "trace_turns and trace_roles come together"),
 }
 
 
@@ -231,6 +246,12 @@ def test_invalid_last_record_fails_the_whole_load(tmp_path):
         load_traces(write_jsonl(tmp_path / "x.jsonl", records))
 
 
+def test_unknown_turns_argument_is_refused():
+    """load_traces(turns=...) accepts only 'last' and 'all'."""
+    with pytest.raises(ValueError, match="turns must be one of 'last', 'all', got 'every'"):
+        load_traces([GOOD], turns="every")
+
+
 def test_unknown_file_type_is_an_error(tmp_path):
     """A path that is not .jsonl, .json or .parquet is refused by name."""
     with pytest.raises(TraceError, match="unknown trace file type"):
@@ -250,9 +271,30 @@ json_values = st.none() | st.booleans() | st.integers(-(2**60), 2**60) | texts |
 
 
 @st.composite
+def chat_traces(draw, trace_id: str) -> Trace:
+    roles = st.sampled_from(["system", "user", "assistant", "tool"])
+    messages = draw(st.lists(st.fixed_dictionaries({"role": roles, "content": texts}),
+                             max_size=3))
+    messages.append({"role": "assistant", "content": draw(texts)})
+    token_ids = draw(st.none() | trace_ids)
+    labelled = token_ids is not None and draw(st.booleans())
+    return Trace(
+        trace_id, messages=messages, trace_token_ids=token_ids,
+        prompt_token_ids=None if token_ids is None else draw(st.none() | trace_ids),
+        tools=draw(st.none() | st.just([{"type": "function", "function": {"name": "f"}}])),
+        turns=draw(st.sampled_from([None, "last", "all"])),
+        trace_turns=(len(messages),) * len(token_ids) if labelled else None,
+        trace_roles=("assistant",) * len(token_ids) if labelled else None,
+    )
+
+
+@st.composite
 def trace_sets(draw) -> TraceSet:
     traces = []
     for trace_id in draw(st.lists(texts.filter(bool), unique=True, max_size=5)):
+        if draw(st.integers(0, 3)) == 0:
+            traces.append(draw(chat_traces(trace_id)))
+            continue
         prompt_ids = draw(st.none() | trace_ids)
         token_ids = draw(st.none() | trace_ids)
         traces.append(Trace(
@@ -401,13 +443,21 @@ def test_import_does_not_load_pandas_or_transformers():
                           check=True).stdout.split() == ["False", "False"]
 
 
-def test_tokenize_encodes_completion_without_special_tokens(tokenizer):
-    """A completion becomes ids without special tokens that decode back to the exact text."""
+def test_tokenize_splits_the_joined_text_at_the_prompt_end(tokenizer):
+    """Prompt and completion text are tokenized together: prompt + trace ids are the joined
+    text's ids, and the trace decodes back to the exact completion."""
     trace = load_traces(RECORDS).tokenize(tokenizer)[1]
-    assert trace.trace_token_ids == tuple(tokenizer.encode(trace.completion,
-                                                           add_special_tokens=False))
+    assert [*trace.prompt_token_ids, *trace.trace_token_ids] == tokenizer.encode(
+        "def add(a, b):\n    return a + b", add_special_tokens=True)
     assert not set(trace.trace_token_ids) & set(tokenizer.all_special_ids)
     assert tokenizer.decode(trace.trace_token_ids) == "\n    return a + b"
+
+
+def test_tokenize_encodes_a_lone_completion_without_special_tokens(tokenizer):
+    """Beside given prompt ids, a completion is encoded alone, without special tokens."""
+    trace = load_traces([{"id": "c", "prompt_token_ids": [1], "completion": " Paris."}],
+                        tokenizer=tokenizer)[0]
+    assert list(trace.trace_token_ids) == tokenizer.encode(" Paris.", add_special_tokens=False)
 
 
 def test_tokenize_encodes_prompt_and_keeps_text(tokenizer):

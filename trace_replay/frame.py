@@ -32,7 +32,13 @@ class TokenDecoder:
 
 def to_frame(results: Sequence[TraceResult], traces: dict[str, Trace],
              decode: TokenDecoder) -> pd.DataFrame:
-    """Build the replay frame for ``results``; ``ref_logprob`` is added when a trace has one."""
+    """Build the replay frame for ``results``; ``ref_logprob`` is added when a trace has one.
+
+    When any of ``traces`` is a tokenized chat trace, every row also gets its ``turn`` (index
+    of the message, nullable Int64) and ``role`` (that message's role, or ``"template"``);
+    rows of other traces get nulls there.
+    """
+    labelled = any(trace.trace_roles is not None for trace in traces.values())
     parts = []
     for result in results:
         steps = len(result.token_ids)
@@ -52,7 +58,14 @@ def to_frame(results: Sequence[TraceResult], traces: dict[str, Trace],
         ref = traces[result.trace_id].ref_logprobs
         part["ref_logprob"] = (np.asarray(ref, dtype=np.float64)[:steps] if ref is not None
                                else np.full(steps, np.nan))
+        if labelled:
+            trace = traces[result.trace_id]
+            part["turn"] = pd.array(trace.trace_turns[:steps] if trace.trace_turns
+                                    else [None] * steps, dtype="Int64")
+            part["role"] = list(trace.trace_roles[:steps]) if trace.trace_roles else [None] * steps
         parts.append(pd.DataFrame(part))
     if not parts:
-        return pd.DataFrame({c: pd.Series(dtype=object) for c in COLUMNS + ["ref_logprob"]})
+        labels = ["turn", "role"] if labelled else []
+        return pd.DataFrame({c: pd.Series(dtype=object)
+                             for c in COLUMNS + ["ref_logprob"] + labels})
     return pd.concat(parts, ignore_index=True)

@@ -1,20 +1,22 @@
-"""Trace records: load, validate, tokenize, shard and save the token traces to replay."""
+"""Trace sets: load, validate, tokenize, shard and save the token traces to replay."""
 
 from __future__ import annotations
 
 import collections.abc
-import gzip
 import hashlib
 import json
-import numbers
 import os
-import sys
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from trace_replay._io import write_atomic
+from trace_replay.chat import tokenize_chat_trace
+from trace_replay.importers import FORMATS, import_records
+from trace_replay.tokenization import tokenize_text_trace
+from trace_replay.trace_record import FIELDS, JSON_FIELDS, TURNS, Trace, TraceError
+from trace_replay.trace_sources import open_text, parse_record, read_records
 
 if TYPE_CHECKING:
     import pandas
@@ -22,110 +24,6 @@ if TYPE_CHECKING:
 __all__ = ["Trace", "TraceError", "TraceSet", "load_traces"]
 
 _ID_FIELDS = ("prompt_token_ids", "trace_token_ids")
-_FIELDS = (
-    "id", "prompt", "prompt_token_ids", "completion", "trace_token_ids", "ref_logprobs", "meta",
-)
-
-
-class TraceError(ValueError):
-    """A trace record that cannot be replayed; ``str()`` reads ``LOCATION: trace 'ID': PROBLEM``.
-
-    The location (``path:LINE``, ``path[INDEX]`` or ``SOURCE row INDEX``) and the trace id are
-    left out of the message only when they are unknown.
-    """
-
-    def __init__(self, problem: str, *, trace_id: str | None = None, location: str | None = None):
-        super().__init__(problem)
-        self.problem = problem
-        self.trace_id = trace_id
-        self.location = location
-
-    def __str__(self) -> str:
-        trace = None if self.trace_id is None else f"trace {self.trace_id!r}"
-        return ": ".join(part for part in (self.location, trace, self.problem) if part is not None)
-
-    def at(self, location: str) -> TraceError:
-        """Return the same error placed at ``location``."""
-        return TraceError(self.problem, trace_id=self.trace_id, location=location)
-
-
-@dataclass(frozen=True)
-class Trace:
-    """One record to replay: a prompt and the trace of tokens forced after it.
-
-    Construction validates the record and normalizes the sequences to tuples of ``int`` and
-    ``float``, so every ``Trace`` is well formed except for the vocabulary bound, which needs a
-    model (`TraceSet.validate_vocab`). When both text and token ids are given, the ids win.
-    """
-
-    id: str
-    prompt: str | None = None
-    prompt_token_ids: tuple[int, ...] | None = None
-    completion: str | None = None
-    trace_token_ids: tuple[int, ...] | None = None
-    ref_logprobs: tuple[float, ...] | None = None  # one per trace token, as its producer reported
-    meta: dict = field(default_factory=dict, hash=False)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.id, str) or not self.id:
-            raise TraceError(f"id must be a non-empty str, got {self.id!r}")
-        for name in ("prompt", "completion"):
-            if not isinstance(getattr(self, name), (str, type(None))):
-                self._fail(f"{name} must be a str, got {type(getattr(self, name)).__name__}")
-        for name in _ID_FIELDS:
-            if getattr(self, name) is not None:
-                object.__setattr__(self, name, self._token_ids(name))
-        if self.ref_logprobs is not None:
-            object.__setattr__(self, "ref_logprobs", self._logprobs())
-        if self.prompt is None and self.prompt_token_ids is None:
-            self._fail("missing prompt: give 'prompt' or 'prompt_token_ids'")
-        if self.completion is None and self.trace_token_ids is None:
-            self._fail("missing trace: give 'trace_token_ids' or 'completion'")
-        if self.trace_token_ids is None and self.completion == "":
-            self._fail("completion is empty")
-        if None not in (self.ref_logprobs, self.trace_token_ids):
-            if len(self.ref_logprobs) != len(self.trace_token_ids):
-                self._fail(f"ref_logprobs has {len(self.ref_logprobs)} values "
-                           f"for {len(self.trace_token_ids)} trace tokens")
-        if not isinstance(self.meta, dict):
-            self._fail(f"meta must be a dict, got {type(self.meta).__name__}")
-        try:
-            json.dumps(self.meta)
-        except (TypeError, ValueError) as error:
-            self._fail(f"meta is not JSON-serializable: {error}")
-
-    @property
-    def is_tokenized(self) -> bool:
-        """Whether both the prompt and the trace are token ids."""
-        return self.prompt_token_ids is not None and self.trace_token_ids is not None
-
-    def _fail(self, problem: str) -> NoReturn:
-        raise TraceError(problem, trace_id=self.id)
-
-    def _sequence(self, name: str, of: str) -> tuple:
-        values = getattr(self, name)
-        if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
-            self._fail(f"{name} must be a list of {of}, got {type(values).__name__}")
-        return tuple(values)
-
-    def _token_ids(self, name: str) -> tuple[int, ...]:
-        values = self._sequence(name, of="ints")
-        if not values:
-            self._fail(f"{name} is empty")
-        for i, token_id in enumerate(values):
-            if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral):
-                self._fail(f"{name}[{i}] = {token_id!r} is not an integer "
-                           f"({type(token_id).__name__})")
-            if token_id < 0:
-                self._fail(f"{name}[{i}] = {token_id} is negative")
-        return tuple(int(token_id) for token_id in values)
-
-    def _logprobs(self) -> tuple[float, ...]:
-        values = self._sequence("ref_logprobs", of="floats")
-        for i, value in enumerate(values):
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                self._fail(f"ref_logprobs[{i}] = {value!r} is not a number")
-        return tuple(float(value) for value in values)
 
 
 class TraceSet(collections.abc.Sequence):
@@ -180,34 +78,41 @@ class TraceSet(collections.abc.Sequence):
     def tokenize(self, tokenizer: Any, *, vocab_size: int | None = None) -> TraceSet:
         """Return a copy whose every trace has ``prompt_token_ids`` and ``trace_token_ids``.
 
-        Existing ids are kept. A prompt is encoded with the tokenizer's special tokens (e.g. BOS),
-        a completion without them; the text fields are kept.
+        Existing ids are kept; text fields and messages are kept too.
+
+        * Prompt and completion text: tokenized together, as the model sees the joined text,
+          and split at the prompt's end (`trace_replay.tokenization`). A token straddling the
+          boundary belongs to the trace, and the prompt characters it carries are recorded
+          in ``meta["prompt_tail_in_trace"]``.
+        * Only one of them as text: a prompt is encoded with the tokenizer's special tokens
+          (e.g. BOS), a completion without them.
+        * ``messages``: rendered with the tokenizer's chat template (`trace_replay.chat`);
+          the trace is the last assistant turn, or every turn from the first assistant one
+          when ``turns="all"``, and ``trace_turns``/``trace_roles`` label each trace token.
+          With ``trace_token_ids`` given, the messages are the prompt, rendered with the
+          generation prompt, and every trace token is labelled an assistant token.
 
         Parameters
         ----------
         tokenizer : transformers tokenizer
-            Anything with ``encode(text, add_special_tokens=...)`` and ``len()``.
+            With ``encode``, ``decode`` and ``len()``; chat traces need its chat template.
         vocab_size : int, optional
             Exclusive bound on token ids; defaults to ``len(tokenizer)``.
 
         Raises
         ------
         TraceError
-            If a text tokenizes to nothing, ``ref_logprobs`` does not match the trace length,
-            or an id is out of vocabulary.
+            If a text tokenizes to nothing, a chat trace cannot be rendered, ``ref_logprobs``
+            does not match the trace length, or an id is out of vocabulary.
         """
         traces = []
         for trace in self:
             try:
-                # Token ids are never empty, so `or` encodes exactly the missing ones.
-                traces.append(replace(
-                    trace,
-                    prompt_token_ids=trace.prompt_token_ids or _encode(tokenizer, trace, "prompt"),
-                    trace_token_ids=(trace.trace_token_ids
-                                     or _encode(tokenizer, trace, "completion")),
-                ))
+                tokenize = tokenize_chat_trace if trace.is_chat else tokenize_text_trace
+                traces.append(tokenize(trace, tokenizer))
             except TraceError as error:
-                raise error.at(self._locations[trace.id]) from None
+                raise TraceError(error.problem, trace_id=trace.id,
+                                 location=self._locations[trace.id]) from None
         tokenized = self._derive(traces)
         tokenized.validate_vocab(len(tokenizer) if vocab_size is None else vocab_size)
         return tokenized
@@ -249,7 +154,7 @@ class TraceSet(collections.abc.Sequence):
     def to_jsonl(self, path: str | os.PathLike) -> None:
         """Write one JSON record per line (gzip-compressed if ``path`` ends in ``.gz``)."""
         def write(temporary: Path) -> None:
-            with _open_text(temporary, "w", gzipped=str(path).endswith(".gz")) as file:
+            with open_text(temporary, "w", gzipped=str(path).endswith(".gz")) as file:
                 for trace in self:
                     file.write(json.dumps(_record(trace), ensure_ascii=False) + "\n")
 
@@ -264,9 +169,14 @@ class TraceSet(collections.abc.Sequence):
             ("id", pa.string()), ("prompt", pa.string()),
             ("prompt_token_ids", pa.list_(pa.int64())), ("completion", pa.string()),
             ("trace_token_ids", pa.list_(pa.int64())), ("ref_logprobs", pa.list_(pa.float64())),
-            ("meta", pa.string()),
+            ("meta", pa.string()), ("messages", pa.string()), ("tools", pa.string()),
+            ("turns", pa.string()), ("trace_turns", pa.list_(pa.int64())),
+            ("trace_roles", pa.list_(pa.string())),
         ])
-        rows = [{**_record(trace), "meta": json.dumps(trace.meta)} for trace in self]
+        rows = [{**_record(trace),
+                 **{name: json.dumps(getattr(trace, name)) for name in JSON_FIELDS
+                    if getattr(trace, name) is not None}}
+                for trace in self]
         table = pa.Table.from_pylist(rows, schema=schema)
         write_atomic(path, lambda temporary: pq.write_table(table, temporary))
 
@@ -279,12 +189,12 @@ class TraceSet(collections.abc.Sequence):
 
         counts = ("n_prompt_tokens", "n_trace_tokens")
         rows = [
-            {**dict.fromkeys(_FIELDS), **_record(trace),
+            {**dict.fromkeys(FIELDS), **_record(trace),
              **{count: None if getattr(trace, name) is None else len(getattr(trace, name))
                 for count, name in zip(counts, _ID_FIELDS)}}
             for trace in self
         ]
-        frame = pd.DataFrame(rows, columns=[*_FIELDS, *counts])
+        frame = pd.DataFrame(rows, columns=[*FIELDS, *counts])
         frame[list(counts)] = frame[list(counts)].astype("Int64")
         frame.attrs["source"] = self.source
         return frame
@@ -298,14 +208,23 @@ class TraceSet(collections.abc.Sequence):
 def load_traces(
     source: str | os.PathLike | TraceSet | Iterable[Mapping[str, Any]] | Any,
     *,
+    format: str = "traces",
     tokenizer: Any = None,
     vocab_size: int | None = None,
+    turns: str | None = None,
 ) -> TraceSet:
     """Load and validate trace records; return all of them or raise at the first bad one.
 
-    Each record has an ``id`` (an int id becomes its decimal str), a prompt as ``prompt`` text
-    and/or ``prompt_token_ids``, a trace as ``trace_token_ids`` and/or ``completion`` text, and
-    optionally ``ref_logprobs`` (one per trace token) and ``meta`` (a JSON object, or that
+    Each record has an ``id`` (an int id becomes its decimal str), and either
+
+    * a prompt as ``prompt`` text and/or ``prompt_token_ids``, and a trace as
+      ``trace_token_ids`` and/or ``completion`` text (text is tokenized with prompt and
+      completion together, see `TraceSet.tokenize`; ids win over text), or
+    * ``messages``, a conversation in OpenAI chat format, optionally with ``tools`` and
+      ``turns`` (``"last"``, the default, or ``"all"``): rendered with the model's chat
+      template, its last assistant turn (or all of them) is the trace;
+
+    and optionally ``ref_logprobs`` (one per trace token) and ``meta`` (a JSON object, or that
     object as a JSON string, as Parquet stores it). Other keys are ignored.
 
     Parameters
@@ -314,10 +233,17 @@ def load_traces(
         A ``.jsonl``, ``.json`` (a list or ``{"traces": [...]}``) or ``.parquet`` path (JSON may
         be gzipped, ``.gz``); a pandas DataFrame; anything with ``.to_pandas()`` such as a Hugging
         Face ``datasets.Dataset``; an iterable of mappings; or a TraceSet, returned as is.
+    format : {"traces", "openai"}
+        ``"openai"`` reads logs of an OpenAI-compatible server (`trace_replay.importers`):
+        chat-completions or completions responses with ``logprobs``, bare or as
+        ``{"request": ..., "response": ...}``; the logged logprobs become ``ref_logprobs``.
+        Mapping logged token texts to ids needs ``tokenizer`` (the server's model's).
     tokenizer : transformers tokenizer, optional
         If given, the result is ``.tokenize(tokenizer, vocab_size=vocab_size)``.
     vocab_size : int, optional
         Exclusive bound on token ids (checked on the ids present when there is no tokenizer).
+    turns : {"last", "all"}, optional
+        Sets ``turns`` on every chat trace (those with ``messages``), overriding the records.
 
     Returns
     -------
@@ -336,8 +262,20 @@ def load_traces(
     TraceSet(1 traces, tokenized, source='<list>')
     >>> traces[0].trace_token_ids
     (3,)
+    >>> chat = load_traces([{"id": "c", "messages": [{"role": "user", "content": "Hi"},
+    ...                                               {"role": "assistant", "content": "Hello!"}]}])
+    >>> chat[0].is_chat
+    True
     """
-    traces = source if isinstance(source, TraceSet) else _build(*_rows(source))
+    if format not in FORMATS:
+        raise ValueError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
+    if turns is not None and turns not in TURNS:
+        raise ValueError(f"turns must be one of {', '.join(map(repr, TURNS))}, got {turns!r}")
+    if isinstance(source, TraceSet):
+        traces = source
+    else:
+        name, rows = read_records(source)
+        traces = _build(name, import_records(rows, format, tokenizer), turns)
     if tokenizer is not None:
         return traces.tokenize(tokenizer, vocab_size=vocab_size)
     if vocab_size is not None:
@@ -345,105 +283,18 @@ def load_traces(
     return traces
 
 
-def _rows(source: Any) -> tuple[str, Iterable[tuple[str, Any]]]:
-    """Return the source's name and its (location, record) pairs."""
-    if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        kind = path.name.removesuffix(".gz").rpartition(".")[2]
-        readers = {"jsonl": _jsonl_rows, "json": _json_rows, "parquet": _parquet_rows}
-        if kind not in readers:
-            raise TraceError("unknown trace file type (expected .jsonl, .json or .parquet)",
-                             location=str(path))
-        return str(path), readers[kind](path)
-    name = f"<{type(source).__name__}>"
-    if hasattr(source, "to_pandas"):
-        source = source.to_pandas()
-    # A DataFrame can only exist once pandas is imported; loading plain records never imports it.
-    pd = sys.modules.get("pandas")
-    if pd is not None and isinstance(source, pd.DataFrame):
-        return name, _frame_rows(name, source)
-    if isinstance(source, (Mapping, bytes)) or not isinstance(source, Iterable):
-        raise TypeError(f"cannot load traces from {type(source).__name__}")
-    return name, ((f"{name} row {i}", record) for i, record in enumerate(source))
-
-
-def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    with _open_text(path, "r", gzipped=path.suffix == ".gz") as file:
-        for line_number, line in enumerate(file, start=1):
-            if line.strip():
-                location = f"{path}:{line_number}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise TraceError(f"malformed JSON: {error.msg} (column {error.colno})",
-                                     location=location) from None
-                yield location, record
-
-
-def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    with _open_text(path, "r", gzipped=path.suffix == ".gz") as file:
-        try:
-            data = json.load(file)
-        except json.JSONDecodeError as error:
-            raise TraceError(f"malformed JSON: {error.msg} (column {error.colno})",
-                             location=f"{path}:{error.lineno}") from None
-    if isinstance(data, dict) and "traces" in data:
-        data = data["traces"]
-    if not isinstance(data, list):
-        raise TraceError('expected a list of records or {"traces": [...]}', location=str(path))
-    return ((f"{path}[{i}]", record) for i, record in enumerate(data))
-
-
-def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    import pyarrow.parquet as pq
-
-    records = pq.read_table(path).to_pylist()
-    return ((f"{path} row {i}", record) for i, record in enumerate(records))
-
-
-def _frame_rows(name: str, frame: pandas.DataFrame) -> Iterator[tuple[str, Any]]:
-    import pandas as pd
-
-    for i, record in enumerate(frame.to_dict("records")):
-        # Tabular sources mark a missing field with a null scalar (None, NaN, NA).
-        present = {key: value for key, value in record.items()
-                   if not (pd.api.types.is_scalar(value) and pd.isna(value))}
-        yield f"{name} row {i}", present
-
-
-def _build(name: str, rows: Iterable[tuple[str, Any]]) -> TraceSet:
+def _build(name: str, rows: Iterable[tuple[str, Any]], turns: str | None) -> TraceSet:
     traces, locations = [], []
     for location, record in rows:
-        traces.append(_parse(record, location))
+        trace = parse_record(record, location)
+        if turns is not None and trace.is_chat:
+            trace = replace(trace, turns=turns)
+        traces.append(trace)
         locations.append(location)
     _check_unique(traces, locations)
     trace_set = TraceSet(traces, source=name)
     trace_set._locations = dict(zip(trace_set.ids, locations))
     return trace_set
-
-
-def _parse(record: Any, location: str) -> Trace:
-    if not isinstance(record, Mapping):
-        raise TraceError(f"expected a record, got {type(record).__name__}", location=location)
-    trace_id = record.get("id")
-    if trace_id is None:
-        raise TraceError("missing 'id'", location=location)
-    if isinstance(trace_id, numbers.Integral) and not isinstance(trace_id, bool):
-        trace_id = str(int(trace_id))
-    elif not isinstance(trace_id, str):
-        raise TraceError(f"id must be a str or int, got {type(trace_id).__name__} {trace_id!r}",
-                         location=location)
-    meta = record.get("meta")
-    try:
-        if isinstance(meta, str):
-            meta = json.loads(meta)
-        return Trace(trace_id, meta={} if meta is None else meta,
-                     **{name: record.get(name) for name in _FIELDS if name not in ("id", "meta")})
-    except json.JSONDecodeError as error:
-        raise TraceError(f"meta is not valid JSON: {error.msg}", trace_id=trace_id,
-                         location=location) from None
-    except TraceError as error:
-        raise error.at(location) from None
 
 
 def _check_unique(traces: Iterable[Trace], locations: Iterable[str]) -> None:
@@ -453,14 +304,6 @@ def _check_unique(traces: Iterable[Trace], locations: Iterable[str]) -> None:
             raise TraceError(f"duplicate id (first at {first_location[trace.id]})",
                              trace_id=trace.id, location=location)
         first_location[trace.id] = location
-
-
-def _encode(tokenizer: Any, trace: Trace, name: str) -> list[int]:
-    # Prompts get the special tokens a request would (e.g. BOS); a trace is pure continuation.
-    token_ids = tokenizer.encode(getattr(trace, name), add_special_tokens=name == "prompt")
-    if not token_ids:
-        raise TraceError(f"{name} tokenizes to no tokens", trace_id=trace.id)
-    return token_ids
 
 
 def _shard_of(trace_id: str, count: int) -> int:
@@ -475,12 +318,6 @@ def _id_set(ids: str | Iterable[str]) -> set[str]:
 
 def _record(trace: Trace) -> dict[str, Any]:
     """The trace as a JSON-ready dict, without its missing fields."""
-    values = {name: getattr(trace, name) for name in _FIELDS}
+    values = {name: getattr(trace, name) for name in FIELDS}
     return {name: list(value) if isinstance(value, tuple) else value
             for name, value in values.items() if value is not None}
-
-
-def _open_text(path: str | os.PathLike, mode: str, *, gzipped: bool) -> IO[str]:
-    if gzipped:
-        return gzip.open(path, mode + "t", encoding="utf-8")
-    return open(path, mode, encoding="utf-8")

@@ -1,0 +1,129 @@
+"""Where trace records come from: files, DataFrames, datasets and iterables of mappings.
+
+Every reader yields ``(location, record)`` pairs, the location naming the record for errors:
+``path:LINE`` (JSONL, 1-based, blank lines counted), ``path[INDEX]`` (JSON) or
+``SOURCE row INDEX`` (Parquet, DataFrames, datasets, iterables).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import numbers
+import os
+import sys
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from trace_replay.trace_record import FIELDS, JSON_FIELDS, Trace, TraceError
+
+if TYPE_CHECKING:
+    import pandas
+
+__all__ = ["open_text", "parse_record", "read_records"]
+
+
+def read_records(source: Any) -> tuple[str, Iterable[tuple[str, Any]]]:
+    """Return the source's name and its (location, record) pairs.
+
+    ``source`` is a ``.jsonl``, ``.json`` or ``.parquet`` path (JSON may be gzipped), a pandas
+    DataFrame, anything with ``.to_pandas()``, or an iterable of mappings.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        kind = path.name.removesuffix(".gz").rpartition(".")[2]
+        readers = {"jsonl": _jsonl_rows, "json": _json_rows, "parquet": _parquet_rows}
+        if kind not in readers:
+            raise TraceError("unknown trace file type (expected .jsonl, .json or .parquet)",
+                             location=str(path))
+        return str(path), readers[kind](path)
+    name = f"<{type(source).__name__}>"
+    if hasattr(source, "to_pandas"):
+        source = source.to_pandas()
+    # A DataFrame can only exist once pandas is imported; loading plain records never imports it.
+    pd = sys.modules.get("pandas")
+    if pd is not None and isinstance(source, pd.DataFrame):
+        return name, _frame_rows(name, source)
+    if isinstance(source, (Mapping, bytes)) or not isinstance(source, Iterable):
+        raise TypeError(f"cannot load traces from {type(source).__name__}")
+    return name, ((f"{name} row {i}", record) for i, record in enumerate(source))
+
+
+def parse_record(record: Any, location: str) -> Trace:
+    """Validate one raw record as a `Trace`; errors name ``location`` and the trace id."""
+    if not isinstance(record, Mapping):
+        raise TraceError(f"expected a record, got {type(record).__name__}", location=location)
+    trace_id = record.get("id")
+    if trace_id is None:
+        raise TraceError("missing 'id'", location=location)
+    if isinstance(trace_id, numbers.Integral) and not isinstance(trace_id, bool):
+        trace_id = str(int(trace_id))
+    elif not isinstance(trace_id, str):
+        raise TraceError(f"id must be a str or int, got {type(trace_id).__name__} {trace_id!r}",
+                         location=location)
+    fields = {name: record.get(name) for name in FIELDS if name != "id"}
+    for name in JSON_FIELDS:
+        if isinstance(fields[name], str):
+            try:
+                fields[name] = json.loads(fields[name])
+            except json.JSONDecodeError as error:
+                raise TraceError(f"{name} is not valid JSON: {error.msg}", trace_id=trace_id,
+                                 location=location) from None
+    if fields["meta"] is None:
+        fields["meta"] = {}
+    try:
+        return Trace(trace_id, **fields)
+    except TraceError as error:
+        raise error.at(location) from None
+
+
+def open_text(path: str | os.PathLike, mode: str, *, gzipped: bool) -> IO[str]:
+    """Open a UTF-8 text file, through gzip when ``gzipped``."""
+    if gzipped:
+        return gzip.open(path, mode + "t", encoding="utf-8")
+    return open(path, mode, encoding="utf-8")
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    with open_text(path, "r", gzipped=path.suffix == ".gz") as file:
+        for line_number, line in enumerate(file, start=1):
+            if line.strip():
+                location = f"{path}:{line_number}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise TraceError(f"malformed JSON: {error.msg} (column {error.colno})",
+                                     location=location) from None
+                yield location, record
+
+
+def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    with open_text(path, "r", gzipped=path.suffix == ".gz") as file:
+        try:
+            data = json.load(file)
+        except json.JSONDecodeError as error:
+            raise TraceError(f"malformed JSON: {error.msg} (column {error.colno})",
+                             location=f"{path}:{error.lineno}") from None
+    if isinstance(data, dict) and "traces" in data:
+        data = data["traces"]
+    if not isinstance(data, list):
+        raise TraceError('expected a list of records or {"traces": [...]}', location=str(path))
+    return ((f"{path}[{i}]", record) for i, record in enumerate(data))
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    import pyarrow.parquet as pq
+
+    records = pq.read_table(path).to_pylist()
+    return ((f"{path} row {i}", record) for i, record in enumerate(records))
+
+
+def _frame_rows(name: str, frame: pandas.DataFrame) -> Iterator[tuple[str, Any]]:
+    import pandas as pd
+
+    for i, record in enumerate(frame.to_dict("records")):
+        # Tabular sources mark a missing field with a null scalar (None, NaN, NA).
+        present = {key: value for key, value in record.items()
+                   if not (pd.api.types.is_scalar(value) and pd.isna(value))}
+        yield f"{name} row {i}", present
