@@ -37,6 +37,7 @@ KEY_CELLS = {
     "03_engines_and_precision": "plot_divergence_heatmap(",
     "04_speculative_verify": "speedup",
     "05_explorer": "plot_divergence_heatmap(",
+    "06_where_divergence_comes_from": "plot_layer_divergence(",
 }
 
 
