@@ -71,8 +71,10 @@ def run(path: Path, specs: KernelSpecManager) -> Path:
                             resources={"metadata": {"path": str(path.parent)}}).execute()
     out = OUT / f"{path.stem}.png"
     out.write_bytes(key_figure(nb, KEY_CELLS.get(path.stem)))
-    print(f"{path.name}: {time.perf_counter() - start:.0f} s -> {out.relative_to(ROOT)}",
-          flush=True)
+    last = [cell for cell in nb.cells if cell.cell_type == "code"][-1]
+    findings = "".join(o.get("text", "") for o in last.outputs if o.output_type == "stream")
+    print(f"{path.name}: {time.perf_counter() - start:.0f} s -> {out.relative_to(ROOT)}\n"
+          f"{findings}", flush=True)
     return out
 
 
