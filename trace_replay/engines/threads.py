@@ -4,7 +4,8 @@ torch's default is one OpenMP thread per core. A decode step is hundreds of smal
 a parallel region that ends at a barrier where finished threads spin for the others; when
 any other process holds a core (a notebook kernel, vLLM's worker busy-looping 1 s after each
 step, another shard of the same run), a thread waits a whole scheduler slice there
-(``benchmarks/bench_threads.py``: 5x slower replay on 2 cores). So a CPU engine keeps one
+(``benchmarks/RESULTS.md``: 2-14x slower replay on 2 cores, and no faster with 2 threads
+than with 1 on the idle machine). So a CPU engine keeps one
 core free for everything else, as vLLM's CPU worker does for its scheduler: all CPUs this
 process may use but one, at least one, never more than the caller's own setting.
 ``OMP_NUM_THREADS``, when set, decides instead. The caller's setting is put back after each

@@ -9,7 +9,9 @@ Two paths, chosen at start-up and recorded in ``settings()["engine_path"]``:
   ``logprobs_mode="raw_logprobs"`` makes vLLM compute the reported logprobs *before* logits
   processors run, so logprob, rank and top-k are those of the unmodified distribution.
 
-Entropy is not reported by vLLM; the column is NaN for this engine.
+The engine core runs in this process, started quietly and leaving the process as it was
+(:mod:`~trace_replay.engines.inprocess`). Entropy is not reported by vLLM; the column is NaN
+for this engine.
 """
 
 from __future__ import annotations
