@@ -86,7 +86,10 @@ def replay_pair(replay_df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
 REAL_TRACES = [
     {"id": "paris", "prompt": "The capital of France is", "completion": " Paris. It is a big city."},
     {"id": "code", "prompt": "def add(a, b):", "completion": "\n    return a + b\n"},
-    {"id": "eos-inside", "prompt": "Say hi.", "completion": " Hi!<|im_end|> Then it goes on."},
+    # " Hi!<|im_end|> Then it goes on." with the real EOS (id 2): completion text may not hold
+    # special-token text, so control tokens are given as ids
+    {"id": "eos-inside", "prompt": "Say hi.",
+     "trace_token_ids": [21041, 17, 2, 3875, 357, 3935, 335, 30]},
     {"id": "one-token", "prompt": "Once upon a", "completion": " time"},
     {"id": "short-prompt", "prompt_token_ids": [504], "trace_token_ids": [3575, 282, 4649, 314]},
     {"id": "long", "prompt": "List three colours:",
@@ -151,3 +154,17 @@ def assert_matches_reference(df, reference64, tol=2e-3, tie=1e-4):
             assert lo <= row.rank <= hi, (trace_id, row.step, row.rank, lo, hi)
     assert worst <= tol, worst
     return worst
+
+
+def assert_frames_bitwise_equal(a, b):
+    """Every column equal, floats exactly (NaN matches NaN); list cells compared as lists
+    (a checkpoint's Parquet gives numpy arrays where an in-memory run gives lists)."""
+
+    def plain(frame):
+        frame = frame.reset_index(drop=True).copy()
+        for column in ("top_token_ids", "top_logprobs", "top_tokens"):
+            if column in frame:
+                frame[column] = frame[column].map(lambda v: np.asarray(v).tolist())
+        return frame
+
+    pd.testing.assert_frame_equal(plain(a), plain(b), check_exact=True)

@@ -50,8 +50,15 @@ def test_ref_logprob_column(engine):
     assert df["ref_logprob"].iloc[2:].isna().all()
 
 
-def test_resume_equals_uninterrupted(engine, real_traces, tmp_path):
-    """A run interrupted after some traces, rerun with its checkpoint, equals a full run."""
+def test_resume_equals_uninterrupted(lm, real_traces, tmp_path):
+    """A run interrupted after some traces, rerun with its checkpoint, equals a full run.
+
+    Bitwise, so in deterministic mode: the resumed chunks (2 traces) and the full run (one
+    batch of 4) batch the traces differently (tests/test_resume.py: default mode, tolerance).
+    """
+    from conftest import assert_frames_bitwise_equal
+
+    engine = make_engine("prefill", lm, batch_size=4, top_k=3, deterministic=True)
     full = replay(real_traces, engine=engine, progress=False)
     ckpt = tmp_path / "ckpt"
 
@@ -77,7 +84,7 @@ def test_resume_equals_uninterrupted(engine, real_traces, tmp_path):
     assert partial["trace_id"].nunique() == 2
     resumed = replay(real_traces, engine=engine, progress=False, checkpoint=ckpt, chunk_size=2)
     assert resumed.attrs["resumed_traces"] == 2
-    pd.testing.assert_frame_equal(resumed, full)
+    assert_frames_bitwise_equal(resumed, full)
 
 
 def test_resumed_run_says_what_it_skipped(engine, real_traces, tmp_path, capsys):
@@ -128,3 +135,18 @@ def test_out_of_vocab_is_named(engine):
     with pytest.raises(TraceError, match="oov"):
         replay([{"id": "oov", "prompt": "Hi", "trace_token_ids": [49152]}], engine=engine,
                progress=False)
+
+
+@pytest.mark.parametrize(("argument", "value"), [
+    ("chunk_size", -1), ("chunk_size", 0), ("shard", (0, 0)), ("shard", (2, 2)),
+    ("checkpoint_every", -1.0), ("truncate", "yes")])
+def test_bad_arguments_are_refused(engine, real_traces, argument, value):
+    """A bad argument is a ValueError naming it, never a silently dropped trace."""
+    with pytest.raises(ValueError, match=argument):
+        replay(real_traces, engine=engine, progress=False, **{argument: value})
+
+
+def test_empty_input_is_an_error(engine):
+    """No traces to replay is an error naming the source, not an empty success."""
+    with pytest.raises(TraceError, match="<list>: no traces"):
+        replay([], engine=engine, progress=False)

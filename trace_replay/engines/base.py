@@ -62,8 +62,12 @@ class EngineConfig:
     device: str | torch.device | None = None  # None: CUDA when available, else CPU
     batch_size: int | None = None  # request slots (vLLM: max_num_seqs); None: per engine
     top_k: int = 5  # alternatives recorded per step
+    # batch-invariant arithmetic: a trace's numbers never depend on its batch-mates
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be True or False, got {self.deterministic!r}")
         for name, lowest in (("top_k", 0), ("batch_size", 1)):
             value = getattr(self, name)
             if value is None and name == "batch_size":
@@ -74,8 +78,27 @@ class EngineConfig:
             from trace_replay.models import resolve_dtype
 
             resolve_dtype(self.dtype)  # raises on an unknown name
-        if isinstance(self.device, str):
-            torch.device(self.device)  # raises on a malformed device string
+        if self.device is not None:
+            _check_device(self.device)
+
+
+def _check_device(device: str | torch.device) -> None:
+    """Refuse a malformed device, or one this machine does not have, before any loading."""
+    if not isinstance(device, (str, torch.device)):
+        raise ValueError(f"device must be a str or torch.device, got {type(device).__name__}")
+    try:
+        device = torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"device {device!r} is not a device name ({error})") from None
+    backend = getattr(torch, device.type, None) if device.type in ("cuda", "mps", "xpu") else None
+    if backend is not None:
+        count = backend.device_count() if backend.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device {str(device)!r} is not available on this machine "
+                             f"(torch.{device.type}.is_available() is False)")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device {str(device)!r} does not exist: this machine has "
+                             f"{count} {device.type} device(s)")
 
 
 @runtime_checkable
@@ -121,8 +144,8 @@ class EngineBase:
     """Shared plumbing: the common settings, an empty ``stats``, ``close`` and ``with``.
 
     Subclasses set ``name``, ``model_label``, ``engine_path``, ``dtype``, ``device``,
-    ``batch_size``, ``top_k``, ``max_model_len`` and ``tokenizer_source``, and may extend
-    :meth:`settings`.
+    ``batch_size``, ``top_k``, ``deterministic``, ``max_model_len`` and
+    ``tokenizer_source``, and may extend :meth:`settings`.
     """
 
     name: str = "engine"
@@ -132,6 +155,7 @@ class EngineBase:
     device: str
     batch_size: int
     top_k: int
+    deterministic: bool = False
     max_model_len: int | None = None
     selected_by: str | None = None  # set by make_engine("auto", ...): how the choice was made
     # called with each batch's requests, in row order, before that batch's forwards; forward
@@ -156,7 +180,8 @@ class EngineBase:
     def settings(self) -> dict[str, Any]:
         settings = {"engine": self.name, "engine_path": self.engine_path,
                     "model": self.model_label, "dtype": self.dtype, "device": self.device,
-                    "batch_size": self.batch_size, "top_k": self.top_k}
+                    "batch_size": self.batch_size, "top_k": self.top_k,
+                    "deterministic": self.deterministic}
         if self.selected_by is not None:
             settings["selected_by"] = self.selected_by
         return settings

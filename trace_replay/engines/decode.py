@@ -14,23 +14,26 @@ import torch
 from trace_replay.engines.scoring import TokenScores, score_tokens
 from trace_replay.engines.slots import SlotTable
 
-__all__ = ["Steps", "replay_steps", "forced_step", "generate_steps"]
+__all__ = ["Scorer", "Steps", "replay_steps", "forced_step", "generate_steps"]
 
 # per forward: the scores of its rows (flattened [B * q]) and the tokens they committed
 Steps = list[tuple[TokenScores, torch.Tensor]]
+# (logits [N, V], token_ids [N], top_k) -> scores; score_tokens, or a backend's own
+Scorer = Callable[[torch.Tensor, torch.Tensor, int], TokenScores]
 
 
 def forced_step(logits: torch.Tensor, slots: SlotTable, idx_mapping: torch.Tensor,
-                top_k: int) -> tuple[torch.Tensor, TokenScores]:
+                top_k: int, score: Scorer = score_tokens) -> tuple[torch.Tensor, TokenScores]:
     """Sample, force the trace token, score it on the unmodified logits, commit it."""
     sampled = logits.argmax(dim=-1)
     slots.trace_state.apply_trace(sampled, idx_mapping)
     slots.advance(idx_mapping)
-    return sampled, score_tokens(logits, sampled, top_k)
+    return sampled, score(logits, sampled, top_k)
 
 
 def replay_steps(backend, slots: SlotTable, idx_mapping: torch.Tensor, logits: torch.Tensor,
                  num_steps: int, top_k: int,
+                 score: Scorer = score_tokens,
                  on_step: Callable[[int], None] | None = None) -> tuple[Steps, torch.Tensor]:
     """Forced decoding for ``num_steps`` steps; one token per row per step.
 
@@ -40,7 +43,7 @@ def replay_steps(backend, slots: SlotTable, idx_mapping: torch.Tensor, logits: t
     """
     steps: Steps = []
     for step in range(num_steps):
-        sampled, scores = forced_step(logits, slots, idx_mapping, top_k)
+        sampled, scores = forced_step(logits, slots, idx_mapping, top_k, score)
         steps.append((scores, sampled))
         if on_step is not None:
             on_step(step)
@@ -53,7 +56,8 @@ def replay_steps(backend, slots: SlotTable, idx_mapping: torch.Tensor, logits: t
 
 def generate_steps(backend, slots: SlotTable, idx_mapping: torch.Tensor, logits: torch.Tensor,
                    *, max_tokens: int, temperature: float, generator: torch.Generator,
-                   eos_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+                   eos_token_id: int | None,
+                   score: Scorer = score_tokens) -> tuple[torch.Tensor, torch.Tensor]:
     """Free generation: ``([B, T] token ids, [B, T] raw logprobs)``, T <= ``max_tokens``.
 
     Greedy at ``temperature == 0``, else sampling with ``generator``. Generation stops early
@@ -68,7 +72,7 @@ def generate_steps(backend, slots: SlotTable, idx_mapping: torch.Tensor, logits:
         else:
             sampled = logits.argmax(dim=-1)
         tokens.append(sampled)
-        logprobs.append(score_tokens(logits, sampled, 0).logprob)
+        logprobs.append(score(logits, sampled, 0).logprob)
         if eos_token_id is not None:
             finished |= sampled == eos_token_id
         if step == max_tokens - 1 or (step % 16 == 15 and bool(finished.all())):

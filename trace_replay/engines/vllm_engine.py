@@ -12,6 +12,11 @@ Two paths, chosen at start-up and recorded in ``settings()["engine_path"]``:
 The engine core runs in this process, started quietly and leaving the process as it was
 (:mod:`~trace_replay.engines.inprocess`). Entropy is not reported by vLLM; the column is NaN
 for this engine.
+
+``deterministic=True`` turns on vLLM's own batch-invariant mode (``VLLM_BATCH_INVARIANT=1``
+for the engine's processes) where vLLM supports it — NVIDIA GPUs of compute capability
+>= 8.0, AMD Instinct, Intel XPU. Elsewhere (the CPU build) vLLM has no such mode: the run
+goes ahead with a warning, and ``settings()["batch_invariant"]`` is False.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import gc
 import inspect
 import itertools
+import warnings
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -32,6 +38,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDi
 from trace_replay.engines.base import EngineBase, EngineConfig, ReplayRequest, TraceResult
 from trace_replay.engines.inprocess import QuietLogs, engine_core_mode, hosted_startup
 from trace_replay.engines.threads import engine_threads, intra_op_threads
+from trace_replay.engines.vllm_invariance import batch_invariance_unavailable, batch_invariant_env
 from trace_replay.models import hf_folder, model_label, resolve_dtype
 from trace_replay.state import RequestState, TraceReplayState
 
@@ -198,33 +205,23 @@ class VLLMEngine(EngineBase):
             # the CPU build compiles the model with inductor at start-up (minutes on 2 cores)
             args.update(gpu_memory_utilization=0.3, enforce_eager=True)
         args.update(engine_args or {})
-        self.native_error = None
-        if native is None:
-            native = torch.cuda.is_available() and supports_native_trace_replay()
-            required = False
-        else:
-            required = native
-        self.llm = None
+        self.deterministic = config.deterministic
+        self.batch_invariant_note = (batch_invariance_unavailable(config.device)
+                                     if self.deterministic else None)
+        self.batch_invariant = self.deterministic and self.batch_invariant_note is None
+        if self.batch_invariant_note:
+            warnings.warn(f"deterministic=True: {self.batch_invariant_note}; this vLLM run is "
+                          "NOT batch-invariant (use engine='torch' or 'prefill' for that)",
+                          RuntimeWarning, stacklevel=3)
         self._logs = QuietLogs(verbose)
         self.engine_core = engine_core_mode()
         self._request_ids = itertools.count()
         try:
-            with hosted_startup(verbose):
+            # VLLM_BATCH_INVARIANT is read as LLM(...) starts
+            with batch_invariant_env(self.batch_invariant), hosted_startup(verbose):
                 # an earlier engine's start-up cached the environment this one reads
                 getattr(vllm_envs, "disable_envs_cache", lambda: None)()
-                if native:
-                    try:
-                        self.llm = LLM(**args, enable_trace_replay=True)
-                        self.engine_path = "vllm-native-trace-replay"
-                    except (ValueError, TypeError) as exc:
-                        if required:
-                            raise
-                        self.native_error = f"{type(exc).__name__}: {exc}"
-                if self.llm is None:
-                    processors = list(args.pop("logits_processors", None) or [])
-                    processors.append(f"{__name__}:TraceForcingProcessor")
-                    self.llm = LLM(**args, logits_processors=processors)
-                    self.engine_path = "vllm-logits-processor-forcing"
+                self._start(args, native)
         except BaseException:
             self._logs.restore()
             raise
@@ -239,6 +236,28 @@ class VLLMEngine(EngineBase):
     def stats(self) -> dict:
         return {"threads": self.threads} if self.threads is not None else {}
 
+    def _start(self, args: dict, native: bool | None) -> None:
+        self.native_error = None
+        if native is None:
+            native = torch.cuda.is_available() and supports_native_trace_replay()
+            required = False
+        else:
+            required = native
+        self.llm = None
+        if native:
+            try:
+                self.llm = LLM(**args, enable_trace_replay=True)
+                self.engine_path = "vllm-native-trace-replay"
+            except (ValueError, TypeError) as exc:
+                if required:
+                    raise
+                self.native_error = f"{type(exc).__name__}: {exc}"
+        if self.llm is None:
+            processors = list(args.pop("logits_processors", None) or [])
+            processors.append(f"{__name__}:TraceForcingProcessor")
+            self.llm = LLM(**args, logits_processors=processors)
+            self.engine_path = "vllm-logits-processor-forcing"
+
     def settings(self) -> dict:
         import vllm
 
@@ -246,6 +265,10 @@ class VLLMEngine(EngineBase):
                     "logprobs_mode": "raw_logprobs", "engine_core": self.engine_core}
         if self.native_error:
             settings["native_unavailable"] = self.native_error
+        if self.deterministic:
+            settings["batch_invariant"] = self.batch_invariant
+            if self.batch_invariant_note:
+                settings["batch_invariant_unavailable"] = self.batch_invariant_note
         return settings
 
     def close(self) -> None:
