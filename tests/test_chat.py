@@ -21,13 +21,6 @@ LAST = 4
 ASSISTANT_TURNS = [2, 4]
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from trace_replay.models import load_tokenizer
-
-    return load_tokenizer()
-
-
 def template_ids(tokenizer, messages, **kwargs) -> list[int]:
     return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
                                               **kwargs)["input_ids"])

@@ -64,13 +64,6 @@ def completion_response(tokens=COMPLETION_TOKENS, **choice) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from trace_replay.models import load_tokenizer
-
-    return load_tokenizer()
-
-
 def write_log(tmp_path, *records):
     path = tmp_path / "log.jsonl"
     path.write_text("".join(json.dumps(record) + "\n" for record in records))

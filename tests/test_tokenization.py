@@ -12,13 +12,6 @@ from trace_replay.tokenization import split_text
 from trace_replay.traces import TraceError, load_traces
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from trace_replay.models import load_tokenizer
-
-    return load_tokenizer()
-
-
 def pieces(tokenizer, ids):
     return [tokenizer.decode([i]) for i in ids]
 

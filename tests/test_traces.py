@@ -31,13 +31,6 @@ GOOD = {"id": "ok", "prompt_token_ids": [1], "trace_token_ids": [2]}
 CHAT = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
 
 
-@pytest.fixture(scope="session")
-def tokenizer():
-    from trace_replay.models import load_tokenizer
-
-    return load_tokenizer()
-
-
 class FakeDataset:
     """Duck-types a Hugging Face ``datasets.Dataset``: only ``to_pandas`` is used."""
 

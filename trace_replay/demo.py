@@ -14,7 +14,7 @@ __all__ = ["run_demo"]
 
 
 def run_demo(out: str | Path = "out", engines: str = "vllm,prefill",
-             limit: int | None = None) -> dict[str, pd.DataFrame]:
+             limit: int | None = None, verbose: bool = False) -> dict[str, pd.DataFrame]:
     """Replay the bundled traces with each engine; print summaries, write Parquet and a figure.
 
     Parameters
@@ -25,6 +25,8 @@ def run_demo(out: str | Path = "out", engines: str = "vllm,prefill",
         Comma-separated engine names, replayed in order; the first two are compared.
     limit : int, optional
         Traces taken from each bundled file (:func:`trace_replay.datasets.load`).
+    verbose : bool
+        Show vLLM's start-up logging (by default only its errors).
 
     Returns
     -------
@@ -44,7 +46,7 @@ def run_demo(out: str | Path = "out", engines: str = "vllm,prefill",
     results = {}
     for name in [e.strip() for e in engines.split(",") if e.strip()]:
         start = time.perf_counter()
-        df = replay(traces, engine=name)
+        df = replay(traces, engine=name, verbose=verbose)
         df.attrs["wall_s"] = round(time.perf_counter() - start, 1)
         df.to_parquet(out / f"results_{name}.parquet", index=False)
         results[name] = df
