@@ -48,3 +48,56 @@ def test_replay_then_merge_and_report(tmp_path):
     assert df.attrs.get("engine") == "prefill"
     assert main(["report", str(merged), "--out", str(tmp_path / "r.html")]) == 0
     assert (tmp_path / "r.html").read_text().lower().startswith("<!doctype html>")
+
+
+def test_serve_dry_run_prints_the_command(capsys):
+    """serve --dry-run prints the server command: the forcing processor, raw logprobs, and the
+    options after -- last, so they win."""
+    from trace_replay.serve import FORCING_PROCESSOR
+
+    assert main(["serve", "--port", "8123", "--dry-run", "--", "--max-model-len", "512"]) == 0
+    command = capsys.readouterr().out.splitlines()[0].split()
+    assert command[command.index("--logits-processors") + 1] == FORCING_PROCESSOR
+    assert command[command.index("--logprobs-mode") + 1] == "raw_logprobs"
+    assert command[command.index("--port") + 1] == "8123"
+    assert command[-2:] == ["--max-model-len", "512"]
+
+
+def test_serve_help_shows_the_command():
+    """serve --help shows the vllm serve command it runs, with every option it adds."""
+    from trace_replay.serve import serve_args
+
+    out = _run("serve", "--help")
+    assert out.returncode == 0
+    assert "vllm serve MODEL_FOLDER" in out.stdout
+    for option in serve_args("NAME"):
+        assert option in out.stdout
+
+
+@pytest.mark.slow
+def test_replay_reads_openai_logs_and_chat_turns(tmp_path):
+    """--format openai puts the logged logprobs in ref_logprob; --turns all labels every
+    replayed token of a chat trace with its turn and role."""
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps({
+        "request": {"prompt": "The capital of France is", "max_tokens": 2, "logprobs": 1},
+        "response": {"id": "cmpl-1", "object": "text_completion", "model": "m", "choices": [{
+            "index": 0, "text": " Paris.", "finish_reason": "length",
+            "logprobs": {"tokens": ["token_id:7042", "token_id:30"],
+                         "token_logprobs": [-0.25, -1.5],
+                         "top_logprobs": [{"token_id:7042": -0.25}, {"token_id:30": -1.5}]}}]},
+    }) + "\n")
+    out = tmp_path / "log.parquet"
+    assert main(["replay", str(log), "--format", "openai", "--engine", "prefill",
+                 "--out", str(out), "--quiet"]) == 0
+    assert pd.read_parquet(out)["ref_logprob"].tolist() == [-0.25, -1.5]
+
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"id": "c", "messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye."}]}) + "\n")
+    for turns, roles in (("last", {"assistant"}), ("all", {"assistant", "user", "template"})):
+        out = tmp_path / f"chat-{turns}.parquet"
+        assert main(["replay", str(chat), "--turns", turns, "--engine", "prefill",
+                     "--out", str(out), "--quiet"]) == 0
+        assert set(pd.read_parquet(out)["role"]) == roles

@@ -26,11 +26,11 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDi
 
 from trace_replay.engines.base import EngineBase, EngineConfig, ReplayRequest, TraceResult
 from trace_replay.models import hf_folder, model_label, resolve_dtype
+from trace_replay.serve import TRACE_KEY
 from trace_replay.state import RequestState, TraceReplayState
 
 __all__ = ["VLLMEngine", "TraceForcingProcessor", "supports_native_trace_replay"]
 
-TRACE_KEY = "trace_replay_token_ids"
 _NO_OUTPUT: tuple = ()
 
 
