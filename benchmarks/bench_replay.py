@@ -12,14 +12,25 @@ same model (the embedded SmolLM2-135M-Instruct), dtype, batch, prompt and trace 
 * ``prefill``       — teacher-forced scoring of the same traces.
 
 Backends (``--backends``): ``hf`` (transformers forward, growing cache) and ``static``
-(static KV cache, CUDA graphs on GPU). "× greedy" divides by greedy on the same backend.
-On CUDA the host synchronizations of one full replay are counted; ``--profile N`` adds, per
-backend, torch.profiler tables of a replay of N decode steps.
+(the model's own forward over a static KV cache; compiled CUDA graphs on GPU). "× greedy"
+divides by greedy on the same backend. "HBM bound" is the least time of the decode steps
+when every weight and every row's keys and values are read once per step at
+``--bandwidth`` (4.8 TB/s: the H200's), over the measured time. On CUDA the host
+synchronizations of one full replay are counted and the start-up cost of compiling and
+capturing is printed; ``--profile`` adds, per backend, a torch.profiler table of one
+replay's kernels per decode step; ``--fidelity`` compares every replay's logprobs with a
+float64 teacher-forced forward of the same model.
+
+``--shape`` replaces the embedded model by random weights of a published shape
+(``smollm2-135m``, ``llama-3.1-8b``, ``qwen2.5-7b``; see ``shapes.py``) and the prompts by
+``--prompt-len`` random token ids: speed does not depend on weight values.
 
 Usage::
 
     python benchmarks/bench_replay.py --device cpu --batch 8 --new-tokens 64
     python benchmarks/bench_replay.py --device cuda --batch 64 --new-tokens 128 --backends hf,static
+    python benchmarks/bench_replay.py --shape llama-3.1-8b --dtype bfloat16 --batch 1,16,64 \
+        --backends static --k 0
 """
 
 from __future__ import annotations
@@ -32,10 +43,11 @@ import time
 import warnings
 
 import torch
+from shapes import SHAPES, hbm_bound_seconds, random_model
 
-from trace_replay.engines.base import ReplayRequest
 from trace_replay.engines import make_engine
-from trace_replay.models import load_model, load_tokenizer
+from trace_replay.engines.base import ReplayRequest
+from trace_replay.models import load_model, load_tokenizer, resolve_dtype
 
 PROMPTS = [
     "def fibonacci(n):", "The capital of France is", "Write a haiku about the sea.",
@@ -95,27 +107,31 @@ def hf_generate_forcing(lm, prompts, traces, pad_id):
     return run
 
 
-def profile_replay(engine, requests, device, steps):
-    """Top ops of a replay of ``steps`` decode steps (after a warm-up), as text tables."""
+def profile_replay(engine, requests, device):
+    """Top kernels of one full replay (after a warm-up), per decode step, as a text table."""
     from torch.profiler import ProfilerActivity, profile
 
-    short = [ReplayRequest(r.trace_id, r.prompt_token_ids, r.trace_token_ids[: steps + 1])
-             for r in requests]
-    engine.run(short)  # warm-up: graph capture happens here
+    engine.run(requests)  # warm-up: graph capture happens here
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     _sync(device)
     start = time.perf_counter()
     with profile(activities=activities) as prof:
-        engine.run(short)
+        engine.run(requests)
         _sync(device)
     ms = (time.perf_counter() - start) * 1e3
-    tables = [f"{engine.settings()['engine_path']}: {steps} decode steps (+ prefill) in {ms:.1f} ms "
-              "under the profiler"]
-    keys = (["self_cuda_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]
-    for key in keys:
-        tables.append(prof.key_averages().table(sort_by=key, row_limit=12,
-                                                max_name_column_width=48))
-    return "\n".join(tables)
+    steps = max(r.trace_len for r in requests)
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    kind = "CUDA" if device.type == "cuda" else "CPU"  # kernels only: ops would count twice
+    events = sorted((e for e in prof.key_averages() if e.device_type.name == kind),
+                    key=lambda e: getattr(e, key), reverse=True)
+    total = sum(getattr(e, key) for e in events) or 1
+    lines = [f"{engine.settings()['engine_path']}: one replay ({steps} steps + prefill) in "
+             f"{ms:.1f} ms under the profiler; kernels per step (device time):",
+             "| kernel | µs/step | calls/step | share |", "|---|---:|---:|---:|"]
+    for e in events[:25]:
+        lines.append(f"| {e.key[:70]} | {getattr(e, key) / steps:.1f} | {e.count / steps:.1f} | "
+                     f"{getattr(e, key) / total:.1%} |")
+    return "\n".join(lines)
 
 
 def count_syncs(engine, requests, device):
@@ -133,33 +149,83 @@ def count_syncs(engine, requests, device):
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
+def float64_logprobs(lm, requests):
+    """Teacher-forced float64 logprob of every trace token (one forward per request)."""
+    import copy
+
+    lm64 = copy.deepcopy(lm).double()
+    out = {}
+    with torch.inference_mode():
+        for r in requests:
+            ids = torch.tensor([list(r.prompt_token_ids) + list(r.trace_token_ids)],
+                               device=next(lm64.parameters()).device)
+            logits = lm64(input_ids=ids).logits[0, r.prompt_len - 1:-1]
+            lp = torch.log_softmax(logits, -1).gather(1, ids[0, r.prompt_len:, None])
+            out[r.trace_id] = lp[:, 0].cpu().numpy()
+    return out
+
+
+def max_abs_delta(results, reference):
+    return max(float(abs(res.logprob - reference[res.trace_id]).max()) for res in results)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--shape", default="embedded", choices=["embedded", *SHAPES])
+    parser.add_argument("--prompt-len", type=int, default=16, help="random prompts (--shape)")
+    parser.add_argument("--batch", default="8", help="batch size, or several: 1,16,64")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--k", type=int, default=8, help="drafts per verify step")
+    parser.add_argument("--k", type=int, default=8, help="drafts per verify step (0: none)")
     parser.add_argument("--skip-hf", action="store_true", help="skip hf-generate+forcing")
     parser.add_argument("--backends", default="hf,static", help="torch engine backends")
-    parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="profile N decode steps of replay per backend")
+    parser.add_argument("--bandwidth", type=float, default=4.8e12, help="HBM bytes/s")
+    parser.add_argument("--profile", action="store_true",
+                        help="kernel table of one replay per backend")
+    parser.add_argument("--fidelity", action="store_true",
+                        help="max |Δ logprob| of each replay against float64")
     args = parser.parse_args()
     device = torch.device(args.device)
-    lm = load_model(dtype=args.dtype, device=device)
-    tok = load_tokenizer()
-    prompts = [tok.encode(PROMPTS[i % len(PROMPTS)]) for i in range(args.batch)]
+    if args.shape == "embedded":
+        lm = load_model(dtype=args.dtype, device=device)
+    else:
+        lm = random_model(args.shape, resolve_dtype(args.dtype), device)
+    for batch in map(int, args.batch.split(",")):
+        run_batch(lm, args, batch, device)
 
+
+def run_batch(lm, args, batch, device):
+    """Every path of the table at one batch size; prints the table."""
+    if args.shape == "embedded":
+        tok = load_tokenizer()
+        prompts = [tok.encode(PROMPTS[i % len(PROMPTS)]) for i in range(batch)]
+    else:
+        gen = torch.Generator().manual_seed(batch)
+        prompts = [torch.randint(3, lm.config.vocab_size, (args.prompt_len,), generator=gen)
+                   .tolist() for _ in range(batch)]
     backends = args.backends.split(",")
-    greedy = make_engine("torch", lm, batch_size=args.batch, backend=backends[0])
+    greedy = make_engine("torch", lm, batch_size=batch, backend=backends[0])
     generated = greedy.generate(prompts, max_tokens=args.new_tokens)  # no EOS stop: fixed length
+    compiled = getattr(greedy.backend, "cuda_graphs", False)
+    first_compile = greedy.backend.compile_seconds if compiled else None
+    del greedy
     traces = [ids for ids, _ in generated]
     requests = [ReplayRequest(str(i), tuple(p), tuple(t))
                 for i, (p, t) in enumerate(zip(prompts, traces))]
     tokens = sum(len(t) for t in traces)
+    bound = hbm_bound_seconds(lm, batch, sum(map(len, prompts)) / len(prompts),
+                              args.new_tokens, args.bandwidth)
+    reference = float64_logprobs(lm, requests) if args.fidelity else None
 
-    rows = []
+    rows, notes = [], []
+    if first_compile is not None:
+        from torch._dynamo.utils import counters
+
+        notes.append(f"torch[{backends[0]}] first decode shape: compile + capture "
+                     f"{first_compile:.1f} s; dynamo graphs so far "
+                     f"{counters['stats']['unique_graphs']}")
 
     def add(name, fn, backend="–"):
         seconds = timed(fn, device, args.repeats)
@@ -167,40 +233,61 @@ def main():
         print(f"  {name}: {seconds:.3f} s", flush=True)
 
     if not args.skip_hf:
-        add("hf-generate+forcing", hf_generate_forcing(lm, prompts, traces, greedy.pad_id))
+        add("hf-generate+forcing", hf_generate_forcing(lm, prompts, traces, 0))
     profiles, syncs = [], {}
     for backend in backends:
-        engine = make_engine("torch", lm, batch_size=args.batch, backend=backend)
+        engine = make_engine("torch", lm, batch_size=batch, backend=backend)
         label = f"torch[{engine.backend.name}]"
         add(f"{label} greedy (no trace)", lambda e=engine: e.generate(
             prompts, max_tokens=args.new_tokens), backend)
         add(f"{label} replay", lambda e=engine: e.run(requests), backend)
-        verify = make_engine("torch", lm, batch_size=args.batch, backend=backend,
-                             speculative={"method": "trace", "num_tokens": args.k})
-        add(f"{label} verify(trace, k={args.k})", lambda e=verify: e.run(requests), backend)
+        engines = {"replay": engine}
+        if args.k:
+            verify = make_engine("torch", lm, batch_size=batch, backend=backend,
+                                 speculative={"method": "trace", "num_tokens": args.k})
+            add(f"{label} verify(trace, k={args.k})", lambda e=verify: e.run(requests), backend)
+            engines[f"verify(trace, k={args.k})"] = verify
+        for what, e in engines.items():
+            if getattr(e.backend, "cuda_graphs", False):
+                notes.append(f"{label} {what}: compile + capture {e.backend.compile_seconds:.1f} s"
+                             " at start-up")
+            if reference is not None:
+                notes.append(f"{label} {what}: max |Δ logprob| vs float64 "
+                             f"{max_abs_delta(e.run(requests), reference):.2e}")
         syncs[label] = count_syncs(engine, requests, device)
         if args.profile:
-            profiles.append(profile_replay(engine, requests, device, args.profile))
-    prefill = make_engine("prefill", lm, batch_size=args.batch)
-    add("prefill (teacher-forced)", lambda: prefill.run(requests))
+            profiles.append(profile_replay(engine, requests, device))
+        del engine, engines
+    if args.shape == "embedded":
+        prefill = make_engine("prefill", lm, batch_size=batch)
+        add("prefill (teacher-forced)", lambda: prefill.run(requests))
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
     print(f"\n{dt.date.today()} · {name or platform.machine()} · torch {torch.__version__} · "
-          f"{args.dtype} · batch {args.batch} · {args.new_tokens} trace tokens/row · "
-          f"median of {args.repeats}")
+          f"{args.shape} · {args.dtype} · batch {batch} · {args.new_tokens} trace tokens/row"
+          f" · median of {args.repeats} · HBM bound {bound * 1e3 / args.new_tokens:.2f} ms/step")
     greedy_tps = {b: tps for name, b, _, tps in rows if "greedy" in name}
     hf_tps = next((tps for name, _, _, tps in rows if name == "hf-generate+forcing"), None)
-    print("\n| path | median s | tokens/s | × hf-generate+forcing | × greedy (same backend) |")
-    print("|---|---:|---:|---:|---:|")
+    print("\n| path | median s | ms/step | tokens/s | × hf-generate+forcing | "
+          "× greedy (same backend) | HBM bound / time |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, backend, seconds, tps in rows:
         vs_hf = f"{tps / hf_tps:.2f}" if hf_tps else "–"
         vs_greedy = f"{tps / greedy_tps[backend]:.2f}" if backend in greedy_tps else "–"
-        print(f"| {name} | {seconds:.3f} | {tps:,.0f} | {vs_hf} | {vs_greedy} |")
+        stepwise = "verify" not in name and "prefill" not in name
+        step_ms = f"{seconds * 1e3 / args.new_tokens:.2f}" if stepwise else "–"
+        of_bound = f"{bound / seconds:.0%}" if stepwise else "–"
+        print(f"| {name} | {seconds:.3f} | {step_ms} | {tps:,.0f} | {vs_hf} | {vs_greedy} | "
+              f"{of_bound} |")
     if device.type == "cuda":
         print("\nHost synchronizations in one full replay (CUDA sync debug mode): " +
               ", ".join(f"{label} {n}" for label, n in syncs.items()))
+    for note in notes:
+        print(note)
     for table in profiles:
         print("\n" + table)
+    print(flush=True)
+
 
 if __name__ == "__main__":
     main()

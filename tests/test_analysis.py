@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pandas as pd
@@ -10,15 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trace_replay.analysis import (
-    RANK_BUCKETS,
-    compare,
-    dataset_summary,
-    rank_bucket,
-    rank_bucket_transitions,
-    summarize,
-    trace_summary,
-)
+from trace_replay.analysis import compare, dataset_summary, run_labels, summarize
 
 
 def frame(logprob, rank=None, *, trace_id="t", step=None, token_id=None, **extra) -> pd.DataFrame:
@@ -40,23 +33,27 @@ def metric(table: pd.DataFrame, name: str) -> float:
     return table.set_index("metric").loc[name, "value"]
 
 
-def test_delta_is_b_minus_a_with_ratio_and_k3():
-    """delta = logprob_b - logprob_a; ratio = exp(delta); k3 = exp(delta) - 1 - delta."""
+def test_delta_is_b_minus_a_with_ratio_k1_k3_and_prob_gap():
+    """delta = b - a; ratio = exp(delta); k1 = -delta; k3 = ratio - 1 - delta; |p_b - p_a|."""
     cmp = compare(frame([-1.0, -2.0]), frame([-0.5, -2.5]))
     assert cmp["delta"].tolist() == [0.5, -0.5]
     assert cmp["abs_delta"].tolist() == [0.5, 0.5]
     assert cmp["ratio"].tolist() == pytest.approx([math.exp(0.5), math.exp(-0.5)])
+    assert cmp["k1"].tolist() == [-0.5, 0.5]
     assert cmp["k3"].tolist() == pytest.approx([math.exp(0.5) - 1.5, math.exp(-0.5) - 0.5])
+    assert cmp["abs_delta_prob"].tolist() == pytest.approx(
+        [math.exp(-0.5) - math.exp(-1.0), math.exp(-2.0) - math.exp(-2.5)]
+    )
 
 
 def test_compare_columns_in_documented_order():
     """The documented per-token columns come first; side columns keep their _a/_b suffixes."""
     a = frame([-1.0], entropy=[0.5], top_token_ids=[[100, 7]], top_logprobs=[[-1.0, -2.0]])
     cmp = compare(a, a.copy())
-    assert cmp.columns[:18].tolist() == [
+    assert cmp.columns[:21].tolist() == [
         "trace_id", "step", "position", "token", "token_id", "logprob_a", "logprob_b", "delta",
-        "abs_delta", "ratio", "k3", "rank_a", "rank_b", "top1_a", "top1_b", "top1_agree",
-        "bitwise_equal", "nonfinite",
+        "abs_delta", "ratio", "k1", "k3", "abs_delta_prob", "rank_a", "rank_b", "top1_a",
+        "top1_b", "top1_agree", "bit_mismatch", "ulp_distance", "nonfinite",
     ]  # fmt: skip
     assert {"entropy_a", "entropy_b", "top_token_ids_a", "top_logprobs_b"} <= set(cmp.columns)
 
@@ -68,6 +65,22 @@ def test_compare_records_labels_and_both_attrs():
     cmp = compare(a, b, labels=("hf", "vllm"))
     assert cmp.attrs == {"labels": ("hf", "vllm"), "attrs_a": {"engine": "hf"},
                          "attrs_b": {"engine": "vllm"}}  # fmt: skip
+
+
+def test_compare_labels_default_to_the_attrs_that_differ():
+    """Without labels=, each side is named by the engine/dtype/device values that differ."""
+    a, b = frame([-1.0]), frame([-1.0])
+    a.attrs = {"engine": "torch", "dtype": "float32", "device": "cpu"}
+    b.attrs = {"engine": "torch", "dtype": "bfloat16", "device": "cpu"}
+    assert compare(a, b).attrs["labels"] == ("float32", "bfloat16")
+
+
+def test_run_labels_fallbacks():
+    """One run gets its full label; no attrs gives the side letter; equal runs get #n."""
+    run = {"engine": "vllm", "dtype": "float32", "device": "cpu"}
+    assert run_labels([run]) == ["vllm float32 cpu"]
+    assert run_labels([{}, {}]) == ["a", "b"]
+    assert run_labels([run, dict(run)]) == ["vllm float32 cpu #1", "vllm float32 cpu #2"]
 
 
 def test_compare_orders_by_trace_appearance_then_step():
@@ -98,13 +111,15 @@ def test_compare_rejects_duplicate_rows():
         compare(a, a)
 
 
-def test_bitwise_equal_compares_float64_bit_patterns():
-    """0.0 vs -0.0 differ, equal NaNs match, a 1-ulp difference differs."""
+def test_bit_mismatch_and_ulp_distance_per_token():
+    """float32 bits: 0.0 vs -0.0 mismatch at 0 ULP, a float32 neighbour is 1 ULP, NaN is NA."""
     nan = float("nan")
-    tiny = np.nextafter(-1.0, 0.0)
-    cmp = compare(frame([-1.0, 0.0, nan, -1.0]), frame([-1.0, -0.0, nan, tiny]))
-    assert cmp["bitwise_equal"].tolist() == [True, False, True, False]
-    assert cmp["nonfinite"].tolist() == [False, False, True, False]
+    below = float(np.nextafter(np.float32(-1.0), np.float32(-2.0)))
+    cmp = compare(frame([-1.0, 0.0, nan, -1.0, -1.0]),
+                  frame([-1.0, -0.0, nan, below, -1.0 + 1e-12]))  # fmt: skip
+    assert cmp["bit_mismatch"].tolist() == [False, True, False, True, False]
+    assert cmp["ulp_distance"].tolist() == [0, 0, pd.NA, 1, 0]
+    assert cmp["nonfinite"].tolist() == [False, False, True, False, False]
 
 
 def test_missing_logprob_is_nonfinite_and_divergent():
@@ -139,6 +154,17 @@ def test_ref_comparison_uses_recorded_logprobs_as_side_a():
     assert summarize(cmp)["first_rank_flip_step"].isna().all()
 
 
+def test_chat_turn_and_role_survive_compare():
+    """A chat trace's turn and role columns are kept once, so assistant tokens can be selected."""
+    a = frame([-1.0, -2.0, -0.5], turn=[1, 1, 2], role=["assistant", "template", "assistant"])
+    b = frame([-1.5, -2.0, -0.5], turn=[1, 1, 2], role=["assistant", "template", "assistant"])
+    cmp = compare(a, b)
+    assert cmp["turn"].tolist() == [1, 1, 2] and "role_a" not in cmp.columns
+    assert cmp.loc[cmp["role"] == "assistant", "delta"].tolist() == [-0.5, 0.0]
+    ref = compare(frame([-1.0], turn=[3], role=["assistant"], ref_logprob=[-1.0]), "ref")
+    assert ref["role"].tolist() == ["assistant"]
+
+
 def test_ref_comparison_needs_ref_column():
     """Without ref_logprob, "ref" is an error that says what is missing."""
     with pytest.raises(ValueError, match="ref_logprob"):
@@ -158,7 +184,7 @@ def test_first_divergence_is_strictly_above_tol():
 def test_first_steps_are_na_when_runs_agree():
     """Identical runs have no divergence, flip or bitwise difference (nullable Int64 NA)."""
     summary = summarize(compare(frame([-1.0, -2.0]), frame([-1.0, -2.0])))
-    for column in ("first_divergence_step", "first_rank_flip_step", "first_bitwise_step"):
+    for column in ("first_divergence_step", "first_rank_flip_step", "first_bit_mismatch_step"):
         assert str(summary[column].dtype) == "Int64"
         assert summary[column].isna().all()
 
@@ -169,11 +195,23 @@ def test_rank_flip_needs_exactly_one_side_top1():
     assert summarize(cmp).iloc[0].first_rank_flip_step == 3
 
 
-def test_first_bitwise_step_catches_differences_below_tol():
-    """A 1e-9 difference is not a divergence at tol=1e-3 but is a bitwise difference."""
-    summary = summarize(compare(frame([-1.0, -1.0]), frame([-1.0, -1.0 + 1e-9])))
-    assert summary.iloc[0].first_bitwise_step == 1
-    assert pd.isna(summary.iloc[0].first_divergence_step)
+def test_first_bit_mismatch_step_catches_differences_below_tol():
+    """A 1-ULP float32 difference is no divergence at tol=1e-3 but is a bit mismatch."""
+    below = float(np.nextafter(np.float32(-1.0), np.float32(-2.0)))
+    summary = summarize(compare(frame([-1.0, -1.0, -1.0]), frame([-1.0, below, below])))
+    row = summary.iloc[0]
+    assert row.first_bit_mismatch_step == 1 and row.n_bit_mismatch == 2
+    assert row.max_ulp_distance == 1 and pd.isna(row.first_divergence_step)
+
+
+def test_summarize_per_trace_kl_estimates():
+    """mean_k1 = mean(-delta) and mean_k3 = mean(exp(delta) - 1 - delta), per trace."""
+    cmp = compare(frame([-1.0, -1.0, -1.0], trace_id=["t", "t", "u"], step=[0, 1, 0]),
+                  frame([-0.5, -1.25, -1.0], trace_id=["t", "t", "u"], step=[0, 1, 0]))
+    t, u = summarize(cmp).set_index("trace_id").loc[["t", "u"]].itertuples()
+    assert t.mean_k1 == pytest.approx((-0.5 + 0.25) / 2)
+    assert t.mean_k3 == pytest.approx((math.exp(0.5) - 1.5 + math.exp(-0.25) - 0.75) / 2)
+    assert (u.mean_k1, u.mean_k3) == (0.0, 0.0)
 
 
 def test_summarize_one_row_per_trace_in_appearance_order():
@@ -197,67 +235,100 @@ def test_dataset_summary_hand_values():
     assert metric(table, "max_abs_delta") == 1.0
     assert metric(table, "mean_k3") == pytest.approx(np.mean([np.expm1(d) - d for d in deltas]))
     assert metric(table, "frac_ratio_outside_0.5_2") == 0.5
-    assert metric(table, "top1_agree") == 0.75
+    assert metric(table, "frac_top1_agree") == 0.75
     assert metric(table, "frac_top10_a") == 0.75 and metric(table, "frac_top100_a") == 0.25
     assert metric(table, "frac_top10_b") == 0.75 and metric(table, "frac_rest_b") == 0.25
+
+
+LN2 = math.log(2.0)
+
+
+@pytest.fixture
+def power_of_two_cmp() -> pd.DataFrame:
+    """Probabilities 1/4->1/2, 1/2->1/4, 1/2->1/2 (trace t), 1/16->1/4 (trace u).
+
+    Ratios w = p_b / p_a are 2, 1/2, 1, 4; each pair of differing float32 logprobs is one
+    power of two apart, which is exactly 2**23 float32 ULPs.
+    """
+    traces = dict(trace_id=["t", "t", "t", "u"], step=[0, 1, 2, 0])
+    a = frame([-2 * LN2, -LN2, -LN2, -4 * LN2], **traces)
+    b = frame([-LN2, -2 * LN2, -LN2, -2 * LN2], **traces)
+    return compare(a, b)
+
+
+def test_trainer_metrics_hand_values(power_of_two_cmp):
+    """k1, k3, chi2 (token, sequence), ratio stats, ESS and the ratio-outside fraction."""
+    table = dataset_summary(power_of_two_cmp)
+    # delta = [ln2, -ln2, 0, 2 ln2]; w = [2, 1/2, 1, 4]
+    assert metric(table, "mean_k1") == pytest.approx(-LN2 / 2)  # -(ln2 - ln2 + 0 + 2 ln2) / 4
+    assert metric(table, "mean_k3") == pytest.approx((3.5 - 2 * LN2) / 4)
+    assert metric(table, "chi2_token") == pytest.approx(21.25 / 4 - 1)  # (4 + 1/4 + 1 + 16) / 4
+    assert metric(table, "chi2_seq") == pytest.approx((1 + 16) / 2 - 1)  # t: e^0, u: e^(4 ln2)
+    assert metric(table, "mean_ratio") == pytest.approx(1.875)
+    assert metric(table, "std_ratio") == pytest.approx(math.sqrt(7.1875 / 4))
+    assert (metric(table, "min_ratio"), metric(table, "max_ratio")) == (0.5, 4.0)
+    assert metric(table, "ess") == pytest.approx(7.5**2 / (4 * 21.25))
+    assert metric(table, "frac_ratio_outside_0.5_2") == 0.25  # 1/2 and 2 are inside
+
+
+def test_probability_gap_bit_mismatch_and_ulp_hand_values(power_of_two_cmp):
+    """|p_b - p_a| stats (verl rollout_probs_diff), float32 bit mismatches and ULP distances."""
+    table = dataset_summary(power_of_two_cmp)
+    # |p_b - p_a| = [1/4, 1/4, 0, 3/16]
+    assert metric(table, "mean_abs_delta_prob") == pytest.approx(0.6875 / 4)
+    assert metric(table, "std_abs_delta_prob") == pytest.approx(math.sqrt(0.0419921875 / 4))
+    assert metric(table, "max_abs_delta_prob") == pytest.approx(0.25)
+    assert (metric(table, "n_bit_mismatch"), metric(table, "frac_bit_mismatch")) == (3, 0.75)
+    assert metric(table, "mean_ulp_distance") == 3 * 2**23 / 4
+    assert metric(table, "max_ulp_distance") == 2**23
+
+
+def test_trainer_metrics_of_identical_runs():
+    """Identical runs: KLs and chi2 are 0, every weight is 1, ESS is 1, nothing mismatches."""
+    a = frame([-0.3, -2.0, -7.5])
+    values = dataset_summary(compare(a, a.copy())).set_index("metric")["value"]
+    assert values[["mean_k1", "mean_k3", "chi2_token", "chi2_seq", "std_ratio"]].eq(0).all()
+    assert values[["mean_ratio", "min_ratio", "max_ratio", "ess"]].eq(1).all()
+    assert values[["n_bit_mismatch", "max_ulp_distance", "max_abs_delta_prob"]].eq(0).all()
+
+
+def test_trainer_metrics_leave_out_nonfinite_tokens():
+    """A NaN logprob is left out of the ratio statistics but counts as a ratio outside [0.5, 2]."""
+    b = frame([-LN2, -1.0])
+    b["logprob"] = [-LN2, np.nan]
+    table = dataset_summary(compare(frame([-2 * LN2, -1.0]), b))
+    assert metric(table, "mean_ratio") == 2.0 and metric(table, "chi2_token") == 3.0
+    assert metric(table, "frac_ratio_outside_0.5_2") == 0.5
+    assert metric(table, "n_nonfinite") == 1 and metric(table, "max_ulp_distance") == 2**23
+
+
+NAME_SCHEME = (r"^(n_\w+|frac_[\w.]+|(mean|median|p99|max|min|std|sum)_\w+|first_\w+_step"
+               r"|chi2_token|chi2_seq|ess|ppl(_a|_b)?|trace_id)$")
+
+
+def test_summary_names_follow_one_scheme(power_of_two_cmp):
+    """Every summary name is n_*, frac_*, <stat>_*, first_*_step or a trainer's own name."""
+    from trace_replay.analysis import trace_summary
+
+    names = [*dataset_summary(power_of_two_cmp)["metric"], *summarize(power_of_two_cmp).columns,
+             *trace_summary(frame([-1.0, -2.0])).columns]  # fmt: skip
+    assert [n for n in names if not re.match(NAME_SCHEME, n)] == []
 
 
 def test_dataset_summary_ref_side_buckets_unknown():
     """The "ref" side has no ranks: its bucket fractions and top-1 agreement are NaN."""
     table = dataset_summary(compare(frame([-1.0], ref_logprob=[-1.0]), "ref"))
-    assert np.isnan(metric(table, "frac_top10_a")) and np.isnan(metric(table, "top1_agree"))
+    assert np.isnan(metric(table, "frac_top10_a")) and np.isnan(metric(table, "frac_top1_agree"))
     assert metric(table, "frac_top10_b") == 1.0
-
-
-def test_rank_bucket_boundaries():
-    """Buckets are (0, 10], (10, 100], (100, 1000], above; NaN stays missing."""
-    buckets = rank_bucket([1, 10, 11, 100, 101, 1000, 1001, np.nan])
-    assert list(buckets.categories) == list(RANK_BUCKETS) and buckets.ordered
-    assert [str(b) if pd.notna(b) else None for b in buckets] == [
-        "top-10", "top-10", "top-100", "top-100", "top-1000", "top-1000", "rest", None,
-    ]  # fmt: skip
-
-
-def test_rank_bucket_keeps_series_index():
-    """A Series in gives a categorical Series with the same index."""
-    out = rank_bucket(pd.Series([5, 500], index=[7, 9]))
-    assert out.index.tolist() == [7, 9] and isinstance(out.dtype, pd.CategoricalDtype)
-
-
-def test_rank_bucket_transitions_crosstab():
-    """4 x 4 counts, zeros included, rows side a and columns side b."""
-    cmp = compare(frame([-1.0] * 3, [1, 50, 5000]), frame([-1.0] * 3, [2, 500, 5000]))
-    table = rank_bucket_transitions(cmp)
-    assert table.shape == (4, 4) and table.to_numpy().sum() == 3
-    assert table.loc["top-10", "top-10"] == 1
-    assert table.loc["top-100", "top-1000"] == 1
-    assert table.loc["rest", "rest"] == 1
-
-
-def test_trace_summary_hand_values():
-    """Per-trace logprob, perplexity, top-1 and bucket fractions, first off-top-1 step."""
-    df = frame([-1.0, -3.0, -2.0, -0.5], [1, 20, 1, 1], trace_id=["t", "t", "t", "u"],
-               step=[0, 1, 2, 0], entropy=[1.0, 2.0, np.nan, 0.5])  # fmt: skip
-    summary = trace_summary(df).set_index("trace_id")
-    t, u = summary.loc["t"], summary.loc["u"]
-    assert (t.n_tokens, t.mean_logprob, t.min_logprob) == (3, -2.0, -3.0)
-    assert t.ppl == pytest.approx(math.exp(2.0))
-    assert t.top1_frac == pytest.approx(2 / 3) and t.frac_top100 == pytest.approx(1 / 3)
-    assert t.first_off_top1_step == 1 and pd.isna(u.first_off_top1_step)
-    assert t.mean_entropy == 1.5 and u.frac_top10 == 1.0
-
-
-def test_trace_summary_without_entropy_column():
-    """An engine without entropy gives NaN mean_entropy, not an error."""
-    assert trace_summary(frame([-1.0]))["mean_entropy"].isna().all()
 
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.floats(-30, 0), st.floats(-30, 0)), min_size=1, max_size=12))
 def test_swapping_sides_negates_delta(pairs):
-    """compare(b, a).delta == -compare(a, b).delta; bitwise_equal is symmetric."""
+    """compare(b, a).delta == -compare(a, b).delta; bit mismatch and ULPs are symmetric."""
     a, b = frame([p[0] for p in pairs]), frame([p[1] for p in pairs])
     ab, ba = compare(a, b), compare(b, a)
     np.testing.assert_array_equal(ba["delta"].to_numpy(), -ab["delta"].to_numpy())
-    assert ab["bitwise_equal"].tolist() == ba["bitwise_equal"].tolist()
-    assert (ab["abs_delta"][ab["bitwise_equal"]] == 0).all()
+    assert ab["bit_mismatch"].tolist() == ba["bit_mismatch"].tolist()
+    assert ab["ulp_distance"].tolist() == ba["ulp_distance"].tolist()
+    assert (ab["ulp_distance"][~ab["bit_mismatch"]] == 0).all()

@@ -51,8 +51,8 @@ def kernel_specs(tmp_path_factory) -> KernelSpecManager:
 
 
 def test_notebooks_exist():
-    """The five notebooks are there (a glob that finds none would run no test at all)."""
-    assert len(NOTEBOOKS) >= 5, [p.name for p in NOTEBOOKS]
+    """The six notebooks are there (a glob that finds none would run no test at all)."""
+    assert len(NOTEBOOKS) >= 6, [p.name for p in NOTEBOOKS]
 
 
 def test_committed_without_outputs():

@@ -1,4 +1,4 @@
-"""Tests for trace_replay.plots: each function draws on the given Axes and returns it."""
+"""Tests for trace_replay.plots: each function draws on the given Axes or its own, returns it."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 from matplotlib.colors import LogNorm, SymLogNorm  # noqa: E402
 from matplotlib.container import BarContainer  # noqa: E402
@@ -39,76 +40,6 @@ def line_labels(ax) -> list[str]:
     return [line.get_label() for line in ax.get_lines()]
 
 
-def test_plot_trace_single_replay(replay_df):
-    """One logprob line on the main Axes, ranks on a log twin reachable as ax.rank_ax."""
-    df = replay_df.drop(columns="ref_logprob")
-    _, ax = plt.subplots()
-    out = plot_trace(df, "t1", ax=ax)
-    assert out is ax
-    assert line_labels(ax) == ["logprob"]
-    np.testing.assert_array_equal(ax.get_lines()[0].get_xdata(), np.arange(40))
-    assert ax.rank_ax in ax.figure.axes and ax.rank_ax.get_yscale() == "log"
-    assert line_labels(ax.rank_ax) == ["rank"]
-    assert ax.get_ylabel() == "logprob (nats)" and "t1" in ax.get_title()
-
-
-def test_plot_trace_rank_axis_has_rank1_on_top(replay_df):
-    """The rank axis is inverted so that good tokens sit high on both axes."""
-    ax = plot_trace(replay_df.drop(columns="ref_logprob"), "t0", ax=plt.gca())
-    bottom, top = ax.rank_ax.get_ylim()
-    assert bottom > top
-
-
-def test_plot_trace_comparison_labels_and_divergence_spans(cmp):
-    """Both runs' lines carry the compare labels; divergent steps are shaded."""
-    ax = plot_trace(cmp, "t1", ax=plt.gca())
-    assert line_labels(ax) == ["logprob hf", "logprob vllm"]
-    spans = [c for c in ax.collections if c.get_label().startswith("|Δ| >")]
-    assert len(spans) == 1
-    legend_texts = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert "rank vllm" in legend_texts and "|Δ| > 0.001" in legend_texts
-
-
-def test_plot_trace_identical_trace_has_no_spans(cmp):
-    """A trace whose runs agree bitwise gets no divergence shading."""
-    ax = plot_trace(cmp, "t0", ax=plt.gca())
-    assert not [c for c in ax.collections if c.get_label().startswith("|Δ|")]
-
-
-def test_plot_trace_other_frame_is_compared(replay_pair):
-    """other= draws the second run's logprob, labelled from attrs["engine"]."""
-    a, b = replay_pair
-    ax = plot_trace(a, "t2", other=b, ax=plt.gca())
-    assert line_labels(ax) == ["logprob hf", "logprob vllm"]
-
-
-def test_plot_trace_draws_ref_logprob(replay_df):
-    """A frame with ref_logprob shows the trace's recorded logprobs next to the replay."""
-    ax = plot_trace(replay_df, "t0", ax=plt.gca())
-    assert line_labels(ax) == ["logprob ref", "logprob replay"]
-    assert line_labels(ax.rank_ax) == ["rank replay"]
-
-
-def test_plot_trace_thins_labels_and_windows(replay_df):
-    """At most max_labels token ticks; window keeps only start <= step < stop."""
-    ax = plot_trace(replay_df, "t0", ax=plt.gca(), max_labels=7, window=(10, 30))
-    assert len(ax.get_xticks()) <= 7
-    np.testing.assert_array_equal(ax.get_lines()[0].get_xdata(), np.arange(10, 30))
-    assert all(label.get_text() for label in ax.get_xticklabels())
-
-
-def test_plot_trace_defaults_to_current_axes(replay_df):
-    """ax=None draws on plt.gca()."""
-    _, ax = plt.subplots()
-    assert plot_trace(replay_df, "t0") is ax
-
-
-def test_plot_trace_unknown_trace(replay_df):
-    """An unknown trace id is a KeyError naming it."""
-    with pytest.raises(KeyError, match="nope"):
-        plot_trace(replay_df, "nope", ax=plt.gca())
-
-
 def test_heatmap_image_sorted_by_first_divergence(cmp):
     """One traces x steps image, rows by first divergence (never-divergent last), colorbar."""
     _, ax = plt.subplots()
@@ -131,7 +62,7 @@ def test_heatmap_ragged_traces_and_nonfinite(replay_pair):
     values = image.get_array()
     rows = [t.get_text() for t in ax.get_yticklabels()]
     assert values.mask[rows.index("t0"), 30:].all() and not values.mask[rows.index("t0"), :30].any()
-    assert values[rows.index("t1"), 3] == image.norm.vmax
+    assert image.norm(values[rows.index("t1"), 3]) > 1  # over the scale: the top colour
     assert rows[0] == "t1"
 
 
@@ -197,3 +128,93 @@ def test_rank_buckets_comparison_one_bar_per_side(cmp):
     """A comparison frame gets one bar per side, named by the compare labels."""
     ax = plot_rank_buckets(cmp, ax=plt.gca())
     assert [t.get_text() for t in ax.get_xticklabels()] == ["hf", "vllm"]
+
+
+ALL_PLOTS = {
+    "trace": lambda cmp: plot_trace(cmp, "t1"),
+    "heatmap": lambda cmp: plot_divergence_heatmap(cmp),
+    "delta_hist": lambda cmp: plot_delta_hist(cmp),
+    "scatter": lambda cmp: plot_logprob_scatter(cmp),
+    "first_divergence": lambda cmp: plot_first_divergence(summarize(cmp)),
+    "rank_buckets": lambda cmp: plot_rank_buckets(cmp),
+}
+
+
+def test_every_plot_twice_without_ax_saves_two_figures(cmp, tmp_path):
+    """Each plot function called twice with no ax draws two figures, both of which save.
+
+    The second call must not draw into the first figure (a log-scale twin left current once
+    made the next plot's savefig crash), and no legend may reach outside its figure.
+    """
+    for name, draw in ALL_PLOTS.items():
+        first, second = draw(cmp), draw(cmp)
+        assert first.figure is not second.figure, name
+        assert plt.gca() is second, name
+        for i, ax in enumerate((first, second)):
+            ax.figure.savefig(tmp_path / f"{name}{i}.png")
+            assert (tmp_path / f"{name}{i}.png").stat().st_size > 0
+            legend = ax.get_legend()
+            if legend is not None:
+                box, page = legend.get_window_extent(), ax.figure.bbox
+                assert page.x0 <= box.x0 and box.x1 <= page.x1, name
+                assert page.y0 <= box.y0 and box.y1 <= page.y1, name
+
+
+def test_heatmap_panels_of_one_figure_share_one_colour_scale(replay_pair):
+    """Two heatmaps in one figure get one norm covering both, whatever order they come in."""
+    a, b = replay_pair
+    tiny = b.assign(logprob=a["logprob"] + (b["logprob"] - a["logprob"]) * 1e-4)
+    fig, (top, bottom) = plt.subplots(2, 1)
+    plot_divergence_heatmap(compare(a, tiny), ax=top)
+    plot_divergence_heatmap(compare(a, b), ax=bottom)
+    norm = top.images[0].norm
+    assert bottom.images[0].norm is norm
+    big = compare(a, b)["abs_delta"].max()
+    assert norm.vmax >= big and norm.vmin <= compare(a, tiny)["abs_delta"].replace(0, 1).min()
+    fig.canvas.draw()
+    assert top.images[0].colorbar.ax.get_ylim() == bottom.images[0].colorbar.ax.get_ylim()
+
+
+def test_heatmap_no_first_divergence_legend_when_nothing_diverged(replay_pair):
+    """Identical runs: no first-divergence marks and no legend for them."""
+    a, _ = replay_pair
+    ax = plot_divergence_heatmap(compare(a, a.copy()))
+    assert ax.get_legend() is None and "first divergence" not in line_labels(ax)
+
+
+def test_labels_come_from_attrs_unless_given(replay_pair):
+    """Without labels, sides are named by engine/dtype; labels= overrides them everywhere."""
+    cmp = compare(*replay_pair)
+    assert plot_delta_hist(cmp).get_xlabel() == "Δ logprob (vllm bfloat16 − hf float32, nats)"
+    assert plot_divergence_heatmap(cmp).get_title().endswith("vllm bfloat16 vs hf float32")
+    ticks = plot_rank_buckets(cmp).get_xticklabels()
+    assert [t.get_text() for t in ticks] == ["hf float32", "vllm bfloat16"]
+    scatter = plot_logprob_scatter(cmp, labels=("rollout", "trainer"))
+    assert (scatter.get_xlabel(), scatter.get_ylabel()) == ("logprob rollout", "logprob trainer")
+
+
+def test_single_run_named_from_attrs(replay_df):
+    """A single run's rank-bucket bar and trace title carry its engine and dtype."""
+    ax = plot_rank_buckets(replay_df)
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["hf float32"]
+    title = plot_trace(replay_df.drop(columns="ref_logprob"), "t0").get_title()
+    assert title == "trace t0 · synthetic · hf float32"
+
+
+def test_hue_gives_one_artist_per_level(replay_pair):
+    """hue= on concatenated comparisons: one histogram, one CDF, one point set per pair."""
+    a, b = replay_pair
+    pairs = pd.concat([compare(a, b), compare(a, a.copy())], keys=["drift", "same"],
+                      names=["pair", None]).reset_index("pair")  # fmt: skip
+    hist = plot_delta_hist(pairs, hue="pair")
+    assert [t.get_text() for t in hist.get_legend().get_texts()] == ["drift", "same"]
+    summaries = pd.concat([summarize(compare(a, b)), summarize(compare(a, a.copy()))],
+                          keys=["drift", "same"], names=["pair", None]).reset_index("pair")
+    cdf = plot_first_divergence(summaries, hue="pair")
+    assert [line.get_label() for line in cdf.get_lines()][::2] == ["drift", "same"]
+    assert cdf.get_lines()[2].get_ydata()[-1] == 0.0  # "same" never diverges
+    scatter = plot_logprob_scatter(pairs, hue="pair")
+    assert [c.get_label() for c in scatter.collections] == ["drift", "same"]
+    buckets = plot_rank_buckets(pd.concat(replay_pair, keys=["x", "y"], names=["run", None])
+                                .reset_index("run"), hue="run")  # fmt: skip
+    assert [t.get_text() for t in buckets.get_xticklabels()] == ["x", "y"]

@@ -50,8 +50,10 @@ def test_comparison_report_is_self_contained(comparison_page):
 
 def test_comparison_report_sections(comparison_page):
     """Summary tables, transitions, figures and the worst traces' tokens are all there."""
-    for text in ("trace replay: hf vs vllm", "Dataset", "mean_abs_delta", "first_divergence_step",
-                 "Rank-bucket transitions", "Worst traces", "Provenance"):  # fmt: skip
+    for text in ("trace replay: vllm bfloat16 vs hf float32", "Dataset", "mean_abs_delta",
+                 "first_divergence_step", "chi2_token", "frac_bit_mismatch",
+                 "Rank-bucket transitions (rows: hf float32, columns: vllm bfloat16)",
+                 "Worst traces", "Provenance"):  # fmt: skip
         assert text in comparison_page
     assert comparison_page.count('class="tr-tokens-view"') == 2
 
@@ -88,4 +90,4 @@ def test_report_reads_parquet_paths(tmp_path, frames):
     b.to_parquet(tmp_path / "bf16.parquet")
     path = write_report(tmp_path / "fp32.parquet", str(tmp_path / "bf16.parquet"),
                         out=tmp_path / "r.html", n_traces=1)  # fmt: skip
-    assert "trace replay: fp32 vs bf16" in path.read_text(encoding="utf-8")
+    assert "trace replay: bf16 vs fp32" in path.read_text(encoding="utf-8")

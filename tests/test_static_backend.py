@@ -1,4 +1,9 @@
-"""The static-cache backend computes what the transformers model computes (HF backend)."""
+"""The static-cache backend computes what the transformers model computes (HF backend).
+
+Tiny random models (2 layers, hidden 64) of every supported family are built from
+transformers configs, with weights large enough that the distributions are far from
+uniform; sliding windows (4 positions) are shorter than the contexts replayed.
+"""
 
 from __future__ import annotations
 
@@ -8,109 +13,177 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import assert_matches_reference
 
-from trace_replay.engines.hf_backend import HFBackend
-from trace_replay.engines.static_backend import StaticLlamaBackend, supports
 from trace_replay.engines import make_engine
+from trace_replay.engines.base import ReplayRequest
+from trace_replay.engines.hf_backend import HFBackend
+from trace_replay.engines.static_backend import StaticCacheBackend, supports
 from trace_replay.replay import replay
 
-pytestmark = pytest.mark.slow
+PROMPTS = [[50, 35, 28, 46], [1], [95, 30, 21], [50, 35]]
+_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+               max_position_embeddings=256, initializer_range=0.3, pad_token_id=0)
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", {}),
+    "llama3-rope": ("LlamaConfig", {"rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+    "mistral": ("MistralConfig", {"sliding_window": 4}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {}),
+    "gemma": ("GemmaConfig", {}),
+    "gemma2": ("Gemma2Config", {"sliding_window": 4}),
+    "gemma3": ("Gemma3TextConfig", {"sliding_window": 4,
+                                    "layer_types": ["sliding_attention", "full_attention"]}),
+}
 
-PROMPTS = [[504, 3575, 282, 4649], [1], [9519, 30, 2114], [504, 3575]]
+
+def tiny_model(arch: str) -> torch.nn.Module:
+    """A random float32 model of ``arch`` (seeded), built from its transformers config."""
+    import transformers
+
+    name, extra = ARCHITECTURES[arch]
+    config = getattr(transformers, name)(**{**_COMMON, **extra})
+    torch.manual_seed(0)
+    # transformers' sdpa path drops Gemma-2's attention soft-capping; eager applies it
+    attn = "eager" if arch == "gemma2" else "sdpa"
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
 
 
-def assert_same_replay(a, b, atol=1e-4):
-    """Identical tokens; logprobs within ``atol``; ranks equal up to ±1 at near-ties."""
-    assert a["trace_id"].tolist() == b["trace_id"].tolist()
-    assert a["token_id"].tolist() == b["token_id"].tolist()
-    np.testing.assert_allclose(a["logprob"], b["logprob"], atol=atol)
-    np.testing.assert_allclose(np.stack(a["top_logprobs"]), np.stack(b["top_logprobs"]), atol=atol)
-    np.testing.assert_allclose(a["entropy"], b["entropy"], atol=atol)
-    assert (np.abs(a["rank"] - b["rank"]) <= 1).all()
+def requests(vocab: int = 128) -> list[ReplayRequest]:
+    """Five traces of uneven prompt and trace lengths (left padding, a smaller second wave)."""
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for i, (prompt_len, trace_len) in enumerate([(4, 9), (1, 12), (3, 5), (6, 1), (2, 10)]):
+        ids = torch.randint(3, vocab, (prompt_len + trace_len,), generator=gen).tolist()
+        out.append(ReplayRequest(str(i), tuple(ids[:prompt_len]), tuple(ids[prompt_len:])))
+    return out
 
 
-def _engine(lm, backend, method=None, batch_size=4):
+def run(lm, backend: str, method: str | None = None):
+    """Replay ``requests()`` in four slots; returns (engine, results)."""
     speculative = None if method is None else {"method": method, "num_tokens": 3}
-    return make_engine("torch", lm, batch_size=batch_size, backend=backend,
-                       speculative=speculative)
+    engine = make_engine("torch", lm, batch_size=4, backend=backend, speculative=speculative)
+    return engine, engine.run(requests(lm.config.vocab_size))
 
 
-@pytest.fixture(scope="module")
-def hf_result(lm, real_traces):
-    return replay(real_traces, engine=_engine(lm, "hf"), progress=False)
+def assert_same_results(ours, theirs, atol=1e-4):
+    """Same tokens; logprobs and top-k logprobs within ``atol``; ranks equal up to ±1."""
+    for a, b in zip(ours, theirs):
+        assert a.trace_id == b.trace_id
+        np.testing.assert_array_equal(a.token_ids, b.token_ids)
+        np.testing.assert_allclose(a.logprob, b.logprob, atol=atol)
+        np.testing.assert_allclose(a.top_logprobs, b.top_logprobs, atol=atol)
+        np.testing.assert_allclose(a.entropy, b.entropy, atol=atol)
+        assert (np.abs(a.rank - b.rank) <= 1).all()
 
 
-def test_supports_llama(lm):
-    """The embedded SmolLM2 (LlamaForCausalLM) is supported; other model types are not."""
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def tiny(request):
+    """(architecture, model, the HF backend's step-by-step replay of ``requests()``)."""
+    lm = tiny_model(request.param)
+    return request.param, lm, run(lm, "hf")[1]
+
+
+def test_supports_families(tiny):
+    """Every family listed is supported; other model types are not."""
+    _, lm, _ = tiny
     assert supports(lm)
     assert not supports(torch.nn.Linear(2, 2))
-    other = SimpleNamespace(config=SimpleNamespace(model_type="gpt2"), model=lm.model)
+    other = SimpleNamespace(config=SimpleNamespace(model_type="gpt2", sub_configs={}),
+                            model=lm.model)
     assert not supports(other)
 
 
-def test_backend_choice(lm):
-    """``auto`` is hf on CPU; ``static`` runs without graphs on CPU; unknown names raise."""
-    assert _engine(lm, "auto").backend.name == "hf"
-    assert _engine(lm, "static").backend.name == "static"
-    with pytest.raises(ValueError, match="backend"):
-        _engine(lm, "bogus")
-    with pytest.raises(ValueError, match="cuda_graphs"):
-        StaticLlamaBackend(lm, 0, cuda_graphs=True)
-
-
-def test_replay_equals_hf(lm, real_traces, hf_result):
+def test_replay_equals_hf(tiny):
     """Step-by-step replay (left padding, two waves in four slots) matches the HF backend."""
-    engine = _engine(lm, "static")
-    result = replay(real_traces, engine=engine, progress=False)
-    assert_same_replay(result, hf_result)
-    assert result.attrs["engine_path"] == "torch-decode[static]"
+    _, lm, hf = tiny
+    engine, ours = run(lm, "static")
+    assert engine.backend.name == "static"
+    assert_same_results(ours, hf)
 
 
-@pytest.mark.parametrize("method", ["trace", "ngram"])
-def test_verify_equals_hf(lm, real_traces, method):
-    """The verify path (k = 3, rejected drafts dropped by ``keep``) matches the HF backend's."""
-    ours = replay(real_traces, engine=_engine(lm, "static", method), progress=False)
-    theirs = replay(real_traces, engine=_engine(lm, "hf", method), progress=False)
-    assert_same_replay(ours, theirs)
-    assert ours.attrs["acceptance_rate"] == theirs.attrs["acceptance_rate"]
+def test_verify_equals_step_by_step(tiny):
+    """Verify with trace drafts (k = 3) gives what step-by-step replay gives."""
+    _, lm, hf = tiny
+    assert_same_results(run(lm, "static", "trace")[1], hf)
 
 
-def test_keep_then_decode_equals_hf(lm):
-    """After ``keep`` drops drafts (some trailing, one in the middle), logits match HF's."""
-    ours, theirs = StaticLlamaBackend(lm, 2, max_query_len=3), HFBackend(lm, 2)
+def test_ngram_verify_equals_hf():
+    """N-gram drafts (some rejected, dropped by ``keep``) match the HF backend's verify path."""
+    lm = tiny_model("qwen3")
+    ours_engine, ours = run(lm, "static", "ngram")
+    theirs_engine, theirs = run(lm, "hf", "ngram")
+    assert_same_results(ours, theirs)
+    assert ours_engine.stats()["acceptance_rate"] == theirs_engine.stats()["acceptance_rate"]
+
+
+def test_model_left_unmodified():
+    """The backend runs a view of the model: the model's own config and layers are untouched."""
+    lm = tiny_model("llama")
+    before = (lm.config._attn_implementation, [type(m).forward for m in lm.model.layers])
+    run(lm, "static")
+    assert lm.config._attn_implementation == before[0]
+    assert "forward" not in vars(lm.model.layers[0])
+    assert isinstance(HFBackend(lm, 0).prefill(PROMPTS, 4), torch.Tensor)
+
+
+KEEP = torch.tensor([[True, False, False], [True, True, True],
+                     [True, False, True], [False, False, False]])
+
+
+def _decode_keep_decode(backend):
+    """Prefill, decode 3 drafts per row, keep ``KEEP`` of them, decode 2 more tokens per row."""
+    lens = torch.tensor([len(p) for p in PROMPTS])
+    drafts = torch.tensor([[11, 12, 13]] * len(PROMPTS))
     with torch.inference_mode():
-        for backend in (ours, theirs):
-            first = backend.prefill(PROMPTS, max_new_tokens=8)
-            tokens = torch.tensor([[11, 12, 13]] * len(PROMPTS))
-            lens = torch.tensor([len(p) for p in PROMPTS])
-            backend.decode(tokens, lens[:, None] + torch.arange(3))
-            keep = torch.tensor([[True, False, False], [True, True, True],
-                                 [True, False, True], [False, False, False]])
-            backend.keep(keep)
-            if backend is ours:
-                cursor = ours.cursor.tolist()
-            kept = keep.sum(1)
-            last = backend.decode(tokens[:, :2] + 5, (lens + kept)[:, None] + torch.arange(2))
-            if backend is ours:
-                a = (first, last.clone())
-            else:
-                b = (first, last.clone())
-    torch.testing.assert_close(a[0], b[0], atol=1e-4, rtol=0)
-    torch.testing.assert_close(a[1], b[1], atol=1e-4, rtol=0)
+        first = backend.prefill(PROMPTS, max_new_tokens=8).clone()
+        backend.decode(drafts, lens[:, None] + torch.arange(3))
+        backend.keep(KEEP)
+        last = backend.decode(drafts[:, :2] + 5, (lens + KEEP.sum(1))[:, None] + torch.arange(2))
+    return first, last.clone()
+
+
+def test_keep_then_decode_equals_hf():
+    """After ``keep`` drops drafts (some trailing, one in the middle), logits match HF's."""
+    lm = tiny_model("llama")
+    ours = StaticCacheBackend(lm, 0, max_query_len=3)
+    for a, b in zip(_decode_keep_decode(ours), _decode_keep_decode(HFBackend(lm, 0))):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
     # trailing drops are given back: cursor = prompt width + slots up to the last kept one
-    assert cursor == [4 + 1, 4 + 3, 4 + 3, 4 + 0]
+    assert ours.cache.cursor.tolist() == [4 + 1 + 2, 4 + 3 + 2, 4 + 3 + 2, 4 + 0 + 2]
 
 
-def test_smaller_wave_reuses_cache(lm):
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_keep_with_sliding_window_equals_plain_forward(arch):
+    """With sliding windows (4 positions), a row that kept a prefix of its drafts sees exactly
+    that context: logits equal the model's own unpadded forward over prompt + kept + new
+    tokens. Windows count positions, so dropped drafts never narrow them (the HF backend's
+    windows count its masked slots too, and differ here)."""
+    lm = tiny_model(arch)
+    _, last = _decode_keep_decode(StaticCacheBackend(lm, 0, max_query_len=3))
+    with torch.inference_mode():
+        for row in (0, 1, 3):  # row 2 dropped a middle draft: no plain sequence matches it
+            prompt = PROMPTS[row]
+            kept = [t for t, k in zip([11, 12, 13], KEEP[row].tolist()) if k]
+            ids = torch.tensor([prompt + kept + [16, 17]])
+            expected = lm(input_ids=ids).logits[0, -2:]
+            torch.testing.assert_close(last[row], expected, atol=1e-4, rtol=0)
+
+
+def test_smaller_wave_reuses_cache():
     """A wave with fewer rows in the same length bucket reuses the cache; padding rows are inert."""
-    ours, theirs = StaticLlamaBackend(lm, 2), HFBackend(lm, 2)
+    lm = tiny_model("llama")
+    ours, theirs = StaticCacheBackend(lm, 0), HFBackend(lm, 0)
     with torch.inference_mode():
         ours.prefill(PROMPTS, max_new_tokens=4)
-        cache, shape = ours.k_cache.data_ptr(), ours.shape
+        cache = ours.cache
         small = PROMPTS[1:3]
         a = ours.prefill(small, max_new_tokens=5)
         b = theirs.prefill(small, max_new_tokens=5)
-        assert (ours.k_cache.data_ptr(), ours.shape) == (cache, shape)
+        assert ours.cache is cache
         positions = torch.tensor([[len(p)] for p in small])
         a2 = ours.decode(a.argmax(-1)[:, None], positions).clone()
         b2 = theirs.decode(b.argmax(-1)[:, None], positions)
@@ -119,14 +192,38 @@ def test_smaller_wave_reuses_cache(lm):
     torch.testing.assert_close(a2, b2, atol=1e-4, rtol=0)
 
 
+def test_backend_choice():
+    """``auto`` is hf on CPU; ``static`` runs without graphs on CPU; unknown names raise."""
+    lm = tiny_model("llama")
+    assert make_engine("torch", lm, backend="auto").backend.name == "hf"
+    assert make_engine("torch", lm, backend="static").backend.name == "static"
+    with pytest.raises(ValueError, match="backend"):
+        make_engine("torch", lm, backend="bogus")
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        StaticCacheBackend(lm, 0, cuda_graphs=True)
+
+
+@pytest.mark.slow
+def test_embedded_model_replay_equals_hf(lm, real_traces, reference64):
+    """The embedded SmolLM2 replays real traces through the static backend as through HF,
+    within 2e-3 of float64 per token (ranks equal up to near-ties)."""
+    ours = replay(real_traces, engine=make_engine("torch", lm, batch_size=4, backend="static"),
+                  progress=False)
+    assert_matches_reference(ours, reference64)
+    theirs = replay(real_traces, engine=make_engine("torch", lm, batch_size=4, backend="hf"),
+                    progress=False)
+    assert ours.attrs["engine_path"] == "torch-decode[static]"
+    assert ours["token_id"].tolist() == theirs["token_id"].tolist()
+    np.testing.assert_allclose(ours["logprob"], theirs["logprob"], atol=1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("method", [None, "trace"])
-def test_cuda_graphs_equal_hf(lm, real_traces, method):
-    """On CUDA, the captured static backend replays what the HF backend replays."""
+def test_compiled_graphs_equal_hf(tiny, method):
+    """On CUDA, the compiled, captured backend replays what the HF backend replays."""
+    arch, lm, _ = tiny
     gpu = copy.deepcopy(lm).to("cuda")
-    ours_engine = _engine(gpu, "auto", method)
-    assert ours_engine.backend.name == "static+cudagraph"
-    ours = replay(real_traces, engine=ours_engine, progress=False)
-    theirs = replay(real_traces, engine=_engine(gpu, "hf", method), progress=False)
-    assert_same_replay(ours, theirs, atol=2e-4)
+    engine, ours = run(gpu, "auto", method)
+    assert engine.backend.name == "static+compiled"
+    assert_same_results(ours, run(gpu, "hf")[1], atol=2e-4)

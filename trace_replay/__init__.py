@@ -32,6 +32,12 @@ _EXPORTS = {
     "render_tokens": "trace_replay.tokens_html",
     "explore": "trace_replay.explorer",
     "write_report": "trace_replay.report",
+    "locate_divergence": "trace_replay.attribution",
+    "divergence_origin": "trace_replay.attribution",
+    "sweep": "trace_replay.sweep",
+    "plot_layer_divergence": "trace_replay.plots_layers",
+    "plot_layer_profile": "trace_replay.plots_layers",
+    "plot_sweep": "trace_replay.plots_layers",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -43,6 +49,11 @@ def __getattr__(name: str):
         raise AttributeError(f"module 'trace_replay' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
+    # importing a module may import submodules named like exports (trace_replay.replay), and
+    # the import system binds the submodule to the package attribute; the export wins
+    for export, home in _EXPORTS.items():
+        if getattr(globals().get(export), "__name__", None) == home == f"{__name__}.{export}":
+            globals()[export] = getattr(importlib.import_module(home), export)
     return value
 
 

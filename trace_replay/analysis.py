@@ -3,18 +3,77 @@
 A replay frame has one row per (trace, step). :func:`compare` joins two of them (or one
 against its own ``ref_logprob`` column) into a comparison frame with ``_a``/``_b`` columns;
 the other functions reduce either kind of frame to per-trace or per-dataset tables.
+
+Sides
+-----
+Side a is the *behaviour* run, the one the trace tokens were drawn from: in RL the rollout
+engine (vLLM, SGLang); for ``compare(df, "ref")`` the trace's recorded logprobs. Side b is
+the *target* run: in RL the trainer's forward pass. Every difference is b − a
+(``delta = logprob_b - logprob_a``), every ratio b / a (``ratio = p_b / p_a``, verl's
+importance weight ρ = π_train / π_rollout), every KL estimate is of KL(a ‖ b), and a pair
+is named "b vs a". So ``compare(rollout, trainer)`` gives the numbers a trainer logs. The
+KL estimates are unbiased only when the trace tokens were sampled from a; for other traces
+(human-written text, a third model's output) they are mismatch statistics, not KLs.
+
+Names
+-----
+- ``n_<what>``: a count (``n_tokens``, ``n_bit_mismatch``).
+- ``frac_<predicate>``: the fraction of tokens for which a per-token predicate holds;
+  ``frac_top1_agree`` is the mean of the boolean ``top1_agree`` column, ``frac_top10`` the
+  fraction with rank <= 10.
+- ``<stat>_<quantity>``: a statistic of a per-token column (``mean_abs_delta``,
+  ``p99_abs_delta``, ``std_ratio``, ``max_ulp_distance``, ``mean_k3``).
+- ``first_<event>_step``: the first step at which the event happens, ``<NA>`` when it never
+  does (``first_divergence_step``, ``first_rank_flip_step``, ``first_bit_mismatch_step``,
+  ``first_off_top1_step``).
+- ``<column>_a`` / ``<column>_b``: one side's value in a comparison frame.
+- Divergences keep their trainers' names: ``chi2_token``, ``chi2_seq``, ``ess``.
+
+Trainer names
+-------------
+Defined precisely in :func:`trace_replay.mismatch.trainer_metrics`; in
+:func:`dataset_summary`:
+
+====================================================  ====================================
+trainer metric                                        here
+====================================================  ====================================
+verl ``rollout_corr/kl``                              ``mean_k1``
+verl ``rollout_corr/k3_kl``                           ``mean_k3``
+verl ``rollout_corr/chi2_token``, ``chi2_seq``        ``chi2_token``, ``chi2_seq``
+verl ``rollout_corr/rollout_is_{mean,std,min,max}``   ``{mean,std,min,max}_ratio``
+verl ``rollout_corr/rollout_is_eff_sample_size``      ``ess``
+verl ``rollout_is_ratio_fraction_{low,high}`` (2.0)   ``frac_ratio_outside_0.5_2`` (sum)
+verl ``training/rollout_probs_diff_{mean,std,max}``   ``{mean,std,max}_abs_delta_prob``
+slime ``train_rollout_logprob_abs_diff``              ``mean_abs_delta``
+prime-rl ``logprob_bit_mismatch``                     ``n_bit_mismatch``, ``frac_bit_mismatch``
+float32 ULP distance of the logprobs                  ``mean_ulp_distance``, ``max_ulp_distance``
+====================================================  ====================================
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
 
+from trace_replay.mismatch import bit_mismatch, trainer_metrics, ulp_distance
+from trace_replay.ranks import (
+    RANK_BUCKETS,
+    as_float64,
+    bucket_fractions,
+    first_step,
+    rank_bucket,
+    rank_bucket_transitions,
+    trace_summary,
+)
+
+# the rank-bucket and single-run names live in trace_replay.ranks; re-exported here, where
+# they have always been imported from
 __all__ = [
     "RANK_BUCKETS",
     "rank_bucket",
+    "run_labels",
     "compare",
     "summarize",
     "dataset_summary",
@@ -22,41 +81,9 @@ __all__ = [
     "trace_summary",
 ]
 
-RANK_BUCKETS = ("top-10", "top-100", "top-1000", "rest")
-_BUCKET_EDGES = [0, 10, 100, 1000, np.inf]
 _KEY = ["trace_id", "step"]
 _REQUIRED = ("trace_id", "step", "token_id", "logprob", "rank")
 _SIDE_COLUMNS = ("logprob", "rank", "top_token_ids", "top_logprobs", "top_tokens", "entropy")
-
-
-def rank_bucket(rank: pd.Series | Sequence[float] | np.ndarray) -> pd.Series | pd.Categorical:
-    """GLTR bucket of each rank: "top-10", "top-100", "top-1000" or "rest".
-
-    Parameters
-    ----------
-    rank : Series or array-like
-        1-based ranks; missing ranks map to a missing bucket.
-
-    Returns
-    -------
-    Series or Categorical
-        Ordered categorical with categories :data:`RANK_BUCKETS`; a Series (same index) when
-        given a Series.
-
-    Examples
-    --------
-    >>> list(rank_bucket([1, 10, 11, 1000, 1001]))
-    ['top-10', 'top-10', 'top-100', 'top-1000', 'rest']
-    """
-    values = pd.to_numeric(pd.Series(np.asarray(rank, dtype=object)), errors="coerce")
-    buckets = pd.cut(values.astype("float64"), _BUCKET_EDGES, labels=list(RANK_BUCKETS))
-    if isinstance(rank, pd.Series):
-        return buckets.set_axis(rank.index).rename("rank_bucket")
-    return buckets.array
-
-
-def _float64(series: pd.Series) -> np.ndarray:
-    return pd.to_numeric(series).to_numpy(dtype="float64", na_value=np.nan)
 
 
 def _check_frame(df: pd.DataFrame, name: str) -> None:
@@ -86,6 +113,48 @@ def _first_mismatch(a: pd.DataFrame, b: pd.DataFrame, name: str) -> str:
     return f"first only in {name}: trace {row.trace_id!r} step {row.step}"
 
 
+_LABEL_FIELDS = ("engine", "dtype", "device")
+
+
+def run_labels(
+    attrs: Sequence[Mapping], *, fields: Sequence[str] = _LABEL_FIELDS
+) -> list[str]:
+    """Short names for runs, from their provenance, keeping only the fields that differ.
+
+    Parameters
+    ----------
+    attrs : sequence of dict
+        Each run's ``df.attrs``.
+    fields : sequence of str
+        Provenance keys that name a run, in label order.
+
+    Returns
+    -------
+    list of str
+        One label per run: the values of the fields that differ between the runs (all
+        fields for a single run or when none differ), joined by spaces. A run with none of
+        the fields is named by its letter ("a", "b", ...); runs whose labels would
+        coincide get " #1", " #2", ... appended.
+
+    Examples
+    --------
+    >>> run_labels([{"engine": "torch", "dtype": "float32", "device": "cpu"},
+    ...             {"engine": "torch", "dtype": "bfloat16", "device": "cpu"}])
+    ['float32', 'bfloat16']
+    >>> run_labels([{"engine": "vllm", "dtype": "float32", "device": "cpu"}])
+    ['vllm float32 cpu']
+    """
+    values = [[str(a[f]) if a.get(f) not in (None, "") else "" for f in fields] for a in attrs]
+    if len(values) > 1:
+        differing = [i for i in range(len(fields)) if len({v[i] for v in values}) > 1]
+        if differing:
+            values = [[v[i] for i in differing] for v in values]
+    labels = [" ".join(x for x in v if x) or chr(ord("a") + i) for i, v in enumerate(values)]
+    if len(set(labels)) < len(labels):
+        labels = [f"{label} #{i + 1}" for i, label in enumerate(labels)]
+    return labels
+
+
 def compare(
     a: pd.DataFrame,
     b: pd.DataFrame | str,
@@ -97,24 +166,31 @@ def compare(
     Parameters
     ----------
     a, b : DataFrame
-        Replay frames of the same traces. ``b="ref"`` compares ``a`` against its own
+        Replay frames of the same traces: a the behaviour run (rollout), b the target run
+        (trainer); see the module docstring. ``b="ref"`` compares ``a`` against its own
         ``ref_logprob`` column: side a is then the trace's recorded logprobs (rank unknown,
         ``<NA>``) and side b the replay.
     labels : tuple of str, optional
-        Names of the two sides, stored in ``attrs["labels"]`` for legends. Default
-        ``("a", "b")``, or ``("ref", "replay")`` for ``b="ref"``.
+        Names of the two sides, stored in ``attrs["labels"]`` for legends and titles.
+        Default: :func:`run_labels` of the two frames' attrs (engine, dtype, device, only
+        those that differ), or ``("ref", "replay")`` for ``b="ref"``.
 
     Returns
     -------
     DataFrame
         One row per token, ordered by trace (first appearance in ``a``) then step:
-        ``trace_id, step, position, token, token_id, logprob_a, logprob_b, delta`` (b - a),
-        ``abs_delta, ratio`` (exp delta), ``k3`` (exp delta - 1 - delta), ``rank_a, rank_b``
-        (Int64), ``top1_a, top1_b, top1_agree`` (boolean, ``<NA>`` when a rank is unknown),
-        ``bitwise_equal`` (identical float64 bit patterns: 0.0 and -0.0 differ, NaN equals
-        only a NaN with the same payload), ``nonfinite`` (either logprob is not finite), and
-        ``top_token_ids_*``, ``top_logprobs_*``, ``top_tokens_*``, ``entropy_*`` when present.
-        ``attrs`` holds ``labels``, ``attrs_a`` and ``attrs_b``.
+        ``trace_id, step, position, token`` (and ``turn, role`` for chat traces),
+        ``token_id, logprob_a, logprob_b``,
+        ``delta`` (logprob_b - logprob_a), ``abs_delta``, ``ratio`` (exp(delta) = p_b / p_a),
+        ``k1`` (-delta), ``k3`` (ratio - 1 - delta), ``abs_delta_prob``
+        (|p_b - p_a|), ``rank_a, rank_b`` (Int64), ``top1_a, top1_b`` (rank == 1),
+        ``top1_agree`` (top1_a == top1_b; boolean, ``<NA>`` when a rank is unknown),
+        ``bit_mismatch`` (the float32 logprobs differ in any bit, see
+        :func:`~trace_replay.mismatch.bit_mismatch`), ``ulp_distance`` (Int64, float32
+        ULPs, see :func:`~trace_replay.mismatch.ulp_distance`), ``nonfinite`` (either
+        logprob is not finite), and ``top_token_ids_*``, ``top_logprobs_*``,
+        ``top_tokens_*``, ``entropy_*`` when present. ``attrs`` holds ``labels``,
+        ``attrs_a`` and ``attrs_b``.
 
     Raises
     ------
@@ -123,7 +199,9 @@ def compare(
 
     Examples
     --------
-    >>> cmp = compare(run_fp32, run_bf16, labels=("fp32", "bf16"))  # doctest: +SKIP
+    >>> cmp = compare(rollout, trainer)  # doctest: +SKIP
+    >>> cmp.attrs["labels"]  # doctest: +SKIP
+    ('vllm bfloat16', 'prefill float32')
     >>> cmp.groupby("trace_id").delta.sum()  # doctest: +SKIP
     """
     if isinstance(b, str):
@@ -132,7 +210,7 @@ def compare(
         _check_frame(a, "a")
         a, b = _ref_side(a), a
         labels = labels or ("ref", "replay")
-    labels = tuple(labels or ("a", "b"))
+    labels = tuple(labels or run_labels([a.attrs, b.attrs]))
     _check_frame(a, f"a ({labels[0]})")
     _check_frame(b, f"b ({labels[1]})")
 
@@ -146,7 +224,9 @@ def compare(
             f"{only_b} rows only in b ({labels[1]}); {first}"
         )
 
-    shared = [c for c in ("position", "token") if c in a.columns or c in b.columns]
+    # per-token facts of the trace itself, not of a run: kept once
+    shared = [c for c in ("position", "token", "turn", "role")
+              if c in a.columns or c in b.columns]
     side_a = a[[*_KEY, "token_id", *[c for c in shared if c in a.columns]]]
     side_b = b[[*_KEY, "token_id", *[c for c in shared if c not in a.columns]]]
     order = {t: i for i, t in enumerate(pd.unique(a["trace_id"]))}
@@ -167,23 +247,26 @@ def compare(
         cmp = cmp.merge(renamed, on=_KEY)  # keeps the left (sorted) row order
     cmp = cmp.reset_index(drop=True)
 
-    la, lb = _float64(cmp["logprob_a"]), _float64(cmp["logprob_b"])
+    la, lb = as_float64(cmp["logprob_a"]), as_float64(cmp["logprob_b"])
     with np.errstate(invalid="ignore", over="ignore"):
         delta = lb - la
         cmp["delta"] = delta
         cmp["abs_delta"] = np.abs(delta)
         cmp["ratio"] = np.exp(delta)
+        cmp["k1"] = -delta
         cmp["k3"] = np.expm1(delta) - delta
+        cmp["abs_delta_prob"] = np.abs(np.exp(lb) - np.exp(la))
     for side in ("a", "b"):
         cmp[f"rank_{side}"] = pd.array(cmp[f"rank_{side}"], dtype="Int64")
         cmp[f"top1_{side}"] = (cmp[f"rank_{side}"] == 1).astype("boolean")
     cmp["top1_agree"] = cmp["top1_a"] == cmp["top1_b"]
-    cmp["bitwise_equal"] = la.view(np.int64) == lb.view(np.int64)
+    cmp["bit_mismatch"] = bit_mismatch(la, lb)
+    cmp["ulp_distance"] = ulp_distance(la, lb)
     cmp["nonfinite"] = ~(np.isfinite(la) & np.isfinite(lb))
 
     first = [*_KEY, *shared, "token_id", "logprob_a", "logprob_b", "delta", "abs_delta",
-             "ratio", "k3", "rank_a", "rank_b", "top1_a", "top1_b", "top1_agree",
-             "bitwise_equal", "nonfinite"]  # fmt: skip
+             "ratio", "k1", "k3", "abs_delta_prob", "rank_a", "rank_b", "top1_a", "top1_b",
+             "top1_agree", "bit_mismatch", "ulp_distance", "nonfinite"]  # fmt: skip
     cmp = cmp[first + [c for c in cmp.columns if c not in first]]
     cmp.attrs = {"labels": labels, "attrs_a": dict(a.attrs), "attrs_b": dict(b.attrs)}
     return cmp
@@ -192,11 +275,6 @@ def compare(
 def _divergent(cmp: pd.DataFrame, tol: float) -> pd.Series:
     delta = cmp["delta"].astype("float64")
     return (delta.abs() > tol) | ~np.isfinite(delta)
-
-
-def _first_step(df: pd.DataFrame, mask: pd.Series) -> pd.Series:
-    steps = df["step"].where(mask.fillna(False).astype(bool))
-    return steps.groupby(df["trace_id"], sort=False).min().astype("Int64")
 
 
 def summarize(cmp: pd.DataFrame, *, tol: float = 1e-3) -> pd.DataFrame:
@@ -214,10 +292,12 @@ def summarize(cmp: pd.DataFrame, *, tol: float = 1e-3) -> pd.DataFrame:
     DataFrame
         One row per trace, in order of first appearance: ``trace_id, n_tokens,
         first_divergence_step, first_rank_flip_step`` (exactly one side top-1),
-        ``first_bitwise_step`` (Int64, ``<NA>`` when none), ``n_nonfinite``,
-        ``mean_abs_delta, sum_delta`` (sequence log importance ratio; both over finite
-        deltas), ``max_abs_delta`` (inf when any delta is not finite), ``ppl_a, ppl_b``
-        (exp of minus the mean logprob).
+        ``first_bit_mismatch_step`` (first step whose float32 logprobs differ in any bit;
+        all three Int64, ``<NA>`` when none), ``n_bit_mismatch, n_nonfinite``,
+        ``mean_abs_delta``, ``max_abs_delta`` (inf when any delta is not finite),
+        ``sum_delta`` (the log of the sequence importance ratio), ``mean_k1, mean_k3``
+        (per-trace KL(a ‖ b) estimates), ``max_ulp_distance`` (Int64) and ``ppl_a, ppl_b``
+        (exp of minus the mean logprob). Delta statistics use finite deltas.
 
     Examples
     --------
@@ -225,33 +305,32 @@ def summarize(cmp: pd.DataFrame, *, tol: float = 1e-3) -> pd.DataFrame:
     """
     delta = cmp["delta"].astype("float64")
     finite = delta.where(np.isfinite(delta))
+    by_trace = cmp["trace_id"]
     g = cmp.groupby("trace_id", sort=False)
     out = pd.DataFrame({"n_tokens": g.size()})
-    out["first_divergence_step"] = _first_step(cmp, _divergent(cmp, tol))
-    out["first_rank_flip_step"] = _first_step(cmp, cmp["top1_a"] != cmp["top1_b"])
-    out["first_bitwise_step"] = _first_step(cmp, ~cmp["bitwise_equal"])
-    out["n_nonfinite"] = (~np.isfinite(delta)).groupby(cmp["trace_id"], sort=False).sum()
-    out["mean_abs_delta"] = finite.abs().groupby(cmp["trace_id"], sort=False).mean()
-    out["max_abs_delta"] = delta.abs().fillna(np.inf).groupby(cmp["trace_id"], sort=False).max()
-    out["sum_delta"] = finite.groupby(cmp["trace_id"], sort=False).sum()
+    out["first_divergence_step"] = first_step(cmp, _divergent(cmp, tol))
+    out["first_rank_flip_step"] = first_step(cmp, cmp["top1_a"] != cmp["top1_b"])
+    out["first_bit_mismatch_step"] = first_step(cmp, cmp["bit_mismatch"])
+    out["n_bit_mismatch"] = cmp["bit_mismatch"].groupby(by_trace, sort=False).sum()
+    out["n_nonfinite"] = (~np.isfinite(delta)).groupby(by_trace, sort=False).sum()
+    out["mean_abs_delta"] = finite.abs().groupby(by_trace, sort=False).mean()
+    out["max_abs_delta"] = delta.abs().fillna(np.inf).groupby(by_trace, sort=False).max()
+    out["sum_delta"] = finite.groupby(by_trace, sort=False).sum()
+    out["mean_k1"] = (-finite).groupby(by_trace, sort=False).mean()
+    out["mean_k3"] = (np.expm1(finite) - finite).groupby(by_trace, sort=False).mean()
+    out["max_ulp_distance"] = cmp["ulp_distance"].groupby(by_trace, sort=False).max()
     for side in ("a", "b"):
         out[f"ppl_{side}"] = np.exp(-g[f"logprob_{side}"].mean().astype("float64"))
     return out.reset_index()
-
-
-def _bucket_fractions(rank: pd.Series) -> pd.Series:
-    buckets = rank_bucket(rank).dropna()
-    counts = buckets.value_counts().reindex(list(RANK_BUCKETS), fill_value=0)
-    return counts / len(buckets) if len(buckets) else counts.astype(float) * np.nan
 
 
 def dataset_summary(cmp: pd.DataFrame) -> pd.DataFrame:
     """Dataset-level metrics of a comparison frame, as a tidy ``metric``/``value`` table.
 
     Long form reads top to bottom in a notebook and concatenates across runs
-    (``pd.concat(..., keys=runs)``). |delta| statistics use finite deltas; ``max_abs_delta``
-    is inf and ``frac_ratio_outside_0.5_2`` counts the token when a delta is not finite.
-    Bucket fractions of a side with unknown ranks (``"ref"``) are NaN.
+    (``pd.concat(..., keys=runs)``). Statistics of delta use finite deltas; ``max_abs_delta``
+    is inf when a delta is not finite. Bucket fractions and top-1 agreement of a side with
+    unknown ranks (``"ref"``) are NaN.
 
     Parameters
     ----------
@@ -261,105 +340,37 @@ def dataset_summary(cmp: pd.DataFrame) -> pd.DataFrame:
     Returns
     -------
     DataFrame
-        Columns ``metric`` (str) and ``value`` (float): ``n_traces, n_tokens,
-        mean_abs_delta, median_abs_delta, p99_abs_delta, max_abs_delta, mean_k3,
-        frac_ratio_outside_0.5_2, top1_agree, frac_bitwise_equal, frac_nonfinite`` and
-        ``frac_top10_a ... frac_rest_b``.
+        Columns ``metric`` (str) and ``value`` (float), in this order: ``n_traces,
+        n_tokens, mean_abs_delta`` (slime ``train_rollout_logprob_abs_diff``),
+        ``median_abs_delta, p99_abs_delta, max_abs_delta``, then the trainer metrics of
+        :func:`~trace_replay.mismatch.trainer_metrics` (``mean_k1, mean_k3, chi2_token,
+        chi2_seq, mean_ratio, std_ratio, min_ratio, max_ratio, ess,
+        frac_ratio_outside_0.5_2, mean_abs_delta_prob, std_abs_delta_prob,
+        max_abs_delta_prob, n_bit_mismatch, frac_bit_mismatch, mean_ulp_distance,
+        max_ulp_distance``), then ``frac_top1_agree, n_nonfinite, frac_nonfinite`` and the
+        GLTR bucket fractions ``frac_top10_a ... frac_rest_b``.
 
     Examples
     --------
-    >>> dataset_summary(compare(a, b)).set_index("metric").value["p99_abs_delta"]  # doctest: +SKIP
+    >>> dataset_summary(compare(a, b)).set_index("metric").value["chi2_token"]  # doctest: +SKIP
     """
     delta = cmp["delta"].astype("float64")
-    finite = delta[np.isfinite(delta)]
-    abs_finite = finite.abs()
-    any_nonfinite = len(finite) < len(delta)
-    ratio = np.exp(delta)
+    abs_finite = delta[np.isfinite(delta)].abs()
     metrics = {
         "n_traces": cmp["trace_id"].nunique(),
         "n_tokens": len(cmp),
         "mean_abs_delta": abs_finite.mean(),
         "median_abs_delta": abs_finite.median(),
-        "p99_abs_delta": abs_finite.quantile(0.99) if len(finite) else np.nan,
-        "max_abs_delta": np.inf if any_nonfinite else abs_finite.max(),
-        "mean_k3": cmp["k3"].astype("float64")[np.isfinite(delta)].mean(),
-        "frac_ratio_outside_0.5_2": float((~((ratio >= 0.5) & (ratio <= 2))).mean()),
-        "top1_agree": cmp["top1_agree"].astype("Float64").mean(),
-        "frac_bitwise_equal": cmp["bitwise_equal"].mean(),
+        "p99_abs_delta": abs_finite.quantile(0.99) if len(abs_finite) else np.nan,
+        "max_abs_delta": np.inf if len(abs_finite) < len(delta) else abs_finite.max(),
+        **trainer_metrics(cmp),
+        "frac_top1_agree": cmp["top1_agree"].astype("Float64").mean(),
+        "n_nonfinite": cmp["nonfinite"].sum(),
         "frac_nonfinite": cmp["nonfinite"].mean(),
     }
     for side in ("a", "b"):
-        fractions = _bucket_fractions(cmp[f"rank_{side}"])
+        fractions = bucket_fractions(cmp[f"rank_{side}"])
         for bucket, value in fractions.items():
             metrics[f"frac_{bucket.replace('-', '')}_{side}"] = value
     values = [float(v) if pd.notna(v) else np.nan for v in metrics.values()]
     return pd.DataFrame({"metric": list(metrics), "value": np.array(values, dtype="float64")})
-
-
-def rank_bucket_transitions(cmp: pd.DataFrame) -> pd.DataFrame:
-    """Counts of tokens moving from each GLTR bucket on side a to each bucket on side b.
-
-    Parameters
-    ----------
-    cmp : DataFrame
-        Output of :func:`compare`. Tokens with an unknown rank on either side are left out.
-
-    Returns
-    -------
-    DataFrame
-        4 x 4 integer crosstab, index ``rank_bucket_a``, columns ``rank_bucket_b``, both in
-        :data:`RANK_BUCKETS` order; zeros included.
-
-    Examples
-    --------
-    >>> rank_bucket_transitions(compare(a, b)).loc["top-10", "rest"]  # doctest: +SKIP
-    """
-    a, b = rank_bucket(cmp["rank_a"]), rank_bucket(cmp["rank_b"])
-    known = a.notna() & b.notna()
-    table = pd.crosstab(a[known].astype(str), b[known].astype(str))
-    table = table.reindex(index=list(RANK_BUCKETS), columns=list(RANK_BUCKETS), fill_value=0)
-    table.index.name, table.columns.name = "rank_bucket_a", "rank_bucket_b"
-    table.attrs = {"labels": cmp.attrs.get("labels", ("a", "b"))}
-    return table.astype("int64")
-
-
-def trace_summary(df: pd.DataFrame) -> pd.DataFrame:
-    """Per-trace summary of a single replay frame (no second run needed).
-
-    Parameters
-    ----------
-    df : DataFrame
-        A replay frame (``trace_id, step, logprob, rank``; ``entropy`` optional).
-
-    Returns
-    -------
-    DataFrame
-        One row per trace, in order of first appearance: ``trace_id, n_tokens,
-        mean_logprob, ppl, top1_frac, frac_top10, frac_top100, frac_top1000, frac_rest,
-        first_off_top1_step`` (first step with rank > 1, Int64, ``<NA>`` when none),
-        ``min_logprob, mean_entropy`` (NaN when the engine gave no entropy).
-
-    Examples
-    --------
-    >>> trace_summary(replay_df).sort_values("mean_logprob").head()  # doctest: +SKIP
-    """
-    logprob = pd.Series(_float64(df["logprob"]), index=df.index)
-    rank = df["rank"].astype("Int64")
-    known = rank.notna()
-    buckets = rank_bucket(rank)
-    entropy = df["entropy"] if "entropy" in df.columns else pd.Series(np.nan, index=df.index)
-
-    def per_trace(values: pd.Series) -> pd.Series:
-        return values.groupby(df["trace_id"], sort=False).mean()
-
-    out = pd.DataFrame({"n_tokens": df.groupby("trace_id", sort=False).size()})
-    out["mean_logprob"] = per_trace(logprob)
-    out["ppl"] = np.exp(-out["mean_logprob"])
-    out["top1_frac"] = per_trace((rank == 1).astype("float64").where(known))
-    for bucket in RANK_BUCKETS:
-        hit = (buckets == bucket).astype("float64").where(known)
-        out[f"frac_{bucket.replace('-', '')}"] = per_trace(hit)
-    out["first_off_top1_step"] = _first_step(df, rank > 1)
-    out["min_logprob"] = logprob.groupby(df["trace_id"], sort=False).min()
-    out["mean_entropy"] = per_trace(pd.Series(_float64(entropy), index=df.index))
-    return out.reset_index()

@@ -27,13 +27,13 @@ def bundled_traces(limit: int | None = None, data_dir: Path = DATA_DIR) -> Trace
 
 
 def engine_table(results: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    """One row per engine: traces, tokens, mean logprob, top-1 agreement, perplexity."""
+    """One row per engine: traces, tokens, mean logprob, top-1 fraction, perplexity."""
     rows = []
     for name, df in results.items():
         rows.append({"engine": name, "path": df.attrs.get("engine_path"),
                      "traces": df["trace_id"].nunique(), "tokens": len(df),
                      "mean_logprob": df["logprob"].mean(),
-                     "top1_agreement": (df["rank"] == 1).mean(),
+                     "frac_top1": (df["rank"] == 1).mean(),
                      "ppl": float(np.exp(-df["logprob"].mean())),
                      "wall_s": df.attrs.get("wall_s")})
     return pd.DataFrame(rows)

@@ -19,6 +19,7 @@ import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from trace_replay._figures import run_label
 from trace_replay.analysis import (
     compare,
     dataset_summary,
@@ -52,9 +53,10 @@ table.tr-table th{background:#f5f5f5}
 </style>"""
 
 
-def _load(x: pd.DataFrame | str | os.PathLike, default: str) -> tuple[pd.DataFrame, str]:
+def _load(x: pd.DataFrame | str | os.PathLike) -> tuple[pd.DataFrame, str | None]:
+    """The frame and, for a file, its stem (the name the user gave the run)."""
     if isinstance(x, pd.DataFrame):
-        return x, str(x.attrs.get("engine") or default)
+        return x, None
     return pd.read_parquet(x), Path(x).stem
 
 
@@ -86,6 +88,7 @@ def _figure(draw: Callable[[Axes], object], alt: str, size: tuple[float, float] 
 
 
 def _comparison_sections(cmp: pd.DataFrame, tol: float) -> list[str]:
+    label_a, label_b = cmp.attrs["labels"]
     summary = summarize(cmp, tol=tol)
     n = len(summary)
     heat_size = (11.0, min(2.0 + 0.2 * n, 14.0))
@@ -100,7 +103,8 @@ def _comparison_sections(cmp: pd.DataFrame, tol: float) -> list[str]:
         "<h2>Dataset</h2>",
         '<div class="tr-figs">',
         _table(dataset_summary(cmp)),
-        "<div><h3>Rank-bucket transitions (rows: a, columns: b)</h3>",
+        f"<div><h3>Rank-bucket transitions (rows: {html.escape(label_a)}, "
+        f"columns: {html.escape(label_b)})</h3>",
         _table(rank_bucket_transitions(cmp), index=True),
         "</div></div>",
         f"<h2>Traces</h2><p class='tr-note'>sorted by max |Δ|, tol = {tol:g}</p>",
@@ -142,7 +146,9 @@ def write_report(
     Parameters
     ----------
     a, b : DataFrame or path
-        Replay frames, or paths to Parquet files holding them.
+        Replay frames, or paths to Parquet files holding them; a is the behaviour run
+        (rollout), b the target (trainer). Each side is named by its file's stem, else by
+        the attrs that tell the runs apart (:func:`~trace_replay.compare`).
     out : path
         Where to write the page.
     tol : float
@@ -150,7 +156,7 @@ def write_report(
     n_traces : int
         Number of worst traces drawn and rendered token by token.
     title : str, optional
-        Page title; by default names the run(s).
+        Page title; by default names the run(s), "b vs a" for a comparison.
 
     Returns
     -------
@@ -161,18 +167,20 @@ def write_report(
     --------
     >>> write_report("fp32.parquet", "bf16.parquet", out="fp32_vs_bf16.html")  # doctest: +SKIP
     """
-    df_a, label_a = _load(a, "a")
+    df_a, name_a = _load(a)
     parts: list[str] = []
     if b is not None:
-        df_b, label_b = _load(b, "b")
-        labels = (label_a, label_b) if label_a != label_b else ("a", "b")
-        cmp = compare(df_a, df_b, labels=labels)
-        title = title or f"trace replay: {labels[0]} vs {labels[1]}"
+        df_b, name_b = _load(b)
+        named = name_a is not None and name_b is not None and name_a != name_b
+        cmp = compare(df_a, df_b, labels=(name_a, name_b) if named else None)
+        labels = cmp.attrs["labels"]
+        title = title or f"trace replay: {labels[1]} vs {labels[0]}"
         sides = [(f"a: {labels[0]}", df_a.attrs), (f"b: {labels[1]}", df_b.attrs)]
         parts += _comparison_sections(cmp, tol)
         worst = summarize(cmp, tol=tol).nlargest(n_traces, "max_abs_delta", keep="first")
         parts += _trace_sections(cmp, worst["trace_id"].tolist(), "delta", tol)
     else:
+        label_a = name_a or run_label(df_a.attrs) or "replay"
         title = title or f"trace replay: {label_a}"
         sides = [(label_a, df_a.attrs)]
         summary = trace_summary(df_a)

@@ -8,7 +8,7 @@ provenance recorded in ``df.attrs``) apart from what it has done so far (``stats
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -131,6 +131,9 @@ class EngineBase:
     top_k: int
     max_model_len: int | None = None
     selected_by: str | None = None  # set by make_engine("auto", ...): how the choice was made
+    # called with each batch's requests, in row order, before that batch's forwards; forward
+    # hooks (trace_replay.capture) use it to map batch rows to traces
+    on_batch: Callable[[Sequence[ReplayRequest]], None] | None = None
     tokenizer_source: Any = None  # what models.load_tokenizer reads (None: the embedded model)
     _tokenizer: Any = None
 

@@ -57,6 +57,8 @@ class PrefillEngine(EngineBase):
         return results
 
     def _run_batch(self, batch: Sequence[ReplayRequest]) -> list[TraceResult]:
+        if self.on_batch is not None:
+            self.on_batch(batch)
         # the last trace token is scored but never fed
         width = max(r.prompt_len + r.trace_len - 1 for r in batch)
         input_ids = torch.zeros((len(batch), width), dtype=torch.long)

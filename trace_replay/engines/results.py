@@ -35,11 +35,15 @@ def wave_results(wave: Sequence[ReplayRequest], steps: Steps,
     counts = counts.cpu().numpy()
     batch = len(wave)
     bounds = np.cumsum([0] + [len(tokens) for _, tokens in steps])
-    per_row: list[list[np.ndarray]] = [[] for _ in range(batch)]
-    for f in range(len(steps)):
+    index_parts, row_parts = [], []
+    for f in range(len(steps)):  # vectorized over rows: one pass per forward
         width = (bounds[f + 1] - bounds[f]) // batch
-        for row in range(batch):
-            start = bounds[f] + row * width
-            per_row[row].append(np.arange(start, start + counts[f, row]))
-    rows = [np.concatenate(parts)[: r.trace_len] for parts, r in zip(per_row, wave)]
-    return split_results(wave, host, rows)
+        grid = bounds[f] + np.arange(batch * width).reshape(batch, width)
+        kept = np.arange(width)[None, :] < counts[f][:, None]
+        index_parts.append(grid[kept])  # row-major: each row's committed tokens in order
+        row_parts.append(np.nonzero(kept)[0])
+    rows = np.concatenate(row_parts)
+    order = np.argsort(rows, kind="stable")  # by row, forwards in order within a row
+    per_row = np.split(np.concatenate(index_parts)[order],
+                       np.cumsum(np.bincount(rows, minlength=batch))[:-1])
+    return split_results(wave, host, [take[: r.trace_len] for take, r in zip(per_row, wave)])

@@ -21,7 +21,7 @@ from trace_replay.engines.drafts import parse_speculative
 from trace_replay.engines.hf_backend import HFBackend
 from trace_replay.engines.results import wave_results
 from trace_replay.engines.slots import SlotTable, waves
-from trace_replay.engines.static_backend import StaticLlamaBackend, supports
+from trace_replay.engines.static_backend import StaticCacheBackend, supports
 from trace_replay.engines.verify import verify_steps
 from trace_replay.models import model_for_engine
 
@@ -42,8 +42,9 @@ class TorchEngine(EngineBase):
         ``None``, or ``{"method": "trace" | "ngram", "num_tokens": k}``.
     backend
         The forward pass: ``"hf"`` (the transformers model with a growing cache, any
-        architecture), ``"static"`` (static KV cache, CUDA graphs on GPU; Llama-family
-        models) or ``"auto"`` (static on CUDA when the model is supported, else hf).
+        architecture), ``"static"`` (the model's own forward over a static KV cache,
+        compiled CUDA graphs on GPU; Llama, Mistral, Qwen2/3, Gemma families) or
+        ``"auto"`` (static on CUDA when the model is supported, else hf).
     """
 
     name = "torch"
@@ -79,7 +80,7 @@ class TorchEngine(EngineBase):
         if backend == "hf":
             return HFBackend(self.lm, self.pad_id)
         max_query_len = 1 if self.speculative is None else self.speculative[1] + 1
-        return StaticLlamaBackend(self.lm, self.pad_id, max_query_len=max_query_len)
+        return StaticCacheBackend(self.lm, self.pad_id, max_query_len=max_query_len)
 
     def settings(self) -> dict[str, Any]:
         settings = super().settings()
@@ -109,6 +110,8 @@ class TorchEngine(EngineBase):
         return [results[i] for i in range(len(requests))]
 
     def _run_wave(self, wave: Sequence[ReplayRequest]) -> list[TraceResult]:
+        if self.on_batch is not None:
+            self.on_batch(wave)
         idx_mapping = self.slots.admit(wave)
         longest = max(r.trace_len for r in wave)
         logits = self.backend.prefill([r.prompt_token_ids for r in wave], longest)

@@ -45,10 +45,20 @@ class TraceForcingProcessor(LogitsProcessor):
 
     Requests carry their trace in ``SamplingParams.extra_args["trace_replay_token_ids"]``;
     others pass through untouched. Slots are vLLM's persistent-batch indices, which are also
-    the logits rows. The replay step of a row is ``total_len - prompt_len`` where ``total_len``
-    is the prompt plus the tokens vLLM has committed, read from the live output lists vLLM
-    hands to logits processors; the package's ``TraceReplayState`` then picks every row's
-    trace token in one kernel launch and one masked ``where`` forces them all.
+    the logits rows. The replay step of a row is ``total_len - prompt_len``, where
+    ``total_len`` (prompt plus committed tokens) lives on the device and advances by one
+    after every step.
+
+    Design contract (the per-step work is device-side; nothing waits for the GPU):
+
+    * Each step the host checks, with one C-level pass over the live output lists vLLM
+      hands to logits processors, that every row committed exactly one token since the
+      last step. Only when that fails (the batch changed, a chunked prefill discarded its
+      sample, a preemption) are the lengths sent again, from pinned memory, asynchronously.
+      With speculative decoding they are sent every step.
+    * On the device: the package's ``TraceReplayState`` picks every row's trace token in
+      one kernel; one masked fill and one scatter leave only that token finite (0) in its
+      row. No ``[rows, vocab]`` temporary.
     """
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
@@ -56,12 +66,17 @@ class TraceForcingProcessor(LogitsProcessor):
         self.req_states = RequestState(max_num_reqs, device)
         self.trace_state = TraceReplayState(self.req_states)
         self.device = device
+        self.pin_memory = is_pin_memory
         self.traces: list[list[int] | None] = [None] * max_num_reqs
         self.outputs: list = [_NO_OUTPUT] * max_num_reqs
         self.prompt_lens = [0] * max_num_reqs
         self.num_traced = 0
+        self.num_length_uploads = 0  # for tests and benchmarks
         self._rows = torch.arange(max_num_reqs, device=device)  # idx_mapping: row b is slot b
-        self._vocab = None  # arange over the vocabulary, made at the first step
+        self._forced = torch.empty(max_num_reqs, dtype=torch.int64, device=device)
+        # several tokens per step per row would defeat the one-token-per-step check
+        self._check_lengths = getattr(vllm_config, "speculative_config", None) is None
+        self._committed: tuple[int, int] | None = None  # (rows, sum of output lengths)
 
     @classmethod
     def validate_params(cls, params: SamplingParams) -> None:
@@ -79,7 +94,7 @@ class TraceForcingProcessor(LogitsProcessor):
             self.num_traced += 1 if trace is not None else -1
         self.traces[index] = trace
         self.prompt_lens[index] = prompt_len
-        self.outputs[index] = output if trace is not None else _NO_OUTPUT
+        self.outputs[index] = output
         self.trace_state.add_request(index, trace)
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
@@ -99,22 +114,35 @@ class TraceForcingProcessor(LogitsProcessor):
             else:
                 self._place(a, None, 0, _NO_OUTPUT)
         self.trace_state.apply_staged_writes()
-        self.req_states.prompt_len.copy_(
-            torch.tensor(self.prompt_lens, dtype=torch.int32), non_blocking=True)
+        self.req_states.prompt_len.copy_(self._to_device(self.prompt_lens), non_blocking=True)
+        self._committed = None
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if self.num_traced == 0:
             return logits
         rows = logits.shape[0]
-        committed = torch.tensor(list(map(len, self.outputs[:rows])), dtype=torch.int32)
-        self.req_states.total_len[:rows] = self.req_states.prompt_len[:rows] + committed.to(
-            self.device, non_blocking=True)
-        forced = torch.full((rows,), -1, dtype=torch.int64, device=logits.device)
+        outputs = self.outputs[:rows]
+        committed = (rows, sum(map(len, outputs)))
+        expected = None if self._committed is None else (rows, self._committed[1] + rows)
+        if committed != expected or not self._check_lengths:
+            total_len = self.req_states.total_len[:rows]
+            total_len.copy_(self._to_device(list(map(len, outputs))), non_blocking=True)
+            total_len += self.req_states.prompt_len[:rows]
+            self.num_length_uploads += 1
+        self._committed = committed
+        forced = self._forced[:rows].fill_(-1)
         self.trace_state.apply_trace(forced, self._rows[:rows])
-        if self._vocab is None or len(self._vocab) != logits.shape[1]:
-            self._vocab = torch.arange(logits.shape[1], device=logits.device)
-        drop = (forced[:, None] >= 0) & (self._vocab[None, :] != forced[:, None])
-        return logits.masked_fill_(drop, float("-inf"))
+        self.req_states.total_len[:rows] += 1  # the token sampled now is committed next step
+        traced = (forced >= 0)[:, None]
+        index = forced.clamp(min=0)[:, None]
+        value = torch.where(traced, 0.0, logits.gather(1, index))
+        logits.masked_fill_(traced, float("-inf"))
+        return logits.scatter_(1, index, value)
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """``values`` as int32 on the device, sent from pinned memory without waiting."""
+        host = torch.tensor(values, dtype=torch.int32, pin_memory=self.pin_memory)
+        return host.to(self.device, non_blocking=True)
 
 
 class VLLMEngine(EngineBase):

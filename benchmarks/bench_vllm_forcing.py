@@ -1,0 +1,103 @@
+"""vLLM: the package's forcing logits processor against vLLM's own greedy decoding.
+
+One ``vllm.LLM`` with :class:`~trace_replay.engines.vllm_engine.TraceForcingProcessor`
+loaded serves both paths (the processor returns at once while no request carries a
+trace), so the ratio is the cost of forcing alone. Weights are random (a published shape
+from ``shapes.py``, saved with ``save_pretrained``; no tokenizer: token-id prompts), the
+traces are vLLM's own greedy output, so replay must emit exactly them with exactly
+greedy's logprobs; both are checked. Logprobs: ``raw_logprobs``, top 5, as the package asks.
+
+Usage::
+
+    VLLM_USE_FLASHINFER_SAMPLER=0 python benchmarks/bench_vllm_forcing.py --batches 64,256
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import statistics
+import tempfile
+import time
+
+import torch
+from shapes import random_model
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="smollm2-135m")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batches", default="64,256")
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from trace_replay.engines.vllm_engine import TRACE_KEY
+
+    folder = tempfile.mkdtemp()
+    lm = random_model(args.shape, getattr(torch, args.dtype), torch.device("cpu"))
+    lm.save_pretrained(folder)
+    vocab = lm.config.vocab_size
+    del lm
+    batches = [int(b) for b in args.batches.split(",")]
+    start = time.perf_counter()
+    llm = LLM(model=folder, skip_tokenizer_init=True, dtype=args.dtype, seed=0,
+              max_num_seqs=max(batches), max_model_len=args.prompt_len + args.new_tokens + 16,
+              max_logprobs=20, logprobs_mode="raw_logprobs", enable_prefix_caching=False,
+              **(dict(gpu_memory_utilization=0.5) if torch.cuda.is_available() else
+                 dict(gpu_memory_utilization=0.3, enforce_eager=True)),
+              logits_processors=["trace_replay.engines.vllm_engine:TraceForcingProcessor"])
+    startup = time.perf_counter() - start
+    common = dict(temperature=0.0, max_tokens=args.new_tokens, logprobs=5, ignore_eos=True,
+                  detokenize=False)
+
+    def generate(prompts, params):
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start, [o.outputs[0] for o in outputs]
+
+    rows = []
+    for batch in batches:
+        gen = torch.Generator().manual_seed(batch)
+        prompts = [TokensPrompt(prompt_token_ids=torch.randint(
+            3, vocab, (args.prompt_len,), generator=gen).tolist()) for _ in range(batch)]
+        greedy_params = SamplingParams(**common)
+        _, greedy = generate(prompts, greedy_params)  # warm-up; these are the traces
+        traces = [list(c.token_ids) for c in greedy]
+        forcing_params = [SamplingParams(**common, extra_args={TRACE_KEY: t}) for t in traces]
+        generate(prompts, forcing_params)  # warm-up
+        greedy_s, forcing_s = [], []
+        for _ in range(args.repeats):  # interleaved: drifts hit both paths alike
+            seconds, greedy = generate(prompts, greedy_params)
+            greedy_s.append(seconds)
+            seconds, forced = generate(prompts, forcing_params)
+            forcing_s.append(seconds)
+        exact = all(list(c.token_ids) == t for c, t in zip(forced, traces))
+        delta = max(abs(f.logprobs[i][tok].logprob - g.logprobs[i][tok].logprob)
+                    for f, g in zip(forced, greedy) for i, tok in enumerate(g.token_ids))
+        tokens = batch * args.new_tokens
+        g, f = statistics.median(greedy_s), statistics.median(forcing_s)
+        rows.append((batch, tokens / g, tokens / f, g / f, exact, delta))
+        print(f"  batch {batch}: greedy {g:.3f} s, forcing {f:.3f} s", flush=True)
+
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    print(f"\n{dt.date.today()} · {name} · vLLM {vllm.__version__} · "
+          f"torch {torch.__version__} · {args.shape} random weights · {args.dtype} · "
+          f"{args.prompt_len}-token prompts · "
+          f"{args.new_tokens} tokens/row · median of {args.repeats} · start-up {startup:.0f} s")
+    print("\n| batch | vLLM greedy tok/s | vLLM forcing tok/s | forcing / greedy | "
+          "emitted = trace | max |Δ logprob| vs greedy |")
+    print("|---:|---:|---:|---:|---|---:|")
+    for batch, greedy_tps, forcing_tps, ratio, exact, delta in rows:
+        print(f"| {batch} | {greedy_tps:,.0f} | {forcing_tps:,.0f} | {ratio:.2f} | {exact} | "
+              f"{delta:.1e} |")
+
+
+if __name__ == "__main__":
+    main()

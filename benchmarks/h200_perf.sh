@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The H200 runs behind benchmarks/RESULTS.md's performance sections (one call each part).
+#   bash benchmarks/h200_perf.sh torch    # 135M float32 / bfloat16, Llama-3.1-8B shape
+#   bash benchmarks/h200_perf.sh big      # Qwen2.5-7B shape, then the GPU tests
+# Output goes to $OUT (or ./out) as one text file per benchmark.
+set -u
+out=${OUT:-out}; mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+bench() { name=$1; shift; timeout "$LIMIT" python3 benchmarks/bench_replay.py --device cuda \
+  --new-tokens 128 --backends static "$@" 2>&1 | grep -v -i warn | tee "$out/$name.txt"; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+case $1 in
+torch)
+  LIMIT=200 bench smol_fp32 --shape smollm2-135m --dtype float32 --batch 64 --k 8 --fidelity --profile
+  LIMIT=100 bench smol_bf16 --shape smollm2-135m --dtype bfloat16 --batch 256 --k 0 --skip-hf --profile
+  LIMIT=240 bench llama8b --shape llama-3.1-8b --dtype bfloat16 --batch 1,16,64 --k 0 --repeats 2 --profile
+  ;;
+fp32)
+  LIMIT=150 bench smol_fp32 --shape smollm2-135m --dtype float32 --batch 64 --k 8 --fidelity --profile
+  ;;
+big)
+  LIMIT=150 bench qwen7b --shape qwen2.5-7b --dtype bfloat16 --batch 1,64 --k 0 --repeats 2
+  ;;
+tests)
+  timeout 150 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_static_backend.py \
+    -k "${TESTS:-.}" 2>&1 | grep -E "PASS|FAIL|Error|error|passed|failed" | tee "$out/gpu_tests.txt"
+  ;;
+esac

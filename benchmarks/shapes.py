@@ -1,0 +1,66 @@
+"""Random-weight models of published shapes, built without a hub, and their HBM bound.
+
+Speed does not depend on weight values, so a model of Llama-3.1-8B's shape with random
+bfloat16 weights decodes as fast as the real one. Shapes are the published ``config.json``
+values (hidden size, layers, heads, vocabulary, RoPE).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["SHAPES", "hbm_bound_seconds", "kv_bytes_per_token", "random_model"]
+
+SHAPES = {
+    "smollm2-135m": ("LlamaConfig", dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0,
+        max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True)),
+    "llama-3.1-8b": ("LlamaConfig", dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192})),
+    "qwen2.5-7b": ("Qwen2Config", dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, rope_theta=1000000.0,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        use_sliding_window=False)),
+}  # fmt: skip
+
+
+def random_model(shape: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """A causal LM of ``shape`` with seeded random weights, initialized on ``device``."""
+    import transformers
+
+    name, values = SHAPES[shape]
+    config = getattr(transformers, name)(**values, pad_token_id=0)
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            lm = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    finally:
+        torch.set_default_dtype(previous)
+    return lm.eval()
+
+
+def kv_bytes_per_token(lm: torch.nn.Module) -> int:
+    """Bytes of keys and values one context token holds across all layers."""
+    config = lm.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = next(lm.parameters()).element_size()
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element
+
+
+def hbm_bound_seconds(lm: torch.nn.Module, batch: int, prompt_len: int, new_tokens: int,
+                      bandwidth: float = 4.8e12) -> float:
+    """Least time of ``new_tokens`` decode steps: every weight and every row's context
+    (keys and values) read once per step, at ``bandwidth`` bytes/s."""
+    weights = sum(p.numel() * p.element_size() for p in lm.parameters())
+    mean_context = prompt_len + (new_tokens - 1) / 2
+    per_step = weights + batch * mean_context * kv_bytes_per_token(lm)
+    return new_tokens * per_step / bandwidth

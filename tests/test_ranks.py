@@ -1,0 +1,68 @@
+"""Tests for trace_replay.ranks: GLTR buckets and the single-run trace summary."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from trace_replay.analysis import compare
+from trace_replay.ranks import RANK_BUCKETS, rank_bucket, rank_bucket_transitions, trace_summary
+
+
+def frame(logprob, rank=None, *, trace_id="t", step=None, **extra) -> pd.DataFrame:
+    """Replay frame; by default one trace "t" with steps 0..n-1, all rank 1."""
+    n = len(logprob)
+    return pd.DataFrame({
+        "trace_id": [trace_id] * n if isinstance(trace_id, str) else trace_id,
+        "step": step or list(range(n)),
+        "token_id": [100 + i for i in range(n)],
+        "logprob": logprob,
+        "rank": rank or [1] * n,
+        **extra,
+    })  # fmt: skip
+
+
+def test_rank_bucket_boundaries():
+    """Buckets are (0, 10], (10, 100], (100, 1000], above; NaN stays missing."""
+    buckets = rank_bucket([1, 10, 11, 100, 101, 1000, 1001, np.nan])
+    assert list(buckets.categories) == list(RANK_BUCKETS) and buckets.ordered
+    assert [str(b) if pd.notna(b) else None for b in buckets] == [
+        "top-10", "top-10", "top-100", "top-100", "top-1000", "top-1000", "rest", None,
+    ]  # fmt: skip
+
+
+def test_rank_bucket_keeps_series_index():
+    """A Series in gives a categorical Series with the same index."""
+    out = rank_bucket(pd.Series([5, 500], index=[7, 9]))
+    assert out.index.tolist() == [7, 9] and isinstance(out.dtype, pd.CategoricalDtype)
+
+
+def test_rank_bucket_transitions_crosstab():
+    """4 x 4 counts, zeros included, rows side a and columns side b."""
+    cmp = compare(frame([-1.0] * 3, [1, 50, 5000]), frame([-1.0] * 3, [2, 500, 5000]))
+    table = rank_bucket_transitions(cmp)
+    assert table.shape == (4, 4) and table.to_numpy().sum() == 3
+    assert table.loc["top-10", "top-10"] == 1
+    assert table.loc["top-100", "top-1000"] == 1
+    assert table.loc["rest", "rest"] == 1
+
+
+def test_trace_summary_hand_values():
+    """Per-trace logprob, perplexity, top-1 and bucket fractions, first off-top-1 step."""
+    df = frame([-1.0, -3.0, -2.0, -0.5], [1, 20, 1, 1], trace_id=["t", "t", "t", "u"],
+               step=[0, 1, 2, 0], entropy=[1.0, 2.0, np.nan, 0.5])  # fmt: skip
+    summary = trace_summary(df).set_index("trace_id")
+    t, u = summary.loc["t"], summary.loc["u"]
+    assert (t.n_tokens, t.mean_logprob, t.min_logprob) == (3, -2.0, -3.0)
+    assert t.ppl == pytest.approx(math.exp(2.0))
+    assert t.frac_top1 == pytest.approx(2 / 3) and t.frac_top100 == pytest.approx(1 / 3)
+    assert t.first_off_top1_step == 1 and pd.isna(u.first_off_top1_step)
+    assert t.mean_entropy == 1.5 and u.frac_top10 == 1.0
+
+
+def test_trace_summary_without_entropy_column():
+    """An engine without entropy gives NaN mean_entropy, not an error."""
+    assert trace_summary(frame([-1.0]))["mean_entropy"].isna().all()

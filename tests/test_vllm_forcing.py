@@ -1,0 +1,107 @@
+"""TraceForcingProcessor driven through vLLM's logits-processor protocol, step by step.
+
+The processor is fed the objects vLLM hands it (``BatchUpdate`` records whose output lists
+grow as tokens are committed) and real logits; what it returns decides what vLLM samples.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vllm is not installed (pip install 'trace-replay[cpu]')")
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality  # noqa: E402
+
+from trace_replay.engines.vllm_engine import TRACE_KEY, TraceForcingProcessor  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+VOCAB = 50
+
+
+def processor(max_num_seqs: int = 4) -> TraceForcingProcessor:
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+                             speculative_config=None)
+    return TraceForcingProcessor(config, torch.device("cpu"), False)
+
+
+def params(trace=None) -> SamplingParams:
+    return SamplingParams(extra_args=None if trace is None else {TRACE_KEY: trace})
+
+
+def step(proc: TraceForcingProcessor, outputs: list[list[int]], update=None) -> list[int | None]:
+    """One engine step: update, apply to random logits, greedy-sample, commit the tokens.
+
+    Returns the forced token per row (None where the row's logits were left alone).
+    """
+    proc.update_state(update)
+    logits = torch.randn(len(outputs), VOCAB)
+    before = logits.clone()
+    after = proc.apply(logits)
+    forced = []
+    for row, out in enumerate(outputs):
+        finite = torch.isfinite(after[row]).nonzero().flatten().tolist()
+        if len(finite) == 1:
+            forced.append(finite[0])
+        else:
+            assert torch.equal(after[row], before[row]), row
+            forced.append(None)
+        out.append(int(after[row].argmax()))
+    return forced
+
+
+def added(index: int, trace, prompt_len: int, output: list[int]):
+    return (index, params(trace), list(range(prompt_len)), output)
+
+
+def test_forces_each_trace_and_leaves_other_rows_alone():
+    """Traced rows sample exactly their trace, step by step; an untraced row is untouched."""
+    proc = processor()
+    outputs = [[], [], []]
+    update = BatchUpdate(batch_size=3, removed=[], moved=[],
+                         added=[added(0, [5, 6, 7], 3, outputs[0]), added(1, None, 2, outputs[1]),
+                                added(2, [9, 8, 7], 1, outputs[2])])
+    seen = [step(proc, outputs, update)] + [step(proc, outputs) for _ in range(2)]
+    assert seen == [[5, None, 9], [6, None, 8], [7, None, 7]]
+    assert outputs[0] == [5, 6, 7] and outputs[2] == [9, 8, 7]
+
+
+def test_lengths_are_sent_only_when_rows_do_not_advance_by_one():
+    """Steady steps send nothing to the device; a row that did not commit a token (a
+    discarded chunked-prefill sample) makes the next step resend, and forcing stays exact."""
+    proc = processor()
+    outputs = [[], []]
+    update = BatchUpdate(batch_size=2, removed=[], moved=[],
+                         added=[added(0, [1, 2, 3, 4], 2, outputs[0]),
+                                added(1, [11, 12, 13, 14], 2, outputs[1])])
+    assert step(proc, outputs, update) == [1, 11]
+    assert step(proc, outputs) == [2, 12]
+    assert proc.num_length_uploads == 1
+    outputs[1].pop()  # row 1's sample of this step is discarded by the engine
+    assert step(proc, outputs) == [3, 12]
+    assert proc.num_length_uploads == 2
+    assert step(proc, outputs) == [4, 13]
+    assert proc.num_length_uploads == 2
+    assert step(proc, outputs)[1] == 14
+
+
+def test_moves_and_swaps_carry_the_trace_position():
+    """Rows that vLLM moves or swaps keep replaying their own trace from where they were."""
+    proc = processor()
+    outputs = [[], [], []]
+    update = BatchUpdate(batch_size=3, removed=[], moved=[],
+                         added=[added(0, [1, 2, 3], 1, outputs[0]),
+                                added(1, [21, 22, 23], 1, outputs[1]),
+                                added(2, [31, 32, 33], 1, outputs[2])])
+    assert step(proc, outputs, update) == [1, 21, 31]
+    # request 0 finishes; request 2 moves into slot 0; then slots 0 and 1 swap
+    swap = BatchUpdate(batch_size=2, removed=[0], added=[],
+                       moved=[(2, 0, MoveDirectionality.UNIDIRECTIONAL),
+                              (0, 1, MoveDirectionality.SWAP)])
+    outputs = [outputs[1], outputs[2]]
+    assert step(proc, outputs, swap) == [22, 32]
+    assert step(proc, outputs) == [23, 33]
