@@ -151,3 +151,17 @@ def assert_matches_reference(df, reference64, tol=2e-3, tie=1e-4):
             assert lo <= row.rank <= hi, (trace_id, row.step, row.rank, lo, hi)
     assert worst <= tol, worst
     return worst
+
+
+def assert_frames_bitwise_equal(a, b):
+    """Every column equal, floats exactly (NaN matches NaN); list cells compared as lists
+    (a checkpoint's Parquet gives numpy arrays where an in-memory run gives lists)."""
+
+    def plain(frame):
+        frame = frame.reset_index(drop=True).copy()
+        for column in ("top_token_ids", "top_logprobs", "top_tokens"):
+            if column in frame:
+                frame[column] = frame[column].map(lambda v: np.asarray(v).tolist())
+        return frame
+
+    pd.testing.assert_frame_equal(plain(a), plain(b), check_exact=True)

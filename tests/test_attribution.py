@@ -99,13 +99,15 @@ def test_small_budget_splits_passes_with_equal_results(lm, perturbed, traces):
 
 
 def test_unsupported_settings_are_refused_before_loading():
-    """vLLM, the static backend and speculative verify are refused with the reason."""
+    """vLLM, the static backend, speculative verify and deterministic mode are refused."""
     with pytest.raises(ValueError, match="torch and prefill"):
         locate_divergence([], {"engine": "vllm"}, {})
     with pytest.raises(ValueError, match="backend='hf'"):
         locate_divergence([], {}, {"backend": "static"})
     with pytest.raises(ValueError, match="speculative"):
         locate_divergence([], {"speculative": {"method": "trace", "num_tokens": 2}}, {})
+    with pytest.raises(ValueError, match="deterministic=True is not supported"):
+        locate_divergence([], {}, {"deterministic": True})
     with pytest.raises(ValueError, match="unknown sites"):
         locate_divergence([], {}, {}, sites=["attn"])
 

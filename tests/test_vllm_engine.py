@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 from conftest import assert_matches_reference
@@ -16,9 +18,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 @pytest.fixture(scope="module")
 def engine():
-    # small batch: slots get reused across the six traces
-    engine = make_engine("vllm", None, batch_size=4, top_k=5,
-                         engine_args={"max_model_len": 1024, "max_num_batched_tokens": 1024})
+    # small batch: slots get reused across the six traces. deterministic=True: on a GPU
+    # vLLM runs batch-invariant; the CPU build cannot, and must say so (below)
+    from trace_replay.engines.vllm_invariance import batch_invariance_unavailable
+
+    unavailable = batch_invariance_unavailable()
+    with pytest.warns(RuntimeWarning, match="NOT batch-invariant") if unavailable else \
+            contextlib.nullcontext():
+        engine = make_engine("vllm", None, batch_size=4, top_k=5, deterministic=True,
+                             engine_args={"max_model_len": 1024,
+                                          "max_num_batched_tokens": 1024})
     yield engine
     engine.close()
 
@@ -37,6 +46,16 @@ def test_forcing_path_is_recorded(result):
     """The CPU build has no Model Runner V2: the forcing path is used and says so."""
     assert result.attrs["engine_path"] == "vllm-logits-processor-forcing"
     assert result.attrs["logprobs_mode"] == "raw_logprobs"
+
+
+def test_deterministic_is_not_claimed_where_vllm_cannot(result):
+    """attrs say whether vLLM ran batch-invariant, and why not where it could not."""
+    from trace_replay.engines.vllm_invariance import batch_invariance_unavailable
+
+    reason = batch_invariance_unavailable()
+    assert result.attrs["deterministic"] is True
+    assert result.attrs["batch_invariant"] is (reason is None)
+    assert result.attrs.get("batch_invariant_unavailable") == reason
 
 
 def test_emits_exactly_the_trace(result, real_traces):

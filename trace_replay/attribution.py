@@ -148,6 +148,11 @@ def _check_settings(name: str, settings: Mapping[str, Any]) -> None:
     if settings.get("backend", "hf") != "hf":
         raise ValueError(f"{name}: layer attribution needs backend='hf': the static backend's "
                          "compiled, graph-captured steps run no Python forward hooks")
+    if settings.get("deterministic"):
+        raise ValueError(f"{name}: deterministic=True is not supported by layer attribution: "
+                         "the batch-invariant backend computes with the model's weights but "
+                         "not through its modules, so no forward hook sees its activations "
+                         "(compare deterministic runs at the output with tr.sweep/compare)")
 
 
 def _check_sites(sites: Sequence[str] | None) -> tuple[str, ...]:

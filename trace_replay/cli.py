@@ -61,7 +61,8 @@ def _cmd_replay(args) -> None:
                 dtype=args.dtype, device=args.device, batch_size=args.batch_size,
                 speculative=args.speculative, engine_args=dict(args.engine_arg) or None,
                 progress=not args.quiet, checkpoint=args.checkpoint, shard=args.shard,
-                truncate=args.truncate)
+                truncate=args.truncate, chunk_size=args.chunk_size,
+                deterministic=args.deterministic)
     _write_frame(df, args.out)
     print(f"{df['trace_id'].nunique()} traces, {len(df)} tokens "
           f"({df.attrs.get('engine_path')}) -> {args.out}")
@@ -143,6 +144,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default=None, help="folder for resumable runs")
     p.add_argument("--shard", type=_shard, default=None, metavar="I/N")
     p.add_argument("--truncate", action="store_true", help="cut traces that do not fit")
+    p.add_argument("--chunk-size", type=int, default=None,
+                   help="traces per engine call and per checkpoint part")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant numbers: a trace's results never depend on its batch")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_replay)
 

@@ -72,7 +72,7 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
            speculative: dict[str, Any] | None = None, engine_args: dict[str, Any] | None = None,
            progress: bool = True, checkpoint: str | os.PathLike | None = None,
            shard: tuple[int, int] | None = None, truncate: bool = False,
-           chunk_size: int | None = None) -> pd.DataFrame:
+           chunk_size: int | None = None, deterministic: bool = False) -> pd.DataFrame:
     """Replay every trace through a model's decode path and score each trace token.
 
     At each decode step the engine computes its normal next-token distribution, the emitted
@@ -120,6 +120,12 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
         Cut traces that do not fit the engine's context instead of raising.
     chunk_size
         Traces handed to the engine at a time (and written per checkpoint part).
+    deterministic
+        Batch-invariant arithmetic (torch and prefill engines): every column of a trace's
+        rows is the same bits whatever ``batch_size``, ``chunk_size``, ``shard``, the other
+        traces, their order, and interruption and resume; decode replay and prefill then
+        agree bitwise too. For vLLM, its batch-invariant mode where the platform has one
+        (``df.attrs["batch_invariant"]`` says whether it ran). Recorded in ``df.attrs``.
 
     Returns
     -------
@@ -149,7 +155,7 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
     if isinstance(engine, str):
         engine_obj = make_engine(engine, model, dtype=dtype, device=device,
                                  batch_size=batch_size, top_k=top_k, speculative=speculative,
-                                 engine_args=engine_args)
+                                 engine_args=engine_args, deterministic=deterministic)
         with engine_obj:
             return _replay(traceset, engine_obj, progress=progress, checkpoint=checkpoint,
                            shard=shard, truncate=truncate, chunk_size=chunk_size,
@@ -165,6 +171,9 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
     if given:
         raise ValueError(f"{', '.join(given)} configure an engine; an engine object was passed, "
                          "so give them to make_engine instead")
+    if deterministic and not engine.settings().get("deterministic"):
+        raise ValueError("deterministic=True, but the engine passed was built without it; "
+                         "build it with make_engine(..., deterministic=True)")
     return _replay(traceset, engine, progress=progress, checkpoint=checkpoint, shard=shard,
                    truncate=truncate, chunk_size=chunk_size, started=started)
 

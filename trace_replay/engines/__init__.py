@@ -18,6 +18,7 @@ import warnings
 from typing import Any
 
 from trace_replay.engines.base import Engine, EngineConfig
+from trace_replay.engines.vllm_invariance import batch_invariance_unavailable
 
 __all__ = ["ENGINES", "ENGINE_OPTIONS", "Engine", "EngineConfig", "make_engine"]
 
@@ -32,7 +33,8 @@ ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {
 
 
 def make_engine(name: str, model: Any = None, *, dtype=None, device=None,
-                batch_size: int | None = None, top_k: int = 5, **options: Any) -> Engine:
+                batch_size: int | None = None, top_k: int = 5, deterministic: bool = False,
+                **options: Any) -> Engine:
     """Build the engine ``name``.
 
     Parameters
@@ -42,6 +44,10 @@ def make_engine(name: str, model: Any = None, *, dtype=None, device=None,
     model, dtype, device, batch_size, top_k
         The :class:`~trace_replay.engines.base.EngineConfig` fields, validated before
         anything is loaded.
+    deterministic
+        Batch-invariant arithmetic: every number of a trace is the same bits whatever the
+        batch, the other traces and their order (torch and prefill engines; vLLM's
+        batch-invariant mode where its platform has one, else a warning).
     **options
         Engine-specific: ``speculative``, ``backend`` (torch); ``engine_args``, ``native``
         (vllm); ``engine_args`` (vllm-server: ``base_url``, ``api``, ``api_key``,
@@ -55,7 +61,7 @@ def make_engine(name: str, model: Any = None, *, dtype=None, device=None,
     if name not in ENGINES:
         raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}")
     config = EngineConfig(model=model, dtype=dtype, device=device, batch_size=batch_size,
-                          top_k=top_k)
+                          top_k=top_k, deterministic=deterministic)
     options = {k: v for k, v in options.items() if v is not None}
     if name == "auto":
         return _make_auto(config, options)
@@ -84,6 +90,8 @@ def _make_auto(config: EngineConfig, options: dict[str, Any]) -> Engine:
     """vLLM when it is installed and starts, else the torch engine; say which and why."""
     if "speculative" in options:
         reason = "speculative verify runs in the torch engine"
+    elif config.deterministic and (why := batch_invariance_unavailable(config.device)):
+        reason = f"deterministic: {why}"
     elif importlib.util.find_spec("vllm") is None:
         reason = "vllm is not installed"
     else:
@@ -100,3 +108,4 @@ def _make_auto(config: EngineConfig, options: dict[str, Any]) -> Engine:
     engine = make_engine("torch", **vars(config), **torch_options)
     engine.selected_by = f"auto: torch ({reason})"
     return engine
+

@@ -62,8 +62,12 @@ class EngineConfig:
     device: str | torch.device | None = None  # None: CUDA when available, else CPU
     batch_size: int | None = None  # request slots (vLLM: max_num_seqs); None: per engine
     top_k: int = 5  # alternatives recorded per step
+    # batch-invariant arithmetic: a trace's numbers never depend on its batch-mates
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be True or False, got {self.deterministic!r}")
         for name, lowest in (("top_k", 0), ("batch_size", 1)):
             value = getattr(self, name)
             if value is None and name == "batch_size":
@@ -118,8 +122,8 @@ class EngineBase:
     """Shared plumbing: the common settings, an empty ``stats``, ``close`` and ``with``.
 
     Subclasses set ``name``, ``model_label``, ``engine_path``, ``dtype``, ``device``,
-    ``batch_size``, ``top_k``, ``max_model_len`` and ``tokenizer_source``, and may extend
-    :meth:`settings`.
+    ``batch_size``, ``top_k``, ``deterministic``, ``max_model_len`` and
+    ``tokenizer_source``, and may extend :meth:`settings`.
     """
 
     name: str = "engine"
@@ -129,6 +133,7 @@ class EngineBase:
     device: str
     batch_size: int
     top_k: int
+    deterministic: bool = False
     max_model_len: int | None = None
     selected_by: str | None = None  # set by make_engine("auto", ...): how the choice was made
     # called with each batch's requests, in row order, before that batch's forwards; forward
@@ -153,7 +158,8 @@ class EngineBase:
     def settings(self) -> dict[str, Any]:
         settings = {"engine": self.name, "engine_path": self.engine_path,
                     "model": self.model_label, "dtype": self.dtype, "device": self.device,
-                    "batch_size": self.batch_size, "top_k": self.top_k}
+                    "batch_size": self.batch_size, "top_k": self.top_k,
+                    "deterministic": self.deterministic}
         if self.selected_by is not None:
             settings["selected_by"] = self.selected_by
         return settings

@@ -7,28 +7,33 @@ position ``total_len - 1``; nothing in a step reads back to the host.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from trace_replay.engines.scoring import TokenScores, score_tokens
 from trace_replay.engines.slots import SlotTable
 
-__all__ = ["Steps", "replay_steps", "forced_step", "generate_steps"]
+__all__ = ["Scorer", "Steps", "replay_steps", "forced_step", "generate_steps"]
 
 # per forward: the scores of its rows (flattened [B * q]) and the tokens they committed
 Steps = list[tuple[TokenScores, torch.Tensor]]
+# (logits [N, V], token_ids [N], top_k) -> scores; score_tokens, or a backend's own
+Scorer = Callable[[torch.Tensor, torch.Tensor, int], TokenScores]
 
 
 def forced_step(logits: torch.Tensor, slots: SlotTable, idx_mapping: torch.Tensor,
-                top_k: int) -> tuple[torch.Tensor, TokenScores]:
+                top_k: int, score: Scorer = score_tokens) -> tuple[torch.Tensor, TokenScores]:
     """Sample, force the trace token, score it on the unmodified logits, commit it."""
     sampled = logits.argmax(dim=-1)
     slots.trace_state.apply_trace(sampled, idx_mapping)
     slots.advance(idx_mapping)
-    return sampled, score_tokens(logits, sampled, top_k)
+    return sampled, score(logits, sampled, top_k)
 
 
 def replay_steps(backend, slots: SlotTable, idx_mapping: torch.Tensor, logits: torch.Tensor,
-                 num_steps: int, top_k: int) -> tuple[Steps, torch.Tensor]:
+                 num_steps: int, top_k: int,
+                 score: Scorer = score_tokens) -> tuple[Steps, torch.Tensor]:
     """Forced decoding for ``num_steps`` steps; one token per row per step.
 
     Returns the steps and the ``[num_steps, B]`` count of tokens each row committed per
@@ -36,7 +41,7 @@ def replay_steps(backend, slots: SlotTable, idx_mapping: torch.Tensor, logits: t
     """
     steps: Steps = []
     for step in range(num_steps):
-        sampled, scores = forced_step(logits, slots, idx_mapping, top_k)
+        sampled, scores = forced_step(logits, slots, idx_mapping, top_k, score)
         steps.append((scores, sampled))
         if step == num_steps - 1:
             break
@@ -47,7 +52,8 @@ def replay_steps(backend, slots: SlotTable, idx_mapping: torch.Tensor, logits: t
 
 def generate_steps(backend, slots: SlotTable, idx_mapping: torch.Tensor, logits: torch.Tensor,
                    *, max_tokens: int, temperature: float, generator: torch.Generator,
-                   eos_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+                   eos_token_id: int | None,
+                   score: Scorer = score_tokens) -> tuple[torch.Tensor, torch.Tensor]:
     """Free generation: ``([B, T] token ids, [B, T] raw logprobs)``, T <= ``max_tokens``.
 
     Greedy at ``temperature == 0``, else sampling with ``generator``. Generation stops early
@@ -62,7 +68,7 @@ def generate_steps(backend, slots: SlotTable, idx_mapping: torch.Tensor, logits:
         else:
             sampled = logits.argmax(dim=-1)
         tokens.append(sampled)
-        logprobs.append(score_tokens(logits, sampled, 0).logprob)
+        logprobs.append(score(logits, sampled, 0).logprob)
         if eos_token_id is not None:
             finished |= sampled == eos_token_id
         if step == max_tokens - 1 or (step % 16 == 15 and bool(finished.all())):

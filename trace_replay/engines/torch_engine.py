@@ -5,7 +5,9 @@ prompts together, decodes it (:mod:`~trace_replay.engines.decode`, or
 :mod:`~trace_replay.engines.verify` with ``speculative``) and turns the scores into results
 (:mod:`~trace_replay.engines.results`). Each step the model's greedy choice is overwritten by
 ``TraceReplayState.apply_trace`` and scored on the unmodified logits. The forward pass itself
-is a backend: ``hf`` (the transformers model with a growing cache) or ``static``.
+is a backend: ``hf`` (the transformers model with a growing cache) or ``static``; with
+``deterministic`` it is :class:`~trace_replay.engines.invariant_backend.InvariantBackend`,
+which also does the scoring, so that no number of a trace depends on its batch.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from trace_replay.engines.decode import generate_steps, replay_steps
 from trace_replay.engines.drafts import parse_speculative
 from trace_replay.engines.hf_backend import HFBackend
 from trace_replay.engines.results import wave_results
+from trace_replay.engines.scoring import score_tokens
 from trace_replay.engines.slots import SlotTable, waves
 from trace_replay.engines.static_backend import StaticCacheBackend, supports
 from trace_replay.engines.verify import verify_steps
@@ -44,7 +47,8 @@ class TorchEngine(EngineBase):
         The forward pass: ``"hf"`` (the transformers model with a growing cache, any
         architecture), ``"static"`` (the model's own forward over a static KV cache,
         compiled CUDA graphs on GPU; Llama, Mistral, Qwen2/3, Gemma families) or
-        ``"auto"`` (static on CUDA when the model is supported, else hf).
+        ``"auto"`` (static on CUDA when the model is supported, else hf). With
+        ``config.deterministic`` only ``"auto"``: the batch-invariant backend (Llama-family).
     """
 
     name = "torch"
@@ -64,10 +68,12 @@ class TorchEngine(EngineBase):
         self.dtype = str(weight.dtype).replace("torch.", "")
         self.batch_size = config.batch_size or (64 if weight.device.type == "cuda" else 8)
         self.top_k = config.top_k
+        self.deterministic = config.deterministic
         self.max_model_len = getattr(self.lm.config, "max_position_embeddings", None)
         pad = self.lm.config.pad_token_id
         self.pad_id = 0 if pad is None else int(pad)
         self.backend = self._make_backend(backend)
+        self.score = self.backend.score if self.deterministic else score_tokens
         self.slots = SlotTable(self.batch_size, weight.device)
         self.engine_path = f"torch-decode[{self.backend.name}]"
         if self.speculative is not None:
@@ -75,11 +81,18 @@ class TorchEngine(EngineBase):
         self._drafted = self._accepted = 0
 
     def _make_backend(self, backend: str):
+        max_query_len = 1 if self.speculative is None else self.speculative[1] + 1
+        if self.deterministic:
+            if backend != "auto":
+                raise ValueError(f"deterministic mode runs its own backend; backend={backend!r} "
+                                 "cannot be combined with it")
+            from trace_replay.engines.invariant_backend import InvariantBackend
+
+            return InvariantBackend(self.lm, self.pad_id, max_query_len=max_query_len)
         if backend == "auto":
             backend = "static" if self.torch_device.type == "cuda" and supports(self.lm) else "hf"
         if backend == "hf":
             return HFBackend(self.lm, self.pad_id)
-        max_query_len = 1 if self.speculative is None else self.speculative[1] + 1
         return StaticCacheBackend(self.lm, self.pad_id, max_query_len=max_query_len)
 
     def settings(self) -> dict[str, Any]:
@@ -87,6 +100,8 @@ class TorchEngine(EngineBase):
         if self.speculative is not None:
             method, k = self.speculative
             settings["speculative"] = {"method": method, "num_tokens": k}
+        if self.deterministic:
+            settings["arithmetic"] = self.backend.describe()
         return settings
 
     def stats(self) -> dict[str, Any]:
@@ -117,11 +132,11 @@ class TorchEngine(EngineBase):
         logits = self.backend.prefill([r.prompt_token_ids for r in wave], longest)
         if self.speculative is None:
             steps, counts = replay_steps(self.backend, self.slots, idx_mapping, logits,
-                                         longest, self.top_k)
+                                         longest, self.top_k, self.score)
         else:
             method, k = self.speculative
             verified = verify_steps(self.backend, self.slots, idx_mapping, logits, wave,
-                                    method=method, k=k, top_k=self.top_k)
+                                    method=method, k=k, top_k=self.top_k, score=self.score)
             steps, counts = verified.steps, verified.counts
             self._drafted += verified.drafted
             self._accepted += verified.accepted
@@ -145,7 +160,8 @@ class TorchEngine(EngineBase):
             logits = self.backend.prefill([r.prompt_token_ids for r in wave], max_tokens)
             tokens, logprobs = generate_steps(
                 self.backend, self.slots, idx_mapping, logits, max_tokens=max_tokens,
-                temperature=temperature, generator=generator, eos_token_id=eos_token_id)
+                temperature=temperature, generator=generator, eos_token_id=eos_token_id,
+                score=self.score)
             for row_ids, row_lps in zip(tokens.cpu().tolist(), logprobs.double().cpu().tolist()):
                 end = (row_ids.index(eos_token_id) + 1 if eos_token_id in row_ids
                        else len(row_ids))

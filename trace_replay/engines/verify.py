@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from trace_replay.engines.base import ReplayRequest
-from trace_replay.engines.decode import Steps, forced_step
+from trace_replay.engines.decode import Scorer, Steps, forced_step
 from trace_replay.engines.drafts import ngram_drafts
 from trace_replay.engines.scoring import score_tokens
 from trace_replay.engines.slots import SlotTable
@@ -32,12 +32,12 @@ class VerifyResult:
 
 def verify_steps(backend, slots: SlotTable, idx_mapping: torch.Tensor, logits: torch.Tensor,
                  wave: Sequence[ReplayRequest], *, method: str, k: int,
-                 top_k: int) -> VerifyResult:
+                 top_k: int, score: Scorer = score_tokens) -> VerifyResult:
     """Replay ``wave`` verifying ``k`` drafts per forward; the first step is a plain one."""
     device = logits.device
     batch = len(wave)
     trace_len = torch.tensor([r.trace_len for r in wave], device=device)
-    sampled, scores = forced_step(logits, slots, idx_mapping, top_k)
+    sampled, scores = forced_step(logits, slots, idx_mapping, top_k, score)
     steps: Steps = [(scores, sampled)]
     counts = [torch.ones(batch, dtype=torch.int32, device=device)]
     context = _context(wave, sampled)
@@ -66,7 +66,7 @@ def verify_steps(backend, slots: SlotTable, idx_mapping: torch.Tensor, logits: t
         slots.advance(idx_mapping, num_sampled)
         keep = offsets[None, :] < num_sampled[:, None]
         backend.keep(keep)  # rejected drafts never attended again
-        steps.append((score_tokens(logits.flatten(0, 1), verified.flatten(), top_k),
+        steps.append((score(logits.flatten(0, 1), verified.flatten(), top_k),
                       verified.flatten()))
         counts.append(num_sampled)
         active = done < trace_len

@@ -10,12 +10,18 @@ Two paths, chosen at start-up and recorded in ``settings()["engine_path"]``:
   processors run, so logprob, rank and top-k are those of the unmodified distribution.
 
 Entropy is not reported by vLLM; the column is NaN for this engine.
+
+``deterministic=True`` turns on vLLM's own batch-invariant mode (``VLLM_BATCH_INVARIANT=1``
+for the engine's processes) where vLLM supports it — NVIDIA GPUs of compute capability
+>= 8.0, AMD Instinct, Intel XPU. Elsewhere (the CPU build) vLLM has no such mode: the run
+goes ahead with a warning, and ``settings()["batch_invariant"]`` is False.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,6 +31,7 @@ from vllm.inputs import TokensPrompt
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from trace_replay.engines.base import EngineBase, EngineConfig, ReplayRequest, TraceResult
+from trace_replay.engines.vllm_invariance import batch_invariance_unavailable, batch_invariant_env
 from trace_replay.models import hf_folder, model_label, resolve_dtype
 from trace_replay.serve import TRACE_KEY
 from trace_replay.state import RequestState, TraceReplayState
@@ -184,6 +191,22 @@ class VLLMEngine(EngineBase):
             # the CPU build compiles the model with inductor at start-up (minutes on 2 cores)
             args.update(gpu_memory_utilization=0.3, enforce_eager=True)
         args.update(engine_args or {})
+        self.deterministic = config.deterministic
+        self.batch_invariant_note = (batch_invariance_unavailable(config.device)
+                                     if self.deterministic else None)
+        self.batch_invariant = self.deterministic and self.batch_invariant_note is None
+        if self.batch_invariant_note:
+            warnings.warn(f"deterministic=True: {self.batch_invariant_note}; this vLLM run is "
+                          "NOT batch-invariant (use engine='torch' or 'prefill' for that)",
+                          RuntimeWarning, stacklevel=3)
+        with batch_invariant_env(self.batch_invariant):  # read as LLM(...) starts
+            self._start(args, native)
+        config = self.llm.llm_engine.model_config
+        self.max_model_len = config.max_model_len
+        self.batch_size = self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def _start(self, args: dict, native: bool | None) -> None:
         self.native_error = None
         if native is None:
             native = torch.cuda.is_available() and supports_native_trace_replay()
@@ -204,10 +227,6 @@ class VLLMEngine(EngineBase):
             processors.append(f"{__name__}:TraceForcingProcessor")
             self.llm = LLM(**args, logits_processors=processors)
             self.engine_path = "vllm-logits-processor-forcing"
-        config = self.llm.llm_engine.model_config
-        self.max_model_len = config.max_model_len
-        self.batch_size = self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
 
     def settings(self) -> dict:
         import vllm
@@ -216,6 +235,10 @@ class VLLMEngine(EngineBase):
                     "logprobs_mode": "raw_logprobs"}
         if self.native_error:
             settings["native_unavailable"] = self.native_error
+        if self.deterministic:
+            settings["batch_invariant"] = self.batch_invariant
+            if self.batch_invariant_note:
+                settings["batch_invariant_unavailable"] = self.batch_invariant_note
         return settings
 
     def close(self) -> None:

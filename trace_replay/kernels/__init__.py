@@ -1,9 +1,18 @@
 """Trace-replay kernels: each a Triton kernel, its launcher, and a pure-torch reference.
 
 Launchers edit tensors in place and run the reference when Triton cannot run (CPU
-tensors without ``TRITON_INTERPRET=1``, or Triton not installed).
+tensors without ``TRITON_INTERPRET=1``, or Triton not installed). The batch-invariant
+kernels (``invariant_*``) return new tensors and leave the choice to their caller
+(:class:`~trace_replay.engines.invariant_model.InvariantLlama`): their reference is the CPU
+path of deterministic mode, whose bits differ from the kernel's.
 """
 
+from trace_replay.kernels.invariant_attention import (
+    attention_rows_reference,
+    attention_rows_triton,
+)
+from trace_replay.kernels.invariant_linear import linear_rows_reference, linear_rows_triton
+from trace_replay.kernels.invariant_rms_norm import rms_norm_rows_reference, rms_norm_rows_triton
 from trace_replay.kernels.trace_tokens import apply_trace_tokens, apply_trace_tokens_reference
 from trace_replay.kernels.verified import (
     apply_trace_tokens_to_verified,
@@ -11,6 +20,12 @@ from trace_replay.kernels.verified import (
 )
 
 __all__ = [
+    "attention_rows_reference",
+    "attention_rows_triton",
+    "linear_rows_reference",
+    "linear_rows_triton",
+    "rms_norm_rows_reference",
+    "rms_norm_rows_triton",
     "apply_trace_tokens",
     "apply_trace_tokens_reference",
     "apply_trace_tokens_to_verified",

@@ -1,0 +1,144 @@
+"""``x @ weight.T`` whose every output row depends on its own input row alone.
+
+A batch-invariant linear layer: row ``r`` of the result is bitwise the same whatever the
+other rows hold, where row ``r`` sits and how many rows there are.
+
+* **Triton** (CUDA): one program per ``BLOCK_M x BLOCK_N`` output tile, each running the
+  whole reduction over ``K`` in ``BLOCK_K`` steps in the same order; the tile sizes are
+  constants (no autotuning keyed on the row count, no split-K), so the arithmetic of an
+  output element is fixed by ``K`` and its column alone. float32 inputs use IEEE products
+  (no TF32).
+* **Reference** (the CPU path): ``F.linear`` over blocks of rows whose sizes come from a
+  fixed menu (:func:`block_plan`). A GEMM library picks its algorithm from the call's
+  shape; a fixed shape fixes the algorithm, and row ``r``'s reduction order then does not
+  depend on the other rows' values or on ``r``'s position in the block (verified at engine
+  start by :func:`~trace_replay.engines.invariant_ops.probe_linear`, which also checks
+  whether the menu's sizes agree with one another; if they do not, the menu is one size).
+"""
+
+# No `from __future__ import annotations`: Triton's interpreter must see `tl.constexpr`.
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from trace_replay._triton import tl, triton
+
+__all__ = ["block_plan", "linear_rows_reference", "linear_rows_triton"]
+
+# Tile of one program. Constants: the arithmetic of an output element must not depend on
+# the number of rows (autotuning keyed on M, or split-K, would make it depend).
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
+
+
+@triton.jit
+def _linear_kernel(
+    x_ptr,  # [R, K], float, rows of the input
+    w_ptr,  # [N, K], float, nn.Linear weight
+    out_ptr,  # [R, N], float, written
+    R,
+    N,
+    K,
+    stride_xr,
+    stride_wn,
+    stride_or,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,  # float32 inputs: exact products, not TF32
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        # masked loads give 0: a padded k adds 0 * 0 to every element alike
+        a = tl.load(x_ptr + rows[:, None] * stride_xr + k[None, :],
+                    mask=(rows[:, None] < R) & (k[None, :] < K), other=0.0)
+        b = tl.load(w_ptr + cols[None, :] * stride_wn + k[:, None],
+                    mask=(cols[None, :] < N) & (k[:, None] < K), other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    mask = (rows[:, None] < R) & (cols[None, :] < N)
+    tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def linear_rows_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` by the Triton kernel, any number of rows.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[R, K]`` rows (made contiguous).
+    weight : torch.Tensor
+        ``[N, K]`` weight of an ``nn.Linear`` (made contiguous), same dtype as ``x``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[R, N]`` in ``x``'s dtype, accumulated in float32.
+    """
+    x, weight = x.contiguous(), weight.contiguous()
+    rows, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    _linear_kernel[grid](x, weight, out, rows, n, k, x.stride(0), weight.stride(0),
+                         out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                         IEEE=x.dtype == torch.float32)
+    return out
+
+
+def block_plan(rows: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """Split ``rows`` into blocks of the menu ``sizes``: ``[(start, size), ...]``.
+
+    Whole blocks of the largest size first; the rest goes in the smallest size that holds
+    it (the last block may reach past ``rows``: the caller pads).
+    """
+    largest = max(sizes)
+    plan = [(start, largest) for start in range(0, rows - rows % largest, largest)]
+    rest = rows % largest
+    if rest:
+        plan.append((rows - rest, min(s for s in sizes if s >= rest)))
+    return plan
+
+
+def linear_rows_reference(x: torch.Tensor, weight: torch.Tensor,
+                          sizes: Sequence[int] = (16,)) -> torch.Tensor:
+    """``x @ weight.T`` as ``F.linear`` calls on blocks of rows from the menu ``sizes``.
+
+    Every call has ``[size, K]`` rows, zero-padded at the end; the padding rows are dropped.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[R, K]`` rows.
+    weight : torch.Tensor
+        ``[N, K]``.
+    sizes : Sequence[int]
+        Row counts a GEMM call may have.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[R, N]``.
+    """
+    rows = x.shape[0]
+    plan = block_plan(rows, sizes)
+    if not plan:
+        return x.new_empty((0, weight.shape[0]))
+    end = plan[-1][0] + plan[-1][1]
+    if end > rows:
+        x = torch.cat([x, x.new_zeros((end - rows, x.shape[1]))])
+    out = [F.linear(x[start:start + size].contiguous(), weight) for start, size in plan]
+    return torch.cat(out)[:rows] if len(out) > 1 else out[0][:rows]
+
