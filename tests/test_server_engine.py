@@ -305,10 +305,13 @@ def test_bad_engine_args_are_refused(engine_args, problem):
         make_engine("vllm-server", engine_args=engine_args)
 
 
-def test_dtype_is_the_servers():
-    """dtype and device are chosen where the server starts, so the client refuses them."""
-    with pytest.raises(ValueError, match="dtype is the server's"):
-        make_engine("vllm-server", dtype="bfloat16", engine_args={"base_url": "http://x:1/v1"})
+@pytest.mark.parametrize("setting", [{"dtype": "bfloat16"}, {"device": "cpu"},
+                                     {"deterministic": True}])
+def test_server_settings_are_refused_in_the_client(setting):
+    """dtype, device and batch invariance are chosen where the server starts: the client
+    refuses them rather than record what it cannot enforce."""
+    with pytest.raises(ValueError, match=f"{next(iter(setting))} is the server's"):
+        make_engine("vllm-server", **setting, engine_args={"base_url": "http://x:1/v1"})
 
 
 def test_no_server_is_an_error_after_retries():

@@ -57,8 +57,8 @@ class ServerEngine(EngineBase):
         ``model`` names the tokenizer (a local folder or cached name of the server's model);
         ``None`` takes the server's model folder when it is on this machine, or the embedded
         model's tokenizer when the server serves it. ``batch_size`` is the number of requests
-        in flight (default 32); ``top_k`` the alternatives recorded. ``dtype`` and ``device``
-        are the server's and cannot be set here.
+        in flight (default 32); ``top_k`` the alternatives recorded. ``dtype``, ``device``
+        and ``deterministic`` are the server's and cannot be set here.
     engine_args
         ``base_url`` (``"http://host:port/v1"``, required), ``api`` (``"auto"``,
         ``"generate"``, ``"completions"``), ``api_key`` (default ``$VLLM_API_KEY``),
@@ -84,6 +84,9 @@ class ServerEngine(EngineBase):
             if getattr(config, setting) is not None:
                 raise ValueError(f"{setting} is the server's: set it where the server starts "
                                  f"(vllm serve --{setting} …), not in the client")
+        if config.deterministic:
+            raise ValueError("deterministic is the server's: start it with "
+                             "VLLM_BATCH_INVARIANT=1 where vLLM supports it (NVIDIA, sm80+)")
         if isinstance(config.model, torch.nn.Module):
             raise TypeError("engine 'vllm-server' runs the server's model: pass model= only "
                             "to name its tokenizer (a folder or a cached name)")
