@@ -513,3 +513,13 @@ def test_completion_that_tokenizes_to_nothing_is_an_error():
 
     with pytest.raises(TraceError, match=r"^<list> row 0: trace 'e': completion tokenizes to no"):
         load_traces([{"id": "e", "prompt": "p", "completion": "c"}], tokenizer=EmptyTokenizer())
+
+
+def test_chat_reply_keeps_its_text_beside_its_ids():
+    """A chat request with its reply as trace_token_ids may carry the reply's text as
+    completion (what record writes); the ids are the trace."""
+    record = {"id": "r", "messages": [{"role": "user", "content": "Hi"}],
+              "trace_token_ids": [19556, 2], "completion": "Hello<|im_end|>"}
+    trace = load_traces([record])[0]
+    assert trace.is_chat and trace.completion == "Hello<|im_end|>"
+    assert trace.trace_token_ids == (19556, 2)
