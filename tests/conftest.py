@@ -86,7 +86,10 @@ def replay_pair(replay_df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
 REAL_TRACES = [
     {"id": "paris", "prompt": "The capital of France is", "completion": " Paris. It is a big city."},
     {"id": "code", "prompt": "def add(a, b):", "completion": "\n    return a + b\n"},
-    {"id": "eos-inside", "prompt": "Say hi.", "completion": " Hi!<|im_end|> Then it goes on."},
+    # " Hi!<|im_end|> Then it goes on." with the real EOS (id 2): completion text may not hold
+    # special-token text, so control tokens are given as ids
+    {"id": "eos-inside", "prompt": "Say hi.",
+     "trace_token_ids": [21041, 17, 2, 3875, 357, 3935, 335, 30]},
     {"id": "one-token", "prompt": "Once upon a", "completion": " time"},
     {"id": "short-prompt", "prompt_token_ids": [504], "trace_token_ids": [3575, 282, 4649, 314]},
     {"id": "long", "prompt": "List three colours:",

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import gzip
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 from trace_replay.cli import main
 
@@ -25,6 +31,152 @@ def test_bad_trace_file_is_one_line_error(tmp_path):
     assert out.returncode == 2
     assert "Traceback" not in out.stderr
     assert f"{path}:2" in out.stderr and out.stderr.count("\n") == 1
+
+
+HELLO = {"id": "a", "prompt": "Hello", "completion": " world"}
+
+
+def _run_together(*commands, env=None):
+    """Run CLI commands side by side (start-up dominates); their CompletedProcess-like results."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    children = [subprocess.Popen([sys.executable, "-m", "trace_replay.cli", *map(str, c)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 env=env) for c in commands]
+    return [subprocess.CompletedProcess(c.args, c.wait(), *c.communicate()) for c in children]
+
+
+def _assert_one_line_error(result, *fragments):
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("trace-replay: error: ")
+    for fragment in fragments:
+        assert fragment in result.stderr, (fragment, result.stderr)
+
+
+def _write_traces(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_bad_arguments_fail_before_any_work(tmp_path):
+    """Bad --batch-size/--top-k/--device/--shard/--out: one line, exit 2, nothing started."""
+    traces = _write_traces(tmp_path / "t.jsonl", [HELLO])
+    (tmp_path / "file").write_text("")
+    cases = {
+        "batch_size must be an integer >= 1": ["--batch-size", "-1"],
+        "top_k must be an integer >= 0": ["--top-k", "-1"],
+        "shard must be (index, count) with 0 <= index < count": ["--shard", "2/2"],
+        "is a folder": ["--out", tmp_path],
+        "is a file, not a folder": ["--out", tmp_path / "file" / "r.parquet"],
+    }
+    if not torch.cuda.is_available():
+        cases["device 'cuda' is not available"] = ["--device", "cuda"]
+    commands = [["replay", traces, "--engine", "prefill", "--out", tmp_path / "r.parquet",
+                 "--checkpoint", tmp_path / f"ckpt{i}", "--quiet", *extra]
+                for i, extra in enumerate(cases.values())]
+    for i, (message, result) in enumerate(zip(cases, _run_together(*commands))):
+        _assert_one_line_error(result, message)
+        assert not (tmp_path / f"ckpt{i}").exists()  # refused before the engine was built
+    assert not (tmp_path / "r.parquet").exists()
+
+
+def test_damaged_inputs_are_one_line_errors(tmp_path):
+    """A truncated .jsonl.gz, non-UTF-8 bytes, a lone surrogate: one line naming file and
+    line (and trace), exit 2, no traceback."""
+    good = json.dumps(HELLO) + "\n"
+    packed = gzip.compress(good.encode() * 300)
+    truncated = tmp_path / "cut.jsonl.gz"
+    truncated.write_bytes(packed[: len(packed) // 2])
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(good.encode() + b'{"id": "b", "prompt": "caf\xe9", "completion": "y"}\n')
+    surrogate = tmp_path / "surrogate.jsonl"
+    surrogate.write_text(good + '{"id": "s", "prompt": "\\ud800", "completion": "y"}\n')
+    results = _run_together(*[["replay", path, "--engine", "prefill", "--quiet", "--out",
+                               tmp_path / "r.parquet"] for path in (truncated, latin, surrogate)])
+    _assert_one_line_error(results[0], f"{truncated}:", "gzip data is damaged or truncated")
+    _assert_one_line_error(results[1], f"{latin}:2: not UTF-8 text: byte 0xe9")
+    _assert_one_line_error(results[2], f"{surrogate}:2: trace 's': prompt holds a lone surrogate")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_unwritable_out_fails_before_any_work(tmp_path):
+    """--out in a read-only folder is refused before the model is loaded."""
+    traces = _write_traces(tmp_path / "t.jsonl", [HELLO])
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    [result] = _run_together(["replay", traces, "--engine", "prefill", "--quiet", "--out",
+                              locked / "r.parquet", "--checkpoint", tmp_path / "ckpt"])
+    _assert_one_line_error(result, "cannot be written")
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.slow
+def test_empty_input_empty_shard_and_overflow(tmp_path):
+    """Empty input: an error. Empty shard: an empty result, said so. Too long: file:line, id."""
+    from trace_replay.traces import _shard_of
+
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n  \n")
+    one = _write_traces(tmp_path / "one.jsonl", [HELLO])
+    empty_shard = 1 - _shard_of("a", 2)
+    big = _write_traces(tmp_path / "big.jsonl", [
+        HELLO,
+        {"id": "big", "prompt": "x", "trace_token_ids": [28] * 9000}])
+    common = ["--engine", "prefill", "--quiet"]
+    results = _run_together(
+        ["replay", blank, *common, "--out", tmp_path / "b.parquet",
+         "--checkpoint", tmp_path / "c1"],
+        ["replay", one, *common, "--out", tmp_path / "s.parquet", "--checkpoint", tmp_path / "c2",
+         "--shard", f"{empty_shard}/2"],
+        ["replay", big, *common, "--out", tmp_path / "o.parquet"])
+    _assert_one_line_error(results[0], f"{blank}: no traces")
+    shard = results[1]
+    assert shard.returncode == 0, shard.stderr
+    assert f"warning: shard {empty_shard}/2 holds none of the 1 traces" in shard.stderr
+    assert "empty on purpose" in shard.stderr and "Traceback" not in shard.stderr
+    empty = pd.read_parquet(tmp_path / "s.parquet")
+    assert len(empty) == 0 and {"trace_id", "step", "logprob", "rank"} <= set(empty.columns)
+    _assert_one_line_error(results[2], f"{big}:2", "trace 'big'", "--truncate")
+
+
+@pytest.mark.slow
+def test_ctrl_c_and_sigterm_keep_finished_traces(tmp_path):
+    """SIGINT / SIGTERM mid-run: one line, exit 130 / 143, finished traces saved; a rerun
+    resumes from them."""
+    traces = _write_traces(tmp_path / "t.jsonl", [
+        {"id": f"t{i}", "prompt": "Count:", "completion": " one two three four five six"}
+        for i in range(60)])
+    runs = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        ckpt = tmp_path / f"ckpt{int(signum)}"
+        args = ["replay", str(traces), "--engine", "prefill", "--batch-size", "1", "--quiet",
+                "--checkpoint", str(ckpt), "--out", str(tmp_path / f"r{int(signum)}.parquet")]
+        runs[signum] = ckpt, args, subprocess.Popen(
+            [sys.executable, "-m", "trace_replay.cli", *args], stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 300
+    for signum, (ckpt, _, child) in runs.items():
+        while not list(ckpt.glob("part-*.parquet")) and child.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        child.send_signal(signum)
+    for signum, status in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
+        ckpt, args, child = runs[signum]
+        _, stderr = child.communicate()
+        assert child.returncode == status, stderr
+        assert "Traceback" not in stderr
+        assert stderr.splitlines()[-1] == (f"trace-replay: interrupted; finished traces are "
+                                           f"saved in {ckpt}, rerun to resume")
+        saved = pd.concat(pd.read_parquet(p) for p in ckpt.glob("part-*.parquet"))
+        assert 1 <= saved["trace_id"].nunique() < 60
+        assert not Path(args[-1]).exists() and not list(ckpt.glob(".*.tmp"))
+    ckpt, args, _ = runs[signal.SIGINT]
+    assert main(args) == 0
+    df = pd.read_parquet(args[-1])
+    assert df["trace_id"].nunique() == 60 and not df.duplicated(["trace_id", "step"]).any()
+    saved = pd.concat(pd.read_parquet(p) for p in ckpt.glob("part-*.parquet"))
+    assert df.attrs["resumed_traces"] > 0
+    assert saved["trace_id"].nunique() == 60 and not saved.duplicated(["trace_id", "step"]).any()
 
 
 @pytest.mark.slow

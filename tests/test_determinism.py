@@ -23,7 +23,8 @@ POOL = [
     {"id": "paris", "prompt": "The capital of France is", "completion": " Paris."},
     {"id": "ids", "prompt_token_ids": [504], "trace_token_ids": [3575, 282, 4649]},
     {"id": "code", "prompt": "def add(a, b):", "completion": "\n    return"},
-    {"id": "eos", "prompt": "Say hi.", "completion": " Hi!<|im_end|>"},
+    # " Hi!<|im_end|>" with the real EOS (id 2): completion text may not hold special tokens
+    {"id": "eos", "prompt": "Say hi.", "trace_token_ids": [21041, 17, 2]},
     {"id": "count", "prompt": "1, 2, 3,", "completion": " 4"},
 ]
 BATCH_SIZES = (1, 3, 8)

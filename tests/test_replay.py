@@ -122,3 +122,18 @@ def test_out_of_vocab_is_named(engine):
     with pytest.raises(TraceError, match="oov"):
         replay([{"id": "oov", "prompt": "Hi", "trace_token_ids": [49152]}], engine=engine,
                progress=False)
+
+
+@pytest.mark.parametrize(("argument", "value"), [
+    ("chunk_size", -1), ("chunk_size", 0), ("shard", (0, 0)), ("shard", (2, 2)),
+    ("checkpoint_every", -1.0), ("truncate", "yes")])
+def test_bad_arguments_are_refused(engine, real_traces, argument, value):
+    """A bad argument is a ValueError naming it, never a silently dropped trace."""
+    with pytest.raises(ValueError, match=argument):
+        replay(real_traces, engine=engine, progress=False, **{argument: value})
+
+
+def test_empty_input_is_an_error(engine):
+    """No traces to replay is an error naming the source, not an empty success."""
+    with pytest.raises(TraceError, match="<list>: no traces"):
+        replay([], engine=engine, progress=False)

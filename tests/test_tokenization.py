@@ -90,3 +90,19 @@ def test_split_is_the_joined_tokens_cut_inside_the_prompt(tokenizer, prompt, com
     if "🦜" not in prompt:  # a split inside a character's bytes decodes to U+FFFD
         assert tokenizer.decode(trace_ids) == tail + completion
         assert prompt.endswith(tail)
+
+
+def test_special_token_text_in_a_completion_is_refused(tokenizer):
+    """'<|im_end|>' written in completion text is refused, naming it, never silently turned
+    into the control token; in a prompt it is the control token, and as ids it is forced."""
+    with pytest.raises(TraceError, match=r"t.*completion holds the special token text "
+                                         r"'<\|im_end\|>' at character 4.*trace_token_ids"):
+        load_traces([{"id": "t", "prompt": "Say hi.", "completion": " Hi!<|im_end|> more"}],
+                    tokenizer=tokenizer)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    [prompt, ids] = load_traces([
+        {"id": "p", "prompt": "<|im_start|>user\nHi<|im_end|>", "completion": " Hello"},
+        {"id": "i", "prompt": "Say hi.", "trace_token_ids": [21041, 17, eos, 3875]}],
+        tokenizer=tokenizer)
+    assert eos in prompt.prompt_token_ids
+    assert ids.trace_token_ids[2] == eos

@@ -1,65 +1,306 @@
-"""Resumable replays: finished traces go to Parquet part files as they finish."""
+"""Resumable replays: finished traces in checksummed Parquet parts, keyed by their content.
+
+What a checkpoint folder holds::
+
+    settings.json          the engine settings of the run that made the folder
+    part-<ns>-<sha>.parquet  finished traces; <sha> is the start of the file's SHA-256
+    claims/<run>.claim     digests each live run is computing now (see claims.py)
+    .lock                  the folder lock
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import uuid
+import time
+import warnings
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
-from trace_replay._io import write_atomic
+from trace_replay._io import remove_stale_temporaries, write_atomic
+from trace_replay.claims import Claims
+from trace_replay.engines.base import ReplayRequest
+from trace_replay.parts import PART_NAME, CorruptPart, read_part, write_part
 
-__all__ = ["Checkpoint"]
+__all__ = ["Checkpoint", "settings_key", "trace_digest"]
+
+
+def settings_key(settings: dict) -> str:
+    """A digest of the settings that decide the numbers (engine, model, dtype, top_k…)."""
+    text = json.dumps(settings, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def trace_digest(key: str, request: ReplayRequest,
+                 ref_logprobs: Sequence[float] | None = None) -> str:
+    """What a finished trace's rows depend on: the settings' ``key``, the trace id, the exact
+    prompt and trace tokens, and the trace's ``ref_logprobs`` (copied into its rows)."""
+    digest = hashlib.sha256(key.encode())
+    digest.update(json.dumps(request.trace_id).encode())
+    for values, dtype in ((request.prompt_token_ids, "<i8"), (request.trace_token_ids, "<i8"),
+                          (ref_logprobs or (), "<f8")):
+        digest.update(len(values).to_bytes(8, "little"))
+        digest.update(np.asarray(values, dtype=dtype).tobytes())
+    return digest.hexdigest()[:32]
 
 
 class Checkpoint:
-    """A folder of Parquet parts, each written atomically (temporary file, then rename).
+    """The finished traces of one run's ``requests`` in a folder, and the claims on the rest.
 
-    A run killed mid-way loses at most the traces of the chunk in flight; a rerun with the
-    same folder skips every trace id already written. ``settings`` (model, engine, dtype,
-    top_k…) are stored on first use, and a rerun with different settings is refused rather
-    than mixing two runs in one result.
+    Invariants, whatever kills a run and when:
+
+    * Every row carries ``trace_digest`` (settings, trace id, prompt and trace ids,
+      ``ref_logprobs``). A trace is served from the folder only when its digest matches, so
+      an edited trace is recomputed, never served stale. A folder written with other
+      settings is refused.
+    * A part appears whole (temporary, then rename); its name carries the SHA-256 of its
+      bytes, its pages carry CRCs, and its values are checked on read. A part failing any
+      check is renamed ``*.corrupt`` with a warning, and its traces are recomputed.
+    * Runs claim traces before computing them (:class:`~trace_replay.claims.Claims`): two
+      runs on one folder split the work; a dead run's claims are taken over.
+    * A part is written every ``max_traces`` traces and every ``every_s`` seconds of
+      compute (at engine-call granularity; calls shrink to fit ``every_s``).
+
+    The run loop: ``claim()`` traces, compute them, ``add()`` their frame; when ``claim()``
+    gives nothing, ``waiting()`` sleeps while other runs hold claims on this run's traces,
+    then ``read()`` gives the result. Leaving the ``with`` block on an error or Ctrl-C saves
+    what was computed and drops this run's claims.
+
+    Parameters
+    ----------
+    path
+        The folder (created if missing).
+    settings
+        The engine's ``settings()``.
+    requests
+        What this run replays; trace ids are unique.
+    ref_logprobs
+        Each trace's ``ref_logprobs`` by trace id, where it has them.
+    batch_size
+        Engine calls take whole batches of this many traces where they can.
+    max_traces, every_s
+        A part at least every ``max_traces`` traces and ``every_s`` seconds.
     """
 
-    def __init__(self, path: str | os.PathLike, settings: dict) -> None:
+    poll_s = 0.5  # how often a run waiting on other runs' claims looks again
+
+    def __init__(self, path: str | os.PathLike, settings: dict,
+                 requests: Sequence[ReplayRequest],
+                 ref_logprobs: Mapping[str, Sequence[float] | None] | None = None, *,
+                 batch_size: int = 1,
+                 max_traces: int = 32, every_s: float = 10.0) -> None:
         self.path = Path(path)
         if self.path.exists() and not self.path.is_dir():
             raise ValueError(f"checkpoint {self.path} exists and is not a folder")
         self.path.mkdir(parents=True, exist_ok=True)
-        settings_file = self.path / "settings.json"
-        settings = json.loads(json.dumps(settings, default=str))
-        if settings_file.exists():
-            stored = json.loads(settings_file.read_text())
-            if stored != settings:
-                changed = sorted(k for k in set(stored) | set(settings)
-                                 if stored.get(k) != settings.get(k))
-                raise ValueError(f"checkpoint {self.path} was written with other settings "
-                                 f"({', '.join(changed)}); use a new folder")
-        else:
-            write_atomic(settings_file, lambda p: p.write_text(json.dumps(settings, indent=1)))
+        self.key = settings_key(settings)
+        self.top_k = settings.get("top_k")
+        self.batch_size, self.max_traces, self.every_s = batch_size, max_traces, every_s
+        refs = ref_logprobs or {}
+        self._requests = {trace_digest(self.key, r, refs.get(r.trace_id)): r for r in requests}
+        self._digest_of = {r.trace_id: d for d, r in self._requests.items()}
+        self._todo = dict.fromkeys(self._requests)  # ordered: digests not known to be done
+        self._held: Counter[str] = Counter()  # digest -> verified parts holding it
+        self._parts: dict[str, frozenset[str]] = {}  # verified part name -> its digests
+        self._buffer: list[pd.DataFrame] = []
+        self._last_write = time.monotonic()
+        self._group = min(batch_size, max_traces)
+        self._claimed_at = time.monotonic()
+        self._claims = Claims(self.path)
+        try:
+            with self._claims.locked():
+                self._check_settings(settings)
+                remove_stale_temporaries(self.path)
+                self._scan()
+        except BaseException:
+            self._claims.close()
+            raise
+        self.resumed = sum(1 for d in self._requests if self._held[d])
 
-    def parts(self) -> list[Path]:
-        return sorted(self.path.glob("part-*.parquet"))
+    def __enter__(self) -> Checkpoint:
+        return self
 
-    def read(self) -> pd.DataFrame:
-        parts = [pd.read_parquet(p) for p in self.parts()]
-        if not parts:
+    def __exit__(self, kind: type | None, *rest: object) -> None:
+        try:
+            if kind is not None:  # keep what finished before an error or Ctrl-C
+                self._save_quietly()
+        finally:
+            self._claims.close()
+
+    # -- the run loop ---------------------------------------------------------------------
+
+    def claim(self) -> list[ReplayRequest]:
+        """Claim the next traces to compute: unfinished, unclaimed, in request order.
+
+        Returns an empty list when nothing is left to claim; :meth:`waiting` then says
+        whether other runs still hold claims on this run's traces.
+        """
+        with self._claims.locked():
+            self._scan()
+            taken = self._claims.others() | self._claims.mine
+            # a part holds at most max_traces: fill up what is buffered, no more
+            size = min(self._group, self.max_traces - self._buffered())
+            group, finished = [], []
+            for digest in self._todo:  # finished and claimed digests leave, so this stays short
+                if self._held[digest]:
+                    finished.append(digest)
+                elif digest not in taken:
+                    group.append(digest)
+                    if len(group) == size:
+                        break
+            self._claims.set(self._claims.mine | set(group))
+        for digest in finished + group:
+            del self._todo[digest]
+        self._claimed_at = time.monotonic()
+        return [self._requests[d] for d in group]
+
+    def add(self, frame: pd.DataFrame) -> None:
+        """Keep the frame of the last claimed traces; a part is written when one is due."""
+        traces = frame["trace_id"].nunique()
+        seconds = time.monotonic() - self._claimed_at
+        self._buffer.append(frame)
+        # engine calls of about half the part interval, in whole batches
+        fit = int(self.every_s / 2 / max(seconds / max(traces, 1), 1e-6))
+        whole = max(self.batch_size, fit // self.batch_size * self.batch_size)
+        self._group = min(self.max_traces, whole)
+        self._save_if_due()
+
+    def waiting(self) -> bool:
+        """Whether traces of this run are still claimed by other live runs (then sleep)."""
+        self._save_if_due(force=True)
+        if not any(not self._held[d] for d in self._todo):
+            return False
+        time.sleep(self.poll_s)
+        return True
+
+    def read(self) -> pd.DataFrame | None:
+        """Every requested trace, one copy each, in request order, from verified parts.
+
+        Returns ``None`` when a part failed verification since it was first read: its
+        traces are unfinished again and the run loop goes on.
+        """
+        self._save_if_due(force=True)
+        if not self._requests:
             return pd.DataFrame()
-        # a trace written twice (a crash between rename and bookkeeping) keeps its first copy
-        frame = pd.concat(parts, ignore_index=True)
-        return frame.drop_duplicates(subset=["trace_id", "step"], keep="first",
-                                     ignore_index=True)
+        frames, served = [], set()
+        for name in sorted(self._parts):
+            wanted = self._parts[name] & (self._requests.keys() - served)
+            if not wanted:
+                continue
+            try:
+                frame = self._load(self.path / name)
+            except (CorruptPart, FileNotFoundError) as error:
+                with self._claims.locked():
+                    self._discard(name, error)
+                return None
+            frames.append(frame[frame["trace_digest"].isin(wanted)])
+            served |= wanted
+        missing = self._requests.keys() - served
+        if missing:  # claimed but never written (an engine that dropped a trace): claim again
+            with self._claims.locked():
+                self._claims.set(self._claims.mine - missing)
+            self._todo.update(dict.fromkeys(d for d in self._requests if d in missing))
+            return None
+        frame = pd.concat(frames, ignore_index=True) if frames else None
+        return _in_request_order(frame, list(self._requests))
 
-    def finished_ids(self) -> set[str]:
-        ids: set[str] = set()
-        for part in self.parts():
-            ids.update(pd.read_parquet(part, columns=["trace_id"])["trace_id"].unique())
-        return ids
+    # -- parts ----------------------------------------------------------------------------
 
-    def write(self, frame: pd.DataFrame) -> None:
-        if frame.empty:
+    def _save_if_due(self, force: bool = False) -> None:
+        if not self._buffer:
             return
-        name = f"part-{len(self.parts()):06d}-{uuid.uuid4().hex[:8]}.parquet"
-        write_atomic(self.path / name, lambda p: frame.to_parquet(p, index=False))
+        waited = time.monotonic() - self._last_write
+        due = self._buffered() >= self.max_traces or waited >= self.every_s
+        if force or due:
+            self._write(pd.concat(self._buffer, ignore_index=True))
+            self._buffer = []
+
+    def _buffered(self) -> int:
+        """Traces computed and not yet written (each frame holds whole traces)."""
+        return sum(frame["trace_id"].nunique() for frame in self._buffer)
+
+    def _save_quietly(self) -> None:
+        try:
+            self._save_if_due(force=True)
+        except Exception as error:  # noqa: BLE001 - the error that stopped the run matters more
+            warnings.warn(f"checkpoint {self.path}: finished traces not saved ({error})",
+                          RuntimeWarning, stacklevel=3)
+
+    def _write(self, frame: pd.DataFrame) -> None:
+        frame = frame.assign(trace_digest=frame["trace_id"].map(self._digest_of))
+        name = write_part(self.path, frame).name
+        digests = frozenset(frame["trace_digest"])
+        self._parts[name] = digests
+        self._held.update(digests)
+        self._last_write = time.monotonic()
+        with self._claims.locked():
+            self._claims.set(self._claims.mine - digests)
+
+    def _scan(self) -> None:
+        """Verify parts not seen before (other runs', earlier runs'). Call under the lock."""
+        for path in sorted(self.path.glob("part-*.parquet")):
+            if path.name in self._parts:
+                continue
+            if PART_NAME.match(path.name) is None:
+                warnings.warn(f"checkpoint part {path} has no content digest (written by an "
+                              "older trace_replay); ignored, its traces are recomputed",
+                              RuntimeWarning, stacklevel=4)
+                self._parts[path.name] = frozenset()
+                continue
+            try:
+                digests = frozenset(self._load(path)["trace_digest"])
+            except FileNotFoundError:  # moved aside by another run meanwhile
+                continue
+            except CorruptPart as error:
+                self._discard(path.name, error)
+                continue
+            self._parts[path.name] = digests
+            self._held.update(digests)
+
+    def _discard(self, name: str, error: Exception) -> None:
+        """Move a failed part aside; its traces count as unfinished. Call under the lock."""
+        warnings.warn(f"checkpoint part {self.path / name} is corrupt ({error}); moved to "
+                      f"{name}.corrupt, its traces are recomputed", RuntimeWarning, stacklevel=4)
+        with_error = self.path / name
+        if with_error.exists():
+            os.replace(with_error, self.path / f"{name}.corrupt")
+        digests = self._parts.pop(name, frozenset())
+        self._held.subtract(digests)
+        self._todo.update(dict.fromkeys(d for d in digests
+                                        if d in self._requests and not self._held[d]))
+
+    def _load(self, path: Path) -> pd.DataFrame:
+        return read_part(path, top_k=self.top_k, requests=self._requests)
+
+    def _check_settings(self, settings: dict) -> None:
+        """Store ``settings`` on first use, else refuse other ones. Call under the lock."""
+        file = self.path / "settings.json"
+        settings = json.loads(json.dumps(settings, default=str))
+        if not file.exists():
+            write_atomic(file, lambda p: p.write_text(json.dumps(settings, indent=1)))
+            return
+        try:
+            stored = json.loads(file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ValueError(f"checkpoint {file} is unreadable ({error}); use a new folder"
+                             ) from None
+        if stored != settings:
+            changed = sorted(k for k in set(stored) | set(settings)
+                             if stored.get(k) != settings.get(k))
+            raise ValueError(f"checkpoint {self.path} was written with other settings "
+                             f"({', '.join(changed)}); use a new folder")
+
+
+def _in_request_order(frame: pd.DataFrame | None, digests: list[str]) -> pd.DataFrame | None:
+    if frame is None:
+        return None
+    order = {digest: i for i, digest in enumerate(digests)}
+    frame = frame.drop_duplicates(subset=["trace_digest", "step"], keep="first")
+    frame = frame.assign(_order=frame["trace_digest"].map(order))
+    return (frame.sort_values(["_order", "step"], kind="stable")
+            .drop(columns=["_order", "trace_digest"]).reset_index(drop=True))

@@ -1,14 +1,18 @@
 """``trace-replay``: replay, record, merge, report, serve and the demo from the shell.
 
-Errors print one line (``trace-replay: error: …``) and exit with status 2; ``--debug``
-shows the traceback instead.
+Errors print one line (``trace-replay: error: …``) and exit with status 2 (1 for an
+internal error); Ctrl-C exits with 130 and SIGTERM with 143, after saving the finished
+traces of a ``--checkpoint`` run. ``--debug`` shows tracebacks instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import tempfile
+import warnings
 from pathlib import Path
 
 __all__ = ["main"]
@@ -240,15 +244,89 @@ def _cmd_serve(args) -> None:
     os.execv(command[0], command)  # vLLM takes over this process: Ctrl-C stops it
 
 
+# commands whose --out is one file, checked before any work
+_FILE_OUTPUTS = ("replay", "record", "merge", "report")
+# what a user can cause (bad input, paths, arguments, missing packages, memory): one line
+_USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError, KeyError, EOFError, ImportError,
+                MemoryError)
+
+
+_KEEP = object()
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, handled as Ctrl-C is: the finished traces of the run are saved first."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
+def check_output(path: str) -> None:
+    """Refuse an output file that cannot be written, before any work is done.
+
+    Its folder is created when missing; a probe file created and removed in that folder
+    proves it writable.
+    """
+    out = Path(path)
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a folder; give a file path")
+    existing = next(parent for parent in out.parents if parent.exists())
+    if not existing.is_dir():
+        raise ValueError(f"--out {out}: {existing} is a file, not a folder")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.", suffix=".probe"):
+            pass
+    except OSError as error:
+        raise OSError(f"--out {out} cannot be written ({error.strerror or error})") from None
+
+
+def _message(error: BaseException) -> str:
+    if isinstance(error, KeyError) and error.args:
+        return f"{error.args[0]}"  # str(KeyError) quotes its key
+    return str(error) or type(error).__name__
+
+
+def _warn(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"trace-replay: warning: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    try:
-        args.func(args)
-    except (ValueError, TypeError, OSError, RuntimeError, KeyError) as exc:
-        if args.debug:
-            raise
-        print(f"trace-replay: error: {exc}", file=sys.stderr)
-        return 2
+    with warnings.catch_warnings():
+        if not args.debug:
+            warnings.showwarning = _warn
+        try:
+            previous = signal.signal(signal.SIGTERM, _terminate)
+        except ValueError:  # not the main thread: SIGTERM keeps its handler
+            previous = _KEEP
+        try:
+            if args.command in _FILE_OUTPUTS:
+                check_output(args.out)
+            args.func(args)
+        except KeyboardInterrupt as interrupt:
+            if args.debug:
+                raise
+            checkpoint = getattr(args, "checkpoint", None)
+            kept = (f"; finished traces are saved in {checkpoint}, rerun to resume"
+                    if checkpoint else "")
+            print(f"trace-replay: interrupted{kept}", file=sys.stderr)
+            return 143 if isinstance(interrupt, _Terminated) else 130
+        except _USER_ERRORS as error:
+            if args.debug:
+                raise
+            print(f"trace-replay: error: {_message(error)}", file=sys.stderr)
+            return 2
+        except Exception as error:  # noqa: BLE001 - a bug: still one line, --debug shows it
+            if args.debug:
+                raise
+            print(f"trace-replay: internal error: {type(error).__name__}: {error} "
+                  "(rerun with --debug for the traceback)", file=sys.stderr)
+            return 1
+        finally:
+            if previous is not _KEEP:
+                signal.signal(signal.SIGTERM, previous)
     return 0
 
 

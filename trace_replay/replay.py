@@ -51,14 +51,15 @@ def prepare_requests(traces: TraceSet, max_model_len: int | None, *,
         prompt, tokens = trace.prompt_token_ids, trace.trace_token_ids
         if not prompt:
             raise TraceError("empty prompt: decode replay needs at least one prompt token",
-                             trace_id=trace.id)
+                             trace_id=trace.id, location=traces.location(trace.id))
         if max_model_len is not None and len(prompt) + len(tokens) > max_model_len:
             room = max_model_len - len(prompt)
             problem = (f"prompt ({len(prompt)}) + trace ({len(tokens)}) tokens exceed the "
                        f"engine's max_model_len {max_model_len}")
             if not truncate or room < 1:
-                raise TraceError(problem + ("" if truncate else "; pass truncate=True to cut"),
-                                 trace_id=trace.id)
+                hint = "" if truncate else "; allow cutting with truncate=True (CLI: --truncate)"
+                raise TraceError(problem + hint, trace_id=trace.id,
+                                 location=traces.location(trace.id))
             tokens = tokens[:room]
             notes.append(f"trace {trace.id!r}: {problem}; cut to {room} tokens")
             warnings.warn(notes[-1], stacklevel=3)
@@ -72,7 +73,8 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
            speculative: dict[str, Any] | None = None, engine_args: dict[str, Any] | None = None,
            progress: bool = True, checkpoint: str | os.PathLike | None = None,
            shard: tuple[int, int] | None = None, truncate: bool = False,
-           chunk_size: int | None = None, deterministic: bool = False) -> pd.DataFrame:
+           chunk_size: int | None = None, checkpoint_every: float = 10.0,
+           deterministic: bool = False) -> pd.DataFrame:
     """Replay every trace through a model's decode path and score each trace token.
 
     At each decode step the engine computes its normal next-token distribution, the emitted
@@ -112,14 +114,20 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
     progress
         Show a tqdm bar over traces.
     checkpoint
-        Folder for resumable runs: finished traces are written there as Parquet parts and a
-        rerun with the same folder skips them.
+        Folder for resumable runs: finished traces are written there as checksummed Parquet
+        parts, and a rerun skips the traces whose tokens, ``ref_logprobs`` and engine
+        settings are unchanged. Runs sharing a folder split the traces between them.
     shard
         ``(index, count)``: replay only this deterministic slice (by hash of the trace id).
+        A shard holding no trace gives an empty result, with a warning.
     truncate
         Cut traces that do not fit the engine's context instead of raising.
     chunk_size
-        Traces handed to the engine at a time (and written per checkpoint part).
+        Traces handed to the engine at a time, and at most per checkpoint part (default
+        4 x ``batch_size``).
+    checkpoint_every
+        With ``checkpoint``: seconds of compute after which finished traces are written,
+        however few (engine calls shrink to whole batches to keep to it).
     deterministic
         Batch-invariant arithmetic (torch and prefill engines): every column of a trace's
         rows is the same bits whatever ``batch_size``, ``chunk_size``, ``shard``, the other
@@ -148,10 +156,17 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
     >>> df[["step", "token", "rank"]].values.tolist()
     [[0, ' Paris', 1], [1, '.', 1]]
     """
+    _check_arguments(shard=shard, chunk_size=chunk_size, checkpoint_every=checkpoint_every,
+                     truncate=truncate, progress=progress, checkpoint=checkpoint)
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     traceset = load_traces(traces)
+    if not len(traceset):
+        raise TraceError("no traces to replay", location=traceset.source)
     if shard is not None:
-        traceset = traceset.shard(*shard)
+        total, traceset = len(traceset), traceset.shard(*shard)
+        if not len(traceset):
+            warnings.warn(f"shard {shard[0]}/{shard[1]} holds none of the {total} traces of "
+                          f"{traceset.source}: its result is empty on purpose", stacklevel=2)
     if isinstance(engine, str):
         engine_obj = make_engine(engine, model, dtype=dtype, device=device,
                                  batch_size=batch_size, top_k=top_k, speculative=speculative,
@@ -159,7 +174,7 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
         with engine_obj:
             return _replay(traceset, engine_obj, progress=progress, checkpoint=checkpoint,
                            shard=shard, truncate=truncate, chunk_size=chunk_size,
-                           started=started)
+                           checkpoint_every=checkpoint_every, started=started)
     if not all(callable(getattr(engine, m, None)) for m in ("run", "settings", "stats")):
         raise TypeError(f"engine must be a name ({', '.join(ENGINES)}) or an Engine, "
                         f"got {type(engine).__name__}")
@@ -175,45 +190,78 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
         raise ValueError("deterministic=True, but the engine passed was built without it; "
                          "build it with make_engine(..., deterministic=True)")
     return _replay(traceset, engine, progress=progress, checkpoint=checkpoint, shard=shard,
-                   truncate=truncate, chunk_size=chunk_size, started=started)
+                   truncate=truncate, chunk_size=chunk_size, checkpoint_every=checkpoint_every,
+                   started=started)
+
+
+def _check_arguments(*, shard: Any, chunk_size: Any, checkpoint_every: Any, truncate: Any,
+                     progress: Any, checkpoint: Any) -> None:
+    """Refuse a bad argument before anything is loaded (engine settings: EngineConfig)."""
+    if shard is not None:
+        if (not isinstance(shard, (tuple, list)) or len(shard) != 2
+                or not all(_is_int(x) for x in shard) or not 0 <= shard[0] < shard[1]):
+            raise ValueError(f"shard must be (index, count) with 0 <= index < count, got {shard!r}")
+    if chunk_size is not None and (not _is_int(chunk_size) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+    if (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, (int, float))
+            or not checkpoint_every >= 0):
+        raise ValueError(f"checkpoint_every must be seconds >= 0, got {checkpoint_every!r}")
+    for name, value in (("truncate", truncate), ("progress", progress)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+    if checkpoint is not None and not isinstance(checkpoint, (str, os.PathLike)):
+        raise ValueError(f"checkpoint must be a folder path, got {type(checkpoint).__name__}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
             checkpoint: str | os.PathLike | None, shard: tuple[int, int] | None,
-            truncate: bool, chunk_size: int | None, started: str) -> pd.DataFrame:
+            truncate: bool, chunk_size: int | None, checkpoint_every: float,
+            started: str) -> pd.DataFrame:
     settings = engine.settings()
     tokenizer = engine.tokenizer
     traceset = traceset.tokenize(tokenizer)
     requests, cut_notes = prepare_requests(traceset, engine.max_model_len, truncate=truncate)
-    store = Checkpoint(checkpoint, settings) if checkpoint is not None else None
-    finished = store.finished_ids() if store is not None else set()
-    pending = [r for r in requests if r.trace_id not in finished]
     by_id = {t.id: t for t in traceset}
     decode = TokenDecoder(tokenizer)
-    chunk = chunk_size or max(engine.batch_size, 1) * 4
-    frames = []
-    with tqdm(total=len(requests), initial=len(requests) - len(pending), unit="trace",
-              disable=not progress, desc=f"replay[{engine.name}]") as bar:
-        for start in range(0, len(pending), chunk):
-            frame = to_frame(engine.run(pending[start:start + chunk]), by_id, decode)
-            if store is not None:
-                store.write(frame)
-            frames.append(frame)
-            bar.update(min(chunk, len(pending) - start))
-    result = store.read() if store is not None else (
-        pd.concat(frames, ignore_index=True) if frames else to_frame([], by_id, decode))
-    wanted = {r.trace_id: i for i, r in enumerate(requests)}
-    result = result[result["trace_id"].isin(wanted)]
-    result = (result.assign(_order=result["trace_id"].map(wanted))
-              .sort_values(["_order", "step"], kind="stable")
-              .drop(columns="_order").reset_index(drop=True))
+    batch = max(engine.batch_size, 1)
+    chunk = chunk_size or batch * 4
+    resumed = 0
+    with tqdm(total=len(requests), unit="trace", disable=not progress,
+              desc=f"replay[{engine.name}]") as bar:
+        if checkpoint is None:
+            frames = []
+            for start in range(0, len(requests), chunk):
+                group = requests[start:start + chunk]
+                frames.append(to_frame(engine.run(group), by_id, decode))
+                bar.update(len(group))
+            result = pd.concat(frames, ignore_index=True) if frames else None
+        else:
+            refs = {t.id: t.ref_logprobs for t in traceset}
+            with Checkpoint(checkpoint, settings, requests, refs, batch_size=batch,
+                            max_traces=chunk, every_s=checkpoint_every) as store:
+                resumed = store.resumed
+                bar.update(resumed)
+                result = None
+                while result is None:
+                    group = store.claim()
+                    if group:
+                        store.add(to_frame(engine.run(group), by_id, decode))
+                        bar.update(len(group))
+                    elif not store.waiting():  # other runs hold claims on our traces: wait
+                        result = store.read()  # None: a part failed verification, go on
+    if result is None or result.empty:
+        result = to_frame([], by_id, decode)
     if not any(t.ref_logprobs is not None for t in traceset):
         result = result.drop(columns="ref_logprob")
     result.attrs = {
         **settings,
         **engine.stats(),
         "num_traces": len(requests),
-        "resumed_traces": len(requests) - len(pending),
+        "resumed_traces": resumed,
         "truncated": cut_notes,
         "shard": list(shard) if shard is not None else None,
         "source": traceset.source,

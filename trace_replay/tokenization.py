@@ -18,6 +18,12 @@ that the prompt alone also encodes to, and the trace is the rest. So
   recorded (``Trace.meta["prompt_tail_in_trace"]``).
 
 To score other tokens than these, give ``prompt_token_ids``/``trace_token_ids`` instead.
+
+Special-token text: a prompt is text as a request sends it, so ``"<|im_start|>"`` in a prompt
+is the control token, as in vLLM and ``transformers``. A completion is what the model wrote,
+and the same characters there are ambiguous (the control token, or text about it?), so
+completion text holding a special token's text is refused, naming the token: to force
+control tokens, give ``trace_token_ids``.
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ from typing import Any
 
 from trace_replay.trace_record import Trace, TraceError
 
-__all__ = ["common_prefix_length", "encode", "split_text", "tokenize_text_trace"]
+__all__ = ["common_prefix_length", "encode", "refuse_special_text", "split_text",
+           "tokenize_text_trace"]
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -94,6 +101,19 @@ def split_text(tokenizer: Any, prompt: str, completion: str) -> tuple[list[int],
     return whole[:cut], whole[cut:], tail
 
 
+def refuse_special_text(tokenizer: Any, text: str, name: str) -> None:
+    """Raise `TraceError` if ``text`` holds a special token's text (e.g. ``<|im_end|>``)."""
+    specials = set(getattr(tokenizer, "all_special_tokens", ()))
+    specials |= {token.content for token in getattr(tokenizer, "added_tokens_decoder", {}).values()
+                 if getattr(token, "special", False)}
+    found = [(text.find(token), token) for token in specials if token and token in text]
+    if found:
+        at, token = min(found)
+        raise TraceError(f"{name} holds the special token text {token!r} at character {at}, "
+                         "which could mean the control token or plain text; give "
+                         "trace_token_ids to force control tokens")
+
+
 def tokenize_text_trace(trace: Trace, tokenizer: Any) -> Trace:
     """``trace`` (prompt/completion, not chat) with its missing token ids filled in.
 
@@ -103,6 +123,8 @@ def tokenize_text_trace(trace: Trace, tokenizer: Any) -> Trace:
     """
     if trace.is_tokenized:
         return trace
+    if trace.trace_token_ids is None:
+        refuse_special_text(tokenizer, trace.completion, "completion")
     if trace.prompt_token_ids is None and trace.trace_token_ids is None:
         prompt_ids, trace_ids, tail = split_text(tokenizer, trace.prompt, trace.completion)
         meta = {**trace.meta, "prompt_tail_in_trace": tail} if tail else trace.meta

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import numbers
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
@@ -11,6 +12,7 @@ from typing import NoReturn
 __all__ = ["FIELDS", "JSON_FIELDS", "TURNS", "Trace", "TraceError"]
 
 TURNS = ("last", "all")  # which assistant turns of a chat trace are replayed
+_LOGPROB_SLACK = 1e-6  # producers round log(1) to tiny positive values; more is no logprob
 
 
 class TraceError(ValueError):
@@ -98,6 +100,7 @@ class Trace:
             json.dumps(self.meta)
         except (TypeError, ValueError) as error:
             self._fail(f"meta is not JSON-serializable: {error}")
+        self._check_unicode()
 
     @property
     def is_tokenized(self) -> bool:
@@ -135,7 +138,27 @@ class Trace:
         for i, value in enumerate(values):
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 self._fail(f"ref_logprobs[{i}] = {value!r} is not a number")
+            # NaN reads as "no reference" downstream; -inf is a log-probability (p = 0)
+            if math.isnan(value):
+                self._fail(f"ref_logprobs[{i}] is NaN (leave out ref_logprobs when a trace "
+                           "has none)")
+            if value > _LOGPROB_SLACK:
+                self._fail(f"ref_logprobs[{i}] = {value} is positive; a log-probability is <= 0")
         return tuple(float(value) for value in values)
+
+    def _check_unicode(self) -> None:
+        """Text must be valid Unicode: a lone surrogate (JSON ``"\\ud800"``) cannot be encoded."""
+        texts = {"id": self.id, "prompt": self.prompt, "completion": self.completion}
+        texts |= {name: json.dumps(getattr(self, name), ensure_ascii=False)
+                  for name in ("messages", "tools", "meta") if getattr(self, name) is not None}
+        for name, text in texts.items():
+            if text is None:
+                continue
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as error:
+                self._fail(f"{name} holds a lone surrogate {text[error.start]!r} (character "
+                           f"{error.start}), which is not valid Unicode text")
 
     def _check_chat(self) -> None:
         # a recorded reply may keep its text beside its ids, which win (as for text traces)

@@ -7,11 +7,13 @@ Every reader yields ``(location, record)`` pairs, the location naming the record
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import json
 import numbers
 import os
 import sys
+import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -32,7 +34,7 @@ def read_records(source: Any) -> tuple[str, Iterable[tuple[str, Any]]]:
     """
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
-        kind = path.name.removesuffix(".gz").rpartition(".")[2]
+        kind = path.name.lower().removesuffix(".gz").rpartition(".")[2]
         readers = {"jsonl": _jsonl_rows, "json": _json_rows, "parquet": _parquet_rows}
         if kind not in readers:
             raise TraceError("unknown trace file type (expected .jsonl, .json or .parquet)",
@@ -85,26 +87,65 @@ def open_text(path: str | os.PathLike, mode: str, *, gzipped: bool) -> IO[str]:
     return open(path, mode, encoding="utf-8")
 
 
+def _gzipped(path: Path) -> bool:
+    return path.suffix.lower() == ".gz"
+
+
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    with open_text(path, "r", gzipped=path.suffix == ".gz") as file:
-        for line_number, line in enumerate(file, start=1):
-            if line.strip():
-                location = f"{path}:{line_number}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise TraceError(f"malformed JSON: {error.msg} (column {error.colno})",
-                                     location=location) from None
-                yield location, record
+    for line_number, line in _lines(path):
+        if line.strip():
+            location = f"{path}:{line_number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise TraceError(f"malformed JSON: {error.msg} (column {error.colno})",
+                                 location=location) from None
+            yield location, record
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """The numbered lines of a UTF-8 file (gzip-compressed when ``.gz``, a BOM allowed).
+
+    Bytes that are not UTF-8 and damaged or truncated gzip data are errors naming the line.
+    """
+    file = (gzip.open if _gzipped(path) else open)(path, "rb")
+    number = 0
+    with file:
+        try:
+            for number, raw in enumerate(file, start=1):
+                yield number, _decode(raw.removeprefix(codecs.BOM_UTF8) if number == 1 else raw,
+                                      f"{path}:{number}")
+        except (OSError, EOFError, zlib.error) as error:  # gzip.BadGzipFile is an OSError
+            raise TraceError(f"gzip data is damaged or truncated ({error})",
+                             location=f"{path}:{number + 1}") from None
+
+
+def _decode(raw: bytes, location: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise TraceError(f"not UTF-8 text: byte {raw[error.start]:#04x} at byte "
+                         f"{error.start + 1} of the line", location=location) from None
 
 
 def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    with open_text(path, "r", gzipped=path.suffix == ".gz") as file:
-        try:
-            data = json.load(file)
-        except json.JSONDecodeError as error:
-            raise TraceError(f"malformed JSON: {error.msg} (column {error.colno})",
-                             location=f"{path}:{error.lineno}") from None
+    try:
+        with (gzip.open if _gzipped(path) else open)(path, "rb") as file:
+            data = file.read().removeprefix(codecs.BOM_UTF8)
+    except (EOFError, zlib.error, gzip.BadGzipFile) as error:
+        raise TraceError(f"gzip data is damaged or truncated ({error})",
+                         location=str(path)) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise TraceError(f"not UTF-8 text: byte {data[error.start]:#04x}",
+                         location=f"{path}:{line}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise TraceError(f"malformed JSON: {error.msg} (column {error.colno})",
+                         location=f"{path}:{error.lineno}") from None
     if isinstance(data, dict) and "traces" in data:
         data = data["traces"]
     if not isinstance(data, list):
@@ -113,9 +154,15 @@ def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    records = pq.read_table(path).to_pylist()
+    try:
+        records = pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError) as error:
+        if isinstance(error, FileNotFoundError):
+            raise
+        raise TraceError(f"not a readable Parquet file ({error})", location=str(path)) from None
     return ((f"{path} row {i}", record) for i, record in enumerate(records))
 
 

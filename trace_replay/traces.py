@@ -55,6 +55,10 @@ class TraceSet(collections.abc.Sequence):
         """The trace ids, in order."""
         return [trace.id for trace in self._traces]
 
+    def location(self, trace_id: str) -> str:
+        """Where trace ``trace_id`` was read from: ``path:LINE``, ``path[INDEX]`` or a row."""
+        return self._locations[trace_id]
+
     def __len__(self) -> int:
         return len(self._traces)
 

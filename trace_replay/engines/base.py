@@ -78,8 +78,27 @@ class EngineConfig:
             from trace_replay.models import resolve_dtype
 
             resolve_dtype(self.dtype)  # raises on an unknown name
-        if isinstance(self.device, str):
-            torch.device(self.device)  # raises on a malformed device string
+        if self.device is not None:
+            _check_device(self.device)
+
+
+def _check_device(device: str | torch.device) -> None:
+    """Refuse a malformed device, or one this machine does not have, before any loading."""
+    if not isinstance(device, (str, torch.device)):
+        raise ValueError(f"device must be a str or torch.device, got {type(device).__name__}")
+    try:
+        device = torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"device {device!r} is not a device name ({error})") from None
+    backend = getattr(torch, device.type, None) if device.type in ("cuda", "mps", "xpu") else None
+    if backend is not None:
+        count = backend.device_count() if backend.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device {str(device)!r} is not available on this machine "
+                             f"(torch.{device.type}.is_available() is False)")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device {str(device)!r} does not exist: this machine has "
+                             f"{count} {device.type} device(s)")
 
 
 @runtime_checkable

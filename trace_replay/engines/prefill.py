@@ -4,10 +4,17 @@ The baseline to set decode replay against: same weights, but prefill kernels ove
 whole sequence instead of one decode step at a time. With ``deterministic`` the forward is
 :class:`~trace_replay.engines.invariant_backend.InvariantBackend`'s, row by row: a trace's
 numbers do not depend on the batch, and they are the bits its decode replay gives.
+
+Memory: the model body runs once per batch; the lm_head and the log-softmax run over the
+scored positions in chunks of ``score_chunk_bytes``, so full-vocabulary logits never exist
+for more than one chunk and peak memory does not grow with trace length beyond the model's
+own activations. While forward hooks watch the engine (``on_batch`` set, as
+:mod:`trace_replay.capture` does), the model's own forward runs instead, logits included.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -15,10 +22,14 @@ import torch
 
 from trace_replay.engines.base import EngineBase, EngineConfig, ReplayRequest, TraceResult
 from trace_replay.engines.results import split_results
-from trace_replay.engines.scoring import collect_rows, score_tokens
+from trace_replay.engines.scoring import TokenScores, collect_rows, score_tokens
 from trace_replay.models import model_for_engine
 
-__all__ = ["PrefillEngine"]
+__all__ = ["PrefillEngine", "SCORE_CHUNK_BYTES"]
+
+# memory for one chunk of scored positions: logits and the log-softmax temporaries
+SCORE_CHUNK_BYTES = 256 * 2**20
+_BYTES_PER_LOGIT = 20  # float32 logits, log-probs, p*log(p), a comparison mask, slack
 
 
 class PrefillEngine(EngineBase):
@@ -42,6 +53,7 @@ class PrefillEngine(EngineBase):
         self.batch_size = config.batch_size or (64 if weight.device.type == "cuda" else 8)
         self.top_k = config.top_k
         self.max_model_len = getattr(self.lm.config, "max_position_embeddings", None)
+        self.score_chunk_bytes = SCORE_CHUNK_BYTES
         self.deterministic = config.deterministic
         self.backend = None
         if self.deterministic:
@@ -50,6 +62,7 @@ class PrefillEngine(EngineBase):
             self.backend = InvariantBackend(self.lm, cuda_graphs=False)
             self.engine_path += "[invariant]"
         self._forwards = 0
+        self._split = self._head_is_separable()
 
     def settings(self) -> dict:
         settings = super().settings()
@@ -89,17 +102,27 @@ class PrefillEngine(EngineBase):
             rows += [row] * r.trace_len
             cols += range(r.prompt_len - 1, r.prompt_len - 1 + r.trace_len)
             targets += r.trace_token_ids
-        # the lm_head only runs where a trace token is scored (prompts can be long)
-        first = min(cols)
         device = self.torch_device
-        keep = torch.arange(first, max(cols) + 1, device=device)
-        logits = self.lm(input_ids=input_ids.to(device), attention_mask=mask.to(device),
-                         logits_to_keep=keep).logits
-        rows_t = torch.tensor(rows, device=device)
-        cols_t = torch.tensor(cols, device=device) - first
+        rows_t, cols_t = torch.tensor(rows, device=device), torch.tensor(cols, device=device)
         targets_t = torch.tensor(targets, device=device)
+        input_ids, mask = input_ids.to(device), mask.to(device)
+        # hooks watching the forwards (on_batch: trace_replay.capture) see the model's own
+        if self._split and self.on_batch is None:
+            states = self.lm.base_model(input_ids=input_ids, attention_mask=mask)
+            scored, head = states.last_hidden_state[rows_t, cols_t], self._head
+        else:  # the model's own logits, only where a trace token is scored
+            first = min(cols)
+            keep = torch.arange(first, max(cols) + 1, device=device)
+            logits = self.lm(input_ids=input_ids, attention_mask=mask, logits_to_keep=keep).logits
+            scored, head = logits[rows_t, cols_t - first], None
         self._forwards += 1
-        host = collect_rows(score_tokens(logits[rows_t, cols_t], targets_t, self.top_k), targets_t)
+        step = max(1, self.score_chunk_bytes // (self._vocab_size() * _BYTES_PER_LOGIT))
+        chunks = []
+        for a in range(0, len(targets), step):
+            logits = scored[a:a + step] if head is None else head(scored[a:a + step])
+            chunks.append(score_tokens(logits, targets_t[a:a + step], self.top_k))
+        scores = TokenScores(*(torch.cat(parts) for parts in zip(*chunks)))
+        host = collect_rows(scores, targets_t)
         bounds = np.cumsum([0] + [r.trace_len for r in batch])
         return split_results(batch, host, [np.arange(a, b) for a, b in zip(bounds, bounds[1:])])
 
@@ -115,3 +138,35 @@ class PrefillEngine(EngineBase):
         host = collect_rows(self.backend.score(logits, targets, self.top_k), targets)
         bounds = np.cumsum([0] + [r.trace_len for r in batch])
         return split_results(batch, host, [np.arange(a, b) for a, b in zip(bounds, bounds[1:])])
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits from final hidden states, as the model's own forward computes them."""
+        logits = self.lm.get_output_embeddings()(hidden)
+        cap = getattr(self.lm.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _vocab_size(self) -> int:
+        return self.lm.get_output_embeddings().weight.shape[0]
+
+    @torch.inference_mode()
+    def _head_is_separable(self) -> bool:
+        """Whether body + :meth:`_head` give the model's own logits (checked on 3 tokens).
+
+        A model whose head does more than a projection and soft-capping (a logit scale…)
+        falls back to its own forward, which holds logits for every scored position.
+        """
+        body, head = self.lm.base_model, self.lm.get_output_embeddings()
+        if body is self.lm or head is None:
+            separable = False
+        else:
+            ids = torch.tensor([[1, 2, 3]], device=self.torch_device)
+            own = self.lm(input_ids=ids).logits.float()
+            split = self._head(body(input_ids=ids).last_hidden_state).float()
+            separable = torch.allclose(own, split, rtol=1e-3, atol=1e-3)
+        if not separable:
+            warnings.warn(f"prefill: {self.model_label} has no plain lm_head; scoring uses its "
+                          "full logits (memory grows with trace length)", RuntimeWarning,
+                          stacklevel=3)
+        return separable

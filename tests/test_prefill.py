@@ -1,0 +1,30 @@
+"""The prefill engine: teacher-forced scores, with the lm_head run in bounded chunks."""
+
+from __future__ import annotations
+
+import pytest
+
+from trace_replay.engines import make_engine
+from trace_replay.replay import replay
+
+pytestmark = pytest.mark.slow
+
+
+def test_lm_head_runs_in_bounded_chunks(lm, real_traces, reference64):
+    """Full-vocabulary logits exist for at most one chunk of positions, and scores stay exact."""
+    from conftest import assert_matches_reference
+
+    engine = make_engine("prefill", lm, batch_size=6, top_k=3)
+    vocab = lm.get_output_embeddings().weight.shape[0]
+    engine.score_chunk_bytes = 4 * vocab * 20  # 4 positions a chunk
+    rows_seen = []
+    hook = lm.get_output_embeddings().register_forward_hook(
+        lambda module, args, out: rows_seen.append(out.shape[:-1].numel()))
+    try:
+        df = replay(real_traces, engine=engine, progress=False)
+    finally:
+        hook.remove()
+    assert len(df) == sum(len(t.trace_token_ids) for t in real_traces)
+    assert max(rows_seen) <= 4
+    assert sum(rows_seen) == len(df)  # no logits for prompt or padding positions
+    assert_matches_reference(df, reference64)

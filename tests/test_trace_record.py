@@ -1,0 +1,37 @@
+"""Trace records: reference logprobs and text that cannot be replayed are refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trace_replay.traces import TraceError, load_traces
+
+BASE = {"id": "t", "prompt_token_ids": [1], "trace_token_ids": [2, 3]}
+
+
+@pytest.mark.parametrize(("value", "problem"), [
+    (float("nan"), "is NaN"), (float("inf"), "= inf is positive"), (0.5, "= 0.5 is positive")])
+def test_ref_logprobs_must_be_log_probabilities(value, problem):
+    """NaN (indistinguishable from "no reference"), +inf and positive values are refused."""
+    with pytest.raises(TraceError, match=rf"row 0: trace 't': ref_logprobs\[1\] {problem}"):
+        load_traces([{**BASE, "ref_logprobs": [-0.5, value]}])
+
+
+def test_ref_logprobs_of_certainty_and_impossibility_are_kept():
+    """0.0 (p = 1), rounding just above it, and -inf (p = 0) are valid log-probabilities."""
+    trace = load_traces([{**BASE, "ref_logprobs": [0.0, 1e-9]},
+                         {**BASE, "id": "u", "ref_logprobs": [-1.0, float("-inf")]}])
+    assert trace[0].ref_logprobs == (0.0, 1e-9)
+    assert trace[1].ref_logprobs == (-1.0, float("-inf"))
+
+
+def test_lone_surrogate_is_named(tmp_path):
+    """JSON "\\ud800" parses to a str no tokenizer can encode: an error naming line and field."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(BASE) + "\n"
+                    + '{"id": "s", "prompt": "a\\ud800b", "completion": " x"}\n')
+    with pytest.raises(TraceError, match=rf"{path}:2: trace 's': prompt holds a lone "
+                                         r"surrogate '\\ud800' \(character 1\)"):
+        load_traces(path)
