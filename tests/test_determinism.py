@@ -87,11 +87,11 @@ def test_resume_equals_uninterrupted_bitwise(engines, reference, run, fail_at, t
     calls = {"n": 0}
     real_run = engine.run
 
-    def dying_run(requests):
+    def dying_run(requests, **kwargs):
         calls["n"] += 1
         if calls["n"] == fail_at:
             raise KeyboardInterrupt
-        return real_run(requests)
+        return real_run(requests, **kwargs)
 
     engine.run = dying_run
     try:

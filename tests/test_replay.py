@@ -68,11 +68,11 @@ def test_resume_equals_uninterrupted(lm, real_traces, tmp_path):
     calls = {"n": 0}
     real_run = engine.run
 
-    def dying_run(requests):
+    def dying_run(requests, **kwargs):
         calls["n"] += 1
         if calls["n"] == 2:
             raise Interrupted
-        return real_run(requests)
+        return real_run(requests, **kwargs)
 
     engine.run = dying_run
     try:
@@ -85,6 +85,19 @@ def test_resume_equals_uninterrupted(lm, real_traces, tmp_path):
     resumed = replay(real_traces, engine=engine, progress=False, checkpoint=ckpt, chunk_size=2)
     assert resumed.attrs["resumed_traces"] == 2
     assert_frames_bitwise_equal(resumed, full)
+
+
+def test_resumed_run_says_what_it_skipped(engine, real_traces, tmp_path, capsys):
+    """A rerun over a checkpoint names how many traces and tokens were already done, and
+    the progress bar counts tokens."""
+    replay(real_traces[:2], engine=engine, progress=False, checkpoint=tmp_path)
+    capsys.readouterr()
+    replay(real_traces, engine=engine, progress=True, checkpoint=tmp_path)
+    err = capsys.readouterr().err
+    done = sum(len(t.trace_token_ids) for t in real_traces[:2])
+    assert f"2 of 6 traces ({done} tokens) already done, 4 to replay" in err
+    total = sum(len(t.trace_token_ids) for t in real_traces)
+    assert f"{total}/{total}" in err and "tok/s" in err
 
 
 def test_checkpoint_refuses_other_settings(engine, real_traces, tmp_path, lm):

@@ -97,3 +97,29 @@ def test_greedy_record_replays_at_rank_1(lm, tokenizer):
     top = df["top_logprobs"].map(lambda v: v[0])
     assert ((df["rank"] == 1) | (top - df["logprob"] < 1e-5)).all()
     np.testing.assert_allclose(df["logprob"], df["ref_logprob"], atol=1e-4)
+
+
+@pytest.mark.parametrize("speculative", [None, {"method": "trace", "num_tokens": 3},
+                                         {"method": "ngram", "num_tokens": 3}])
+def test_progress_counts_tokens_within_a_wave(lm, real_traces, tokenizer, speculative):
+    """run(on_tokens=) reports every trace token exactly once, step by step inside one wave
+    (not once per wave), and never more than was committed."""
+    from trace_replay.replay import prepare_requests
+
+    requests, _ = prepare_requests(real_traces.tokenize(tokenizer), None)
+    engine = make_engine("torch", lm, batch_size=len(requests), speculative=speculative)
+    reported = []
+    engine.run(requests, on_tokens=reported.append)
+    assert sum(reported) == sum(r.trace_len for r in requests)
+    assert all(n > 0 for n in reported)
+    assert len(reported) >= 4  # one wave of traces up to 20 tokens: many updates
+
+
+def test_cpu_threads_restored_after_run(engine, real_traces):
+    """The engine runs on its own thread count and gives the caller's back afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    replay(real_traces[:1], engine=engine, progress=False)
+    assert torch.get_num_threads() == before
+    assert 1 <= engine.stats()["threads"] <= before

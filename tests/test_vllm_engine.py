@@ -92,3 +92,14 @@ def test_greedy_record_replays_at_rank_1(engine):
     top = df["top_logprobs"].map(lambda v: v[0])
     assert ((df["rank"] == 1) | (top - df["logprob"] < 1e-5)).all()
     np.testing.assert_allclose(df["logprob"], df["ref_logprob"], atol=1e-4)
+
+
+def test_progress_counts_tokens_as_they_are_decoded(engine, real_traces, tokenizer):
+    """run(on_tokens=) reports every trace token once, step by step (not per request)."""
+    from trace_replay.replay import prepare_requests
+
+    requests, _ = prepare_requests(real_traces.tokenize(tokenizer), engine.max_model_len)
+    reported = []
+    engine.run(requests, on_tokens=reported.append)
+    assert sum(reported) == sum(r.trace_len for r in requests)
+    assert len(reported) >= max(r.trace_len for r in requests)  # at least one per step

@@ -121,6 +121,7 @@ class Checkpoint:
             self._claims.close()
             raise
         self.resumed = sum(1 for d in self._requests if self._held[d])
+        self.resumed_tokens = sum(r.trace_len for d, r in self._requests.items() if self._held[d])
 
     def __enter__(self) -> Checkpoint:
         return self

@@ -3,6 +3,13 @@
 Errors print one line (``trace-replay: error: …``) and exit with status 2 (1 for an
 internal error); Ctrl-C exits with 130 and SIGTERM with 143, after saving the finished
 traces of a ``--checkpoint`` run. ``--debug`` shows tracebacks instead.
+
+The parser is plain :mod:`argparse`: the command is a thin shell over
+:func:`trace_replay.replay` and friends, so a CLI library (click, typer) would add a
+dependency for nothing argparse lacks, and every option stays one ``add_argument`` line.
+:class:`_HelpFormatter` (``RawDescriptionHelpFormatter`` + appended defaults, as
+``ArgumentDefaultsHelpFormatter`` does) keeps the examples' line breaks and prints each
+option's default; options whose default is ``None`` say in their help what ``None`` means.
 """
 
 from __future__ import annotations
@@ -48,10 +55,19 @@ def _write_frame(df, out: str) -> None:
     write_atomic(out, lambda tmp: df.to_parquet(tmp, index=False))
 
 
+def _input_file(path: str, what: str) -> str:
+    """The path, or a one-line error naming what was expected there."""
+    if Path(path).is_dir():
+        raise IsADirectoryError(f"{what} {path} is a folder, not a file")
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{what} {path} does not exist")
+    return path
+
+
 def _cmd_replay(args) -> None:
     from trace_replay.replay import replay
 
-    traces = args.traces
+    traces = _input_file(args.traces, "traces file")
     if args.format != "traces" or args.turns is not None:
         from trace_replay.traces import load_traces
 
@@ -61,12 +77,13 @@ def _cmd_replay(args) -> None:
 
             tokenizer = load_tokenizer(args.model)
         traces = load_traces(traces, format=args.format, turns=args.turns, tokenizer=tokenizer)
-    df = replay(traces, args.model, engine=args.engine, top_k=args.top_k,
-                dtype=args.dtype, device=args.device, batch_size=args.batch_size,
-                speculative=args.speculative, engine_args=dict(args.engine_arg) or None,
-                progress=not args.quiet, checkpoint=args.checkpoint, shard=args.shard,
-                truncate=args.truncate, chunk_size=args.chunk_size,
-                deterministic=args.deterministic)
+    df = replay(traces, args.model, engine=args.engine,
+                top_k=args.top_k, dtype=args.dtype, device=args.device,
+                batch_size=args.batch_size, speculative=args.speculative,
+                engine_args=dict(args.engine_arg) or None, progress=not args.quiet,
+                checkpoint=args.checkpoint, shard=args.shard, truncate=args.truncate,
+                chunk_size=args.chunk_size, deterministic=args.deterministic,
+                verbose=args.verbose)
     _write_frame(df, args.out)
     print(f"{df['trace_id'].nunique()} traces, {len(df)} tokens "
           f"({df.attrs.get('engine_path')}) -> {args.out}")
@@ -75,7 +92,7 @@ def _cmd_replay(args) -> None:
 def _cmd_record(args) -> None:
     from trace_replay.record import record
 
-    path = Path(args.prompts)
+    path = Path(_input_file(args.prompts, "prompts file"))
     lines = path.read_text().splitlines()
     if path.suffix != ".jsonl":
         prompts = [line for line in lines if line.strip()]
@@ -89,99 +106,174 @@ def _cmd_record(args) -> None:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{number}: malformed JSON ({exc.msg})") from None
     traces = record(prompts, args.model, engine=args.engine, max_tokens=args.max_tokens,
-                    temperature=args.temperature, seed=args.seed)
+                    temperature=args.temperature, seed=args.seed, top_k=args.top_k,
+                    batch_size=args.batch_size, engine_args=dict(args.engine_arg) or None,
+                    verbose=args.verbose)
     (traces.to_parquet if args.out.endswith(".parquet") else traces.to_jsonl)(args.out)
     print(f"{len(traces)} traces -> {args.out}")
 
 
 def _cmd_merge(args) -> None:
-    import pandas as pd
+    from trace_replay.merge import merge_results
 
-    frames = [pd.read_parquet(p) for p in args.parts]
-    merged = pd.concat(frames, ignore_index=True)
-    dup = merged.duplicated(subset=["trace_id", "step"])
-    if dup.any():
-        raise ValueError(f"trace {merged.loc[dup, 'trace_id'].iloc[0]!r} appears in two parts")
-    merged.attrs = {**frames[0].attrs, "merged_from": [str(p) for p in args.parts]}
+    merged = merge_results(args.parts)
     _write_frame(merged, args.out)
-    print(f"{len(frames)} parts, {merged['trace_id'].nunique()} traces -> {args.out}")
+    print(f"{len(args.parts)} parts, {merged.attrs['num_traces']} traces -> {args.out}")
 
 
 def _cmd_report(args) -> None:
     from trace_replay.report import write_report
 
-    out = write_report(args.results, args.results_b, out=args.out, tol=args.tol)
+    results_b = args.results_b and _input_file(args.results_b, "results file")
+    out = write_report(_input_file(args.results, "results file"), results_b, out=args.out,
+                       tol=args.tol)
     print(f"report -> {out}")
 
 
 def _cmd_demo(args) -> None:
     from trace_replay.demo import run_demo
 
-    run_demo(out=args.out, engines=args.engines, limit=args.limit)
+    run_demo(out=args.out, engines=args.engines, limit=args.limit, verbose=args.verbose)
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Examples keep their line breaks; an option's default is appended to its help."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or not action.option_strings or action.required
+                or action.default is None or action.default is False
+                or action.default == argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _command(sub, name: str, summary: str, examples: str, func) -> argparse.ArgumentParser:
+    """A subcommand whose help shows ``summary`` and, below the options, ``examples``."""
+    parser = sub.add_parser(name, help=summary, description=summary,
+                            epilog="examples:\n" + examples, formatter_class=_HelpFormatter)
+    parser.set_defaults(func=func)
+    return parser
+
+
+def _engine_options(p: argparse.ArgumentParser) -> None:
+    """What configures an engine, shared by replay and record."""
+    p.add_argument("--model", default=None, help="local folder or model name in the "
+                   "Hugging Face cache (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--top-k", type=int, default=5, help="alternatives recorded per step")
+    p.add_argument("--batch-size", type=int, default=None, help="request slots; vLLM's "
+                   "max_num_seqs; vllm-server: requests in flight (default: 8 on CPU and 64 "
+                   "on CUDA for torch/prefill, vLLM's own for vllm, 32 for vllm-server)")
+    p.add_argument("--engine-arg", type=_engine_arg, action="append", default=[],
+                   metavar="KEY=VALUE", help="passed to vllm.LLM, VALUE read as JSON when it "
+                   "parses (repeatable; default: none), e.g. max_model_len=4096; vllm-server: "
+                   "base_url=http://HOST:PORT/v1 (required), api, api_key, timeout_s, "
+                   "max_retries")
+    p.add_argument("--verbose", action="store_true",
+                   help="show vLLM's start-up logging (default: errors only)")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trace-replay", description=__doc__.splitlines()[0])
-    parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from trace_replay import __version__
 
-    p = sub.add_parser("replay", help="replay traces and write a Parquet result")
-    p.add_argument("traces", help="JSONL / JSON / Parquet traces")
+    parser = argparse.ArgumentParser(
+        prog="trace-replay", formatter_class=_HelpFormatter,
+        description="Replay token traces through a language model's real decode path and "
+                    "score every trace token (logprob, rank, top-k); compare runs.",
+        epilog="examples:\n"
+               "  trace-replay replay data/humaneval_human.jsonl --engine torch --out r.parquet\n"
+               "  trace-replay report r.parquet --out r.html\n"
+               "  trace-replay <command> --help    every option of a command")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show tracebacks instead of one-line errors")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="<command>")
+
+    p = _command(sub, "replay", "replay traces through an engine and write a Parquet result",
+                 "  trace-replay replay data/gsm8k_cot_model.jsonl --engine torch "
+                 "--out out/torch.parquet\n"
+                 "  trace-replay replay traces.jsonl --engine vllm --dtype bfloat16 "
+                 "--engine-arg max_model_len=4096 --out bf16.parquet\n"
+                 "  trace-replay replay traces.jsonl --shard 0/4 --checkpoint run0/ "
+                 "--out part0.parquet", _cmd_replay)
+    p.add_argument("traces", help="traces file: JSONL, JSON or Parquet")
+    p.add_argument("--out", required=True, help="result file (.parquet) to write")
     p.add_argument("--format", default="traces", choices=["traces", "openai"],
-                   help="openai: logs of an OpenAI-compatible server (token texts are mapped "
-                        "with --model's tokenizer)")
+                   help="openai: logs of an OpenAI-compatible server, their logprobs as "
+                        "ref_logprob (token texts are mapped with --model's tokenizer)")
     p.add_argument("--turns", default=None, choices=["last", "all"],
-                   help="chat traces: replay the last assistant turn or all of them")
+                   help="chat traces: replay the last assistant turn or every one (default: "
+                        "each record's own, else last)")
     p.add_argument("--engine", default="auto",
-                   choices=["auto", "vllm", "torch", "prefill", "vllm-server"])
-    p.add_argument("--model", default=None, help="folder or cached model name (default: embedded)")
-    p.add_argument("--out", required=True, help="results .parquet")
-    p.add_argument("--top-k", type=int, default=5)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--device", default=None)
-    p.add_argument("--batch-size", type=int, default=None)
+                   choices=["auto", "vllm", "torch", "prefill", "vllm-server"],
+                   help="auto: vLLM when it starts, else torch (with a warning); vllm-server: "
+                        "a running server (trace-replay serve), --engine-arg base_url=…")
+    _engine_options(p)
+    p.add_argument("--dtype", default=None,
+                   help="weights' dtype, e.g. bfloat16 (default: the weights' own, float32 "
+                        "for the embedded model)")
+    p.add_argument("--device", default=None, help="torch/prefill device, e.g. cpu or cuda:1 "
+                   "(default: CUDA when available, else CPU)")
     p.add_argument("--speculative", type=_speculative, default=None, metavar="METHOD[:K]",
-                   help="torch engine verify path, e.g. trace:8 or ngram:4")
-    p.add_argument("--engine-arg", type=_engine_arg, action="append", default=[],
-                   metavar="KEY=VALUE", help="passed to vllm.LLM (repeatable); vllm-server: "
-                   "base_url=http://HOST:PORT/v1, api, api_key, timeout_s, max_retries")
-    p.add_argument("--checkpoint", default=None, help="folder for resumable runs")
-    p.add_argument("--shard", type=_shard, default=None, metavar="I/N")
-    p.add_argument("--truncate", action="store_true", help="cut traces that do not fit")
+                   help="torch engine: verify K drafts per forward, METHOD trace or ngram, "
+                        "e.g. trace:8 (default: off; K defaults to 4)")
+    p.add_argument("--checkpoint", default=None, metavar="FOLDER", help="write finished "
+                   "traces here as they finish; a rerun skips them (default: none)")
+    p.add_argument("--shard", type=_shard, default=None, metavar="I/N",
+                   help="replay only slice I of N, e.g. 0/4 (default: all traces)")
+    p.add_argument("--truncate", action="store_true",
+                   help="cut traces longer than the context instead of failing")
     p.add_argument("--chunk-size", type=int, default=None,
-                   help="traces per engine call and per checkpoint part")
+                   help="traces per engine call and per checkpoint part "
+                        "(default: 4 x the batch size)")
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant numbers: a trace's results never depend on its batch")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=_cmd_replay)
 
-    p = sub.add_parser("record", help="generate traces with reference logprobs")
-    p.add_argument("prompts", help="a .txt (one prompt a line) or records with id/prompt")
-    p.add_argument("--out", required=True, help="traces .jsonl or .parquet")
-    p.add_argument("--engine", default="vllm", choices=["vllm", "torch"])
-    p.add_argument("--model", default=None)
-    p.add_argument("--max-tokens", type=int, required=True)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=_cmd_record)
+    p = _command(sub, "record", "generate traces with the engine's own logprobs as "
+                 "ref_logprobs", "  trace-replay record prompts.txt --max-tokens 64 "
+                 "--out traces.jsonl\n"
+                 "  trace-replay record prompts.jsonl --engine torch --max-tokens 128 "
+                 "--temperature 0.7 --seed 1 --out traces.parquet", _cmd_record)
+    p.add_argument("prompts", help="a .txt file (one prompt per line) or a .jsonl file of "
+                   "records with id and prompt (or prompt_token_ids)")
+    p.add_argument("--out", required=True, help="traces file to write (.jsonl or .parquet)")
+    p.add_argument("--max-tokens", type=int, required=True,
+                   help="tokens generated per prompt at most (stops earlier at EOS)")
+    p.add_argument("--engine", default="vllm", choices=["vllm", "torch"],
+                   help="the engine that generates")
+    _engine_options(p)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
 
-    p = sub.add_parser("merge", help="concatenate shard results")
-    p.add_argument("parts", nargs="+")
-    p.add_argument("--out", required=True)
-    p.set_defaults(func=_cmd_merge)
+    p = _command(sub, "merge", "join the result files of a sharded run into one",
+                 "  trace-replay merge part0.parquet part1.parquet part2.parquet part3.parquet "
+                 "--out all.parquet", _cmd_merge)
+    p.add_argument("parts", nargs="+", help="result files of one run (same engine, model, "
+                   "dtype, top-k…; refused otherwise)")
+    p.add_argument("--out", required=True, help="merged result file (.parquet) to write")
 
-    p = sub.add_parser("report", help="self-contained HTML report of one or two results")
-    p.add_argument("results")
-    p.add_argument("results_b", nargs="?", default=None)
-    p.add_argument("--out", default="report.html")
-    p.add_argument("--tol", type=float, default=1e-3)
-    p.set_defaults(func=_cmd_report)
+    p = _command(sub, "report", "write a self-contained HTML report of one result, or of two "
+                 "compared", "  trace-replay report fp32.parquet --out fp32.html\n"
+                 "  trace-replay report fp32.parquet bf16.parquet --tol 1e-2 "
+                 "--out fp32_vs_bf16.html", _cmd_report)
+    p.add_argument("results", help="result file (.parquet)")
+    p.add_argument("results_b", nargs="?", default=None,
+                   help="second result file to compare against the first (optional)")
+    p.add_argument("--out", default="report.html", help="HTML file to write")
+    p.add_argument("--tol", type=float, default=1e-3,
+                   help="|Δlogprob| above which a token counts as diverged")
 
-    p = sub.add_parser("demo", help="replay the bundled dataset (vLLM and prefill)")
-    p.add_argument("--out", default="out")
-    p.add_argument("--engines", default="vllm,prefill")
-    p.add_argument("--limit", type=int, default=None, help="traces per dataset")
-    p.set_defaults(func=_cmd_demo)
+    p = _command(sub, "demo", "replay the bundled traces with several engines; print a table, "
+                 "write results and a figure", "  trace-replay demo --out out\n"
+                 "  trace-replay demo --engines torch,prefill --limit 4 --out out",
+                 _cmd_demo)
+    p.add_argument("--out", default="out", help="folder for results_*.parquet and demo.png")
+    p.add_argument("--engines", default="vllm,prefill", help="comma-separated engines")
+    p.add_argument("--limit", type=int, default=None,
+                   help="traces per bundled file (default: all)")
+    p.add_argument("--verbose", action="store_true",
+                   help="show vLLM's start-up logging (default: errors only)")
 
     _add_serve(sub)
     return parser
@@ -199,6 +291,10 @@ def _add_serve(sub) -> None:
             options[-1] += f" {arg}"
     template = " \\\n    ".join(options)
     epilog = (
+        "examples:\n"
+        "  trace-replay serve --port 8000\n"
+        "  trace-replay serve --model ~/models/my-model --host 0.0.0.0 -- --max-model-len 4096\n"
+        "  trace-replay serve --dry-run    print the command only\n\n"
         "It runs, in this Python environment (the first line it prints is the exact argv):\n"
         f"  vllm serve MODEL_FOLDER \\\n    {template} \\\n    [VLLM_ARGS]\n"
         "with --host/--port as given, NAME = --model (default SmolLM2-135M-Instruct) and "
@@ -214,14 +310,14 @@ def _add_serve(sub) -> None:
         "      --engine-arg base_url=http://HOST:8000/v1 --out r.parquet")
     p = sub.add_parser("serve", help="start a vLLM server that replays traces "
                        "(--engine vllm-server)", epilog=epilog,
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       formatter_class=_HelpFormatter,
                        description="Start a vLLM OpenAI-compatible server that loads the "
                        "trace-forcing logits processor, in the foreground.")
     p.add_argument("--model", default=None, help="folder or cached model name "
                    "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on "
                    "(0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--dry-run", action="store_true", help="print the command and exit")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, metavar="-- VLLM_ARGS",
                    help="more vllm serve options, after --; they win over the ones above")

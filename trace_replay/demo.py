@@ -40,8 +40,11 @@ def engine_table(results: dict[str, pd.DataFrame]) -> pd.DataFrame:
 
 
 def run_demo(out: str | Path = "out", engines: str = "vllm,prefill",
-             limit: int | None = None) -> dict[str, pd.DataFrame]:
-    """Replay the bundled traces with each engine; print summaries, write Parquet and a figure."""
+             limit: int | None = None, verbose: bool = False) -> dict[str, pd.DataFrame]:
+    """Replay the bundled traces with each engine; print summaries, write Parquet and a figure.
+
+    ``verbose`` shows vLLM's start-up logging (by default only its errors).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,7 +61,7 @@ def run_demo(out: str | Path = "out", engines: str = "vllm,prefill",
     results = {}
     for name in [e.strip() for e in engines.split(",") if e.strip()]:
         start = time.perf_counter()
-        df = replay(traces, engine=name)
+        df = replay(traces, engine=name, verbose=verbose)
         df.attrs["wall_s"] = round(time.perf_counter() - start, 1)
         df.to_parquet(out / f"results_{name}.parquet", index=False)
         results[name] = df

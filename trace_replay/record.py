@@ -33,7 +33,7 @@ def _prompt_records(prompts) -> list[dict]:
 def record(prompts: Iterable, model=None, *, engine="vllm", max_tokens: int,
            temperature: float = 0.0, seed: int = 0, top_k: int = 5,
            batch_size: int | None = None, engine_args: dict | None = None,
-           stop_at_eos: bool = True) -> TraceSet:
+           stop_at_eos: bool = True, verbose: bool = False) -> TraceSet:
     """Generate one trace per prompt, keeping the engine's own logprobs as ``ref_logprobs``.
 
     Parameters
@@ -54,8 +54,8 @@ def record(prompts: Iterable, model=None, *, engine="vllm", max_tokens: int,
         ``stop_at_eos`` (the EOS is kept in the trace).
     temperature, seed
         Greedy at 0, else seeded sampling.
-    top_k
-        Unused by generation; kept for symmetry with :func:`replay` engine settings.
+    top_k, batch_size, engine_args, verbose
+        As in :func:`trace_replay.replay` (``top_k`` is unused by generation).
 
     Returns
     -------
@@ -68,7 +68,7 @@ def record(prompts: Iterable, model=None, *, engine="vllm", max_tokens: int,
         if engine not in ("vllm", "torch"):
             raise ValueError(f"record runs on 'vllm' or 'torch', not {engine!r}")
         engine = make_engine(engine, model, batch_size=batch_size, top_k=top_k,
-                             engine_args=engine_args)
+                             engine_args=engine_args, verbose=verbose)
     elif not isinstance(engine, Generator):
         raise TypeError(f"engine {getattr(engine, 'name', engine)!r} cannot generate; "
                         "record with the 'vllm' or 'torch' engine")

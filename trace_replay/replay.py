@@ -6,6 +6,7 @@ import datetime as dt
 import importlib.metadata
 import os
 import platform
+import sys
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -74,7 +75,7 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
            progress: bool = True, checkpoint: str | os.PathLike | None = None,
            shard: tuple[int, int] | None = None, truncate: bool = False,
            chunk_size: int | None = None, checkpoint_every: float = 10.0,
-           deterministic: bool = False) -> pd.DataFrame:
+           deterministic: bool = False, verbose: bool = False) -> pd.DataFrame:
     """Replay every trace through a model's decode path and score each trace token.
 
     At each decode step the engine computes its normal next-token distribution, the emitted
@@ -112,11 +113,12 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
         (``"auto"``, ``"generate"``, ``"completions"``), ``api_key``, ``timeout_s``,
         ``max_retries``.
     progress
-        Show a tqdm bar over traces.
+        Show a tqdm bar counting trace tokens as they are scored.
     checkpoint
         Folder for resumable runs: finished traces are written there as checksummed Parquet
         parts, and a rerun skips the traces whose tokens, ``ref_logprobs`` and engine
-        settings are unchanged. Runs sharing a folder split the traces between them.
+        settings are unchanged (and says how many). Runs sharing a folder split the traces
+        between them.
     shard
         ``(index, count)``: replay only this deterministic slice (by hash of the trace id).
         A shard holding no trace gives an empty result, with a warning.
@@ -134,6 +136,8 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
         traces, their order, and interruption and resume; decode replay and prefill then
         agree bitwise too. For vLLM, its batch-invariant mode where the platform has one
         (``df.attrs["batch_invariant"]`` says whether it ran). Recorded in ``df.attrs``.
+    verbose
+        Show the engine's own start-up logging (vLLM's); by default only its errors.
 
     Returns
     -------
@@ -170,7 +174,8 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
     if isinstance(engine, str):
         engine_obj = make_engine(engine, model, dtype=dtype, device=device,
                                  batch_size=batch_size, top_k=top_k, speculative=speculative,
-                                 engine_args=engine_args, deterministic=deterministic)
+                                 engine_args=engine_args, deterministic=deterministic,
+                                 verbose=verbose)
         with engine_obj:
             return _replay(traceset, engine_obj, progress=progress, checkpoint=checkpoint,
                            shard=shard, truncate=truncate, chunk_size=chunk_size,
@@ -183,6 +188,8 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
     given = sorted(name for name, value in given.items() if value is not None)
     if top_k != 5:
         given.append("top_k")
+    if verbose:
+        given.append("verbose")
     if given:
         raise ValueError(f"{', '.join(given)} configure an engine; an engine object was passed, "
                          "so give them to make_engine instead")
@@ -230,29 +237,44 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
     batch = max(engine.batch_size, 1)
     chunk = chunk_size or batch * 4
     resumed = 0
-    with tqdm(total=len(requests), unit="trace", disable=not progress,
+    total = sum(r.trace_len for r in requests)
+    with tqdm(total=total, unit="tok", disable=not progress,
               desc=f"replay[{engine.name}]") as bar:
+        counted = 0  # tokens shown so far (bar.n stays 0 when the bar is disabled)
+
+        def advance(tokens: int) -> None:
+            nonlocal counted
+            counted += tokens
+            bar.update(tokens)
+
+        def run(group: list[ReplayRequest]) -> pd.DataFrame:
+            target = counted + sum(r.trace_len for r in group)
+            frame = to_frame(engine.run(group, on_tokens=advance), by_id, decode)
+            advance(max(target - counted, 0))  # an engine that reported fewer catches up
+            return frame
+
         if checkpoint is None:
-            frames = []
-            for start in range(0, len(requests), chunk):
-                group = requests[start:start + chunk]
-                frames.append(to_frame(engine.run(group), by_id, decode))
-                bar.update(len(group))
+            frames = [run(requests[start:start + chunk])
+                      for start in range(0, len(requests), chunk)]
             result = pd.concat(frames, ignore_index=True) if frames else None
         else:
             refs = {t.id: t.ref_logprobs for t in traceset}
             with Checkpoint(checkpoint, settings, requests, refs, batch_size=batch,
                             max_traces=chunk, every_s=checkpoint_every) as store:
                 resumed = store.resumed
-                bar.update(resumed)
+                advance(store.resumed_tokens)
+                if resumed and progress:
+                    bar.write(f"replay: resuming {checkpoint}: {resumed} of {len(requests)} "
+                              f"traces ({store.resumed_tokens} tokens) already done, "
+                              f"{len(requests) - resumed} to replay", file=sys.stderr)
                 result = None
                 while result is None:
                     group = store.claim()
                     if group:
-                        store.add(to_frame(engine.run(group), by_id, decode))
-                        bar.update(len(group))
+                        store.add(run(group))
                     elif not store.waiting():  # other runs hold claims on our traces: wait
                         result = store.read()  # None: a part failed verification, go on
+                advance(max(total - counted, 0))  # traces other runs sharing it replayed
     if result is None or result.empty:
         result = to_frame([], by_id, decode)
     if not any(t.ref_logprobs is not None for t in traceset):
@@ -260,6 +282,7 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
     result.attrs = {
         **settings,
         **engine.stats(),
+        "settings_keys": sorted(settings),  # which attrs make two runs comparable (merge)
         "num_traces": len(requests),
         "resumed_traces": resumed,
         "truncated": cut_notes,

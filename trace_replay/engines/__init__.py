@@ -27,13 +27,14 @@ ENGINES = ("auto", "torch", "prefill", "vllm", "vllm-server")
 ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {
     "torch": ("speculative", "backend"),
     "prefill": (),
-    "vllm": ("engine_args", "native"),
+    "vllm": ("engine_args", "native"),  # and verbose, which every engine takes
     "vllm-server": ("engine_args",),
 }
 
 
 def make_engine(name: str, model: Any = None, *, dtype=None, device=None,
                 batch_size: int | None = None, top_k: int = 5, deterministic: bool = False,
+                verbose: bool = False,
                 **options: Any) -> Engine:
     """Build the engine ``name``.
 
@@ -48,6 +49,9 @@ def make_engine(name: str, model: Any = None, *, dtype=None, device=None,
         Batch-invariant arithmetic: every number of a trace is the same bits whatever the
         batch, the other traces and their order (torch and prefill engines; vLLM's
         batch-invariant mode where its platform has one, else a warning).
+    verbose
+        Show the engine's own start-up logging (vLLM prints ~30 lines); by default only
+        its errors are shown.
     **options
         Engine-specific: ``speculative``, ``backend`` (torch); ``engine_args``, ``native``
         (vllm); ``engine_args`` (vllm-server: ``base_url``, ``api``, ``api_key``,
@@ -64,7 +68,7 @@ def make_engine(name: str, model: Any = None, *, dtype=None, device=None,
                           top_k=top_k, deterministic=deterministic)
     options = {k: v for k, v in options.items() if v is not None}
     if name == "auto":
-        return _make_auto(config, options)
+        return _make_auto(config, options, verbose)
     unknown = sorted(set(options) - set(ENGINE_OPTIONS[name]))
     if unknown:
         takes = ", ".join(ENGINE_OPTIONS[name]) or "no options"
@@ -77,33 +81,37 @@ def make_engine(name: str, model: Any = None, *, dtype=None, device=None,
         from trace_replay.engines.prefill import PrefillEngine
 
         return PrefillEngine(config)
-    if name == "vllm-server":
+    if name == "vllm-server":  # the server's own logging stays in the server
         from trace_replay.engines.server_engine import ServerEngine
 
         return ServerEngine(config, **options)
-    from trace_replay.engines.vllm_engine import VLLMEngine
+    from trace_replay.engines.inprocess import quiet_startup
 
-    return VLLMEngine(config, **options)
+    with quiet_startup(verbose):  # importing vllm logs platform guesses (Triton, CPU)
+        from trace_replay.engines.vllm_engine import VLLMEngine
+
+    return VLLMEngine(config, verbose=verbose, **options)
 
 
-def _make_auto(config: EngineConfig, options: dict[str, Any]) -> Engine:
+def _make_auto(config: EngineConfig, options: dict[str, Any], verbose: bool) -> Engine:
     """vLLM when it is installed and starts, else the torch engine; say which and why."""
     if "speculative" in options:
         reason = "speculative verify runs in the torch engine"
     elif config.deterministic and (why := batch_invariance_unavailable(config.device)):
         reason = f"deterministic: {why}"
-    elif importlib.util.find_spec("vllm") is None:
-        reason = "vllm is not installed"
     else:
-        try:
-            engine = make_engine("vllm", **vars(config), **options)
-        except Exception as exc:  # noqa: BLE001 - any start-up failure falls back, said below
-            reason = f"vllm failed to start: {type(exc).__name__}: {exc}"
-            warnings.warn(f"engine='auto' falls back to the torch engine ({reason})",
-                          RuntimeWarning, stacklevel=3)
+        if importlib.util.find_spec("vllm") is None:
+            reason = "vllm is not installed; pip install 'trace-replay[cpu]' or '[gpu]'"
         else:
-            engine.selected_by = "auto: vllm"
-            return engine
+            try:
+                engine = make_engine("vllm", **vars(config), verbose=verbose, **options)
+            except Exception as exc:  # noqa: BLE001 - any start-up failure falls back, said below
+                reason = f"vllm failed to start: {type(exc).__name__}: {exc}"
+            else:
+                engine.selected_by = "auto: vllm"
+                return engine
+        warnings.warn(f"engine='auto' falls back to the torch engine ({reason})",
+                      RuntimeWarning, stacklevel=3)
     torch_options = {k: v for k, v in options.items() if k in ENGINE_OPTIONS["torch"]}
     engine = make_engine("torch", **vars(config), **torch_options)
     engine.selected_by = f"auto: torch ({reason})"

@@ -105,7 +105,9 @@ def _check_device(device: str | torch.device) -> None:
 class Engine(Protocol):
     """What :func:`trace_replay.replay` needs from an engine.
 
-    ``run`` keeps the order of its requests; ``tokenizer`` is the model's (text traces are
+    ``run`` keeps the order of its requests and calls ``on_tokens(n)`` as ``n`` more trace
+    tokens are scored (at least once per batch, so progress moves within a batch);
+    ``tokenizer`` is the model's (text traces are
     tokenized with it). ``settings`` is fixed once the engine is built
     (two runs with equal settings are comparable); ``stats`` accumulates over ``run`` calls.
     ``close`` releases the model and any worker processes; engines are context managers.
@@ -117,7 +119,8 @@ class Engine(Protocol):
 
     def settings(self) -> dict[str, Any]: ...
 
-    def run(self, requests: Sequence[ReplayRequest]) -> list[TraceResult]: ...
+    def run(self, requests: Sequence[ReplayRequest], *,
+            on_tokens: Callable[[int], None] | None = None) -> list[TraceResult]: ...
 
     def stats(self) -> dict[str, Any]: ...
 

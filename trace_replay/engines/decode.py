@@ -33,16 +33,20 @@ def forced_step(logits: torch.Tensor, slots: SlotTable, idx_mapping: torch.Tenso
 
 def replay_steps(backend, slots: SlotTable, idx_mapping: torch.Tensor, logits: torch.Tensor,
                  num_steps: int, top_k: int,
-                 score: Scorer = score_tokens) -> tuple[Steps, torch.Tensor]:
+                 score: Scorer = score_tokens,
+                 on_step: Callable[[int], None] | None = None) -> tuple[Steps, torch.Tensor]:
     """Forced decoding for ``num_steps`` steps; one token per row per step.
 
     Returns the steps and the ``[num_steps, B]`` count of tokens each row committed per
-    forward (all ones here; the verify loop commits a variable number).
+    forward (all ones here; the verify loop commits a variable number). ``on_step(step)``
+    is called after each step (host only: it reads nothing back).
     """
     steps: Steps = []
     for step in range(num_steps):
         sampled, scores = forced_step(logits, slots, idx_mapping, top_k, score)
         steps.append((scores, sampled))
+        if on_step is not None:
+            on_step(step)
         if step == num_steps - 1:
             break
         positions = (slots.total_len(idx_mapping) - 1)[:, None]

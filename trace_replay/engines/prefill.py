@@ -15,7 +15,7 @@ own activations. While forward hooks watch the engine (``on_batch`` set, as
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -23,6 +23,7 @@ import torch
 from trace_replay.engines.base import EngineBase, EngineConfig, ReplayRequest, TraceResult
 from trace_replay.engines.results import split_results
 from trace_replay.engines.scoring import TokenScores, collect_rows, score_tokens
+from trace_replay.engines.threads import engine_threads, intra_op_threads
 from trace_replay.models import model_for_engine
 
 __all__ = ["PrefillEngine", "SCORE_CHUNK_BYTES"]
@@ -52,6 +53,7 @@ class PrefillEngine(EngineBase):
         self.dtype = str(weight.dtype).replace("torch.", "")
         self.batch_size = config.batch_size or (64 if weight.device.type == "cuda" else 8)
         self.top_k = config.top_k
+        self.threads = engine_threads() if weight.device.type == "cpu" else None
         self.max_model_len = getattr(self.lm.config, "max_position_embeddings", None)
         self.score_chunk_bytes = SCORE_CHUNK_BYTES
         self.deterministic = config.deterministic
@@ -71,17 +73,25 @@ class PrefillEngine(EngineBase):
         return settings
 
     def stats(self) -> dict:
-        return {"forwards": self._forwards}
+        stats = {"forwards": self._forwards}
+        if self.threads is not None:
+            stats["threads"] = self.threads
+        return stats
 
     def close(self) -> None:
         self.lm = self.backend = None
 
     @torch.inference_mode()
-    def run(self, requests: Sequence[ReplayRequest]) -> list[TraceResult]:
+    def run(self, requests: Sequence[ReplayRequest], *,
+            on_tokens: Callable[[int], None] | None = None) -> list[TraceResult]:
         """Score ``requests``; results come back in the order given."""
         results = []
-        for start in range(0, len(requests), self.batch_size):
-            results.extend(self._run_batch(requests[start:start + self.batch_size]))
+        with intra_op_threads(self.threads):
+            for start in range(0, len(requests), self.batch_size):
+                batch = requests[start:start + self.batch_size]
+                results.extend(self._run_batch(batch))
+                if on_tokens is not None:
+                    on_tokens(sum(r.trace_len for r in batch))
         return results
 
     def _run_batch(self, batch: Sequence[ReplayRequest]) -> list[TraceResult]:

@@ -12,9 +12,10 @@ which also does the scoring, so that no number of a trace depends on its batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from trace_replay.engines.base import EngineBase, EngineConfig, ReplayRequest, TraceResult
@@ -25,6 +26,7 @@ from trace_replay.engines.results import wave_results
 from trace_replay.engines.scoring import score_tokens
 from trace_replay.engines.slots import SlotTable, waves
 from trace_replay.engines.static_backend import StaticCacheBackend, supports
+from trace_replay.engines.threads import engine_threads, intra_op_threads
 from trace_replay.engines.verify import verify_steps
 from trace_replay.models import model_for_engine
 
@@ -68,6 +70,7 @@ class TorchEngine(EngineBase):
         self.dtype = str(weight.dtype).replace("torch.", "")
         self.batch_size = config.batch_size or (64 if weight.device.type == "cuda" else 8)
         self.top_k = config.top_k
+        self.threads = engine_threads() if weight.device.type == "cpu" else None
         self.deterministic = config.deterministic
         self.max_model_len = getattr(self.lm.config, "max_position_embeddings", None)
         pad = self.lm.config.pad_token_id
@@ -107,6 +110,8 @@ class TorchEngine(EngineBase):
     def stats(self) -> dict[str, Any]:
         """Forwards run so far and, for verify, the draft acceptance rate."""
         stats: dict[str, Any] = {"forwards": self.backend.forwards}
+        if self.threads is not None:
+            stats["threads"] = self.threads
         if self.speculative is not None:
             stats["acceptance_rate"] = (self._accepted / self._drafted if self._drafted
                                         else float("nan"))
@@ -116,15 +121,20 @@ class TorchEngine(EngineBase):
         self.backend = self.lm = None
 
     @torch.inference_mode()
-    def run(self, requests: Sequence[ReplayRequest]) -> list[TraceResult]:
+    def run(self, requests: Sequence[ReplayRequest], *,
+            on_tokens: Callable[[int], None] | None = None) -> list[TraceResult]:
         """Replay ``requests``; results come back in the order given."""
         results: dict[int, TraceResult] = {}
-        for indices in waves(requests, self.batch_size):
-            wave = [requests[i] for i in indices]
-            results.update(zip(indices, self._run_wave(wave)))
+        with intra_op_threads(self.threads):
+            for indices in waves(requests, self.batch_size):
+                wave = [requests[i] for i in indices]
+                progress = _WaveProgress(wave, on_tokens)
+                results.update(zip(indices, self._run_wave(wave, progress)))
+                progress.finish()
         return [results[i] for i in range(len(requests))]
 
-    def _run_wave(self, wave: Sequence[ReplayRequest]) -> list[TraceResult]:
+    def _run_wave(self, wave: Sequence[ReplayRequest],
+                  progress: _WaveProgress) -> list[TraceResult]:
         if self.on_batch is not None:
             self.on_batch(wave)
         idx_mapping = self.slots.admit(wave)
@@ -132,11 +142,15 @@ class TorchEngine(EngineBase):
         logits = self.backend.prefill([r.prompt_token_ids for r in wave], longest)
         if self.speculative is None:
             steps, counts = replay_steps(self.backend, self.slots, idx_mapping, logits,
-                                         longest, self.top_k, self.score)
+                                         longest, self.top_k, self.score,
+                                         on_step=progress.forward(1))
         else:
             method, k = self.speculative
+            # trace drafts are all accepted (k + 1 per forward); n-gram ones at least 1
             verified = verify_steps(self.backend, self.slots, idx_mapping, logits, wave,
-                                    method=method, k=k, top_k=self.top_k, score=self.score)
+                                    method=method, k=k, top_k=self.top_k, score=self.score,
+                                    on_forward=progress.forward(k + 1 if method == "trace"
+                                                                else 1))
             steps, counts = verified.steps, verified.counts
             self._drafted += verified.drafted
             self._accepted += verified.accepted
@@ -153,17 +167,46 @@ class TorchEngine(EngineBase):
         """
         generator = torch.Generator(device=self.torch_device).manual_seed(seed)
         outputs = []
-        for start in range(0, len(prompts), self.batch_size):
-            wave = [ReplayRequest(str(i), tuple(p), ()) for i, p in
-                    enumerate(prompts[start:start + self.batch_size])]
-            idx_mapping = self.slots.admit(wave)
-            logits = self.backend.prefill([r.prompt_token_ids for r in wave], max_tokens)
-            tokens, logprobs = generate_steps(
-                self.backend, self.slots, idx_mapping, logits, max_tokens=max_tokens,
-                temperature=temperature, generator=generator, eos_token_id=eos_token_id,
-                score=self.score)
-            for row_ids, row_lps in zip(tokens.cpu().tolist(), logprobs.double().cpu().tolist()):
-                end = (row_ids.index(eos_token_id) + 1 if eos_token_id in row_ids
-                       else len(row_ids))
-                outputs.append((row_ids[:end], row_lps[:end]))
+        with intra_op_threads(self.threads):
+            for start in range(0, len(prompts), self.batch_size):
+                wave = [ReplayRequest(str(i), tuple(p), ()) for i, p in
+                        enumerate(prompts[start:start + self.batch_size])]
+                idx_mapping = self.slots.admit(wave)
+                logits = self.backend.prefill([r.prompt_token_ids for r in wave], max_tokens)
+                tokens, logprobs = generate_steps(
+                    self.backend, self.slots, idx_mapping, logits, max_tokens=max_tokens,
+                    temperature=temperature, generator=generator, eos_token_id=eos_token_id,
+                    score=self.score)
+                for row_ids, row_lps in zip(tokens.cpu().tolist(),
+                                            logprobs.double().cpu().tolist()):
+                    end = (row_ids.index(eos_token_id) + 1 if eos_token_id in row_ids
+                           else len(row_ids))
+                    outputs.append((row_ids[:end], row_lps[:end]))
         return outputs
+
+
+class _WaveProgress:
+    """Tokens committed by a wave so far, from its trace lengths alone (no device reads).
+
+    Forward ``i`` brings every row to ``min(1 + i * per_forward, trace_len)`` tokens; a
+    lower bound for n-gram verify, whose remainder :meth:`finish` reports.
+    """
+
+    def __init__(self, wave: Sequence[ReplayRequest],
+                 on_tokens: Callable[[int], None] | None) -> None:
+        self.lengths = np.array([r.trace_len for r in wave])
+        self.on_tokens = on_tokens
+        self.reported = 0
+
+    def _report(self, done: int) -> None:
+        if self.on_tokens is not None and done > self.reported:
+            self.on_tokens(done - self.reported)
+            self.reported = done
+
+    def forward(self, per_forward: int) -> Callable[[int], None] | None:
+        if self.on_tokens is None:
+            return None
+        return lambda i: self._report(int(np.minimum(1 + i * per_forward, self.lengths).sum()))
+
+    def finish(self) -> None:
+        self._report(int(self.lengths.sum()))

@@ -8,7 +8,7 @@ backend's KV cache but are masked out of attention for every later step (``backe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,14 +31,20 @@ class VerifyResult:
 
 
 def verify_steps(backend, slots: SlotTable, idx_mapping: torch.Tensor, logits: torch.Tensor,
-                 wave: Sequence[ReplayRequest], *, method: str, k: int,
-                 top_k: int, score: Scorer = score_tokens) -> VerifyResult:
-    """Replay ``wave`` verifying ``k`` drafts per forward; the first step is a plain one."""
+                 wave: Sequence[ReplayRequest], *, method: str, k: int, top_k: int,
+                 score: Scorer = score_tokens,
+                 on_forward: Callable[[int], None] | None = None) -> VerifyResult:
+    """Replay ``wave`` verifying ``k`` drafts per forward; the first step is a plain one.
+
+    ``on_forward(i)`` is called after forward ``i`` (0: the plain step); host only.
+    """
+    on_forward = on_forward or (lambda forward: None)
     device = logits.device
     batch = len(wave)
     trace_len = torch.tensor([r.trace_len for r in wave], device=device)
     sampled, scores = forced_step(logits, slots, idx_mapping, top_k, score)
     steps: Steps = [(scores, sampled)]
+    on_forward(0)
     counts = [torch.ones(batch, dtype=torch.int32, device=device)]
     context = _context(wave, sampled)
     last = sampled
@@ -77,6 +83,7 @@ def verify_steps(backend, slots: SlotTable, idx_mapping: torch.Tensor, logits: t
         context.scatter_(1, torch.where(keep, total_len[:, None] + offsets,
                                         context.shape[1] - 1), verified)
         remaining -= 1
+        on_forward(len(steps) - 1)
         if method != "trace":
             # acceptance is data-dependent: one host read per forward (not per token)
             remaining = int((trace_len - slots.steps_done(idx_mapping)).max().item())

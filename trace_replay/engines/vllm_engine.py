@@ -9,7 +9,9 @@ Two paths, chosen at start-up and recorded in ``settings()["engine_path"]``:
   ``logprobs_mode="raw_logprobs"`` makes vLLM compute the reported logprobs *before* logits
   processors run, so logprob, rank and top-k are those of the unmodified distribution.
 
-Entropy is not reported by vLLM; the column is NaN for this engine.
+The engine core runs in this process, started quietly and leaving the process as it was
+(:mod:`~trace_replay.engines.inprocess`). Entropy is not reported by vLLM; the column is NaN
+for this engine.
 
 ``deterministic=True`` turns on vLLM's own batch-invariant mode (``VLLM_BATCH_INVARIANT=1``
 for the engine's processes) where vLLM supports it — NVIDIA GPUs of compute capability
@@ -19,18 +21,23 @@ goes ahead with a warning, and ``settings()["batch_invariant"]`` is False.
 
 from __future__ import annotations
 
+import gc
 import inspect
-import os
+import itertools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 from vllm import LLM, SamplingParams
+from vllm import envs as vllm_envs
 from vllm.inputs import TokensPrompt
+from vllm.sampling_params import RequestOutputKind
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from trace_replay.engines.base import EngineBase, EngineConfig, ReplayRequest, TraceResult
+from trace_replay.engines.inprocess import QuietLogs, engine_core_mode, hosted_startup
+from trace_replay.engines.threads import engine_threads, intra_op_threads
 from trace_replay.engines.vllm_invariance import batch_invariance_unavailable, batch_invariant_env
 from trace_replay.models import hf_folder, model_label, resolve_dtype
 from trace_replay.serve import TRACE_KEY
@@ -155,6 +162,12 @@ class TraceForcingProcessor(LogitsProcessor):
 class VLLMEngine(EngineBase):
     """Replay through ``vllm.LLM`` (native trace replay when available, else forcing).
 
+    The engine core runs in this process (:mod:`~trace_replay.engines.inprocess`), so a
+    script needs no ``if __name__ == "__main__":`` guard and no idle engine process competes
+    with the torch engine for cores; ``VLLM_ENABLE_V1_MULTIPROCESSING=1``, set by the user,
+    gives vLLM its own process back (then scripts need the guard). ``settings()`` records
+    which (``engine_core``).
+
     Parameters
     ----------
     config
@@ -167,24 +180,25 @@ class VLLMEngine(EngineBase):
     native
         ``None`` tries the native path first where the platform can run it; ``False`` forces
         the logits-processor path; ``True`` requires the native path.
+    verbose
+        Show vLLM's start-up logging and warnings; by default only errors are shown.
     """
 
     name = "vllm"
 
     def __init__(self, config: EngineConfig | None = None, *, engine_args: dict | None = None,
-                 native: bool | None = None) -> None:
+                 native: bool | None = None, verbose: bool = False) -> None:
         config = config or EngineConfig()
         if isinstance(config.model, torch.nn.Module):
             raise TypeError("the vllm engine loads its model itself: pass a folder or a "
                             "model name, not a loaded module")
-        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
         self.model_label = model_label(config.model)
         self.tokenizer_source = config.model
         self.top_k = config.top_k
         self.dtype = str(resolve_dtype(config.dtype)).replace("torch.", "")
         args = {"model": str(hf_folder(config.model)), "dtype": self.dtype, "seed": 0,
                 "max_logprobs": max(config.top_k, 20), "logprobs_mode": "raw_logprobs",
-                "enable_prefix_caching": False}
+                "enable_prefix_caching": False, "use_tqdm_on_load": verbose}
         if config.batch_size:
             args["max_num_seqs"] = config.batch_size
         if not torch.cuda.is_available():
@@ -199,12 +213,28 @@ class VLLMEngine(EngineBase):
             warnings.warn(f"deterministic=True: {self.batch_invariant_note}; this vLLM run is "
                           "NOT batch-invariant (use engine='torch' or 'prefill' for that)",
                           RuntimeWarning, stacklevel=3)
-        with batch_invariant_env(self.batch_invariant):  # read as LLM(...) starts
-            self._start(args, native)
+        self._logs = QuietLogs(verbose)
+        self.engine_core = engine_core_mode()
+        self._request_ids = itertools.count()
+        try:
+            # VLLM_BATCH_INVARIANT is read as LLM(...) starts
+            with batch_invariant_env(self.batch_invariant), hosted_startup(verbose):
+                # an earlier engine's start-up cached the environment this one reads
+                getattr(vllm_envs, "disable_envs_cache", lambda: None)()
+                self._start(args, native)
+        except BaseException:
+            self._logs.restore()
+            raise
         config = self.llm.llm_engine.model_config
         self.max_model_len = config.max_model_len
         self.batch_size = self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        # in-process on CPU, vLLM's forward runs on this process's threads
+        self.threads = (engine_threads() if self.device == "cpu"
+                        and self.engine_core == "in-process" else None)
+
+    def stats(self) -> dict:
+        return {"threads": self.threads} if self.threads is not None else {}
 
     def _start(self, args: dict, native: bool | None) -> None:
         self.native_error = None
@@ -232,7 +262,7 @@ class VLLMEngine(EngineBase):
         import vllm
 
         settings = {**super().settings(), "vllm_version": vllm.__version__,
-                    "logprobs_mode": "raw_logprobs"}
+                    "logprobs_mode": "raw_logprobs", "engine_core": self.engine_core}
         if self.native_error:
             settings["native_unavailable"] = self.native_error
         if self.deterministic:
@@ -242,45 +272,76 @@ class VLLMEngine(EngineBase):
         return settings
 
     def close(self) -> None:
-        """Shut the engine core (and its worker processes) down."""
+        """Shut the engine core down and release its model and KV cache."""
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
+            self._logs.restore()
+            gc.collect()  # in-process, the KV cache is freed only with the engine's cycles
 
     def _params(self, request: ReplayRequest) -> SamplingParams:
         trace = list(request.trace_token_ids)
         # max_tokens always set: it defaults to 16 and would cut traces (vLLM bug #56730).
         # No min_tokens: it masks EOS to -inf, which would erase a forced EOS.
+        # DELTA: each engine step hands back only its new tokens (progress, no re-copying)
         common = dict(temperature=0.0, max_tokens=len(trace),
                       logprobs=self.top_k, ignore_eos=True, stop=[], stop_token_ids=[],
-                      detokenize=False)
+                      detokenize=False, output_kind=RequestOutputKind.DELTA)
         if self.engine_path == "vllm-native-trace-replay":
             return SamplingParams(**common, trace_decode_token_ids=trace)
         return SamplingParams(**common, extra_args={TRACE_KEY: trace})
 
-    def run(self, requests: Sequence[ReplayRequest]) -> list[TraceResult]:
-        """Replay ``requests`` in one ``LLM.generate`` call; results in the order given."""
-        prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_token_ids)) for r in requests]
-        outputs = self.llm.generate(prompts, [self._params(r) for r in requests], use_tqdm=False)
-        return [self._result(r, out.outputs[0]) for r, out in zip(requests, outputs)]
+    def _generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
+                  on_tokens: Callable[[int], None] | None) -> list[tuple[list[int], list]]:
+        """Step the engine until every prompt is done: ``(token ids, logprobs)`` per prompt.
+
+        ``LLM.generate`` reports only finished requests; stepping ``llm_engine`` (the loop it
+        runs) with DELTA outputs counts every token as it is decoded.
+        """
+        engine = self.llm.llm_engine
+        slots = {}
+        for index, (prompt, param) in enumerate(zip(prompts, params)):
+            request_id = str(next(self._request_ids))
+            engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)), param)
+            slots[request_id] = index
+        outputs: list[tuple[list[int], list]] = [([], []) for _ in prompts]
+        try:
+            with intra_op_threads(self.threads):
+                while engine.has_unfinished_requests():
+                    new = 0
+                    for out in engine.step():
+                        ids, logprobs = outputs[slots[out.request_id]]
+                        completion = out.outputs[0]
+                        ids.extend(completion.token_ids)
+                        logprobs.extend(completion.logprobs or ())
+                        new += len(completion.token_ids)
+                    if on_tokens is not None and new:
+                        on_tokens(new)
+        except BaseException:
+            # an interrupted run must not leave its requests to the next one
+            engine.abort_request(list(slots))
+            raise
+        return outputs
+
+    def run(self, requests: Sequence[ReplayRequest], *,
+            on_tokens: Callable[[int], None] | None = None) -> list[TraceResult]:
+        """Replay ``requests`` in one batch; results in the order given."""
+        outputs = self._generate([r.prompt_token_ids for r in requests],
+                                 [self._params(r) for r in requests], on_tokens)
+        return [self._result(r, *out) for r, out in zip(requests, outputs)]
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int,
                  temperature: float = 0.0, seed: int = 0,
                  eos_token_id: int | None = None) -> list[tuple[list[int], list[float]]]:
         """Free generation for recording: ``(token_ids, raw logprobs)`` per prompt."""
         params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
-                                logprobs=0, detokenize=False)
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
-        results = []
-        for out in outputs:
-            completion = out.outputs[0]
-            ids = list(completion.token_ids)
-            results.append((ids, [completion.logprobs[i][t].logprob for i, t in enumerate(ids)]))
-        return results
+                                logprobs=0, detokenize=False,
+                                output_kind=RequestOutputKind.DELTA)
+        outputs = self._generate(prompts, [params] * len(prompts), None)
+        return [(ids, [entries[t].logprob for t, entries in zip(ids, logprobs)])
+                for ids, logprobs in outputs]
 
-    def _result(self, request: ReplayRequest, completion) -> TraceResult:
-        emitted = list(completion.token_ids)
+    def _result(self, request: ReplayRequest, emitted: list[int], logprobs: list) -> TraceResult:
         if emitted != list(request.trace_token_ids):
             first = next((i for i, (a, b) in enumerate(zip(emitted, request.trace_token_ids))
                           if a != b), min(len(emitted), request.trace_len))
@@ -293,7 +354,7 @@ class VLLMEngine(EngineBase):
         top_ids = np.zeros((steps, self.top_k), dtype=np.int64)
         top_lps = np.full((steps, self.top_k), np.nan)
         for step, token in enumerate(emitted):
-            entries = completion.logprobs[step]
+            entries = logprobs[step]
             logprob[step] = entries[token].logprob
             rank[step] = entries[token].rank
             ordered = sorted(((e.rank, tid, e.logprob) for tid, e in entries.items()
@@ -304,4 +365,3 @@ class VLLMEngine(EngineBase):
                            token_ids=np.asarray(emitted, dtype=np.int64), logprob=logprob,
                            rank=rank, top_token_ids=top_ids, top_logprobs=top_lps,
                            entropy=np.full(steps, np.nan))
-
