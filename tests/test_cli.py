@@ -19,7 +19,7 @@ import torch
 import trace_replay
 from trace_replay.cli import _HelpFormatter, _parser, main
 
-COMMANDS = ("replay", "record", "merge", "report", "demo")
+COMMANDS = ("replay", "record", "merge", "report", "demo", "serve")
 
 
 def _run(*args):
