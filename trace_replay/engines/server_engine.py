@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
 import numpy as np
@@ -128,14 +128,19 @@ class ServerEngine(EngineBase):
         return {"server_url": self.base_url, "server_requests": self.client.requests,
                 "server_retries": self.client.retries}
 
-    def run(self, requests: Sequence[ReplayRequest]) -> list[TraceResult]:
+    def run(self, requests: Sequence[ReplayRequest], *,
+            on_tokens: Callable[[int], None] | None = None) -> list[TraceResult]:
         """Replay ``requests`` with ``batch_size`` in flight; results in the order given.
 
         Each request is sent until it gets an answer, and each answer fills its own slot, so
-        a retried request yields exactly one result.
+        a retried request yields exactly one result. ``on_tokens`` hears of each answered
+        trace, from this thread.
         """
         futures = [self._pool.submit(self._replay_one, r) for r in requests]
         try:
+            for future in as_completed(futures):
+                if on_tokens is not None:
+                    on_tokens(len(future.result().token_ids))
             return [future.result() for future in futures]
         except BaseException:
             for future in futures:
