@@ -205,7 +205,7 @@ def test_ctrl_c_and_sigterm_keep_finished_traces(tmp_path):
     resumes from them."""
     traces = _write_traces(tmp_path / "t.jsonl", [
         {"id": f"t{i}", "prompt": "Count:", "completion": " one two three four five six"}
-        for i in range(60)])
+        for i in range(200)])
     runs = {}
     for signum in (signal.SIGINT, signal.SIGTERM):
         ckpt = tmp_path / f"ckpt{int(signum)}"
@@ -214,12 +214,16 @@ def test_ctrl_c_and_sigterm_keep_finished_traces(tmp_path):
         runs[signum] = ckpt, args, subprocess.Popen(
             [sys.executable, "-m", "trace_replay.cli", *args], stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.monotonic() + 300
-    for signum, (ckpt, _, child) in runs.items():
-        while not list(ckpt.glob("part-*.parquet")) and child.poll() is None:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        child.send_signal(signum)
+    # each child is signalled as soon as its first part exists (polled together: a child
+    # left waiting while the other is watched could finish all 200 traces)
+    deadline, waiting = time.monotonic() + 300, dict(runs)
+    while waiting:
+        assert time.monotonic() < deadline
+        for signum, (ckpt, _, child) in list(waiting.items()):
+            if list(ckpt.glob("part-*.parquet")) or child.poll() is not None:
+                child.send_signal(signum)
+                del waiting[signum]
+        time.sleep(0.02)
     for signum, status in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
         ckpt, args, child = runs[signum]
         _, stderr = child.communicate()
@@ -228,15 +232,15 @@ def test_ctrl_c_and_sigterm_keep_finished_traces(tmp_path):
         assert stderr.splitlines()[-1] == (f"trace-replay: interrupted; finished traces are "
                                            f"saved in {ckpt}, rerun to resume")
         saved = pd.concat(pd.read_parquet(p) for p in ckpt.glob("part-*.parquet"))
-        assert 1 <= saved["trace_id"].nunique() < 60
+        assert 1 <= saved["trace_id"].nunique() < 200
         assert not Path(args[-1]).exists() and not list(ckpt.glob(".*.tmp"))
     ckpt, args, _ = runs[signal.SIGINT]
     assert main(args) == 0
     df = pd.read_parquet(args[-1])
-    assert df["trace_id"].nunique() == 60 and not df.duplicated(["trace_id", "step"]).any()
+    assert df["trace_id"].nunique() == 200 and not df.duplicated(["trace_id", "step"]).any()
     saved = pd.concat(pd.read_parquet(p) for p in ckpt.glob("part-*.parquet"))
     assert df.attrs["resumed_traces"] > 0
-    assert saved["trace_id"].nunique() == 60 and not saved.duplicated(["trace_id", "step"]).any()
+    assert saved["trace_id"].nunique() == 200 and not saved.duplicated(["trace_id", "step"]).any()
 
 
 @pytest.mark.slow
