@@ -19,7 +19,7 @@ import torch
 import trace_replay
 from trace_replay.cli import _HelpFormatter, _parser, main
 
-COMMANDS = ("replay", "record", "merge", "report", "demo")
+COMMANDS = ("replay", "record", "merge", "report", "demo", "serve")
 
 
 def _run(*args):
@@ -205,7 +205,7 @@ def test_ctrl_c_and_sigterm_keep_finished_traces(tmp_path):
     resumes from them."""
     traces = _write_traces(tmp_path / "t.jsonl", [
         {"id": f"t{i}", "prompt": "Count:", "completion": " one two three four five six"}
-        for i in range(60)])
+        for i in range(200)])
     runs = {}
     for signum in (signal.SIGINT, signal.SIGTERM):
         ckpt = tmp_path / f"ckpt{int(signum)}"
@@ -214,12 +214,16 @@ def test_ctrl_c_and_sigterm_keep_finished_traces(tmp_path):
         runs[signum] = ckpt, args, subprocess.Popen(
             [sys.executable, "-m", "trace_replay.cli", *args], stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.monotonic() + 300
-    for signum, (ckpt, _, child) in runs.items():
-        while not list(ckpt.glob("part-*.parquet")) and child.poll() is None:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        child.send_signal(signum)
+    # each child is signalled as soon as its first part exists (polled together: a child
+    # left waiting while the other is watched could finish all 200 traces)
+    deadline, waiting = time.monotonic() + 300, dict(runs)
+    while waiting:
+        assert time.monotonic() < deadline
+        for signum, (ckpt, _, child) in list(waiting.items()):
+            if list(ckpt.glob("part-*.parquet")) or child.poll() is not None:
+                child.send_signal(signum)
+                del waiting[signum]
+        time.sleep(0.02)
     for signum, status in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
         ckpt, args, child = runs[signum]
         _, stderr = child.communicate()
@@ -228,15 +232,15 @@ def test_ctrl_c_and_sigterm_keep_finished_traces(tmp_path):
         assert stderr.splitlines()[-1] == (f"trace-replay: interrupted; finished traces are "
                                            f"saved in {ckpt}, rerun to resume")
         saved = pd.concat(pd.read_parquet(p) for p in ckpt.glob("part-*.parquet"))
-        assert 1 <= saved["trace_id"].nunique() < 60
+        assert 1 <= saved["trace_id"].nunique() < 200
         assert not Path(args[-1]).exists() and not list(ckpt.glob(".*.tmp"))
     ckpt, args, _ = runs[signal.SIGINT]
     assert main(args) == 0
     df = pd.read_parquet(args[-1])
-    assert df["trace_id"].nunique() == 60 and not df.duplicated(["trace_id", "step"]).any()
+    assert df["trace_id"].nunique() == 200 and not df.duplicated(["trace_id", "step"]).any()
     saved = pd.concat(pd.read_parquet(p) for p in ckpt.glob("part-*.parquet"))
     assert df.attrs["resumed_traces"] > 0
-    assert saved["trace_id"].nunique() == 60 and not saved.duplicated(["trace_id", "step"]).any()
+    assert saved["trace_id"].nunique() == 200 and not saved.duplicated(["trace_id", "step"]).any()
 
 
 @pytest.mark.slow
@@ -263,3 +267,56 @@ def test_replay_then_merge_and_report(tmp_path):
     assert df.attrs["merged_from"] == [str(p) for p in outs]
     assert main(["report", str(merged), "--out", str(tmp_path / "r.html")]) == 0
     assert (tmp_path / "r.html").read_text().lower().startswith("<!doctype html>")
+
+
+def test_serve_dry_run_prints_the_command(capsys):
+    """serve --dry-run prints the server command: the forcing processor, raw logprobs, and the
+    options after -- last, so they win."""
+    from trace_replay.serve import FORCING_PROCESSOR
+
+    assert main(["serve", "--port", "8123", "--dry-run", "--", "--max-model-len", "512"]) == 0
+    command = capsys.readouterr().out.splitlines()[0].split()
+    assert command[command.index("--logits-processors") + 1] == FORCING_PROCESSOR
+    assert command[command.index("--logprobs-mode") + 1] == "raw_logprobs"
+    assert command[command.index("--port") + 1] == "8123"
+    assert command[-2:] == ["--max-model-len", "512"]
+
+
+def test_serve_help_shows_the_command():
+    """serve --help shows the vllm serve command it runs, with every option it adds."""
+    from trace_replay.serve import serve_args
+
+    out = _run("serve", "--help")
+    assert out.returncode == 0
+    assert "vllm serve MODEL_FOLDER" in out.stdout
+    for option in serve_args("NAME"):
+        assert option in out.stdout
+
+
+@pytest.mark.slow
+def test_replay_reads_openai_logs_and_chat_turns(tmp_path):
+    """--format openai puts the logged logprobs in ref_logprob; --turns all labels every
+    replayed token of a chat trace with its turn and role."""
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps({
+        "request": {"prompt": "The capital of France is", "max_tokens": 2, "logprobs": 1},
+        "response": {"id": "cmpl-1", "object": "text_completion", "model": "m", "choices": [{
+            "index": 0, "text": " Paris.", "finish_reason": "length",
+            "logprobs": {"tokens": ["token_id:7042", "token_id:30"],
+                         "token_logprobs": [-0.25, -1.5],
+                         "top_logprobs": [{"token_id:7042": -0.25}, {"token_id:30": -1.5}]}}]},
+    }) + "\n")
+    out = tmp_path / "log.parquet"
+    assert main(["replay", str(log), "--format", "openai", "--engine", "prefill",
+                 "--out", str(out), "--quiet"]) == 0
+    assert pd.read_parquet(out)["ref_logprob"].tolist() == [-0.25, -1.5]
+
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"id": "c", "messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye."}]}) + "\n")
+    for turns, roles in (("last", {"assistant"}), ("all", {"assistant", "user", "template"})):
+        out = tmp_path / f"chat-{turns}.parquet"
+        assert main(["replay", str(chat), "--turns", turns, "--engine", "prefill",
+                     "--out", str(out), "--quiet"]) == 0
+        assert set(pd.read_parquet(out)["role"]) == roles

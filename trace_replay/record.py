@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from trace_replay.chat import tokenize_chat_prompt
 from trace_replay.engines import make_engine
 from trace_replay.engines.base import Generator
 from trace_replay.traces import Trace, TraceSet
@@ -19,6 +20,7 @@ def _prompt_records(prompts) -> list[dict]:
         elif isinstance(prompt, Trace):
             records.append({"id": prompt.id, "prompt": prompt.prompt,
                             "prompt_token_ids": prompt.prompt_token_ids,
+                            "messages": prompt.messages, "tools": prompt.tools,
                             "meta": dict(prompt.meta)})
         elif isinstance(prompt, dict):
             records.append({"id": str(prompt.get("id", f"p{i}")), **prompt})
@@ -37,8 +39,12 @@ def record(prompts: Iterable, model=None, *, engine="vllm", max_tokens: int,
     Parameters
     ----------
     prompts
-        Strings, dicts with ``id`` and ``prompt`` (or ``prompt_token_ids``) and optional
-        ``meta``, or :class:`~trace_replay.Trace` objects.
+        Strings, dicts with ``id`` and ``prompt`` (or ``prompt_token_ids``, or ``messages``
+        in OpenAI chat format with optional ``tools``) and optional ``meta``, or
+        :class:`~trace_replay.Trace` objects. Messages are rendered with the model's chat
+        template and its generation prompt, as a chat request is; the trace is the
+        assistant's reply, and the recorded trace keeps the messages (a request and its
+        reply, see :func:`~trace_replay.load_traces`).
     model
         As in :func:`trace_replay.replay`.
     engine
@@ -80,9 +86,15 @@ def _record(prompts, engine, *, max_tokens: int, temperature: float, seed: int,
     records = _prompt_records(prompts)
     prompt_ids = []
     for i, r in enumerate(records):
-        if r.get("prompt_token_ids") is None and not isinstance(r.get("prompt"), str):
-            raise ValueError(f"prompt {i} ({r['id']!r}): needs 'prompt' text or 'prompt_token_ids'")
-        ids = r.get("prompt_token_ids") or tokenizer.encode(r["prompt"], add_special_tokens=True)
+        if r.get("prompt_token_ids"):
+            ids = r["prompt_token_ids"]
+        elif r.get("messages"):
+            ids = tokenize_chat_prompt(tokenizer, r["messages"], tools=r.get("tools"))
+        elif isinstance(r.get("prompt"), str):
+            ids = tokenizer.encode(r["prompt"], add_special_tokens=True)
+        else:
+            raise ValueError(f"prompt {i} ({r['id']!r}): needs 'prompt' text, 'messages' or "
+                             "'prompt_token_ids'")
         prompt_ids.append([int(t) for t in ids])
     eos = tokenizer.eos_token_id if stop_at_eos else None
     generated = engine.generate(prompt_ids, max_tokens=max_tokens, temperature=temperature,
@@ -95,6 +107,7 @@ def _record(prompts, engine, *, max_tokens: int, temperature: float, seed: int,
     for r, ids, (tokens, logprobs) in zip(records, prompt_ids, generated):
         out.append(Trace(id=r["id"], prompt=r.get("prompt"), prompt_token_ids=tuple(ids),
                          completion=tokenizer.decode(tokens), trace_token_ids=tuple(tokens),
+                         messages=r.get("messages"), tools=r.get("tools"),
                          ref_logprobs=tuple(logprobs),
                          meta={**(r.get("meta") or {}), "recorded_with": settings}))
     return TraceSet(out, source=f"record({settings['engine_path']})")

@@ -90,10 +90,11 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
         ``TraceSet``…). Text fields are tokenized with the model's tokenizer.
     model
         ``None`` for the embedded SmolLM2-135M-Instruct, a local folder, or a model name in
-        the local Hugging Face cache.
+        the local Hugging Face cache. With ``"vllm-server"`` the server runs its own model and
+        ``model`` only names its tokenizer (``None``: the server's folder, when it is here).
     engine
-        ``"auto"``, ``"vllm"``, ``"torch"``, ``"prefill"`` (built for this call and closed
-        after it), or an :class:`~trace_replay.engines.Engine` built earlier with
+        ``"auto"``, ``"vllm"``, ``"torch"``, ``"prefill"``, ``"vllm-server"`` (a running vLLM
+        server, see ``engine_args``; built for this call and closed after it), or an :class:`~trace_replay.engines.Engine` built earlier with
         :func:`~trace_replay.engines.make_engine` to reuse its loaded model; its own
         settings (model, dtype, batch size, top-k) then apply and the arguments that
         configure an engine are not used.
@@ -102,11 +103,15 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
     dtype, device
         Weights' dtype (default float32) and device (default CUDA when available).
     batch_size
-        Request slots (torch/prefill) or ``max_num_seqs`` (vLLM).
+        Request slots (torch/prefill), ``max_num_seqs`` (vLLM), or requests in flight
+        (vllm-server, default 32).
     speculative
         ``{"method": "trace" | "ngram", "num_tokens": k}``: the torch engine's verify path.
     engine_args
-        Passed through to ``vllm.LLM`` (parallelism, memory, ``max_model_len``…).
+        Passed through to ``vllm.LLM`` (parallelism, memory, ``max_model_len``…). For
+        ``"vllm-server"``: ``base_url`` (``"http://host:port/v1"``, required), ``api``
+        (``"auto"``, ``"generate"``, ``"completions"``), ``api_key``, ``timeout_s``,
+        ``max_retries``.
     progress
         Show a tqdm bar counting trace tokens as they are scored.
     checkpoint
@@ -139,7 +144,12 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
     pandas.DataFrame
         One row per (trace, step): ``trace_id``, ``step``, ``position``, ``token_id``,
         ``token``, ``logprob``, ``rank``, ``top_token_ids``, ``top_logprobs``,
-        ``top_tokens``, ``entropy`` and ``ref_logprob`` (NaN where the trace has none).
+        ``top_tokens``, ``entropy`` and ``ref_logprob`` (NaN where the trace has none;
+        dropped when no trace has one). When chat traces are replayed, ``turn`` (the index
+        of the message a token belongs to, nullable) and ``role`` (``"assistant"``, the
+        message's role for tokens of other turns, ``"template"`` for the chat template's
+        own tokens around an assistant turn; null for non-chat traces). Through a server's
+        completions API, ``rank_exact`` flags ranks that are only a lower bound.
         Provenance is in ``df.attrs``.
 
     Examples

@@ -44,8 +44,9 @@ class Trace:
     The prompt is ``prompt`` text or ``prompt_token_ids``; the trace is ``completion`` text or
     ``trace_token_ids``. A chat trace gives ``messages`` (OpenAI chat format, optionally with
     ``tools``) instead of text: the model's chat template renders it, and ``turns`` says which
-    assistant turns are the trace (``"last"``, the default, or ``"all"``). Token ids, when
-    present, always win over text and messages.
+    assistant turns are the trace (``"last"``, the default, or ``"all"``). ``messages`` with
+    ``trace_token_ids`` are a chat request and its reply (``completion`` may then hold the
+    reply's text). Token ids, when present, always win over text and messages.
 
     Construction validates the record and normalizes the sequences to tuples of ``int``,
     ``float`` and ``str``, so every ``Trace`` is well formed except for the vocabulary bound,
@@ -160,7 +161,9 @@ class Trace:
                            f"{error.start}), which is not valid Unicode text")
 
     def _check_chat(self) -> None:
-        if self.prompt is not None or self.completion is not None:
+        # a recorded reply may keep its text beside its ids, which win (as for text traces)
+        if self.prompt is not None or (self.completion is not None and
+                                       self.trace_token_ids is None):
             self._fail("give either 'messages' or 'prompt'/'completion' text, not both")
         if self.prompt_token_ids is not None and self.trace_token_ids is None:
             self._fail("a chat trace with prompt_token_ids needs trace_token_ids too")

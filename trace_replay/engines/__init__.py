@@ -3,6 +3,8 @@
 * ``"torch"``  — built-in batched decode loop over a transformers model (CPU, CUDA).
 * ``"prefill"`` — teacher-forced scoring, one forward over prompt + trace.
 * ``"vllm"``   — vLLM, native trace replay or logits-processor forcing.
+* ``"vllm-server"`` — a running vLLM server that loads the forcing logits processor, over
+  HTTP (``engine_args={"base_url": "http://host:port/v1"}``); this client never imports vllm.
 * ``"auto"``   — vLLM when it imports and starts, else torch; the choice is in the
   engine's ``settings()["selected_by"]``.
 
@@ -20,12 +22,13 @@ from trace_replay.engines.vllm_invariance import batch_invariance_unavailable
 
 __all__ = ["ENGINES", "ENGINE_OPTIONS", "Engine", "EngineConfig", "make_engine"]
 
-ENGINES = ("auto", "torch", "prefill", "vllm")
+ENGINES = ("auto", "torch", "prefill", "vllm", "vllm-server")
 # keyword options each engine takes beyond EngineConfig
 ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {
     "torch": ("speculative", "backend"),
     "prefill": (),
     "vllm": ("engine_args", "native"),  # and verbose, which every engine takes
+    "vllm-server": ("engine_args",),
 }
 
 
@@ -51,7 +54,8 @@ def make_engine(name: str, model: Any = None, *, dtype=None, device=None,
         its errors are shown.
     **options
         Engine-specific: ``speculative``, ``backend`` (torch); ``engine_args``, ``native``
-        (vllm). ``None`` values count as not given.
+        (vllm); ``engine_args`` (vllm-server: ``base_url``, ``api``, ``api_key``,
+        ``timeout_s``, ``max_retries``). ``None`` values count as not given.
 
     Returns
     -------
@@ -77,6 +81,10 @@ def make_engine(name: str, model: Any = None, *, dtype=None, device=None,
         from trace_replay.engines.prefill import PrefillEngine
 
         return PrefillEngine(config)
+    if name == "vllm-server":  # the server's own logging stays in the server
+        from trace_replay.engines.server_engine import ServerEngine
+
+        return ServerEngine(config, **options)
     from trace_replay.engines.inprocess import quiet_startup
 
     with quiet_startup(verbose):  # importing vllm logs platform guesses (Triton, CPU)

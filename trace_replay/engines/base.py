@@ -47,7 +47,7 @@ class TraceResult:
     top_token_ids: np.ndarray  # [T, top_k] int64
     top_logprobs: np.ndarray  # [T, top_k] float64
     entropy: np.ndarray  # [T] float64, NaN where the engine cannot give it
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # more per-step [T] columns, by name
 
 
 @dataclass(frozen=True)

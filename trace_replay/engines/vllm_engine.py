@@ -40,11 +40,11 @@ from trace_replay.engines.inprocess import QuietLogs, engine_core_mode, hosted_s
 from trace_replay.engines.threads import engine_threads, intra_op_threads
 from trace_replay.engines.vllm_invariance import batch_invariance_unavailable, batch_invariant_env
 from trace_replay.models import hf_folder, model_label, resolve_dtype
+from trace_replay.serve import TRACE_KEY
 from trace_replay.state import RequestState, TraceReplayState
 
 __all__ = ["VLLMEngine", "TraceForcingProcessor", "supports_native_trace_replay"]
 
-TRACE_KEY = "trace_replay_token_ids"
 _NO_OUTPUT: tuple = ()
 
 

@@ -1,0 +1,66 @@
+"""From a vLLM server's JSON answers to per-step arrays (logprob, rank, top-k)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = ["RANK_DEPTH", "completion_steps", "emitted_ids", "generate_steps"]
+
+RANK_DEPTH = 20  # alternatives asked of /v1/completions to count ranks in (vLLM's max_logprobs)
+_FLOOR = -9999.0  # vLLM writes -inf logprobs as this in JSON
+# (logprob [T], rank [T], top_token_ids [T, k], top_logprobs [T, k], rank is exact [T])
+Steps = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def emitted_ids(choice: dict) -> list[int]:
+    """The ids a choice emitted: ``token_ids``, else its ``token_id:N`` logprob tokens."""
+    if choice.get("token_ids") is not None:
+        return [int(t) for t in choice["token_ids"]]
+    tokens = (choice.get("logprobs") or {}).get("tokens") or ()
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def _logprob(value: float) -> float:
+    return -math.inf if value <= _FLOOR else float(value)
+
+
+def generate_steps(content: list[dict], top_k: int) -> Steps:
+    """Per-step arrays from /inference/v1/generate logprobs, which carry exact ranks."""
+    steps = len(content)
+    logprob, rank = np.empty(steps), np.empty(steps, dtype=np.int64)
+    top_ids = np.zeros((steps, top_k), dtype=np.int64)
+    top_lps = np.full((steps, top_k), np.nan)
+    for step, entry in enumerate(content):
+        logprob[step], rank[step] = _logprob(entry["logprob"]), entry["rank"]
+        ordered = sorted((alt["rank"], alt["token_id"], _logprob(alt["logprob"]))
+                         for alt in entry["top_logprobs"] if alt.get("rank") is not None)
+        for j, (_, token_id, value) in enumerate(ordered[:top_k]):
+            top_ids[step, j], top_lps[step, j] = token_id, value
+    return logprob, rank, top_ids, top_lps, np.ones(steps, dtype=bool)
+
+
+def completion_steps(logprobs: dict, top_k: int) -> Steps:
+    """Per-step arrays from /v1/completions logprobs (``token_id:N`` keys, no ranks).
+
+    Each step's map holds the emitted token and the top ``depth`` alternatives; rank is
+    1 + the alternatives with a strictly greater logprob, exact when fewer than ``depth``
+    are (every better token is then among them), else the lower bound ``depth + 1``.
+    """
+    steps = len(logprobs["token_logprobs"])
+    logprob = np.array([_logprob(v) for v in logprobs["token_logprobs"]], dtype=np.float64)
+    rank = np.empty(steps, dtype=np.int64)
+    exact = np.empty(steps, dtype=bool)
+    top_ids = np.zeros((steps, top_k), dtype=np.int64)
+    top_lps = np.full((steps, top_k), np.nan)
+    depth = max(top_k, RANK_DEPTH)
+    for step, alternatives in enumerate(logprobs["top_logprobs"]):
+        ordered = sorted((-_logprob(v), int(key.removeprefix("token_id:")))
+                         for key, v in alternatives.items())
+        best = ordered[:depth]  # the emitted token is one more when it is not among them
+        greater = sum(-neg > logprob[step] for neg, _ in best)
+        rank[step], exact[step] = 1 + greater, greater < depth
+        for j, (neg, token_id) in enumerate(best[:top_k]):
+            top_ids[step, j], top_lps[step, j] = token_id, -neg
+    return logprob, rank, top_ids, top_lps, exact
