@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from trace_replay import datasets
 from trace_replay.engines import make_engine
 from trace_replay.engines.http_client import ServerError
 from trace_replay.replay import replay
@@ -27,7 +28,6 @@ from trace_replay.serve import (FORCING_PROCESSOR, TRACE_KEY, serve_command, sta
                                 stop_server, wait_for_server)
 from trace_replay.traces import TraceSet, load_traces
 
-DATA = Path(__file__).resolve().parents[1] / "data"
 ALONE = [0, 4]  # a human GSM8K answer and a model-written HumanEval completion
 # test servers: a small context and KV cache keep two vLLMs' memory low on a 2-core CI box
 SMALL = ["--max-model-len", "1024", "--kv-cache-memory-bytes", str(128 << 20)]
@@ -82,8 +82,8 @@ def servers(tmp_path_factory):
 @pytest.fixture(scope="module")
 def traces(tokenizer):
     """Bundled traces, tokenized: 4 human GSM8K answers, 4 model-written HumanEval completions."""
-    human = load_traces(DATA / "gsm8k_cot_human.jsonl", tokenizer=tokenizer)[:4]
-    model = load_traces(DATA / "humaneval_model.jsonl", tokenizer=tokenizer)[:4]
+    human = datasets.load("gsm8k_cot", source="human", limit=4).tokenize(tokenizer)
+    model = datasets.load("humaneval", source="model", limit=4).tokenize(tokenizer)
     return TraceSet([*human, *model], source="bundled")
 
 

@@ -184,7 +184,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Replay token traces through a language model's real decode path and "
                     "score every trace token (logprob, rank, top-k); compare runs.",
         epilog="examples:\n"
-               "  trace-replay replay data/humaneval_human.jsonl --engine torch --out r.parquet\n"
+               "  trace-replay replay traces.jsonl --engine torch --out r.parquet\n"
                "  trace-replay report r.parquet --out r.html\n"
                "  trace-replay <command> --help    every option of a command")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
