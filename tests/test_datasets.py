@@ -16,9 +16,9 @@ README = Path(__file__).resolve().parents[1] / "data" / "README.md"
 # (dataset, source) -> (rows, id prefix, max trace tokens), as stated in data/README.md
 FILES = {
     ("humaneval", "human"): (24, "he-human/", 128),
-    ("humaneval", "model"): (24, "he-model/", 96),
+    ("humaneval", "model"): (24, "he-model/", 256),
     ("gsm8k_cot", "human"): (8, "gsm8k-human/", 128),
-    ("gsm8k_cot", "model"): (8, "gsm8k-model/", 96),
+    ("gsm8k_cot", "model"): (8, "gsm8k-model/", 256),
 }
 MODEL_SETS = [key for key in FILES if key[1] == "model"]
 HUMAN_SETS = [key for key in FILES if key[1] == "human"]
@@ -86,6 +86,22 @@ def test_readme_states_each_file_and_its_licence():
     assert "Apache-2.0" in readme  # the embedded model that wrote the model traces
 
 
+@pytest.mark.parametrize("key", FILES, ids=_id)
+def test_readme_table_states_the_token_counts(key, tokenized, tokenizer):
+    """data/README.md's table gives each file's prompt and trace token totals (min–max) and how
+    many model traces end at EOS, as the embedded tokenizer counts them."""
+    def counts(lengths):
+        return f"{sum(lengths)} ({min(lengths)}–{max(lengths)})"
+
+    traces = tokenized[key]
+    prompt = counts([len(t.prompt_token_ids) for t in traces])
+    trace = counts([len(t.trace_token_ids) for t in traces])
+    eos = (str(sum(t.trace_token_ids[-1] == tokenizer.eos_token_id for t in traces))
+           if key[1] == "model" else "—")
+    row = f"| `{key[0]}_{key[1]}.jsonl` | {FILES[key][0]} | {prompt} | {trace} | {eos} |"
+    assert row in README.read_text(), row
+
+
 # --- what the bundled traces are ----------------------------------------------------------
 
 
@@ -115,14 +131,49 @@ def test_model_traces_carry_ref_logprobs(key):
 
 @pytest.mark.parametrize("key", MODEL_SETS, ids=_id)
 def test_model_traces_record_their_generator(key):
-    """Model-written traces name the embedded model, the torch engine and greedy decoding."""
+    """Model-written traces name the embedded model, the torch engine in deterministic mode,
+    greedy decoding and the token cap they stay within."""
     from trace_replay.models import EMBEDDED_MODEL
 
     for trace in datasets.load(key[0], source=key[1]):
         assert trace.meta["source"] == "model"
         recorded = trace.meta["recorded_with"]
         assert (recorded["model"], recorded["engine"]) == (EMBEDDED_MODEL, "torch")
+        assert recorded["deterministic"] is True
         assert recorded["temperature"] == 0.0
+        assert len(trace.trace_token_ids) <= recorded["max_tokens"] == FILES[key][2]
+
+
+@pytest.mark.parametrize("key", MODEL_SETS, ids=_id)
+def test_model_traces_are_chat_replies(key, tokenizer):
+    """A model trace is a user turn and the assistant's reply: every trace token is the reply's
+    (message 1), its text is the decoded ids, and they end with the end-of-turn token unless
+    the reply ran into max_tokens."""
+    for trace in datasets.load(key[0], source=key[1]):
+        assert [m["role"] for m in trace.messages] == ["user", "assistant"], trace.id
+        assert set(trace.trace_roles) == {"assistant"} and set(trace.trace_turns) == {1}
+        ids = list(trace.trace_token_ids)
+        ended = ids[-1] == tokenizer.eos_token_id
+        assert ended or len(ids) == trace.meta["recorded_with"]["max_tokens"], trace.id
+        assert trace.messages[1]["content"] == tokenizer.decode(ids[:-1] if ended else ids)
+
+
+@pytest.mark.parametrize("key", MODEL_SETS, ids=_id)
+def test_model_traces_render_from_their_messages(key, tokenizer):
+    """The chat template renders a model trace's messages to its prompt ids, and to its trace
+    ids exactly where ``meta["retokenizes"]`` says so (a cut reply: up to the end-of-turn token
+    the template adds); the rows where the model wrote non-canonical tokens are few."""
+    from trace_replay.chat import tokenize_chat
+
+    traces = datasets.load(key[0], source=key[1])
+    for trace in traces:
+        chat = tokenize_chat(tokenizer, trace.messages)
+        assert chat.prompt_token_ids == list(trace.prompt_token_ids), trace.id
+        ids = list(trace.trace_token_ids)
+        ended = ids[-1] == tokenizer.eos_token_id
+        rendered = chat.trace_token_ids if ended else chat.trace_token_ids[:-1]
+        assert (rendered == ids) is trace.meta["retokenizes"], trace.id
+    assert sum(not t.meta["retokenizes"] for t in traces) <= len(traces) // 4
 
 
 @pytest.mark.parametrize("key", HUMAN_SETS, ids=_id)
@@ -147,11 +198,15 @@ def test_human_traces_split_on_a_token_boundary(key, tokenized, tokenizer):
 
 
 @pytest.mark.parametrize("name, key", [("humaneval", "task_id"), ("gsm8k_cot", "exemplar")])
-def test_human_and_model_sets_share_prompts(name, key):
-    """The human and model files of a dataset cover the same problems with the same prompts."""
+def test_human_and_model_sets_share_problems(name, key):
+    """The human and model files of a dataset cover the same problems in the same order (by
+    ``meta``), and each model request holds its problem's text: the GSM8K question, the
+    HumanEval prompt (human prompts are raw text, model requests chat turns)."""
     human, model = (datasets.load(name, source=source) for source in datasets.SOURCES)
     assert [t.meta[key] for t in human] == [t.meta[key] for t in model]
-    assert [t.prompt for t in human] == [t.prompt for t in model]
+    for person, machine in zip(human, model):
+        problem = person.prompt.removeprefix("Q: ").removesuffix("\nA:")
+        assert problem in machine.messages[0]["content"], machine.id
 
 
 @pytest.mark.parametrize("key", FILES, ids=_id)
