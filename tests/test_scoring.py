@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from trace_replay.engines.scoring import collect_rows, score_tokens
+from trace_replay.engines.scoring import collect_rows, score_tokens, scorer_for
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +78,32 @@ def test_collect_rows_gives_host_arrays_in_result_dtypes(logits):
     assert host["token_ids"].dtype == host["rank"].dtype == np.int64
     assert all(host[k].dtype == np.float64 for k in ("logprob", "top_logprobs", "entropy"))
     assert host["token_ids"].tolist() == list(range(8))
+
+
+def test_top_k_comes_from_the_logits_in_order(logits):
+    """top_token_ids are the k largest logits, top_logprobs their logprobs, descending."""
+    scores = score_tokens(logits, logits.argmax(-1), top_k=4)
+    assert torch.equal(scores.top_token_ids, logits.topk(4, dim=-1).indices)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    assert torch.equal(scores.top_logprobs, logprobs.gather(1, scores.top_token_ids))
+    assert (scores.top_logprobs.diff(dim=1) <= 0).all()
+
+
+def test_cpu_scorer_is_score_tokens():
+    """CPU engines score with the eager function itself (no compile at start-up)."""
+    assert scorer_for("cpu") is score_tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_scorer_agrees_with_score_tokens(dtype):
+    """The CUDA scorer (top-k kernel + compiled reductions) gives score_tokens' numbers."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(37, 49152, generator=gen, device="cuda") * 3).to(dtype)
+    tokens = torch.randint(0, 49152, (37,), generator=gen, device="cuda")
+    want, got = score_tokens(x, tokens, 5), scorer_for("cuda")(x, tokens, 5)
+    torch.testing.assert_close(got.logprob, want.logprob, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.entropy, want.entropy, atol=1e-4, rtol=0)
+    torch.testing.assert_close(got.top_logprobs, want.top_logprobs, atol=1e-5, rtol=0)
+    assert (got.rank - want.rank).abs().max() <= 1  # only near-ties may move by rounding

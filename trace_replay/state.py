@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from trace_replay.kernels import apply_trace_tokens, apply_trace_tokens_to_verified
@@ -118,8 +119,10 @@ class TraceReplayState:
         """
         self._check_slot(req_idx)
         tokens = None
-        if trace_token_ids is not None:
-            tokens = torch.as_tensor(trace_token_ids).to("cpu", torch.int64).reshape(-1).clone()
+        if isinstance(trace_token_ids, torch.Tensor):
+            tokens = trace_token_ids.to("cpu", torch.int64).reshape(-1).clone()
+        elif trace_token_ids is not None:  # numpy reads a list of ints ~5x faster than torch
+            tokens = torch.from_numpy(np.array(trace_token_ids, dtype=np.int64).reshape(-1))
         self._staged[req_idx] = tokens if tokens is not None and tokens.numel() else None
 
     def remove_request(self, req_idx: int) -> None:

@@ -8,8 +8,10 @@ numbers do not depend on the batch, and they are the bits its decode replay give
 Memory: the model body runs once per batch; the lm_head and the log-softmax run over the
 scored positions in chunks of ``score_chunk_bytes``, so full-vocabulary logits never exist
 for more than one chunk and peak memory does not grow with trace length beyond the model's
-own activations. While forward hooks watch the engine (``on_batch`` set, as
-:mod:`trace_replay.capture` does), the model's own forward runs instead, logits included.
+own activations. Deterministic mode chunks the same way (in whole scoring blocks): its
+head and scoring are row-invariant, so the chunks change no bit. While forward hooks watch
+the engine (``on_batch`` set, as :mod:`trace_replay.capture` does), the default mode runs
+the model's own forward instead, logits included.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 from trace_replay.engines.base import EngineBase, EngineConfig, ReplayRequest, TraceResult
 from trace_replay.engines.results import split_results
-from trace_replay.engines.scoring import TokenScores, collect_rows, score_tokens
+from trace_replay.engines.scoring import TokenScores, collect_rows, scorer_for
 from trace_replay.engines.threads import engine_threads, intra_op_threads
 from trace_replay.models import model_for_engine
 
@@ -126,13 +128,8 @@ class PrefillEngine(EngineBase):
             logits = self.lm(input_ids=input_ids, attention_mask=mask, logits_to_keep=keep).logits
             scored, head = logits[rows_t, cols_t - first], None
         self._forwards += 1
-        step = max(1, self.score_chunk_bytes // (self._vocab_size() * _BYTES_PER_LOGIT))
-        chunks = []
-        for a in range(0, len(targets), step):
-            logits = scored[a:a + step] if head is None else head(scored[a:a + step])
-            chunks.append(score_tokens(logits, targets_t[a:a + step], self.top_k))
-        scores = TokenScores(*(torch.cat(parts) for parts in zip(*chunks)))
-        host = collect_rows(scores, targets_t)
+        host = collect_rows(self._score_in_chunks(scored, targets_t, head, scorer_for(device)),
+                            targets_t)
         bounds = np.cumsum([0] + [r.trace_len for r in batch])
         return split_results(batch, host, [np.arange(a, b) for a, b in zip(bounds, bounds[1:])])
 
@@ -141,13 +138,35 @@ class PrefillEngine(EngineBase):
         sequences = [r.prompt_token_ids + r.trace_token_ids[:-1] for r in batch]
         # logits at position p predict the token at p + 1
         scored = [range(r.prompt_len - 1, r.prompt_len - 1 + r.trace_len) for r in batch]
-        logits = self.backend.teacher_forced(sequences, scored)
+        states = self.backend.teacher_forced_states(sequences, scored)
         targets = torch.tensor([t for r in batch for t in r.trace_token_ids],
                                device=self.torch_device)
         self._forwards += 1
-        host = collect_rows(self.backend.score(logits, targets, self.top_k), targets)
+        # whole scoring blocks per chunk: a partial one would be padded (same bits, more work)
+        scores = self._score_in_chunks(states, targets, self.backend.lm_head, self.backend.score,
+                                       multiple=self.backend.model.blocks.score)
+        host = collect_rows(scores, targets)
         bounds = np.cumsum([0] + [r.trace_len for r in batch])
         return split_results(batch, host, [np.arange(a, b) for a, b in zip(bounds, bounds[1:])])
+
+    def _chunk_rows(self, multiple: int = 1) -> int:
+        """Scored positions per chunk: as many as ``score_chunk_bytes`` holds, rounded down to
+        a multiple of ``multiple`` (at least one multiple)."""
+        rows = self.score_chunk_bytes // (self._vocab_size() * _BYTES_PER_LOGIT)
+        return max(multiple, rows // multiple * multiple)
+
+    def _score_in_chunks(self, states: torch.Tensor, targets: torch.Tensor,
+                         head: Callable[[torch.Tensor], torch.Tensor] | None,
+                         score: Callable[[torch.Tensor, torch.Tensor, int], TokenScores], *,
+                         multiple: int = 1) -> TokenScores:
+        """``score`` of ``targets`` under ``head(states)`` (``states`` are logits already when
+        ``head`` is None), one chunk of :meth:`_chunk_rows` positions at a time."""
+        step = self._chunk_rows(multiple)
+        chunks = []
+        for a in range(0, len(targets), step):
+            logits = states[a:a + step] if head is None else head(states[a:a + step])
+            chunks.append(score(logits, targets[a:a + step], self.top_k))
+        return TokenScores(*(torch.cat(parts) for parts in zip(*chunks)))
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits from final hidden states, as the model's own forward computes them."""

@@ -15,7 +15,7 @@ __all__ = ["split_results", "wave_results"]
 
 
 def split_results(requests: Sequence[ReplayRequest], host: dict[str, np.ndarray],
-                  rows: Sequence[np.ndarray]) -> list[TraceResult]:
+                  rows: Sequence[np.ndarray | slice]) -> list[TraceResult]:
     """One :class:`TraceResult` per request from host arrays, taking ``rows[i]`` for request i."""
     return [TraceResult(trace_id=r.trace_id, prompt_len=r.prompt_len,
                         **{name: values[take] for name, values in host.items()})
@@ -29,21 +29,40 @@ def wave_results(wave: Sequence[ReplayRequest], steps: Steps,
     Forward f scored ``width_f = len(tokens_f) // B`` positions per row, row-major; the first
     ``counts[f, b]`` of row b's are its committed tokens, and a row keeps its first
     ``trace_len`` committed tokens (rows that finished early ran on with the batch).
+    The host arrays are put in row order once, so each result holds views of them.
     """
     host = collect_rows(TokenScores(*(torch.cat(parts) for parts in zip(*(s for s, _ in steps)))),
                         torch.cat([tokens for _, tokens in steps]))
-    counts = counts.cpu().numpy()
+    order, lengths = _committed_order(wave, [len(tokens) for _, tokens in steps],
+                                      counts.cpu().numpy())
+    host = {name: values[order] for name, values in host.items()}
+    ends = np.cumsum(lengths)
+    return split_results(wave, host, [slice(end - n, end) for end, n in zip(ends, lengths)])
+
+
+def _committed_order(wave: Sequence[ReplayRequest], sizes: Sequence[int],
+                     counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Flat indices of each row's kept tokens, row after row, and how many each row keeps."""
     batch = len(wave)
-    bounds = np.cumsum([0] + [len(tokens) for _, tokens in steps])
-    index_parts, row_parts = [], []
-    for f in range(len(steps)):  # vectorized over rows: one pass per forward
-        width = (bounds[f + 1] - bounds[f]) // batch
-        grid = bounds[f] + np.arange(batch * width).reshape(batch, width)
-        kept = np.arange(width)[None, :] < counts[f][:, None]
-        index_parts.append(grid[kept])  # row-major: each row's committed tokens in order
-        row_parts.append(np.nonzero(kept)[0])
-    rows = np.concatenate(row_parts)
-    order = np.argsort(rows, kind="stable")  # by row, forwards in order within a row
-    per_row = np.split(np.concatenate(index_parts)[order],
-                       np.cumsum(np.bincount(rows, minlength=batch))[:-1])
-    return split_results(wave, host, [take[: r.trace_len] for take, r in zip(per_row, wave)])
+    bounds = np.cumsum([0, *sizes])
+    widths = np.diff(bounds) // batch
+    if (widths == widths[0]).all():  # step-by-step or fixed-k verify: one pass for all forwards
+        width = int(widths[0])
+        grid = np.arange(bounds[-1]).reshape(len(sizes), batch, width).transpose(1, 0, 2)
+        kept = np.arange(width) < counts[:, :, None].transpose(1, 0, 2)
+        flat, per_row = grid[kept], kept.reshape(batch, -1).sum(axis=1)
+    else:
+        index_parts, row_parts = [], []
+        for f, width in enumerate(widths):  # vectorized over rows: one pass per forward
+            grid = bounds[f] + np.arange(batch * width).reshape(batch, width)
+            kept = np.arange(width)[None, :] < counts[f][:, None]
+            index_parts.append(grid[kept])  # row-major: each row's committed tokens in order
+            row_parts.append(np.nonzero(kept)[0])
+        rows = np.concatenate(row_parts)
+        by_row = np.argsort(rows, kind="stable")  # by row, forwards in order within a row
+        flat, per_row = np.concatenate(index_parts)[by_row], np.bincount(rows, minlength=batch)
+    # keep each row's first trace_len tokens
+    trace_len = np.array([r.trace_len for r in wave])
+    within = np.arange(len(flat)) - np.repeat(np.cumsum(per_row) - per_row, per_row)
+    keep = within < np.repeat(trace_len, per_row)
+    return flat[keep], np.minimum(per_row, trace_len)

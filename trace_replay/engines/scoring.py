@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-__all__ = ["TokenScores", "score_tokens", "collect_rows"]
+__all__ = ["TokenScores", "score_tokens", "score_with_top", "scorer_for", "collect_rows"]
 
 
 class TokenScores(NamedTuple):
@@ -25,23 +26,69 @@ def score_tokens(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int) -> T
 
     Log-softmax runs in float32 whatever the model dtype, as vLLM's sampler does. Rank is
     1 + the number of tokens with a strictly greater logprob, so ties share the best rank.
-    Everything stays on the device: no host synchronization.
+    The top ``top_k`` are those of the logits (log-softmax keeps their order; ties in any
+    order). Everything stays on the device: no host synchronization.
     """
+    return score_with_top(logits, token_ids, _top_ids(logits, token_ids, top_k))
+
+
+def score_with_top(logits: torch.Tensor, token_ids: torch.Tensor,
+                   top_ids: torch.Tensor) -> TokenScores:
+    """:func:`score_tokens` with the top-k indices ``top_ids`` ([N, k] int64) given."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     token_ids = token_ids.long()
     logprob = logprobs.gather(1, token_ids[:, None]).squeeze(1)
     rank = (logprobs > logprob[:, None]).sum(dim=1) + 1
-    top = logprobs.topk(top_k, dim=-1) if top_k > 0 else None
     # p * log p is 0 for p = 0 (log p = -inf gives NaN otherwise)
     entropy = -(logprobs.exp() * logprobs).nan_to_num(nan=0.0).sum(dim=1)
-    empty_ids = token_ids.new_zeros((len(token_ids), 0))
-    return TokenScores(
-        logprob=logprob,
-        rank=rank,
-        top_token_ids=top.indices if top is not None else empty_ids,
-        top_logprobs=top.values if top is not None else logprob.new_zeros((len(token_ids), 0)),
-        entropy=entropy,
-    )
+    return TokenScores(logprob=logprob, rank=rank, top_token_ids=top_ids,
+                       top_logprobs=logprobs.gather(1, top_ids), entropy=entropy)
+
+
+def scorer_for(device: torch.device | str):
+    """The scorer for ``device``: :func:`score_tokens`, or its fast form on CUDA.
+
+    Eager, a score is a dozen passes over a float32 copy of the ``[N, V]`` logits (cast,
+    log-softmax, compare, exp, product, sums) plus ``torch.topk``'s radix select. On CUDA
+    the top-k comes from :func:`~trace_replay.kernels.top_k.top_k_indices` (the logits
+    read once) and the rest is compiled by inductor into a few fused reductions. Same rule,
+    same dtype; the fused reductions may round differently in the last bits (tests compare
+    within tolerance). CPU keeps the eager function: compiling there costs seconds of
+    start-up for little gain.
+    """
+    if torch.device(device).type != "cuda":
+        return score_tokens
+    global _CUDA_SCORER
+    if _CUDA_SCORER is None:
+        from trace_replay.kernels.top_k import MAX_TOP_K, top_k_indices
+
+        # inductor says so at each compile when it splits the vocabulary reduction: an
+        # internal choice, nothing a user can act on
+        warnings.filterwarnings("ignore", message=r"\s*Online softmax is disabled")
+        # rows vary between waves and chunks: one dynamic-shape graph rather than one per N
+        compiled = torch.compile(score_with_top, dynamic=True, fullgraph=True)
+
+        def score_cuda(logits: torch.Tensor, token_ids: torch.Tensor,
+                       top_k: int) -> TokenScores:
+            kernel = top_k <= MAX_TOP_K and logits.stride(1) == 1
+            top_ids = _top_ids(logits, token_ids, top_k, top_k_indices if kernel else None)
+            return compiled(logits, token_ids, top_ids)
+
+        _CUDA_SCORER = score_cuda
+    return _CUDA_SCORER
+
+
+_CUDA_SCORER = None
+
+
+def _top_ids(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int,
+             pick=None) -> torch.Tensor:
+    """``[N, top_k]`` indices of the largest logits: ``pick(logits, k)``, else ``torch.topk``."""
+    if top_k == 0:
+        return token_ids.new_zeros((len(token_ids), 0), dtype=torch.long)
+    if pick is not None and top_k <= logits.shape[1]:
+        return pick(logits, top_k)
+    return logits.topk(top_k, dim=-1).indices
 
 
 def collect_rows(scores: TokenScores, token_ids: torch.Tensor) -> dict[str, np.ndarray]:
