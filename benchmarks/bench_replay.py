@@ -182,12 +182,22 @@ def main():
     parser.add_argument("--skip-hf", action="store_true", help="skip hf-generate+forcing")
     parser.add_argument("--backends", default="hf,static", help="torch engine backends")
     parser.add_argument("--bandwidth", type=float, default=4.8e12, help="HBM bytes/s")
+    parser.add_argument("--topk-chunk", type=int, default=None,
+                        help="first-pass chunk of the top-k kernel (default: its CHUNK)")
+    parser.add_argument("--topk-warps", type=int, default=None,
+                        help="warps of the top-k kernel's first pass (default: its NUM_WARPS)")
     parser.add_argument("--profile", action="store_true",
                         help="kernel table of one replay per backend")
     parser.add_argument("--fidelity", action="store_true",
                         help="max |Δ logprob| of each replay against float64")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.topk_chunk or args.topk_warps:  # tuning: module defaults read at each call
+        from trace_replay.kernels import top_k
+
+        top_k.CHUNK = args.topk_chunk or top_k.CHUNK
+        top_k.NUM_WARPS = args.topk_warps or top_k.NUM_WARPS
+        print(f"top-k kernel: chunk {top_k.CHUNK}, {top_k.NUM_WARPS} warps")
     if args.shape == "embedded":
         lm = load_model(dtype=args.dtype, device=device)
     else:

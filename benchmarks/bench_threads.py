@@ -17,27 +17,17 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
 
 import torch
+from bench_cpu import timed as median_time  # median of repeats after a warm-up
 
-from trace_replay.demo import bundled_traces
+from trace_replay import datasets
 from trace_replay.engines import make_engine
 from trace_replay.engines.base import ReplayRequest
 from trace_replay.models import load_tokenizer
-
-
-def median_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -45,7 +35,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=48, help="trace tokens")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    trace = next(t for t in bundled_traces(4).tokenize(load_tokenizer())
+    trace = next(t for t in datasets.load(limit=4).tokenize(load_tokenizer())
                  if len(t.trace_token_ids) >= args.length)
     request = [ReplayRequest(trace.id, tuple(trace.prompt_token_ids),
                              tuple(trace.trace_token_ids[: args.length]))]

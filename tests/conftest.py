@@ -210,3 +210,92 @@ def assert_frames_bitwise_equal():
         pd.testing.assert_frame_equal(plain(a), plain(b), check_exact=True)
 
     return check
+
+
+# --- a tiny random Llama (engine internals: decode, verify, invariant model) ----------------
+
+_TINY_CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    max_position_embeddings=256, initializer_range=0.3, pad_token_id=0)
+
+
+def _tiny_lm(config_name: str = "LlamaConfig", *, attn_implementation: str = "sdpa",
+             **overrides) -> torch.nn.Module:
+    """A seeded random float32 model from a transformers config (2 layers, hidden 64); weights
+    large enough (init 0.3) that its distributions are far from uniform."""
+    import transformers
+
+    config = getattr(transformers, config_name)(**{**_TINY_CONFIG, **overrides})
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation=attn_implementation).eval()
+
+
+@pytest.fixture(scope="session")
+def make_tiny_lm():
+    """Factory ``make_tiny_lm(config_name="LlamaConfig", *, attn_implementation="sdpa",
+    **config_overrides)``: a new model per call."""
+    return _tiny_lm
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> torch.nn.Module:
+    """The tiny random Llama, built once per session (no download)."""
+    return _tiny_lm()
+
+
+@pytest.fixture(scope="session")
+def tiny_requests():
+    """Five requests for ``tiny_llama``: uneven prompt and trace lengths (left padding), a
+    one-token trace, a one-token prompt, and a trace that repeats its prompt (n-gram drafts
+    find it)."""
+    from trace_replay.engines.base import ReplayRequest
+
+    gen = torch.Generator().manual_seed(1)
+    requests = []
+    for i, (prompt_len, trace_len) in enumerate([(4, 9), (1, 12), (3, 5), (6, 1)]):
+        ids = torch.randint(3, 128, (prompt_len + trace_len,), generator=gen).tolist()
+        requests.append(ReplayRequest(f"r{i}", tuple(ids[:prompt_len]), tuple(ids[prompt_len:])))
+    prompt = (17, 42, 99, 5, 61)
+    requests.append(ReplayRequest("repeat", prompt, prompt * 2 + (17, 42)))
+    return requests
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_llama, tiny_requests) -> dict[str, np.ndarray]:
+    """Teacher-forced float64 log-softmax of ``tiny_llama`` at every trace token of
+    ``tiny_requests``: {trace_id: [T, V]}, each sequence run alone and unpadded."""
+    import copy
+
+    lm64 = copy.deepcopy(tiny_llama).double()
+    out = {}
+    with torch.inference_mode():
+        for request in tiny_requests:
+            ids = list(request.prompt_token_ids) + list(request.trace_token_ids)
+            logits = lm64(input_ids=torch.tensor([ids])).logits[0]
+            start = request.prompt_len - 1
+            out[request.trace_id] = torch.log_softmax(
+                logits[start:start + request.trace_len], dim=-1).numpy()
+    return out
+
+
+@pytest.fixture(scope="session")
+def assert_results_match(tiny_reference):
+    """``assert_results_match(results, tol=1e-4, tie=1e-5)`` checks TraceResults of
+    ``tiny_requests`` against ``tiny_reference``: per token, |Δlogprob| <= tol, rank equal up
+    to near-ties (within ``tie``), the top-k logprobs the reference's best ones."""
+
+    def check(results, tol: float = 1e-4, tie: float = 1e-5) -> None:
+        for result in results:
+            ref = tiny_reference[result.trace_id]
+            assert len(result.logprob) == len(ref), result.trace_id
+            target = ref[np.arange(len(ref)), result.token_ids]
+            np.testing.assert_allclose(result.logprob, target, atol=tol, rtol=0)
+            lo = 1 + (ref > target[:, None] + tie).sum(1)
+            hi = 1 + (ref > target[:, None] - tie).sum(1)
+            assert ((lo <= result.rank) & (result.rank <= hi)).all(), result.trace_id
+            k = result.top_logprobs.shape[1]
+            best = -np.sort(-ref, axis=1)[:, :k]
+            np.testing.assert_allclose(result.top_logprobs, best, atol=tol, rtol=0)
+
+    return check

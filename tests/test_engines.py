@@ -1,4 +1,4 @@
-"""Tests for trace_replay.engines: make_engine, EngineConfig, and every engine (vLLM included)
+"""Tests for trace_replay.engines: make_engine and every engine (vLLM included)
 keeping the Engine protocol on the embedded model."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from trace_replay.engines import ENGINES, Engine, EngineConfig, make_engine
+from trace_replay.engines import ENGINES, Engine, make_engine
 from trace_replay.engines.base import Generator, ReplayRequest
 
 COMMON_SETTINGS = {"engine", "engine_path", "model", "dtype", "device", "batch_size", "top_k"}
@@ -24,27 +24,7 @@ NAMES = [
 ]  # fmt: skip
 
 
-# --- EngineConfig and make_engine: checked before any model is loaded --------------------
-
-
-@pytest.mark.parametrize("fields, error, message", [
-    ({"top_k": -1}, ValueError, "top_k must be an integer >= 0, got -1"),
-    ({"top_k": "5"}, ValueError, "top_k must be an integer"),
-    ({"batch_size": 0}, ValueError, "batch_size must be an integer >= 1, got 0"),
-    ({"batch_size": True}, ValueError, "batch_size must be an integer"),
-    ({"dtype": "float7"}, ValueError, "float7"),
-    ({"device": "gpu"}, ValueError, "device .gpu. is not a device name"),
-])  # fmt: skip
-def test_config_refuses_bad_values(fields, error, message):
-    """EngineConfig validates on construction, naming the field and the value."""
-    with pytest.raises(error, match=message):
-        EngineConfig(**fields)
-
-
-def test_config_defaults_leave_choices_to_the_engine():
-    """Unset model, dtype, device and batch size are None (each engine picks); top_k is 5."""
-    assert EngineConfig() == EngineConfig(model=None, dtype=None, device=None, batch_size=None,
-                                          top_k=5)
+# --- make_engine: checked before any model is loaded ---------------------------------------
 
 
 def test_make_engine_refuses_an_unknown_engine():

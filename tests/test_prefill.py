@@ -26,3 +26,21 @@ def test_lm_head_runs_in_bounded_chunks(lm, real_traces, assert_matches_referenc
     assert max(rows_seen) <= 4
     assert sum(rows_seen) == len(df)  # no logits for prompt or padding positions
     assert_matches_reference(df)
+
+
+def test_deterministic_scoring_runs_in_bounded_chunks_with_the_same_bits(
+        lm, real_traces, assert_frames_bitwise_equal):
+    """Deterministic mode: logits exist for at most one chunk of whole scoring blocks, and
+    chunking changes no bit (head and scoring are row-invariant)."""
+    engine = make_engine("prefill", lm, batch_size=6, top_k=3, deterministic=True)
+    head, rows_seen = engine.backend.lm_head, []
+    engine.backend.lm_head = lambda hidden: rows_seen.append(len(hidden)) or head(hidden)
+    engine.score_chunk_bytes = 2**62  # one chunk: the whole batch's logits at once
+    whole = replay(real_traces, engine=engine, progress=False)
+    assert rows_seen == [len(whole)]
+    rows_seen.clear()
+    engine.score_chunk_bytes = 1  # the smallest chunk: one scoring block
+    chunked = replay(real_traces, engine=engine, progress=False)
+    block = engine.backend.model.blocks.score
+    assert max(rows_seen) == block and len(rows_seen) == -(-len(chunked) // block)
+    assert_frames_bitwise_equal(chunked, whole)

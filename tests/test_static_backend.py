@@ -21,9 +21,6 @@ from trace_replay.engines.static_backend import StaticCacheBackend, supports
 from trace_replay.replay import replay
 
 PROMPTS = [[50, 35, 28, 46], [1], [95, 30, 21], [50, 35]]
-_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-               max_position_embeddings=256, initializer_range=0.3, pad_token_id=0)
 ARCHITECTURES = {
     "llama": ("LlamaConfig", {}),
     "llama3-rope": ("LlamaConfig", {"rope_parameters": {
@@ -39,16 +36,18 @@ ARCHITECTURES = {
 }
 
 
-def tiny_model(arch: str) -> torch.nn.Module:
-    """A random float32 model of ``arch`` (seeded), built from its transformers config."""
-    import transformers
+@pytest.fixture(scope="module")
+def tiny_model(make_tiny_lm):
+    """``tiny_model(arch)``: a new seeded random float32 model of ``arch`` (conftest's tiny
+    sizes, with the architecture's own options)."""
 
-    name, extra = ARCHITECTURES[arch]
-    config = getattr(transformers, name)(**{**_COMMON, **extra})
-    torch.manual_seed(0)
-    # transformers' sdpa path drops Gemma-2's attention soft-capping; eager applies it
-    attn = "eager" if arch == "gemma2" else "sdpa"
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+    def build(arch: str) -> torch.nn.Module:
+        name, extra = ARCHITECTURES[arch]
+        # transformers' sdpa path drops Gemma-2's attention soft-capping; eager applies it
+        attn = "eager" if arch == "gemma2" else "sdpa"
+        return make_tiny_lm(name, attn_implementation=attn, **extra)
+
+    return build
 
 
 def requests(vocab: int = 128) -> list[ReplayRequest]:
@@ -80,7 +79,7 @@ def assert_same_results(ours, theirs, atol=1e-4):
 
 
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))
-def tiny(request):
+def tiny(request, tiny_model):
     """(architecture, model, the HF backend's step-by-step replay of ``requests()``)."""
     lm = tiny_model(request.param)
     return request.param, lm, run(lm, "hf")[1]
@@ -110,7 +109,7 @@ def test_verify_equals_step_by_step(tiny):
     assert_same_results(run(lm, "static", "trace")[1], hf)
 
 
-def test_ngram_verify_equals_hf():
+def test_ngram_verify_equals_hf(tiny_model):
     """N-gram drafts (some rejected, dropped by ``keep``) match the HF backend's verify path."""
     lm = tiny_model("qwen3")
     ours_engine, ours = run(lm, "static", "ngram")
@@ -119,7 +118,7 @@ def test_ngram_verify_equals_hf():
     assert ours_engine.stats()["acceptance_rate"] == theirs_engine.stats()["acceptance_rate"]
 
 
-def test_model_left_unmodified():
+def test_model_left_unmodified(tiny_model):
     """The backend runs a view of the model: the model's own config and layers are untouched."""
     lm = tiny_model("llama")
     before = (lm.config._attn_implementation, [type(m).forward for m in lm.model.layers])
@@ -145,7 +144,7 @@ def _decode_keep_decode(backend):
     return first, last.clone()
 
 
-def test_keep_then_decode_equals_hf():
+def test_keep_then_decode_equals_hf(tiny_model):
     """After ``keep`` drops drafts (some trailing, one in the middle), logits match HF's."""
     lm = tiny_model("llama")
     ours = StaticCacheBackend(lm, 0, max_query_len=3)
@@ -156,7 +155,7 @@ def test_keep_then_decode_equals_hf():
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma3"])
-def test_keep_with_sliding_window_equals_plain_forward(arch):
+def test_keep_with_sliding_window_equals_plain_forward(arch, tiny_model):
     """With sliding windows (4 positions), a row that kept a prefix of its drafts sees exactly
     that context: logits equal the model's own unpadded forward over prompt + kept + new
     tokens. Windows count positions, so dropped drafts never narrow them (the HF backend's
@@ -172,7 +171,7 @@ def test_keep_with_sliding_window_equals_plain_forward(arch):
             torch.testing.assert_close(last[row], expected, atol=1e-4, rtol=0)
 
 
-def test_smaller_wave_reuses_cache():
+def test_smaller_wave_reuses_cache(tiny_model):
     """A wave with fewer rows in the same length bucket reuses the cache; padding rows are inert."""
     lm = tiny_model("llama")
     ours, theirs = StaticCacheBackend(lm, 0), HFBackend(lm, 0)
@@ -191,7 +190,7 @@ def test_smaller_wave_reuses_cache():
     torch.testing.assert_close(a2, b2, atol=1e-4, rtol=0)
 
 
-def test_backend_choice():
+def test_backend_choice(tiny_model):
     """``auto`` is hf on CPU; ``static`` runs without graphs on CPU; unknown names raise."""
     lm = tiny_model("llama")
     assert make_engine("torch", lm, backend="auto").backend.name == "hf"

@@ -43,6 +43,17 @@ def _shard(text: str) -> tuple[int, int]:
     return index, count
 
 
+def _seconds(text: str) -> float:
+    """A number of seconds >= 0 (``inf`` allowed: never by time)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds >= 0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return seconds
+
+
 def _speculative(text: str) -> dict:
     method, _, k = text.partition(":")
     return {"method": method, "num_tokens": int(k or 4)}
@@ -82,7 +93,8 @@ def _cmd_replay(args) -> None:
                 batch_size=args.batch_size, speculative=args.speculative,
                 engine_args=dict(args.engine_arg) or None, progress=not args.quiet,
                 checkpoint=args.checkpoint, shard=args.shard, truncate=args.truncate,
-                chunk_size=args.chunk_size, deterministic=args.deterministic,
+                chunk_size=args.chunk_size, checkpoint_every=args.checkpoint_every,
+                deterministic=args.deterministic,
                 verbose=args.verbose)
     _write_frame(df, args.out)
     print(f"{df['trace_id'].nunique()} traces, {len(df)} tokens "
@@ -229,6 +241,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=int, default=None,
                    help="traces per engine call and per checkpoint part "
                         "(default: 4 x the batch size)")
+    p.add_argument("--checkpoint-every", type=_seconds, default=10.0, metavar="SECONDS",
+                   help="with --checkpoint: write finished traces at least this often, "
+                        "however few (0: after every engine call); a part is also written "
+                        "every --chunk-size traces")
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant numbers: a trace's results never depend on its batch")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

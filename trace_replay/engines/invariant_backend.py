@@ -1,7 +1,8 @@
 """The deterministic forward pass: every token's numbers depend on its own trace alone.
 
 Same calls as :class:`~trace_replay.engines.hf_backend.HFBackend` (``prefill``, ``decode``,
-``keep``; plus ``teacher_forced`` for the prefill engine and ``score``), computed by
+``keep``; plus ``teacher_forced`` / ``teacher_forced_states``, ``lm_head`` and ``score`` for
+the prefill engine), computed by
 :class:`~trace_replay.engines.invariant_model.InvariantLlama`.
 
 Design contract:
@@ -96,13 +97,27 @@ class InvariantBackend:
         ``sequences[i]`` is fed whole (prompt and trace but its last token); position ``p``
         of it gives the logits predicting token ``p + 1``, exactly as a decode step would.
         """
+        return self.lm_head(self.teacher_forced_states(sequences, scored))
+
+    @torch.inference_mode()
+    def teacher_forced_states(self, sequences: Sequence[Sequence[int]],
+                              scored: Sequence[range]) -> torch.Tensor:
+        """:meth:`teacher_forced` before the head: final hidden states ``[N, hidden]``.
+
+        :meth:`lm_head` of any slice of them gives the bits of the same rows of
+        :meth:`teacher_forced` (rows are independent), so a caller can score in chunks.
+        """
         lengths = [len(s) for s in sequences]
         self._start(lengths, max(lengths))
         hidden = self._forward_sequences(sequences)
         starts = [0, *torch.tensor(lengths).cumsum(0).tolist()[:-1]]
         rows = [start + p for start, positions in zip(starts, scored) for p in positions]
         self.forwards += 1
-        return self.model.lm_head(hidden[torch.tensor(rows, device=self.device)])
+        return hidden[torch.tensor(rows, device=self.device)]
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[R, V]`` of hidden states ``[R, hidden]``, row-invariantly."""
+        return self.model.lm_head(hidden)
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,12 @@ def emitted_ids(choice: dict) -> list[int]:
     if choice.get("token_ids") is not None:
         return [int(t) for t in choice["token_ids"]]
     tokens = (choice.get("logprobs") or {}).get("tokens") or ()
-    return [int(t.removeprefix("token_id:")) for t in tokens]
+    try:
+        return [int(t.removeprefix("token_id:")) for t in tokens]
+    except ValueError:
+        text = next(t for t in tokens if not t.removeprefix("token_id:").lstrip("-").isdigit())
+        raise ValueError(f"logprobs.tokens holds text ({text!r}), not token_id:N: the server "
+                         "ignored return_tokens_as_token_ids") from None
 
 
 def _logprob(value: float) -> float:

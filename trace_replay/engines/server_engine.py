@@ -175,11 +175,11 @@ class ServerEngine(EngineBase):
                     "logprobs": max(self.top_k, RANK_DEPTH), "return_token_ids": True,
                     "return_tokens_as_token_ids": True, "vllm_xargs": {TRACE_KEY: trace}})
             choice = answer["choices"][0]
-        except (ServerError, KeyError, IndexError, TypeError) as error:
+            emitted = emitted_ids(choice)
+        except (ServerError, KeyError, IndexError, TypeError, ValueError) as error:
             raise ServerError(f"trace {request.trace_id!r}: {type(error).__name__}: {error}",
                               getattr(error, "status", None)) from None
-        emitted = emitted_ids(choice)
-        self._checkemitted_ids(request, emitted)
+        self._check_emitted(request, emitted)
         if self.api == "generate":
             steps = generate_steps(choice["logprobs"]["content"], self.top_k)
         else:
@@ -191,7 +191,7 @@ class ServerEngine(EngineBase):
                            rank=rank, top_token_ids=top_ids, top_logprobs=top_lps,
                            entropy=np.full(len(emitted), np.nan), extra=extra)
 
-    def _checkemitted_ids(self, request: ReplayRequest, emitted: list[int]) -> None:
+    def _check_emitted(self, request: ReplayRequest, emitted: list[int]) -> None:
         trace = list(request.trace_token_ids)
         if emitted == trace:
             return

@@ -23,7 +23,7 @@ from trace_replay.engines.decode import generate_steps, replay_steps
 from trace_replay.engines.drafts import parse_speculative
 from trace_replay.engines.hf_backend import HFBackend
 from trace_replay.engines.results import wave_results
-from trace_replay.engines.scoring import score_tokens
+from trace_replay.engines.scoring import scorer_for
 from trace_replay.engines.slots import SlotTable, waves
 from trace_replay.engines.static_backend import StaticCacheBackend, supports
 from trace_replay.engines.threads import engine_threads, intra_op_threads
@@ -76,7 +76,7 @@ class TorchEngine(EngineBase):
         pad = self.lm.config.pad_token_id
         self.pad_id = 0 if pad is None else int(pad)
         self.backend = self._make_backend(backend)
-        self.score = self.backend.score if self.deterministic else score_tokens
+        self.score = self.backend.score if self.deterministic else scorer_for(weight.device)
         self.slots = SlotTable(self.batch_size, weight.device)
         self.engine_path = f"torch-decode[{self.backend.name}]"
         if self.speculative is not None:
