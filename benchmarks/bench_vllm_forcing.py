@@ -10,12 +10,20 @@ greedy's logprobs; both are checked. Logprobs: ``raw_logprobs``, top 5, as the p
 Usage::
 
     VLLM_USE_FLASHINFER_SAMPLER=0 python benchmarks/bench_vllm_forcing.py --batches 64,256
+
+``--profile DIR`` runs vLLM's engine core in this process (as the package's ``VLLMEngine``
+does) and, after the timed runs, profiles one greedy and one forcing ``generate`` per batch
+with cProfile: ``DIR/{greedy,forcing}_b{batch}.prof`` and a text summary of the functions
+whose own time differs most between the two paths.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime as dt
+import os
+import pstats
 import statistics
 import tempfile
 import time
@@ -32,7 +40,12 @@ def main():
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", metavar="DIR",
+                        help="engine core in process; cProfile one run of each path per batch")
     args = parser.parse_args()
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core's calls show up
 
     import vllm
     from vllm import LLM, SamplingParams
@@ -85,6 +98,14 @@ def main():
         g, f = statistics.median(greedy_s), statistics.median(forcing_s)
         rows.append((batch, tokens / g, tokens / f, g / f, exact, delta))
         print(f"  batch {batch}: greedy {g:.3f} s, forcing {f:.3f} s", flush=True)
+        if args.profile:
+            stats = {}
+            for path, params in (("greedy", greedy_params), ("forcing", forcing_params)):
+                profiler = cProfile.Profile()
+                profiler.runcall(generate, prompts, params)
+                stats[path] = pstats.Stats(profiler)
+                stats[path].dump_stats(f"{args.profile}/{path}_b{batch}.prof")
+            print(profile_difference(stats["greedy"], stats["forcing"], args.new_tokens))
 
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"\n{dt.date.today()} · {name} · vLLM {vllm.__version__} · "
@@ -97,6 +118,26 @@ def main():
     for batch, greedy_tps, forcing_tps, ratio, exact, delta in rows:
         print(f"| {batch} | {greedy_tps:,.0f} | {forcing_tps:,.0f} | {ratio:.2f} | {exact} | "
               f"{delta:.1e} |")
+
+
+def profile_difference(greedy: pstats.Stats, forcing: pstats.Stats, steps: int,
+                       top: int = 25) -> str:
+    """The functions whose own (and cumulative) time per step grows most with forcing."""
+    def table(stats):
+        return {f"{func[0].rsplit('/', 2)[-1]}:{func[1]}({func[2]})": (tt, ct, nc)
+                for func, (_, nc, tt, ct, _) in stats.stats.items()}
+
+    a, b = table(greedy), table(forcing)
+    lines = [f"    total: greedy {greedy.total_tt:.3f} s, forcing {forcing.total_tt:.3f} s "
+             f"(+{(forcing.total_tt - greedy.total_tt) / steps * 1e3:.3f} ms/step)",
+             "    Δ own ms/step | Δ cum ms/step | calls greedy → forcing | function"]
+    keys = sorted(a.keys() | b.keys(),
+                  key=lambda k: -(b.get(k, (0, 0, 0))[0] - a.get(k, (0, 0, 0))[0]))
+    for key in keys[:top]:
+        (tt_a, ct_a, n_a), (tt_b, ct_b, n_b) = a.get(key, (0, 0, 0)), b.get(key, (0, 0, 0))
+        lines.append(f"    {(tt_b - tt_a) / steps * 1e3:+.3f} | {(ct_b - ct_a) / steps * 1e3:+.3f}"
+                     f" | {n_a} → {n_b} | {key}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

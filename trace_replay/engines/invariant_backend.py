@@ -22,21 +22,14 @@ Design contract:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
+from trace_replay.engines.captured_step import StepGraph, capture_step
 from trace_replay.engines.invariant_model import InvariantLlama, KVCache
 from trace_replay.engines.scoring import TokenScores
 
 __all__ = ["InvariantBackend"]
-
-
-class _Graph(NamedTuple):
-    graph: torch.cuda.CUDAGraph
-    tokens: torch.Tensor  # [B, q] int64, static input
-    positions: torch.Tensor  # [B, q] int64, static input
-    logits: torch.Tensor  # [B * q, V], static output
 
 
 class InvariantBackend:
@@ -69,7 +62,7 @@ class InvariantBackend:
         self.forwards = 0
         self.cache: KVCache | None = None
         self.shape: tuple[int, int] | None = None  # (rows, slots) of the cache
-        self._graphs: dict[int, _Graph] = {}
+        self._graphs: dict[int, StepGraph] = {}
 
     def describe(self) -> dict:
         """The arithmetic choices, for ``settings()`` (results depend on them)."""
@@ -130,10 +123,7 @@ class InvariantBackend:
         if not self.cuda_graphs:
             return self._decode_step(tokens, positions).view(batch, q, -1)
         graph = self._graphs.get(q) or self._capture(q)
-        graph.tokens[:batch].copy_(tokens)
-        graph.positions[:batch].copy_(positions)
-        graph.graph.replay()
-        return graph.logits.view(self.shape[0], q, -1)[:batch]
+        return graph.replay(tokens, positions).view(self.shape[0], q, -1)[:batch]
 
     @torch.inference_mode()
     def keep(self, keep: torch.Tensor) -> None:
@@ -190,27 +180,11 @@ class InvariantBackend:
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.shape = (rows, slots)
 
-    def _capture(self, q: int) -> _Graph:
-        rows = self.shape[0]
-        tokens = torch.zeros((rows, q), dtype=torch.long, device=self.device)
-        positions = torch.zeros((rows, q), dtype=torch.long, device=self.device)
-        # warm-up runs the step for real (compiles the kernels): put cursor and valid back;
-        # the keys it wrote sit at the cursor, where the next decode writes anyway
-        cursor, valid = self.cursor.clone(), self.cache.valid.clone()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._decode_step(tokens, positions)
-                self.cursor.copy_(cursor)
-                self.cache.valid.copy_(valid)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._decode_step(tokens, positions)
-        self.cursor.copy_(cursor)
-        self.cache.valid.copy_(valid)
-        self._graphs[q] = _Graph(graph, tokens, positions, logits)
+    def _capture(self, q: int) -> StepGraph:
+        # warm-up compiles the kernels; the keys it wrote sit at the cursor, where the
+        # next decode writes anyway
+        self._graphs[q] = capture_step(self._decode_step, self.shape[0], q,
+                                       (self.cursor, self.cache.valid), pool=self._pool)
         return self._graphs[q]
 
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
+from trace_replay.engines.captured_step import StepGraph, capture_step
 from trace_replay.engines.static_cache import ATTENTION, StaticKVCache, register_attention
 
 __all__ = ["StaticCacheBackend", "supports"]
@@ -112,13 +112,6 @@ def _model_view(lm: torch.nn.Module, backend: StaticCacheBackend) -> torch.nn.Mo
     return view
 
 
-class _Graph(NamedTuple):
-    graph: torch.cuda.CUDAGraph
-    tokens: torch.Tensor  # [rows, q] int64, static input
-    positions: torch.Tensor  # [rows, q] int64, static input
-    logits: torch.Tensor  # [rows, q, V], static output
-
-
 class StaticCacheBackend:
     """A transformers model's own forward over a static KV cache; compiled CUDA graphs on GPU.
 
@@ -168,7 +161,7 @@ class StaticCacheBackend:
         self.windows = _windows(lm.config)
         self.view = _model_view(lm, self)
         self.cache: StaticKVCache | None = None
-        self._graphs: dict[int, _Graph] = {}
+        self._graphs: dict[int, StepGraph] = {}
         self._pool = None
 
     @property
@@ -209,10 +202,7 @@ class StaticCacheBackend:
                 positions = torch.cat([positions, positions.new_zeros((rows - batch, q))])
             return self._forward(tokens, positions)[:batch]
         graph = self._graphs.get(q) or self._capture(q)
-        graph.tokens[:batch].copy_(tokens)
-        graph.positions[:batch].copy_(positions)
-        graph.graph.replay()
-        return graph.logits[:batch]
+        return graph.replay(tokens, positions)[:batch]
 
     @torch.inference_mode()
     def keep(self, keep: torch.Tensor) -> None:
@@ -253,34 +243,20 @@ class StaticCacheBackend:
         cache.finish()
         return out.logits
 
-    def _capture(self, q: int) -> _Graph:
+    def _capture(self, q: int) -> StepGraph:
         start = time.perf_counter()
-        rows = self.cache.shape[0]
-        tokens = torch.full((rows, q), self.pad_id, dtype=torch.long, device=self.device)
-        positions = torch.zeros((rows, q), dtype=torch.long, device=self.device)
-        # warm-up (compiles) runs the step for real: put the bookkeeping back afterwards
-        # (the keys it wrote sit past every cursor, where the next decode writes anyway)
-        saved = [t.clone() for t in (self.cache.cursor, self.cache.valid, self.cache.slot_pos)]
-        self.compiling = True
+        cache = self.cache
+        self.compiling = True  # the warm-up inside compiles the layers
         try:
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._forward(tokens, positions)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            for tensor, value in zip((self.cache.cursor, self.cache.valid, self.cache.slot_pos),
-                                     saved):
-                tensor.copy_(value)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                logits = self._forward(tokens, positions)
+            graph = capture_step(self._forward, cache.shape[0], q,
+                                 (cache.cursor, cache.valid, cache.slot_pos),
+                                 pad_id=self.pad_id, pool=self._pool)
         finally:
             self.compiling = False
-        self._graphs[q] = _Graph(graph, tokens, positions, logits)
+        self._graphs[q] = graph
         torch.cuda.synchronize(self.device)
         self.compile_seconds += time.perf_counter() - start
-        return self._graphs[q]
+        return graph
 
 
 def _compile_layer():
