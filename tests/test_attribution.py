@@ -99,15 +99,13 @@ def test_small_budget_splits_passes_with_equal_results(lm, perturbed, traces):
 
 
 def test_unsupported_settings_are_refused_before_loading():
-    """vLLM, the static backend, speculative verify and deterministic mode are refused."""
+    """vLLM, the static backend and speculative verify are refused."""
     with pytest.raises(ValueError, match="torch and prefill"):
         locate_divergence([], {"engine": "vllm"}, {})
     with pytest.raises(ValueError, match="backend='hf'"):
         locate_divergence([], {}, {"backend": "static"})
     with pytest.raises(ValueError, match="speculative"):
         locate_divergence([], {"speculative": {"method": "trace", "num_tokens": 2}}, {})
-    with pytest.raises(ValueError, match="deterministic=True is not supported"):
-        locate_divergence([], {}, {"deterministic": True})
     with pytest.raises(ValueError, match="unknown sites"):
         locate_divergence([], {}, {}, sites=["attn"])
 
@@ -142,3 +140,39 @@ def test_divergence_origin_takes_the_first_in_forward_order():
         ["t0", 0], ["t0", 1], ["t1", 0], ["t2", 0]]
     assert per_step["layer"].isna().tolist() == [True, False, True, False]
     assert per_step.loc[1, "site"] == "attention"
+
+
+@pytest.mark.slow
+def test_deterministic_decode_and_prefill_agree_at_every_site(lm, traces):
+    """Deterministic mode, decode at batch 2 vs teacher-forced prefill at batch 3: every site
+    of every step and layer is bitwise equal (the row arithmetic is shared, so the property
+    that the outputs show holds inside the model too); the logits site is included."""
+    frame = locate_divergence(traces, {"model": lm, "batch_size": 2, "deterministic": True},
+                              {"model": lm, "engine": "prefill", "batch_size": 3,
+                               "deterministic": True}, progress=False)
+    assert len(frame) == _tokens(traces) * (4 * lm.config.num_hidden_layers + 3)
+    assert not frame[["trace_id", "step", "layer", "site"]].duplicated().any()
+    assert frame["bitwise_equal"].all()
+    assert frame.attrs["a"]["deterministic"] and frame.attrs["b"]["deterministic"]
+
+
+@pytest.mark.slow
+def test_deterministic_against_default_and_a_planted_change(lm, perturbed, traces):
+    """Deterministic mode runs the model's weights through other (row-wise) arithmetic:
+    against the default run the embedding lookup is bitwise equal and every site agrees to
+    float32 rounding (measured here: the first difference is layer 0's input norm, rel. L2
+    ~1e-7). With a perturbed model on one side, both in deterministic mode, the planted
+    layer's MLP is the first divergent site and everything before it is bitwise equal."""
+    two = traces.select(["paris", "short-prompt"])
+    frame = locate_divergence(two, {"model": lm}, {"model": lm, "deterministic": True},
+                              progress=False)
+    assert frame.loc[frame["site"] == "embeddings", "bitwise_equal"].all()
+    assert frame["rel_l2"].max() < 1e-4
+    planted = locate_divergence(two, {"model": lm, "deterministic": True},
+                                {"model": perturbed, "deterministic": True}, progress=False)
+    origin = divergence_origin(planted)
+    assert origin["layer"].tolist() == [PERTURBED_LAYER] * 2
+    assert origin["site"].tolist() == ["mlp"] * 2
+    before = (planted["layer"] < PERTURBED_LAYER) | (
+        (planted["layer"] == PERTURBED_LAYER) & planted["site"].isin(["input_norm", "attention"]))
+    assert planted.loc[before, "bitwise_equal"].all()

@@ -29,6 +29,7 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from trace_replay.capture import SITES, Site, SiteCapture, model_sites
+from trace_replay.capture_rows import RowCapture
 from trace_replay.engines.base import ReplayRequest
 from trace_replay.model_cache import ModelCache
 from trace_replay.pairing import METRICS, Comparer, HeldActivations
@@ -58,7 +59,9 @@ def locate_divergence(traces: TraceInput, a: Mapping[str, Any], b: Mapping[str, 
         a transformers model in memory), ``dtype``, ``device``, ``batch_size`` and engine
         options (``deterministic``, ...), passed to
         :func:`~trace_replay.engines.make_engine`. The torch engine runs its ``hf`` backend:
-        the static backend's compiled, graph-captured steps run no Python hooks.
+        the static backend's compiled, graph-captured steps run no Python hooks. With
+        ``deterministic=True`` both engines run the row-wise model of deterministic mode
+        (:mod:`~trace_replay.capture_rows` reads its sites; decode steps run eagerly).
     sites
         Site names to compare (default all): ``"embeddings"``, ``"input_norm"``,
         ``"attention"``, ``"mlp"``, ``"residual"``, ``"final_norm"``, ``"logits"``.
@@ -107,7 +110,7 @@ def locate_divergence(traces: TraceInput, a: Mapping[str, Any], b: Mapping[str, 
     engines = []
     try:
         for settings in (a, b):
-            if settings.get("engine", "torch") == "torch":
+            if settings.get("engine", "torch") == "torch" and not settings.get("deterministic"):
                 settings = {"backend": "hf", **settings}
             engines.append(models.engine(settings))
         frame = _locate(load_traces(traces), engines, wanted, progress=progress,
@@ -156,11 +159,6 @@ def _check_settings(name: str, settings: Mapping[str, Any]) -> None:
     if settings.get("backend", "hf") != "hf":
         raise ValueError(f"{name}: layer attribution needs backend='hf': the static backend's "
                          "compiled, graph-captured steps run no Python forward hooks")
-    if settings.get("deterministic"):
-        raise ValueError(f"{name}: deterministic=True is not supported by layer attribution: "
-                         "the batch-invariant backend computes with the model's weights but "
-                         "not through its modules, so no forward hook sees its activations "
-                         "(compare deterministic runs at the output with tr.sweep/compare)")
 
 
 def _check_sites(sites: Sequence[str] | None) -> tuple[str, ...]:
@@ -204,10 +202,10 @@ def _bands(chunk: Sequence[ReplayRequest], sites: Sequence[Site], lm,
 def _compare_pass(engines, lms, chunk: Sequence[ReplayRequest], sites, bar) -> pd.DataFrame:
     """One pass over ``chunk``: run a holding its sites, run b comparing as it goes."""
     held = HeldActivations()
-    with SiteCapture(lms[0], engines[0], chunk, sites[0], held.put):
+    with _capture(lms[0], engines[0], chunk, sites[0], held.put):
         engines[0].run(chunk)
     comparer = Comparer(held, chunk, sites[1][-1].index, bar)
-    with SiteCapture(lms[1], engines[1], chunk, sites[1], comparer):
+    with _capture(lms[1], engines[1], chunk, sites[1], comparer):
         engines[1].run(chunk)
     if held.where:
         trace, step = next(iter(held.where))
@@ -217,6 +215,13 @@ def _compare_pass(engines, lms, chunk: Sequence[ReplayRequest], sites, bar) -> p
     parts["trace_id"] = np.array([chunk[i].trace_id for i in parts.pop("trace_index")],
                                  dtype=object)
     return pd.DataFrame(parts)
+
+
+def _capture(lm, engine, chunk: Sequence[ReplayRequest], sites: Sequence[Site], sink):
+    """Module hooks on ``lm``; in deterministic mode the row-wise model's observer."""
+    if getattr(engine, "deterministic", False):
+        return RowCapture(engine.backend.model, engine, chunk, sites, sink)
+    return SiteCapture(lm, engine, chunk, sites, sink)
 
 
 def _to_frame(frames: list[pd.DataFrame], requests: Sequence[ReplayRequest]) -> pd.DataFrame:

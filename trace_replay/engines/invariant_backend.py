@@ -16,7 +16,8 @@ Design contract:
 * Prompt prefill, a decode step and teacher forcing run the same row arithmetic, so decode
   replay and teacher-forced prefill (``teacher_forced``) give the same bits.
 * On CUDA, decode steps are captured in CUDA graphs per tokens-per-row; nothing in
-  ``decode`` or ``keep`` reads back to the host.
+  ``decode`` or ``keep`` reads back to the host. While ``model.observer`` is set (layer
+  attribution) steps run eagerly, so the observer sees each one.
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ class InvariantBackend:
             raise ValueError(f"decode of {q} tokens per row; the cache was sized for "
                              f"max_query_len={self.max_query_len}")
         self.forwards += 1
-        if not self.cuda_graphs:
+        # an observer (layer attribution) sees Python calls: a graph replay would skip it
+        if not self.cuda_graphs or self.model.observer is not None:
             return self._decode_step(tokens, positions).view(batch, q, -1)
         graph = self._graphs.get(q) or self._capture(q)
         return graph.replay(tokens, positions).view(self.shape[0], q, -1)[:batch]

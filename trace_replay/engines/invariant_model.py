@@ -12,6 +12,7 @@ position. The KV cache belongs to the caller
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Protocol
 
 import torch
 
@@ -23,7 +24,7 @@ from trace_replay.kernels.invariant_attention import (
 from trace_replay.kernels.invariant_linear import linear_rows_reference, linear_rows_triton
 from trace_replay.kernels.invariant_rms_norm import rms_norm_rows_reference, rms_norm_rows_triton
 
-__all__ = ["InvariantLlama", "KVCache", "unsupported_reason"]
+__all__ = ["InvariantLlama", "KVCache", "RowObserver", "unsupported_reason"]
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 _LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -55,6 +56,21 @@ def unsupported_reason(lm) -> str | None:
         return "position-dependent RoPE scaling"
     return None
 
+
+
+class RowObserver(Protocol):
+    """Sees the rows of every :meth:`InvariantLlama.forward` (layer attribution's hook).
+
+    ``begin`` gets the forward's ``cache_row`` and ``positions`` ``[R]`` (padding rows
+    included, in the scratch cache row); ``site`` gets each site's ``[R, hidden]`` values in
+    forward order: ``(-1, "embeddings")``, per layer ``"input_norm"``, ``"attention"`` (after
+    o_proj), ``"mlp"`` and ``"residual"`` (the stream after the layer), then
+    ``(num_layers, "final_norm")``.
+    """
+
+    def begin(self, cache_row: torch.Tensor, positions: torch.Tensor) -> None: ...
+
+    def site(self, layer: int, name: str, values: torch.Tensor) -> None: ...
 
 
 class KVCache:
@@ -111,6 +127,7 @@ class InvariantLlama:
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
         self._cos = self._sin = None
+        self.observer: RowObserver | None = None  # see RowObserver; None costs nothing
 
     def describe(self) -> dict:
         """The arithmetic choices, for ``settings()`` (results depend on them)."""
@@ -151,8 +168,13 @@ class InvariantLlama:
             cache_row = torch.cat([cache_row, cache_row.new_full((pad,), cache.scratch)])
         rows = tokens.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        see = self.observer
+        if see is not None:
+            see.begin(cache_row, positions)
         cos, sin = self._rotary(positions)
         x = self.model.embed_tokens(tokens)
+        if see is not None:
+            see.site(-1, "embeddings", x)
         for i, layer in enumerate(self.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             h = self._norm(x, layer.input_layernorm)
@@ -162,11 +184,22 @@ class InvariantLlama:
             cache.k[i][cache_row, :, slot] = k
             cache.v[i][cache_row, :, slot] = v
             out = self._attention(q, cache.k[i], cache.v[i], cache.valid, cache_row, slot)
-            x = x + self._linear(out.view(rows, heads * dim), attn.o_proj)
+            attended = self._linear(out.view(rows, heads * dim), attn.o_proj)
+            if see is not None:
+                see.site(i, "input_norm", h)
+                see.site(i, "attention", attended)
+            x = x + attended
             h = self._norm(x, layer.post_attention_layernorm)
-            x = x + self._linear(silu_mul(self._linear(h, mlp.gate_proj),
+            mixed = self._linear(silu_mul(self._linear(h, mlp.gate_proj),
                                           self._linear(h, mlp.up_proj)), mlp.down_proj)
-        return self._norm(x, self.model.norm)
+            x = x + mixed
+            if see is not None:
+                see.site(i, "mlp", mixed)
+                see.site(i, "residual", x)
+        x = self._norm(x, self.model.norm)
+        if see is not None:
+            see.site(self.num_layers, "final_norm", x)
+        return x
 
     def _norm(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
