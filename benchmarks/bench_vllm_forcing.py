@@ -2,9 +2,14 @@
 
 One ``vllm.LLM`` with :class:`~trace_replay.engines.vllm_engine.TraceForcingProcessor`
 loaded serves both paths (the processor returns at once while no request carries a
-trace), so the ratio is the cost of forcing alone. Weights are random (a published shape
-from ``shapes.py``, saved with ``save_pretrained``; no tokenizer: token-id prompts), the
-traces are vLLM's own greedy output, so replay must emit exactly them with exactly
+trace), so "forcing / greedy" is the cost of forcing alone. Loading any custom logits
+processor has a cost of its own in vLLM V1 (it hands processors every request's output
+token list, which under async scheduling is completed from the GPU before each sampling
+step); ``--vanilla`` starts a second ``LLM`` without the processor, side by side, and
+times its greedy decoding in the same interleaved loop ("forcing / vanilla greedy").
+
+Weights are random (a published shape from ``shapes.py``, saved with ``save_pretrained``;
+no tokenizer: token-id prompts), the traces are vLLM's own greedy output, so replay must emit exactly them with exactly
 greedy's logprobs; both are checked. Logprobs: ``raw_logprobs``, top 5, as the package asks.
 
 Usage::
@@ -40,6 +45,8 @@ def main():
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--vanilla", action="store_true",
+                        help="also time greedy on a second LLM without the processor")
     parser.add_argument("--profile", metavar="DIR",
                         help="engine core in process; cProfile one run of each path per batch")
     args = parser.parse_args()
@@ -51,7 +58,7 @@ def main():
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from trace_replay.engines.vllm_engine import TRACE_KEY
+    from trace_replay.engines.vllm_engine import TRACE_KEY, TraceForcingProcessor
 
     folder = tempfile.mkdtemp()
     lm = random_model(args.shape, getattr(torch, args.dtype), torch.device("cpu"))
@@ -59,20 +66,28 @@ def main():
     vocab = lm.config.vocab_size
     del lm
     batches = [int(b) for b in args.batches.split(",")]
+
+    def start_llm(processor: bool):
+        memory = 0.3 if args.vanilla else 0.5  # both instances live side by side
+        return LLM(model=folder, skip_tokenizer_init=True, dtype=args.dtype, seed=0,
+                   max_num_seqs=max(batches),
+                   max_model_len=args.prompt_len + args.new_tokens + 16,
+                   max_logprobs=20, logprobs_mode="raw_logprobs", enable_prefix_caching=False,
+                   **(dict(gpu_memory_utilization=memory) if torch.cuda.is_available() else
+                      dict(enforce_eager=True)),
+                   logits_processors=([f"{TraceForcingProcessor.__module__}:"
+                                       "TraceForcingProcessor"] if processor else None))
+
     start = time.perf_counter()
-    llm = LLM(model=folder, skip_tokenizer_init=True, dtype=args.dtype, seed=0,
-              max_num_seqs=max(batches), max_model_len=args.prompt_len + args.new_tokens + 16,
-              max_logprobs=20, logprobs_mode="raw_logprobs", enable_prefix_caching=False,
-              **(dict(gpu_memory_utilization=0.5) if torch.cuda.is_available() else
-                 dict(gpu_memory_utilization=0.3, enforce_eager=True)),
-              logits_processors=["trace_replay.engines.vllm_engine:TraceForcingProcessor"])
+    llm = start_llm(processor=True)
     startup = time.perf_counter() - start
+    vanilla = start_llm(processor=False) if args.vanilla else None
     common = dict(temperature=0.0, max_tokens=args.new_tokens, logprobs=5, ignore_eos=True,
                   detokenize=False)
 
-    def generate(prompts, params):
+    def generate(prompts, params, engine=None):
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = (engine or llm).generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start, [o.outputs[0] for o in outputs]
 
     rows = []
@@ -85,19 +100,25 @@ def main():
         traces = [list(c.token_ids) for c in greedy]
         forcing_params = [SamplingParams(**common, extra_args={TRACE_KEY: t}) for t in traces]
         generate(prompts, forcing_params)  # warm-up
-        greedy_s, forcing_s = [], []
-        for _ in range(args.repeats):  # interleaved: drifts hit both paths alike
+        if vanilla is not None:
+            generate(prompts, greedy_params, vanilla)  # warm-up
+        greedy_s, forcing_s, vanilla_s = [], [], []
+        for _ in range(args.repeats):  # interleaved: drifts hit every path alike
             seconds, greedy = generate(prompts, greedy_params)
             greedy_s.append(seconds)
             seconds, forced = generate(prompts, forcing_params)
             forcing_s.append(seconds)
+            if vanilla is not None:
+                vanilla_s.append(generate(prompts, greedy_params, vanilla)[0])
         exact = all(list(c.token_ids) == t for c, t in zip(forced, traces))
         delta = max(abs(f.logprobs[i][tok].logprob - g.logprobs[i][tok].logprob)
                     for f, g in zip(forced, greedy) for i, tok in enumerate(g.token_ids))
         tokens = batch * args.new_tokens
         g, f = statistics.median(greedy_s), statistics.median(forcing_s)
-        rows.append((batch, tokens / g, tokens / f, g / f, exact, delta))
-        print(f"  batch {batch}: greedy {g:.3f} s, forcing {f:.3f} s", flush=True)
+        v = statistics.median(vanilla_s) if vanilla_s else float("nan")
+        rows.append((batch, tokens / v, tokens / g, tokens / f, g / f, v / f, exact, delta))
+        print(f"  batch {batch}: vanilla greedy {v:.3f} s, greedy {g:.3f} s, "
+              f"forcing {f:.3f} s", flush=True)
         if args.profile:
             stats = {}
             for path, params in (("greedy", greedy_params), ("forcing", forcing_params)):
@@ -112,13 +133,13 @@ def main():
           f"torch {torch.__version__} · {args.shape} random weights · {args.dtype} · "
           f"{args.prompt_len}-token prompts · "
           f"{args.new_tokens} tokens/row · median of {args.repeats} · start-up {startup:.0f} s")
-    print("\n| batch | vLLM greedy tok/s | vLLM forcing tok/s | forcing / greedy | "
-          "emitted = trace | max |Δ logprob| vs greedy |")
-    print("|---:|---:|---:|---:|---|---:|")
-    for batch, greedy_tps, forcing_tps, ratio, exact, delta in rows:
-        print(f"| {batch} | {greedy_tps:,.0f} | {forcing_tps:,.0f} | {ratio:.2f} | {exact} | "
-              f"{delta:.1e} |")
-
+    print("\n| batch | vanilla greedy tok/s | greedy tok/s (processor loaded) | forcing tok/s | "
+          "forcing / greedy | forcing / vanilla greedy | emitted = trace | "
+          "max |Δ logprob| vs greedy |")
+    print("|---:|---:|---:|---:|---:|---:|---|---:|")
+    for batch, vanilla_tps, greedy_tps, forcing_tps, ratio, ratio_vanilla, exact, delta in rows:
+        print(f"| {batch} | {vanilla_tps:,.0f} | {greedy_tps:,.0f} | {forcing_tps:,.0f} | "
+              f"{ratio:.2f} | {ratio_vanilla:.2f} | {exact} | {delta:.1e} |")
 
 def profile_difference(greedy: pstats.Stats, forcing: pstats.Stats, steps: int,
                        top: int = 25) -> str:

@@ -42,26 +42,46 @@ def _free_port() -> int:
 
 
 class Server:
-    """One `trace-replay serve` process of this module, started on demand."""
+    """One `trace-replay serve` process of this module, started on demand.
+
+    The port is chosen when the process starts (not when the fixture is built: the other
+    vLLM processes of the module open ephemeral ports meanwhile), and a start that lost its
+    port to another process before binding it is retried on a new one.
+    """
+
+    ATTEMPTS = 3
 
     def __init__(self, log_dir: Path, *, processor: bool) -> None:
-        port = _free_port()
-        self.command = serve_command(None, port=port, extra_args=SMALL)
-        if not processor:
-            at = self.command.index("--logits-processors")
-            del self.command[at:at + 2]
-        self.base_url = f"http://127.0.0.1:{port}/v1"
-        self.log = log_dir / f"server-{port}.log"
+        self.log_dir, self.processor = log_dir, processor
+        self.base_url = self.log = None
         self.process: subprocess.Popen | None = None
+        self.attempts = 0
 
     def start(self) -> None:
-        if self.process is None:
-            self.process = start_server(self.command, self.log)
+        if self.process is not None:
+            return
+        port = _free_port()
+        command = serve_command(None, port=port, extra_args=SMALL)
+        if not self.processor:
+            at = command.index("--logits-processors")
+            del command[at:at + 2]
+        self.base_url = f"http://127.0.0.1:{port}/v1"
+        self.log = self.log_dir / f"server-{port}.log"
+        self.attempts += 1
+        self.process = start_server(command, self.log)
 
     def wait(self) -> str:
         self.start()
-        wait_for_server(self.base_url, self.process, timeout_s=600, log_path=self.log)
-        return self.base_url
+        while True:
+            try:
+                wait_for_server(self.base_url, self.process, timeout_s=600, log_path=self.log)
+                return self.base_url
+            except RuntimeError as error:
+                if "Address already in use" not in str(error) or self.attempts >= self.ATTEMPTS:
+                    raise
+                self.stop()
+                self.process = None
+                self.start()
 
     def stop(self) -> None:
         if self.process is not None:
