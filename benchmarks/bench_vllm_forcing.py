@@ -68,13 +68,15 @@ def main():
     batches = [int(b) for b in args.batches.split(",")]
 
     def start_llm(processor: bool):
-        memory = 0.3 if args.vanilla else 0.5  # both instances live side by side
+        # both instances live side by side (on CPU: host memory, a fixed KV cache each)
+        memory = (0.3 if args.vanilla else 0.5) if torch.cuda.is_available() else 0.1
         return LLM(model=folder, skip_tokenizer_init=True, dtype=args.dtype, seed=0,
                    max_num_seqs=max(batches),
                    max_model_len=args.prompt_len + args.new_tokens + 16,
                    max_logprobs=20, logprobs_mode="raw_logprobs", enable_prefix_caching=False,
-                   **(dict(gpu_memory_utilization=memory) if torch.cuda.is_available() else
-                      dict(enforce_eager=True)),
+                   gpu_memory_utilization=memory,
+                   **({} if torch.cuda.is_available() else
+                      dict(enforce_eager=True, kv_cache_memory_bytes=512 << 20)),
                    logits_processors=([f"{TraceForcingProcessor.__module__}:"
                                        "TraceForcingProcessor"] if processor else None))
 

@@ -16,7 +16,8 @@ pytest.importorskip("vllm", reason="vllm is not installed (pip install 'trace-re
 from vllm import SamplingParams  # noqa: E402
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality  # noqa: E402
 
-from trace_replay.engines.vllm_engine import TRACE_KEY, TraceForcingProcessor  # noqa: E402
+from trace_replay.engines.vllm_engine import (  # noqa: E402
+    FORCED_LOGIT, TRACE_KEY, TraceForcingProcessor)
 
 pytestmark = pytest.mark.vllm
 
@@ -44,14 +45,31 @@ def step(proc: TraceForcingProcessor, outputs: list[list[int]], update=None) -> 
     after = proc.apply(logits)
     forced = []
     for row, out in enumerate(outputs):
-        finite = torch.isfinite(after[row]).nonzero().flatten().tolist()
-        if len(finite) == 1:
-            forced.append(finite[0])
+        changed = (after[row] != before[row]).nonzero().flatten().tolist()
+        if changed:  # exactly one entry moved, to FORCED_LOGIT
+            assert len(changed) == 1 and after[row, changed[0]] == FORCED_LOGIT, row
+            forced.append(changed[0])
         else:
-            assert torch.equal(after[row], before[row]), row
             forced.append(None)
         out.append(int(after[row].argmax()))
     return forced
+
+
+def test_a_forced_row_samples_its_token_at_any_temperature():
+    """The forced logit wins argmax and takes all the probability under the temperatures
+    vLLM samples with (1e-5 .. 100), with top-p/min-p style filters too: no NaN, no other
+    token with a non-zero probability, even against logits of +-1e4."""
+    proc = processor()
+    outputs = [[]]
+    proc.update_state(BatchUpdate(batch_size=1, removed=[], moved=[],
+                                  added=[added(0, [17, 3], 2, outputs[0])]))
+    logits = torch.linspace(-1e4, 1e4, VOCAB)[None].clone()
+    after = proc.apply(logits)
+    assert int(after.argmax()) == 17
+    for temperature in (1e-5, 0.7, 1.0, 100.0):
+        probs = torch.softmax(after / temperature, dim=-1)
+        assert torch.isfinite(probs).all()
+        assert probs[0, 17] == 1 and probs.sum() == 1
 
 
 def added(index: int, trace, prompt_len: int, output: list[int]):

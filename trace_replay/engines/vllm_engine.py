@@ -54,6 +54,10 @@ def supports_native_trace_replay() -> bool:
         "trace_decode_token_ids" in getattr(SamplingParams, "__struct_fields__", ())
 
 
+# what a forced token's logit becomes (see TraceForcingProcessor)
+FORCED_LOGIT = 1e30
+
+
 class TraceForcingProcessor(LogitsProcessor):
     """Force each request's trace through vLLM's V1 sampler by masking its logits.
 
@@ -71,8 +75,14 @@ class TraceForcingProcessor(LogitsProcessor):
       sample, a preemption) are the lengths sent again, from pinned memory, asynchronously.
       With speculative decoding they are sent every step.
     * On the device: the package's ``TraceReplayState`` picks every row's trace token in
-      one kernel; one masked fill and one scatter leave only that token finite (0) in its
-      row. No ``[rows, vocab]`` temporary.
+      one kernel, and one scatter sets that token's logit to ``FORCED_LOGIT`` (1e30): it
+      is the argmax, and under any temperature vLLM allows (≥ 1e-5) softmax gives it
+      probability 1 in float32 (every other logit is ~1e30 below; 1e30 / 1e-5 stays
+      finite), so sampling, top-k/top-p and min-p keep it too. The row is otherwise left
+      as it is: one write per row, no pass over the vocabulary. Logprobs are vLLM's raw
+      ones, taken before logits processors run, so forcing never changes them. A row
+      whose logits hold NaN could still emit another token; the engine checks every
+      emitted token against the trace and names the trace if one differs.
     """
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
@@ -149,8 +159,9 @@ class TraceForcingProcessor(LogitsProcessor):
         self.req_states.total_len[:rows] += 1  # the token sampled now is committed next step
         traced = (forced >= 0)[:, None]
         index = forced.clamp(min=0)[:, None]
-        value = torch.where(traced, 0.0, logits.gather(1, index))
-        logits.masked_fill_(traced, float("-inf"))
+        # one entry per row: the trace token's logit becomes FORCED_LOGIT (untraced rows
+        # write back their own value); no pass over the vocabulary
+        value = torch.where(traced, FORCED_LOGIT, logits.gather(1, index))
         return logits.scatter_(1, index, value)
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
