@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The H200 runs behind benchmarks/RESULTS.md's performance sections (one call each part).
 #   bash benchmarks/h200_perf.sh torch    # 135M float32 / bfloat16, Llama-3.1-8B shape
-#   bash benchmarks/h200_perf.sh big      # Qwen2.5-7B shape, then the GPU tests
+#   bash benchmarks/h200_perf.sh big      # Qwen2.5-7B shape
+#   bash benchmarks/h200_perf.sh tests    # the GPU tests (run these first on new code)
 # Output goes to $OUT (or ./out) as one text file per benchmark.
 set -u
 out=${OUT:-out}; mkdir -p "$out"
@@ -22,7 +23,11 @@ big)
   LIMIT=150 bench qwen7b --shape qwen2.5-7b --dtype bfloat16 --batch 1,64 --k 0 --repeats 2
   ;;
 tests)
-  timeout 150 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_static_backend.py \
+  # the GPU paths: captured steps (both backends), CUDA scoring and top-k, the kernels
+  timeout 400 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_captured_step.py \
+    tests/test_static_backend.py tests/test_scoring.py tests/test_kernels.py tests/test_state.py \
     -k "${TESTS:-.}" 2>&1 | grep -E "PASS|FAIL|Error|error|passed|failed" | tee "$out/gpu_tests.txt"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_top_k.py -k cuda 2>&1 \
+    | tail -5 | tee -a "$out/gpu_tests.txt"
   ;;
 esac
