@@ -5,7 +5,7 @@ Two paths, chosen at start-up and recorded in ``settings()["engine_path"]``:
 * **native** — vLLM builds with Model Runner V2 and ``enable_trace_replay`` (GPU): the
   sampler itself overwrites each sampled token with ``trace_decode_token_ids[step]``.
 * **forcing** — everything else (the CPU build, older vLLM, configs MRV2 rejects): the V1
-  logits processor :class:`TraceForcingProcessor` leaves only the trace token finite.
+  logits processor :class:`TraceForcingProcessor` raises the trace token's logit to 1e30.
   ``logprobs_mode="raw_logprobs"`` makes vLLM compute the reported logprobs *before* logits
   processors run, so logprob, rank and top-k are those of the unmodified distribution.
 
