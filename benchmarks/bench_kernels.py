@@ -170,22 +170,29 @@ def launchers(state, x):
 
 
 def time_eager_us(fn, repeats, inner, device):
-    """Median microseconds per launch over ``repeats`` bursts of ``inner`` launches."""
+    """Median microseconds per launch over ``repeats`` bursts of ``inner`` launches.
+
+    CUDA events on CUDA, wall clock elsewhere (the CPU smoke run passes 1 x 1).
+    """
     fn()  # compile
-    if device.type != "cuda":  # the interpreter smoke run: one wall-clock sample
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e6
-    torch.cuda.synchronize()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
     samples = []
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            wall = time.perf_counter()
         for _ in range(inner):
             fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / inner)
+        if cuda:
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3 / inner)
+        else:
+            samples.append((time.perf_counter() - wall) * 1e6 / inner)
     return statistics.median(samples)
 
 

@@ -27,11 +27,9 @@ returns the same values.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
-from bench_kernels import time_graph_us  # device µs per call inside a CUDA graph
+from bench_kernels import time_eager_us, time_graph_us  # µs per call: eager, in a CUDA graph
 
 from trace_replay.engines.scoring import score_tokens, scorer_for
 from trace_replay.kernels.top_k import CHUNK, NUM_WARPS, top_k_indices
@@ -42,26 +40,6 @@ SHAPES = [  # (rows, vocabulary, dtype): the issue's 135M and 8B decode steps
     (64, 49152, torch.float32), (256, 49152, torch.bfloat16), (1, 128256, torch.bfloat16),
     (64, 128256, torch.bfloat16),
 ]
-
-
-def per_call_us(fn, device, repeats: int, calls: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls):
-                fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / calls)
-        else:
-            t = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times.append((time.perf_counter() - t) * 1e6 / calls)
-    return statistics.median(times)
 
 
 def two_stage_topk(logits: torch.Tensor, k: int, chunk: int = 1024) -> torch.Tensor:
@@ -109,7 +87,7 @@ def main() -> None:
             "top2": lambda: two_stage_topk(logits, k),
             "kernel": lambda: top_k_indices(logits, k),
         }
-        us = {key: per_call_us(fn, device, args.repeats, args.calls) for key, fn in t.items()}
+        us = {key: time_eager_us(fn, args.repeats, args.calls, device) for key, fn in t.items()}
         eager, fast = score_tokens(logits, tokens, k), compiled(logits, tokens, k)
         delta = float((eager.logprob - fast.logprob).abs().max())
         same = bool(torch.equal(eager.rank, fast.rank)

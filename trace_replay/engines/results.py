@@ -42,25 +42,18 @@ def wave_results(wave: Sequence[ReplayRequest], steps: Steps,
 
 def _committed_order(wave: Sequence[ReplayRequest], sizes: Sequence[int],
                      counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Flat indices of each row's kept tokens, row after row, and how many each row keeps."""
+    """Flat indices of each row's kept tokens, row after row, and how many each row keeps.
+
+    Forward f, row b committed the tokens at ``bounds[f] + b * width_f + [0, counts[f, b])``;
+    they are listed row-major over (row, forward), so each row's tokens come in order.
+    """
     batch = len(wave)
-    bounds = np.cumsum([0, *sizes])
-    widths = np.diff(bounds) // batch
-    if (widths == widths[0]).all():  # step-by-step or fixed-k verify: one pass for all forwards
-        width = int(widths[0])
-        grid = np.arange(bounds[-1]).reshape(len(sizes), batch, width).transpose(1, 0, 2)
-        kept = np.arange(width) < counts[:, :, None].transpose(1, 0, 2)
-        flat, per_row = grid[kept], kept.reshape(batch, -1).sum(axis=1)
-    else:
-        index_parts, row_parts = [], []
-        for f, width in enumerate(widths):  # vectorized over rows: one pass per forward
-            grid = bounds[f] + np.arange(batch * width).reshape(batch, width)
-            kept = np.arange(width)[None, :] < counts[f][:, None]
-            index_parts.append(grid[kept])  # row-major: each row's committed tokens in order
-            row_parts.append(np.nonzero(kept)[0])
-        rows = np.concatenate(row_parts)
-        by_row = np.argsort(rows, kind="stable")  # by row, forwards in order within a row
-        flat, per_row = np.concatenate(index_parts)[by_row], np.bincount(rows, minlength=batch)
+    bounds = np.cumsum([0, *sizes])[:-1]
+    widths = np.asarray(sizes) // batch
+    starts = (bounds[:, None] + np.arange(batch)[None, :] * widths[:, None]).T.ravel()
+    n = counts.T.ravel().astype(np.int64)
+    flat = np.repeat(starts, n) + np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)
+    per_row = counts.sum(axis=0).astype(np.int64)
     # keep each row's first trace_len tokens
     trace_len = np.array([r.trace_len for r in wave])
     within = np.arange(len(flat)) - np.repeat(np.cumsum(per_row) - per_row, per_row)

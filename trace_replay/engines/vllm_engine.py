@@ -59,7 +59,7 @@ FORCED_LOGIT = 1e30
 
 
 class TraceForcingProcessor(LogitsProcessor):
-    """Force each request's trace through vLLM's V1 sampler by masking its logits.
+    """Force each request's trace through vLLM's V1 sampler by raising its token's logit.
 
     Requests carry their trace in ``SamplingParams.extra_args["trace_replay_token_ids"]``;
     others pass through untouched. Slots are vLLM's persistent-batch indices, which are also
