@@ -3,10 +3,13 @@
 One ``vllm.LLM`` with :class:`~trace_replay.engines.vllm_engine.TraceForcingProcessor`
 loaded serves both paths (the processor returns at once while no request carries a
 trace), so "forcing / greedy" is the cost of forcing alone. Loading any custom logits
-processor has a cost of its own in vLLM V1 (it hands processors every request's output
+processor has a cost of its own in vLLM V1: it hands processors every request's output
 token list, which under async scheduling is completed from the GPU before each sampling
-step); ``--vanilla`` starts a second ``LLM`` without the processor, side by side, and
-times its greedy decoding in the same interleaved loop ("forcing / vanilla greedy").
+step. As the package's ``VLLMEngine`` does, the benchmark turns that off with
+``read_lengths_only`` (the processor reads only the lists' lengths);
+``--keep-output-tokens`` leaves vLLM's default, to measure what that costs. ``--vanilla``
+starts a second ``LLM`` without the processor, side by side, and times its greedy decoding
+in the same interleaved loop ("forcing / vanilla greedy").
 
 Weights are random (a published shape from ``shapes.py``, saved with ``save_pretrained``;
 no tokenizer: token-id prompts), the traces are vLLM's own greedy output, so replay must emit exactly them with exactly
@@ -47,6 +50,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--vanilla", action="store_true",
                         help="also time greedy on a second LLM without the processor")
+    parser.add_argument("--keep-output-tokens", action="store_true",
+                        help="leave vLLM completing output-token lists for the processor")
     parser.add_argument("--profile", metavar="DIR",
                         help="engine core in process; cProfile one run of each path per batch")
     args = parser.parse_args()
@@ -58,7 +63,11 @@ def main():
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from trace_replay.engines.vllm_engine import TRACE_KEY, TraceForcingProcessor
+    from trace_replay.engines.vllm_engine import (
+        TRACE_KEY,
+        TraceForcingProcessor,
+        read_lengths_only,
+    )
 
     folder = tempfile.mkdtemp()
     lm = random_model(args.shape, getattr(torch, args.dtype), torch.device("cpu"))
@@ -83,6 +92,7 @@ def main():
     start = time.perf_counter()
     llm = start_llm(processor=True)
     startup = time.perf_counter() - start
+    lengths_only = not args.keep_output_tokens and read_lengths_only(llm)
     vanilla = start_llm(processor=False) if args.vanilla else None
     common = dict(temperature=0.0, max_tokens=args.new_tokens, logprobs=5, ignore_eos=True,
                   detokenize=False)
@@ -134,7 +144,8 @@ def main():
     print(f"\n{dt.date.today()} · {name} · vLLM {vllm.__version__} · "
           f"torch {torch.__version__} · {args.shape} random weights · {args.dtype} · "
           f"{args.prompt_len}-token prompts · "
-          f"{args.new_tokens} tokens/row · median of {args.repeats} · start-up {startup:.0f} s")
+          f"{args.new_tokens} tokens/row · median of {args.repeats} · start-up {startup:.0f} s · "
+          f"output tokens to processors: {'no (lengths only)' if lengths_only else 'yes'}")
     print("\n| batch | vanilla greedy tok/s | greedy tok/s (processor loaded) | forcing tok/s | "
           "forcing / greedy | forcing / vanilla greedy | emitted = trace | "
           "max |Δ logprob| vs greedy |")

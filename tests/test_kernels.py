@@ -16,6 +16,8 @@ from trace_replay.kernels import (
     apply_trace_tokens_reference,
     apply_trace_tokens_to_verified,
     apply_trace_tokens_to_verified_reference,
+    force_trace_logits,
+    force_trace_logits_reference,
 )
 
 DEVICES = [
@@ -168,6 +170,47 @@ def test_apply_trace_tokens_matches_reference_and_oracle(device, layout, case):
     assert wide[:, 0].tolist() == [100 + 2 * b for b in range(batch)]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@SETTINGS
+@given(case=replay_cases(), advance=st.booleans())
+def test_force_trace_logits_matches_reference_and_oracle(device, layout, dtype, case, advance):
+    """Kernel == reference == oracle: row b's logit at trace[r][step] becomes the forced
+    value iff r >= 0, 0 <= step < trace_len[r] and the token is inside the vocabulary; no
+    other logit moves; with ``advance`` every request row's total_len grows by one."""
+    vocab = 16  # TOKEN draws ids up to 2**31 - 1: many fall outside and must be skipped
+    trace_ids, offsets = build_traces(
+        case["traces"], layout, case["trace_dtype"], device, case["seed"]
+    )
+    idx_mapping = list(dict.fromkeys(case["idx_mapping"]))  # a request sits in one row
+    batch = len(idx_mapping)
+    gen = torch.Generator().manual_seed(case["seed"])
+    # a column slice of a wider tensor: the row stride exceeds the vocabulary
+    wide = torch.randn(batch, vocab + 5, generator=gen).to(dtype).to(device)
+    original = wide.clone()
+    logits, logits_ref = wide[:, :vocab], wide.clone()[:, :vocab]
+    total_len = int32(case["total_len"], device)
+    total_len_ref = total_len.clone()
+    args = (int32(idx_mapping, device), trace_ids, int32([len(t) for t in case["traces"]], device))
+    prompt_len = int32(case["prompt_len"], device)
+    force_trace_logits(logits, *args, total_len, prompt_len, trace_offsets=offsets,
+                       value=1e30, advance=advance)
+    force_trace_logits_reference(logits_ref, *args, total_len_ref, prompt_len,
+                                 trace_offsets=offsets, value=1e30, advance=advance)
+
+    expected = original[:, :vocab].clone()
+    forced = oracle_trace_tokens([-1] * batch, idx_mapping, case["traces"], case["total_len"],
+                                 case["prompt_len"])
+    for b, token in enumerate(forced):
+        if 0 <= token < vocab:
+            expected[b, token] = 1e30
+    assert torch.equal(logits, logits_ref) and torch.equal(logits, expected)
+    assert torch.equal(wide[:, vocab:], original[:, vocab:])  # past the slice: never written
+    grown = [n + (advance and r in idx_mapping) for r, n in enumerate(case["total_len"])]
+    assert total_len.tolist() == total_len_ref.tolist() == grown
+
+
 @st.composite
 def verified_cases(draw):
     """A replay case plus k, per-row logits counts, and drafts that often agree with the trace."""
@@ -317,6 +360,16 @@ def test_empty_batch_is_a_no_op(device):
         torch.empty(0, 3, dtype=torch.int64, device=device), empty, empty,
         int32([0], device), empty, traces, lens, lens, lens,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_force_trace_logits_empty_batch_is_a_no_op(device):
+    """No rows: nothing launched, lengths untouched even with ``advance``."""
+    lens = int32([4, 4], device)
+    force_trace_logits(torch.zeros(0, 8, device=device), torch.empty(0, dtype=torch.int32,
+                       device=device), torch.zeros(2, 4, dtype=torch.int32, device=device),
+                       lens, lens, lens, advance=True)
+    assert lens.tolist() == [4, 4]
 
 
 def test_trace_with_strided_columns_is_rejected():

@@ -47,6 +47,25 @@ def test_forcing_path_is_recorded(result):
     assert result.attrs["logprobs_mode"] == "raw_logprobs"
 
 
+def _output_token_lists(worker):
+    batch = worker.model_runner.input_batch
+    return batch.logitsprocs_need_output_token_ids, batch.sampling_metadata.output_token_ids
+
+
+def test_vllm_hands_the_processor_no_output_tokens(engine, result, real_traces, tokenizer):
+    """The forcing processor reads output lengths only; vLLM is told so, and while requests
+    are decoding its sampling metadata carries no output-token lists (the replays in the
+    other tests run this way and emit exactly their traces)."""
+    from trace_replay.replay import prepare_requests
+
+    assert result.attrs["output_tokens_to_processors"] is False
+    requests, _ = prepare_requests(real_traces.tokenize(tokenizer), engine.max_model_len)
+    seen = []
+    engine.run(requests[:2], on_tokens=lambda _: seen.append(
+        engine.llm.collective_rpc(_output_token_lists)))
+    assert seen and all(s == [(False, [])] for s in seen)
+
+
 def test_deterministic_is_not_claimed_where_vllm_cannot(result):
     """attrs say whether vLLM ran batch-invariant, and why not where it could not."""
     from trace_replay.engines.vllm_invariance import batch_invariance_unavailable

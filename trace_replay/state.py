@@ -8,7 +8,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from trace_replay.kernels import apply_trace_tokens, apply_trace_tokens_to_verified
+from trace_replay.kernels import (
+    apply_trace_tokens,
+    apply_trace_tokens_to_verified,
+    force_trace_logits,
+)
 
 __all__ = ["RequestState", "TraceReplayState"]
 
@@ -180,6 +184,25 @@ class TraceReplayState:
             self.req_states.total_len,
             self.req_states.prompt_len,
             trace_offsets=self.trace_offsets,
+        )
+
+    def force_logits(
+        self, logits: torch.Tensor, idx_mapping: torch.Tensor, *, value: float = 1e30,
+        advance: bool = False,
+    ) -> None:
+        """Raise each row's trace-token logit to ``value``; see :func:`force_trace_logits`."""
+        if self._num_traced == 0 and not advance:
+            return
+        force_trace_logits(
+            logits,
+            idx_mapping,
+            self.trace_token_ids,
+            self.trace_len,
+            self.req_states.total_len,
+            self.req_states.prompt_len,
+            trace_offsets=self.trace_offsets,
+            value=value,
+            advance=advance,
         )
 
     def apply_trace_to_verified(

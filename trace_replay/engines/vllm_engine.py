@@ -43,7 +43,7 @@ from trace_replay.models import hf_folder, model_label, resolve_dtype
 from trace_replay.serve import TRACE_KEY
 from trace_replay.state import RequestState, TraceReplayState
 
-__all__ = ["VLLMEngine", "TraceForcingProcessor", "supports_native_trace_replay"]
+__all__ = ["VLLMEngine", "TraceForcingProcessor", "read_lengths_only", "supports_native_trace_replay"]
 
 _NO_OUTPUT: tuple = ()
 
@@ -56,6 +56,29 @@ def supports_native_trace_replay() -> bool:
 
 # what a forced token's logit becomes (see TraceForcingProcessor)
 FORCED_LOGIT = 1e30
+
+
+def _read_lengths_only(worker) -> bool:
+    """On a vLLM worker: custom logits processors need no output tokens (see below)."""
+    batch = getattr(getattr(worker, "model_runner", None), "input_batch", None)
+    if batch is None or not hasattr(batch, "logitsprocs_need_output_token_ids"):
+        return False
+    batch.logitsprocs_need_output_token_ids = False
+    return True
+
+
+def read_lengths_only(llm: LLM) -> bool:
+    """Tell ``llm``'s workers that its custom logits processors never read output tokens.
+
+    vLLM V1 hands logits processors each request's output-token list and, not knowing what
+    a custom processor reads, fills those lists in before every sampling step; under async
+    scheduling that means waiting for the previous step's token copy and a Python loop
+    over the batch, every step. :class:`TraceForcingProcessor` reads only their lengths,
+    which vLLM keeps right either way (a placeholder per step under async scheduling).
+    Call this only where it is the sole custom processor: the flag is global to the
+    batch. Returns whether every worker took it (False on a vLLM without the flag).
+    """
+    return all(llm.collective_rpc(_read_lengths_only))
 
 
 class TraceForcingProcessor(LogitsProcessor):
@@ -74,15 +97,22 @@ class TraceForcingProcessor(LogitsProcessor):
       last step. Only when that fails (the batch changed, a chunked prefill discarded its
       sample, a preemption) are the lengths sent again, from pinned memory, asynchronously.
       With speculative decoding they are sent every step.
-    * On the device: the package's ``TraceReplayState`` picks every row's trace token in
-      one kernel, and one scatter sets that token's logit to ``FORCED_LOGIT`` (1e30): it
-      is the argmax, and under any temperature vLLM allows (≥ 1e-5) softmax gives it
+    * On the device, one kernel (:func:`~trace_replay.kernels.force_trace_logits`, through
+      the package's ``TraceReplayState``) reads every row's trace token at its step, sets
+      that token's logit to ``FORCED_LOGIT`` (1e30) and advances the step. The token is
+      then the argmax, and under any temperature vLLM allows (≥ 1e-5) softmax gives it
       probability 1 in float32 (every other logit is ~1e30 below; 1e30 / 1e-5 stays
       finite), so sampling, top-k/top-p and min-p keep it too. The row is otherwise left
       as it is: one write per row, no pass over the vocabulary. Logprobs are vLLM's raw
       ones, taken before logits processors run, so forcing never changes them. A row
-      whose logits hold NaN could still emit another token; the engine checks every
-      emitted token against the trace and names the trace if one differs.
+      whose logits hold NaN, or whose trace token is outside the vocabulary, could still
+      emit another token; the engine checks every emitted token against the trace and
+      names the trace if one differs.
+    * Only the *lengths* of the output lists are read, never their tokens. vLLM cannot know
+      that of a custom processor, and by default completes every list from the GPU before
+      each sampling step (under async scheduling: a wait on the previous step's copy and a
+      Python loop over the batch); :func:`read_lengths_only` tells it, where this processor
+      is the only custom one.
     """
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
@@ -97,7 +127,6 @@ class TraceForcingProcessor(LogitsProcessor):
         self.num_traced = 0
         self.num_length_uploads = 0  # for tests and benchmarks
         self._rows = torch.arange(max_num_reqs, device=device)  # idx_mapping: row b is slot b
-        self._forced = torch.empty(max_num_reqs, dtype=torch.int64, device=device)
         # several tokens per step per row would defeat the one-token-per-step check
         self._check_lengths = getattr(vllm_config, "speculative_config", None) is None
         self._committed: tuple[int, int] | None = None  # (rows, sum of output lengths)
@@ -154,15 +183,12 @@ class TraceForcingProcessor(LogitsProcessor):
             total_len += self.req_states.prompt_len[:rows]
             self.num_length_uploads += 1
         self._committed = committed
-        forced = self._forced[:rows].fill_(-1)
-        self.trace_state.apply_trace(forced, self._rows[:rows])
-        self.req_states.total_len[:rows] += 1  # the token sampled now is committed next step
-        traced = (forced >= 0)[:, None]
-        index = forced.clamp(min=0)[:, None]
-        # one entry per row: the trace token's logit becomes FORCED_LOGIT (untraced rows
-        # write back their own value); no pass over the vocabulary
-        value = torch.where(traced, FORCED_LOGIT, logits.gather(1, index))
-        return logits.scatter_(1, index, value)
+        # one launch: each traced row's trace-token logit becomes FORCED_LOGIT (no pass over
+        # the vocabulary), and every row moves a step (the token sampled now is committed
+        # before the next call)
+        self.trace_state.force_logits(logits, self._rows[:rows], value=FORCED_LOGIT,
+                                      advance=True)
+        return logits
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         """``values`` as int32 on the device, sent from pinned memory without waiting."""
@@ -255,6 +281,7 @@ class VLLMEngine(EngineBase):
         else:
             required = native
         self.llm = None
+        self.lengths_only = False
         if native:
             try:
                 self.llm = LLM(**args, enable_trace_replay=True)
@@ -268,6 +295,8 @@ class VLLMEngine(EngineBase):
             processors.append(f"{__name__}:TraceForcingProcessor")
             self.llm = LLM(**args, logits_processors=processors)
             self.engine_path = "vllm-logits-processor-forcing"
+            # the user's own processors may read output tokens: then vLLM keeps filling them
+            self.lengths_only = len(processors) == 1 and read_lengths_only(self.llm)
 
     def settings(self) -> dict:
         import vllm
@@ -276,6 +305,9 @@ class VLLMEngine(EngineBase):
                     "logprobs_mode": "raw_logprobs", "engine_core": self.engine_core}
         if self.native_error:
             settings["native_unavailable"] = self.native_error
+        if self.engine_path == "vllm-logits-processor-forcing":
+            # whether vLLM still completes output-token lists each step (read_lengths_only)
+            settings["output_tokens_to_processors"] = not self.lengths_only
         if self.deterministic:
             settings["batch_invariant"] = self.batch_invariant
             if self.batch_invariant_note:
