@@ -65,6 +65,7 @@ def main():
 
     from trace_replay.engines.vllm_engine import (
         TRACE_KEY,
+        WORKER_EXTENSION,
         TraceForcingProcessor,
         read_lengths_only,
     )
@@ -87,7 +88,8 @@ def main():
                    **({} if torch.cuda.is_available() else
                       dict(enforce_eager=True, kv_cache_memory_bytes=512 << 20)),
                    logits_processors=([f"{TraceForcingProcessor.__module__}:"
-                                       "TraceForcingProcessor"] if processor else None))
+                                       "TraceForcingProcessor"] if processor else None),
+                   worker_extension_cls=WORKER_EXTENSION if processor else "")
 
     start = time.perf_counter()
     llm = start_llm(processor=True)

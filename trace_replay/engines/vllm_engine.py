@@ -43,7 +43,8 @@ from trace_replay.models import hf_folder, model_label, resolve_dtype
 from trace_replay.serve import TRACE_KEY
 from trace_replay.state import RequestState, TraceReplayState
 
-__all__ = ["VLLMEngine", "TraceForcingProcessor", "read_lengths_only", "supports_native_trace_replay"]
+__all__ = ["VLLMEngine", "TraceForcingProcessor", "ForcingWorkerExtension", "WORKER_EXTENSION",
+           "read_lengths_only", "supports_native_trace_replay"]
 
 _NO_OUTPUT: tuple = ()
 
@@ -58,13 +59,21 @@ def supports_native_trace_replay() -> bool:
 FORCED_LOGIT = 1e30
 
 
-def _read_lengths_only(worker) -> bool:
-    """On a vLLM worker: custom logits processors need no output tokens (see below)."""
-    batch = getattr(getattr(worker, "model_runner", None), "input_batch", None)
-    if batch is None or not hasattr(batch, "logitsprocs_need_output_token_ids"):
-        return False
-    batch.logitsprocs_need_output_token_ids = False
-    return True
+class ForcingWorkerExtension:
+    """Mixed into vLLM's worker class (``worker_extension_cls``): what the forcing path
+    asks of a worker, by name through ``collective_rpc``, whether the engine core runs in
+    this process or its own."""
+
+    def trace_replay_read_lengths_only(self) -> bool:
+        """Custom logits processors need no output tokens (see :func:`read_lengths_only`)."""
+        batch = getattr(getattr(self, "model_runner", None), "input_batch", None)
+        if batch is None or not hasattr(batch, "logitsprocs_need_output_token_ids"):
+            return False
+        batch.logitsprocs_need_output_token_ids = False
+        return True
+
+
+WORKER_EXTENSION = f"{__name__}.{ForcingWorkerExtension.__qualname__}"
 
 
 def read_lengths_only(llm: LLM) -> bool:
@@ -75,10 +84,15 @@ def read_lengths_only(llm: LLM) -> bool:
     scheduling that means waiting for the previous step's token copy and a Python loop
     over the batch, every step. :class:`TraceForcingProcessor` reads only their lengths,
     which vLLM keeps right either way (a placeholder per step under async scheduling).
-    Call this only where it is the sole custom processor: the flag is global to the
-    batch. Returns whether every worker took it (False on a vLLM without the flag).
+    ``llm`` must have been started with ``worker_extension_cls=WORKER_EXTENSION``; call
+    this only where the forcing processor is the sole custom one (the flag is global to
+    the batch). Returns whether every worker took it (False where the extension is
+    missing or this vLLM has no such flag).
     """
-    return all(llm.collective_rpc(_read_lengths_only))
+    try:
+        return all(llm.collective_rpc("trace_replay_read_lengths_only"))
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return False
 
 
 class TraceForcingProcessor(LogitsProcessor):
@@ -293,10 +307,13 @@ class VLLMEngine(EngineBase):
         if self.llm is None:
             processors = list(args.pop("logits_processors", None) or [])
             processors.append(f"{__name__}:TraceForcingProcessor")
+            # the user's own processors may read output tokens: then vLLM keeps filling them
+            alone = len(processors) == 1 and not args.get("worker_extension_cls")
+            if alone:
+                args["worker_extension_cls"] = WORKER_EXTENSION
             self.llm = LLM(**args, logits_processors=processors)
             self.engine_path = "vllm-logits-processor-forcing"
-            # the user's own processors may read output tokens: then vLLM keeps filling them
-            self.lengths_only = len(processors) == 1 and read_lengths_only(self.llm)
+            self.lengths_only = alone and read_lengths_only(self.llm)
 
     def settings(self) -> dict:
         import vllm
