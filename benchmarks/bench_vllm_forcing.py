@@ -55,6 +55,10 @@ def main():
     parser.add_argument("--profile", metavar="DIR",
                         help="engine core in process; cProfile one run of each path per batch")
     args = parser.parse_args()
+    if args.profile and args.vanilla and torch.cuda.is_available():
+        # seen on the H200: "CUDA graph capturing detected at an inappropriate time"
+        parser.error("--profile runs the engine cores in this process, where vLLM refuses to "
+                     "capture a second LLM's CUDA graphs: drop --vanilla")
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core's calls show up
@@ -130,7 +134,12 @@ def main():
         tokens = batch * args.new_tokens
         g, f = statistics.median(greedy_s), statistics.median(forcing_s)
         v = statistics.median(vanilla_s) if vanilla_s else float("nan")
-        rows.append((batch, tokens / v, tokens / g, tokens / f, g / f, v / f, exact, delta))
+        # ratios of neighbours in the loop, then their median and range: a drift of the
+        # machine between repeats moves both members of a pair
+        paired = [gs / fs for gs, fs in zip(greedy_s, forcing_s)]
+        paired_v = [vs / fs for vs, fs in zip(vanilla_s, forcing_s)] or [float("nan")]
+        rows.append((batch, tokens / v, tokens / g, tokens / f, spread(paired),
+                     spread(paired_v), exact, delta))
         print(f"  batch {batch}: vanilla greedy {v:.3f} s, greedy {g:.3f} s, "
               f"forcing {f:.3f} s", flush=True)
         if args.profile:
@@ -148,13 +157,19 @@ def main():
           f"{args.prompt_len}-token prompts · "
           f"{args.new_tokens} tokens/row · median of {args.repeats} · start-up {startup:.0f} s · "
           f"output tokens to processors: {'no (lengths only)' if lengths_only else 'yes'}")
+    print("\nRatios: median over repeats of each repeat's pair (min–max in brackets).")
     print("\n| batch | vanilla greedy tok/s | greedy tok/s (processor loaded) | forcing tok/s | "
           "forcing / greedy | forcing / vanilla greedy | emitted = trace | "
           "max |Δ logprob| vs greedy |")
     print("|---:|---:|---:|---:|---:|---:|---|---:|")
     for batch, vanilla_tps, greedy_tps, forcing_tps, ratio, ratio_vanilla, exact, delta in rows:
         print(f"| {batch} | {vanilla_tps:,.0f} | {greedy_tps:,.0f} | {forcing_tps:,.0f} | "
-              f"{ratio:.2f} | {ratio_vanilla:.2f} | {exact} | {delta:.1e} |")
+              f"{ratio} | {ratio_vanilla} | {exact} | {delta:.1e} |")
+
+
+def spread(ratios: list[float]) -> str:
+    """``median (min–max)`` of per-repeat ratios."""
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})"
 
 def profile_difference(greedy: pstats.Stats, forcing: pstats.Stats, steps: int,
                        top: int = 25) -> str:
