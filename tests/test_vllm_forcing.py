@@ -123,3 +123,16 @@ def test_moves_and_swaps_carry_the_trace_position():
     outputs = [outputs[1], outputs[2]]
     assert step(proc, outputs, swap) == [22, 32]
     assert step(proc, outputs) == [23, 33]
+
+
+def test_a_trace_token_outside_the_vocabulary_leaves_its_row_alone():
+    """An id the logits have no column for is not written (no out-of-bounds store): the row
+    samples freely, the engine's emitted-token check then names the trace; others still
+    follow their traces."""
+    proc = processor()
+    outputs = [[], []]
+    update = BatchUpdate(batch_size=2, removed=[], moved=[],
+                         added=[added(0, [VOCAB + 3, 4], 1, outputs[0]),
+                                added(1, [7, 8], 1, outputs[1])])
+    assert step(proc, outputs, update) == [None, 7]
+    assert step(proc, outputs) == [4, 8]  # the row's step still advanced
