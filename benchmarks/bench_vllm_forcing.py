@@ -116,7 +116,10 @@ def main():
         greedy_params = SamplingParams(**common)
         _, greedy = generate(prompts, greedy_params)  # warm-up; these are the traces
         traces = [list(c.token_ids) for c in greedy]
-        forcing_params = [SamplingParams(**common, extra_args={TRACE_KEY: t}) for t in traces]
+        # one SamplingParams per request, never reused: skip vLLM's deep copy of the
+        # trace, as the package's engine does
+        forcing_params = [SamplingParams(**common, skip_clone=True, extra_args={TRACE_KEY: t})
+                          for t in traces]
         generate(prompts, forcing_params)  # warm-up
         if vanilla is not None:
             generate(prompts, greedy_params, vanilla)  # warm-up

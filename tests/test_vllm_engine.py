@@ -66,6 +66,19 @@ def test_vllm_hands_the_processor_no_output_tokens(engine, result, real_traces, 
     assert seen and all(s == [(False, [])] for s in seen)
 
 
+def test_a_request_trace_is_not_deep_copied(engine):
+    """Each request's SamplingParams is built once and never reused, so vLLM is told not to
+    deep-copy it: its copy shares the trace list instead of copying every id."""
+    from trace_replay.engines.base import ReplayRequest
+    from trace_replay.engines.vllm_engine import TRACE_KEY
+
+    params = engine._params(ReplayRequest("t", (1, 2), tuple(range(3, 200))))
+    copy = params.clone()
+    assert copy is not params
+    assert copy.extra_args[TRACE_KEY] is params.extra_args[TRACE_KEY]
+    assert params.extra_args[TRACE_KEY] == list(range(3, 200))
+
+
 def test_deterministic_is_not_claimed_where_vllm_cannot(result):
     """attrs say whether vLLM ran batch-invariant, and why not where it could not."""
     from trace_replay.engines.vllm_invariance import batch_invariance_unavailable

@@ -49,10 +49,18 @@ __all__ = ["VLLMEngine", "TraceForcingProcessor", "ForcingWorkerExtension", "WOR
 _NO_OUTPUT: tuple = ()
 
 
+def _has_param(name: str) -> bool:
+    return name in inspect.signature(SamplingParams.__init__).parameters or \
+        name in getattr(SamplingParams, "__struct_fields__", ())
+
+
+# vLLM deep-copies every request's SamplingParams unless told not to (older releases cannot)
+_NO_COPY = {"skip_clone": True} if _has_param("skip_clone") else {}
+
+
 def supports_native_trace_replay() -> bool:
     """Whether this vLLM knows ``SamplingParams.trace_decode_token_ids``."""
-    return "trace_decode_token_ids" in inspect.signature(SamplingParams.__init__).parameters or \
-        "trace_decode_token_ids" in getattr(SamplingParams, "__struct_fields__", ())
+    return _has_param("trace_decode_token_ids")
 
 
 # what a forced token's logit becomes (see TraceForcingProcessor)
@@ -343,10 +351,12 @@ class VLLMEngine(EngineBase):
         trace = list(request.trace_token_ids)
         # max_tokens always set: it defaults to 16 and would cut traces (vLLM bug #56730).
         # No min_tokens: it masks EOS to -inf, which would erase a forced EOS.
-        # DELTA: each engine step hands back only its new tokens (progress, no re-copying)
+        # DELTA: each engine step hands back only its new tokens (progress, no re-copying).
+        # _NO_COPY: these params are built for this one request and never reused, so vLLM's
+        # defensive deep copy (of the whole trace, per request) is not needed
         common = dict(temperature=0.0, max_tokens=len(trace),
                       logprobs=self.top_k, ignore_eos=True, stop=[], stop_token_ids=[],
-                      detokenize=False, output_kind=RequestOutputKind.DELTA)
+                      detokenize=False, output_kind=RequestOutputKind.DELTA, **_NO_COPY)
         if self.engine_path == "vllm-native-trace-replay":
             return SamplingParams(**common, trace_decode_token_ids=trace)
         return SamplingParams(**common, extra_args={TRACE_KEY: trace})
