@@ -172,19 +172,18 @@ class TraceReplayState:
         self._num_held += num_new
         self._num_used = append_at + num_new
 
+    @property
+    def _trace_args(self) -> tuple[torch.Tensor, ...]:
+        """What every trace kernel reads: tokens, trace lengths, total and prompt lengths."""
+        return (self.trace_token_ids, self.trace_len, self.req_states.total_len,
+                self.req_states.prompt_len)
+
     def apply_trace(self, sampled: torch.Tensor, idx_mapping: torch.Tensor) -> None:
         """Force ``sampled`` to each request's trace token; see :func:`apply_trace_tokens`."""
         if self._num_traced == 0:
             return
-        apply_trace_tokens(
-            sampled,
-            idx_mapping,
-            self.trace_token_ids,
-            self.trace_len,
-            self.req_states.total_len,
-            self.req_states.prompt_len,
-            trace_offsets=self.trace_offsets,
-        )
+        apply_trace_tokens(sampled, idx_mapping, *self._trace_args,
+                           trace_offsets=self.trace_offsets)
 
     def force_logits(
         self, logits: torch.Tensor, idx_mapping: torch.Tensor, *, value: float = 1e30,
@@ -193,17 +192,8 @@ class TraceReplayState:
         """Raise each row's trace-token logit to ``value``; see :func:`force_trace_logits`."""
         if self._num_traced == 0 and not advance:
             return
-        force_trace_logits(
-            logits,
-            idx_mapping,
-            self.trace_token_ids,
-            self.trace_len,
-            self.req_states.total_len,
-            self.req_states.prompt_len,
-            trace_offsets=self.trace_offsets,
-            value=value,
-            advance=advance,
-        )
+        force_trace_logits(logits, idx_mapping, *self._trace_args,
+                           trace_offsets=self.trace_offsets, value=value, advance=advance)
 
     def apply_trace_to_verified(
         self,
@@ -216,18 +206,9 @@ class TraceReplayState:
         """Force verified tokens to the trace; see :func:`apply_trace_tokens_to_verified`."""
         if self._num_traced == 0:
             return
-        apply_trace_tokens_to_verified(
-            sampled,
-            num_sampled,
-            draft_sampled,
-            cu_num_logits,
-            idx_mapping,
-            self.trace_token_ids,
-            self.trace_len,
-            self.req_states.total_len,
-            self.req_states.prompt_len,
-            trace_offsets=self.trace_offsets,
-        )
+        apply_trace_tokens_to_verified(sampled, num_sampled, draft_sampled, cu_num_logits,
+                                       idx_mapping, *self._trace_args,
+                                       trace_offsets=self.trace_offsets)
 
     def peek(self, idx_mapping: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """The next ``num_tokens`` trace tokens of each batch row, as drafts to verify.

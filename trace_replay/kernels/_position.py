@@ -1,11 +1,17 @@
-"""The opening both trace kernels share: which request a batch row holds and its replay step."""
+"""The opening the trace kernels share: which request a batch row holds and its replay step.
+
+:func:`trace_position` is the kernels' (one batch row per program); :func:`active_rows` is
+the same rule over the whole batch for their pure-torch references.
+"""
 
 # No `from __future__ import annotations`: Triton's interpreter must see `tl.constexpr`
 # itself, not a string, to treat a kernel parameter as a compile-time constant.
 
+import torch
+
 from trace_replay._triton import tl, triton
 
-__all__ = ["trace_position"]
+__all__ = ["active_rows", "trace_position"]
 
 
 @triton.jit
@@ -38,3 +44,20 @@ def trace_position(
     else:
         start = req_idx.to(tl.int64) * trace_row_stride
     return active, step, trace_len, start
+
+
+def active_rows(
+    idx_mapping: torch.Tensor,
+    trace_len: torch.Tensor,
+    total_len: torch.Tensor,
+    prompt_len: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`trace_position` over the batch: ``(rows, req_idx, step, trace_len)`` (int64) of
+    the rows whose request is inside its trace. Synchronizes on CUDA (``nonzero``)."""
+    req_idx = idx_mapping.long()
+    rows = torch.nonzero(req_idx >= 0).squeeze(1)
+    req_idx = req_idx[rows]
+    length = trace_len[req_idx].long()
+    step = (total_len[req_idx] - prompt_len[req_idx]).long()
+    keep = (step >= 0) & (step < length)
+    return rows[keep], req_idx[keep], step[keep], length[keep]

@@ -13,7 +13,7 @@ it in one.
 import torch
 
 from trace_replay._triton import tl, triton, use_triton
-from trace_replay.kernels._position import trace_position
+from trace_replay.kernels._position import active_rows, trace_position
 
 __all__ = ["force_trace_logits", "force_trace_logits_reference"]
 
@@ -146,18 +146,12 @@ def force_trace_logits_reference(
     The CPU production path and the kernel's test oracle. Vectorized over the batch; on
     CUDA it synchronizes (``nonzero``), which is why the kernel exists.
     """
-    req_idx = idx_mapping.long()
-    rows = torch.nonzero(req_idx >= 0).squeeze(1)
-    req_idx = req_idx[rows]
-    length = trace_len[req_idx].long()
-    step = (total_len[req_idx] - prompt_len[req_idx]).long()
-    keep = (length > 0) & (step >= 0) & (step < length)
-    traced, traced_req, step = rows[keep], req_idx[keep], step[keep]
+    rows, req_idx, step, _ = active_rows(idx_mapping, trace_len, total_len, prompt_len)
     if trace_offsets is None:
-        tokens = trace_token_ids[traced_req, step].long()
+        tokens = trace_token_ids[req_idx, step].long()
     else:
-        tokens = trace_token_ids[trace_offsets[traced_req] + step].long()
+        tokens = trace_token_ids[trace_offsets[req_idx] + step].long()
     in_vocab = (tokens >= 0) & (tokens < logits.shape[-1])
-    logits[traced[in_vocab], tokens[in_vocab]] = value
-    if advance:
-        total_len[req_idx] += 1
+    logits[rows[in_vocab], tokens[in_vocab]] = value
+    if advance:  # every request row, traced or not
+        total_len[idx_mapping[idx_mapping >= 0].long()] += 1

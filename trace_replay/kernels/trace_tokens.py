@@ -6,7 +6,7 @@
 import torch
 
 from trace_replay._triton import tl, triton, use_triton
-from trace_replay.kernels._position import trace_position
+from trace_replay.kernels._position import active_rows, trace_position
 
 __all__ = ["apply_trace_tokens", "apply_trace_tokens_reference"]
 
@@ -125,13 +125,7 @@ def apply_trace_tokens_reference(
     The CPU production path and the kernel's test oracle. Vectorized over the batch;
     on CUDA it synchronizes (``nonzero``), which is why the kernel exists.
     """
-    req_idx = idx_mapping.long()
-    rows = torch.nonzero(req_idx >= 0).squeeze(1)
-    req_idx = req_idx[rows]
-    length = trace_len[req_idx].long()
-    step = (total_len[req_idx] - prompt_len[req_idx]).long()
-    keep = (length > 0) & (step >= 0) & (step < length)
-    rows, req_idx, step = rows[keep], req_idx[keep], step[keep]
+    rows, req_idx, step, _ = active_rows(idx_mapping, trace_len, total_len, prompt_len)
     if trace_offsets is None:
         tokens = trace_token_ids[req_idx, step]
     else:

@@ -11,7 +11,7 @@ draft that agrees with the trace.
 import torch
 
 from trace_replay._triton import tl, triton, use_triton
-from trace_replay.kernels._position import trace_position
+from trace_replay.kernels._position import active_rows, trace_position
 
 __all__ = ["apply_trace_tokens_to_verified", "apply_trace_tokens_to_verified_reference"]
 
@@ -156,13 +156,7 @@ def apply_trace_tokens_to_verified_reference(
     the ``num_spec + 1`` positions; on CUDA it synchronizes (``nonzero``).
     """
     num_cols = sampled.shape[1]
-    req_idx = idx_mapping.long()
-    rows = torch.nonzero(req_idx >= 0).squeeze(1)
-    req_idx = req_idx[rows]
-    length = trace_len[req_idx].long()
-    step = (total_len[req_idx] - prompt_len[req_idx]).long()
-    keep = (step >= 0) & (step < length)
-    rows, req_idx, length, step = rows[keep], req_idx[keep], length[keep], step[keep]
+    rows, req_idx, step, length = active_rows(idx_mapping, trace_len, total_len, prompt_len)
 
     i = torch.arange(num_cols, device=sampled.device)
     pos = step[:, None] + i
