@@ -11,7 +11,7 @@ import torch
 
 from trace_replay._triton import tl, triton
 
-__all__ = ["active_rows", "trace_position"]
+__all__ = ["active_rows", "position_args", "trace_position"]
 
 
 @triton.jit
@@ -44,6 +44,22 @@ def trace_position(
     else:
         start = req_idx.to(tl.int64) * trace_row_stride
     return active, step, trace_len, start
+
+
+def position_args(
+    trace_token_ids: torch.Tensor,
+    trace_offsets: torch.Tensor | None,
+    trace_len: torch.Tensor,
+    total_len: torch.Tensor,
+    prompt_len: torch.Tensor,
+) -> tuple:
+    """A launcher's arguments for :func:`trace_position`'s parameters, in kernel order:
+    tokens, row stride (0 when ragged), offsets (``trace_len`` as an unread placeholder
+    pointer when 2-D), trace, total and prompt lengths. ``RAGGED`` is ``trace_offsets is not
+    None``."""
+    if trace_offsets is not None:
+        return trace_token_ids, 0, trace_offsets, trace_len, total_len, prompt_len
+    return trace_token_ids, trace_token_ids.stride(0), trace_len, trace_len, total_len, prompt_len
 
 
 def active_rows(

@@ -13,7 +13,7 @@ it in one.
 import torch
 
 from trace_replay._triton import tl, triton, use_triton
-from trace_replay.kernels._position import active_rows, trace_position
+from trace_replay.kernels._position import active_rows, position_args, trace_position
 
 __all__ = ["force_trace_logits", "force_trace_logits_reference"]
 
@@ -108,7 +108,6 @@ def force_trace_logits(
         force_trace_logits_reference(*tensors[:-1], trace_offsets=trace_offsets, value=value,
                                      advance=advance)
         return
-    ragged = trace_offsets is not None
     # rounded here as torch rounds (the kernel's store would convert it its own way)
     value = torch.tensor(value, dtype=logits.dtype).item()
     _force_logits_kernel[(num_reqs,)](
@@ -117,13 +116,8 @@ def force_trace_logits(
         logits.shape[-1],
         value,
         idx_mapping,
-        trace_token_ids,
-        0 if ragged else trace_token_ids.stride(0),
-        trace_offsets if ragged else trace_len,  # an unread placeholder pointer when 2-D
-        trace_len,
-        total_len,
-        prompt_len,
-        RAGGED=ragged,
+        *position_args(trace_token_ids, trace_offsets, trace_len, total_len, prompt_len),
+        RAGGED=trace_offsets is not None,
         ADVANCE=advance,
         num_warps=1,
     )

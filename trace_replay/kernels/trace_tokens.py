@@ -6,7 +6,7 @@
 import torch
 
 from trace_replay._triton import tl, triton, use_triton
-from trace_replay.kernels._position import active_rows, trace_position
+from trace_replay.kernels._position import active_rows, position_args, trace_position
 
 __all__ = ["apply_trace_tokens", "apply_trace_tokens_reference"]
 
@@ -94,18 +94,12 @@ def apply_trace_tokens(
     if not use_triton(*tensors):
         apply_trace_tokens_reference(*tensors[:-1], trace_offsets=trace_offsets)
         return
-    ragged = trace_offsets is not None
     _trace_tokens_kernel[(num_reqs,)](
         sampled,
         sampled.stride(0),
         idx_mapping,
-        trace_token_ids,
-        0 if ragged else trace_token_ids.stride(0),
-        trace_offsets if ragged else trace_len,  # an unread placeholder pointer when 2-D
-        trace_len,
-        total_len,
-        prompt_len,
-        RAGGED=ragged,
+        *position_args(trace_token_ids, trace_offsets, trace_len, total_len, prompt_len),
+        RAGGED=trace_offsets is not None,
         num_warps=1,
     )
 

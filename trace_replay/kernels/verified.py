@@ -11,7 +11,7 @@ draft that agrees with the trace.
 import torch
 
 from trace_replay._triton import tl, triton, use_triton
-from trace_replay.kernels._position import active_rows, trace_position
+from trace_replay.kernels._position import active_rows, position_args, trace_position
 
 __all__ = ["apply_trace_tokens_to_verified", "apply_trace_tokens_to_verified_reference"]
 
@@ -114,7 +114,6 @@ def apply_trace_tokens_to_verified(
     if not use_triton(*tensors):
         apply_trace_tokens_to_verified_reference(*tensors[:-1], trace_offsets=trace_offsets)
         return
-    ragged = trace_offsets is not None
     num_cols = sampled.shape[1]
     _verified_kernel[(num_reqs,)](
         sampled,
@@ -124,14 +123,9 @@ def apply_trace_tokens_to_verified(
         draft_sampled,
         cu_num_logits,
         idx_mapping,
-        trace_token_ids,
-        0 if ragged else trace_token_ids.stride(0),
-        trace_offsets if ragged else trace_len,  # an unread placeholder pointer when 2-D
-        trace_len,
-        total_len,
-        prompt_len,
+        *position_args(trace_token_ids, trace_offsets, trace_len, total_len, prompt_len),
         num_cols,
-        RAGGED=ragged,
+        RAGGED=trace_offsets is not None,
         BLOCK_SIZE=triton.next_power_of_2(num_cols),
         num_warps=1,
     )
