@@ -280,3 +280,22 @@ def test_state_matches_a_dict_model(device, ops):
                     req_states.total_len[r] += 1
             assert held_traces(state) == applied
             assert state.num_trace_tokens == sum(map(len, applied.values()))
+
+
+def test_force_logits_walks_each_trace_and_advances_every_row(device):
+    """``force_logits(advance=True)`` raises each traced row's current trace token and moves
+    every request row a step, so successive calls walk the traces; a row without a trace
+    is never written but still advances; nothing is staged twice."""
+    req_states, state = make_state(device)
+    start_request(state, req_states, 0, [5, 1, 2])
+    start_request(state, req_states, 2, None)
+    start_request(state, req_states, 3, [4, 6])
+    state.apply_staged_writes()
+    rows = torch.tensor([3, 2, 0], dtype=torch.int32, device=device)
+    picks = []
+    for _ in range(3):
+        logits = torch.zeros(3, 8, device=device)
+        state.force_logits(logits, rows, value=1.0, advance=True)
+        picks.append([row.nonzero().flatten().tolist() for row in logits.cpu()])
+    assert picks == [[[4], [], [5]], [[6], [], [1]], [[], [], [2]]]
+    assert req_states.total_len[[0, 2, 3]].tolist() == [6, 6, 6]
