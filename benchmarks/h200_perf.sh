@@ -3,6 +3,9 @@
 #   bash benchmarks/h200_perf.sh torch    # 135M float32 / bfloat16, Llama-3.1-8B shape
 #   bash benchmarks/h200_perf.sh big      # Qwen2.5-7B shape
 #   bash benchmarks/h200_perf.sh tests    # the GPU tests (run these first on new code)
+#   bash benchmarks/h200_perf.sh vllm W   # vLLM 0.26 forcing vs greedy; W = the assembled
+#       bundle of ../shared/tools/vllm-h200 (carry .vllm-bundle/p0..p3 into W in four calls
+#       back to back, the machine idles out after 30 s; then `bash W/p3/assemble.sh W`)
 # Output goes to $OUT (or ./out) as one text file per benchmark.
 set -u
 out=${OUT:-out}; mkdir -p "$out"
@@ -27,8 +30,19 @@ tests)
   timeout 400 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_captured_step.py \
     tests/test_static_backend.py tests/test_scoring.py tests/test_kernels.py tests/test_state.py \
     -k "${TESTS:-.}" 2>&1 | grep -E "PASS|FAIL|Error|error|passed|failed" | tee "$out/gpu_tests.txt"
-  # the kernels' CUDA cases (top-k, trace tokens, verified, forced logits) are not gpu-marked
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_top_k.py tests/test_kernels.py \
+  # the kernels' and the state's CUDA cases are not gpu-marked (a device parameter instead)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_top_k.py tests/test_kernels.py tests/test_state.py \
     -k cuda 2>&1 | tail -5 | tee -a "$out/gpu_tests.txt"
+  ;;
+vllm)
+  # paired ratios over 9 repeats; then the engine-core profile (no --vanilla there: vLLM
+  # will not capture a second in-process LLM's CUDA graphs)
+  export PYTHONPATH=$2/site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0
+  timeout 240 python3 benchmarks/bench_vllm_forcing.py --batches 64,256 --repeats 9 --vanilla \
+    2>&1 | grep -E "^  batch|^\||^20|^Ratios|Error" | tee "$out/vllm_forcing.txt"
+  timeout 200 python3 benchmarks/bench_vllm_forcing.py --batches 64,256 --repeats 3 \
+    --profile "$out/prof" 2>&1 | grep -E "^  batch|^\||^20|^Ratios|^    |Error" \
+    | tee "$out/vllm_profile.txt"
+  rm -rf "$out/prof"
   ;;
 esac
