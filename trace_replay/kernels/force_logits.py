@@ -10,6 +10,8 @@ it in one.
 # No `from __future__ import annotations`: Triton's interpreter must see `tl.constexpr`
 # itself, not a string, to treat a kernel parameter as a compile-time constant.
 
+import functools
+
 import torch
 
 from trace_replay._triton import tl, triton, use_triton
@@ -108,19 +110,24 @@ def force_trace_logits(
         force_trace_logits_reference(*tensors[:-1], trace_offsets=trace_offsets, value=value,
                                      advance=advance)
         return
-    # rounded here as torch rounds (the kernel's store would convert it its own way)
-    value = torch.tensor(value, dtype=logits.dtype).item()
     _force_logits_kernel[(num_reqs,)](
         logits,
         logits.stride(0),
         logits.shape[-1],
-        value,
+        _rounded(value, logits.dtype),
         idx_mapping,
         *position_args(trace_token_ids, trace_offsets, trace_len, total_len, prompt_len),
         RAGGED=trace_offsets is not None,
         ADVANCE=advance,
         num_warps=1,
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """``value`` as ``dtype`` holds it, rounded as torch rounds (the kernel's store would
+    convert it its own way); cached: the launcher runs every decode step."""
+    return torch.tensor(value, dtype=dtype).item()
 
 
 def force_trace_logits_reference(
