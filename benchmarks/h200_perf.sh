@@ -31,7 +31,7 @@ tests)
     tests/test_static_backend.py tests/test_scoring.py tests/test_kernels.py tests/test_state.py \
     -k "${TESTS:-.}" 2>&1 | grep -E "PASS|FAIL|Error|error|passed|failed" | tee "$out/gpu_tests.txt"
   # the kernels' and the state's CUDA cases are not gpu-marked (a device parameter instead)
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_top_k.py tests/test_kernels.py tests/test_state.py \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_top_k.py tests/test_kernels.py tests/test_state.py tests/test_cache_attention.py \
     -k cuda 2>&1 | tail -5 | tee -a "$out/gpu_tests.txt"
   ;;
 vllm)

@@ -26,10 +26,15 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     tl = SimpleNamespace(constexpr=object)
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "triton", "tl", "use_triton"]
+__all__ = ["HAS_TRITON", "interpreting", "triton", "tl", "use_triton"]
 
 # read once, as triton.jit does when it decorates a kernel: setting it later changes neither
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def interpreting() -> bool:
+    """Whether kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` at import)."""
+    return HAS_TRITON and _INTERPRET
 
 
 def use_triton(*tensors: torch.Tensor | None) -> bool:

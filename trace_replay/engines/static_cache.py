@@ -21,6 +21,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from trace_replay._triton import HAS_TRITON
+from trace_replay.kernels.cache_attention import (MAX_QUERY_ROWS, cache_attention,
+                                                  cache_attention_reference, grouped_mask)
+
 __all__ = ["ATTENTION", "LayerCache", "StaticKVCache", "grouped_attention", "register_attention"]
 
 ATTENTION = "trace_replay_static"
@@ -42,24 +46,27 @@ def grouped_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     The ``H / H_kv`` query heads that share a kv head are stacked as ``g * q`` query rows of
     that head, so the cache is read as it is (transformers' own sdpa path would repeat it
     ``H / H_kv`` times whenever a mask is given). ``attention_mask`` is additive,
-    ``[B, 1, q, L]``. With ``softcap`` (Gemma-2) the scores are computed as transformers'
-    eager attention does: scale, ``tanh`` soft-cap, mask, float32 softmax.
+    ``[B, 1, q, L]``. On CUDA, decode steps and verify forwards (``H / H_kv * q`` up to
+    :data:`~trace_replay.kernels.cache_attention.MAX_QUERY_ROWS`) run
+    :func:`~trace_replay.kernels.cache_attention.cache_attention`, which reads only the
+    cache blocks some query can see; wider forwards and CPU run SDPA. With ``softcap``
+    (Gemma-2) the scores are computed as transformers' eager attention does: scale,
+    ``tanh`` soft-cap, mask, float32 softmax.
 
     Returns ``[B, q, H, D]`` and no weights, as transformers' attention functions do.
     """
     batch, heads, q, dim = query.shape
-    kv_heads, length = key.shape[1], key.shape[2]
-    groups = heads // kv_heads
-    query = query.reshape(batch, kv_heads, groups * q, dim)
-    if q > 1:  # one mask row per query; the same rows for every group
-        attention_mask = attention_mask[:, :, None].expand(batch, 1, groups, q, length)
-        attention_mask = attention_mask.reshape(batch, 1, groups * q, length)
+    groups = heads // key.shape[1]
+    query = query.reshape(batch, key.shape[1], groups * q, dim)
     if softcap is None:
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                             scale=scaling)
+        scale = dim**-0.5 if scaling is None else scaling
+        if query.is_cuda and HAS_TRITON and groups * q <= MAX_QUERY_ROWS:
+            out = cache_attention(query, key, value, attention_mask, scale)
+        else:
+            out = cache_attention_reference(query, key, value, attention_mask, scale)
     else:
         scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-        scores = torch.tanh(scores / softcap) * softcap + attention_mask
+        scores = torch.tanh(scores / softcap) * softcap + grouped_mask(attention_mask, groups)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         out = torch.matmul(probs, value)
     # rows g * q + i of kv head h are query head h * g + (row // q), position row % q

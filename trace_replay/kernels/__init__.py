@@ -7,6 +7,7 @@ kernels (``invariant_*``) return new tensors and leave the choice to their calle
 path of deterministic mode, whose bits differ from the kernel's.
 """
 
+from trace_replay.kernels.cache_attention import cache_attention, cache_attention_reference
 from trace_replay.kernels.force_logits import force_trace_logits, force_trace_logits_reference
 from trace_replay.kernels.invariant_attention import (
     attention_rows_reference,
@@ -22,6 +23,8 @@ from trace_replay.kernels.verified import (
 )
 
 __all__ = [
+    "cache_attention",
+    "cache_attention_reference",
     "force_trace_logits",
     "force_trace_logits_reference",
     "attention_rows_reference",
