@@ -26,7 +26,7 @@ def cache_mask(rows: int, length: int, q: int, window: int | None, device: str,
                dtype: torch.dtype) -> torch.Tensor:
     """The mask a forward of ``q`` tokens per row sees after a wave with left padding,
     rows at different cursors and a verify step whose drafts were partly dropped."""
-    cache = StaticKVCache(1, rows, 1, length, 16, dtype, device)
+    cache = StaticKVCache(1, rows, 1, length, 16, dtype, "cpu")
     gen = torch.Generator().manual_seed(rows * 100 + q)
     prompt = 12
     pad = torch.randint(0, prompt - 1, (rows,), generator=gen)
@@ -43,7 +43,7 @@ def cache_mask(rows: int, length: int, q: int, window: int | None, device: str,
     cache.cursor += torch.randint(0, length - prompt - 5 - q, (rows,), generator=gen)
     positions = cache.cursor[:, None] - pad[:, None] + torch.arange(q)
     cache.begin(positions)
-    return cache.mask(positions, window)
+    return cache.mask(positions, window).to(device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
