@@ -107,30 +107,51 @@ def hf_generate_forcing(lm, prompts, traces, pad_id):
     return run
 
 
-def profile_replay(engine, requests, device):
-    """Top kernels of one full replay (after a warm-up), per decode step, as a text table."""
+def profile_replay(engine, requests, device, prompts=None, new_tokens=0):
+    """Top kernels of one full replay (after a warm-up), per decode step, as a text table.
+
+    With ``prompts``, the same engine's greedy ``generate`` is profiled first and both
+    paths' kernel sums per step are printed against their wall time under the profiler:
+    what replay adds on the device, and how much of a step is not kernel time.
+    """
     from torch.profiler import ProfilerActivity, profile
 
-    engine.run(requests)  # warm-up: graph capture happens here
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    _sync(device)
-    start = time.perf_counter()
-    with profile(activities=activities) as prof:
-        engine.run(requests)
-        _sync(device)
-    ms = (time.perf_counter() - start) * 1e3
     steps = max(r.trace_len for r in requests)
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     kind = "CUDA" if device.type == "cuda" else "CPU"  # kernels only: ops would count twice
-    events = sorted((e for e in prof.key_averages() if e.device_type.name == kind),
-                    key=lambda e: getattr(e, key), reverse=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+
+    def kernels(run):
+        run()  # warm-up: graph capture happens here
+        _sync(device)
+        start = time.perf_counter()
+        with profile(activities=activities) as prof:
+            run()
+            _sync(device)
+        ms = (time.perf_counter() - start) * 1e3
+        events = sorted((e for e in prof.key_averages() if e.device_type.name == kind),
+                        key=lambda e: getattr(e, key), reverse=True)
+        return ms, events
+
+    sums = []
+    if prompts is not None:
+        ms, events = kernels(lambda: engine.generate(prompts, max_tokens=new_tokens))
+        sums.append(("greedy", ms, sum(getattr(e, key) for e in events)))
+    ms, events = kernels(lambda: engine.run(requests))
     total = sum(getattr(e, key) for e in events) or 1
+    sums.append(("replay", ms, total))
     lines = [f"{engine.settings()['engine_path']}: one replay ({steps} steps + prefill) in "
              f"{ms:.1f} ms under the profiler; kernels per step (device time):",
              "| kernel | µs/step | calls/step | share |", "|---|---:|---:|---:|"]
     for e in events[:25]:
         lines.append(f"| {e.key[:70]} | {getattr(e, key) / steps:.1f} | {e.count / steps:.1f} | "
                      f"{getattr(e, key) / total:.1%} |")
+    if len(sums) > 1:
+        lines += ["", "Kernel time against wall time under the profiler, per step:",
+                  "| path | kernels µs/step | wall µs/step | kernels / wall |",
+                  "|---|---:|---:|---:|"]
+        lines += [f"| {path} | {busy / steps:.0f} | {wall * 1e3 / steps:.0f} | "
+                  f"{busy / (wall * 1e3):.0%} |" for path, wall, busy in sums]
     return "\n".join(lines)
 
 
@@ -266,7 +287,7 @@ def run_batch(lm, args, batch, device):
                              f"{max_abs_delta(e.run(requests), reference):.2e}")
         syncs[label] = count_syncs(engine, requests, device)
         if args.profile:
-            profiles.append(profile_replay(engine, requests, device))
+            profiles.append(profile_replay(engine, requests, device, prompts, args.new_tokens))
         del engine, engines
     if args.shape == "embedded":
         prefill = make_engine("prefill", lm, batch_size=batch)
