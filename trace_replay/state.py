@@ -104,6 +104,11 @@ class TraceReplayState:
         return self._num_held
 
     @property
+    def has_traces(self) -> bool:
+        """Whether any slot holds a non-empty trace (the kernels launch only then)."""
+        return self._num_traced > 0
+
+    @property
     def storage_bytes(self) -> int:
         """Device bytes of this state: token buffer, offsets and lengths."""
         tensors = (self.trace_token_ids, self.trace_offsets, self.trace_len)

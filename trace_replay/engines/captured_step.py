@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["StepGraph", "capture_step"]
+__all__ = ["StepGraph", "capture", "capture_step"]
 
 WARMUP_RUNS = 2
 
@@ -47,14 +47,25 @@ def capture_step(step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], row
     """Capture ``step`` for ``rows`` rows of ``q`` tokens.
 
     ``step`` must be capturable (no host reads, fixed shapes). ``state`` lists the tensors
-    a step advances (cursors, valid masks): the warm-up runs change them for real, so they
-    are saved first and put back after every run; what a warm-up wrote elsewhere (keys
-    past every cursor) is where the next real step writes anyway. Static inputs start as
+    a step advances (cursors, valid masks): see :func:`capture`. Static inputs start as
     ``pad_id`` at position 0.
     """
     device = state[0].device
     tokens = torch.full((rows, q), pad_id, dtype=torch.long, device=device)
     positions = torch.zeros((rows, q), dtype=torch.long, device=device)
+    graph, logits = capture(lambda: step(tokens, positions), state, pool=pool)
+    return StepGraph(graph, tokens, positions, logits)
+
+
+def capture(fn: Callable[[], object], state: Sequence[torch.Tensor], *,
+            pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Warm ``fn`` up on a side stream, then capture one call; returns (graph, its output).
+
+    ``state`` lists the tensors a call advances: the warm-up runs change them for real, so
+    they are saved first and put back after every run; what a warm-up wrote elsewhere is
+    where the next real call writes anyway.
+    """
+    device = state[0].device
     saved = [tensor.clone() for tensor in state]
 
     def restore() -> None:
@@ -65,10 +76,10 @@ def capture_step(step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], row
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         for _ in range(WARMUP_RUNS):
-            step(tokens, positions)
+            fn()
             restore()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
-        logits = step(tokens, positions)
-    return StepGraph(graph, tokens, positions, logits)
+        out = fn()
+    return graph, out

@@ -165,6 +165,11 @@ class StaticCacheBackend:
         self._pool = None
 
     @property
+    def static_logits(self) -> bool:
+        """Whether ``decode`` returns the same tensor every step (its graph's output)."""
+        return self.cuda_graphs
+
+    @property
     def shape(self) -> tuple[int, int] | None:
         """``(rows, length)`` of the allocated cache."""
         return None if self.cache is None else self.cache.shape

@@ -5,7 +5,9 @@ prompts together, decodes it (:mod:`~trace_replay.engines.decode`, or
 :mod:`~trace_replay.engines.verify` with ``speculative``) and turns the scores into results
 (:mod:`~trace_replay.engines.results`). Each step the model's greedy choice is overwritten by
 ``TraceReplayState.apply_trace`` and scored on the unmodified logits. The forward pass itself
-is a backend: ``hf`` (the transformers model with a growing cache) or ``static``; with
+is a backend: ``hf`` (the transformers model with a growing cache) or ``static`` (whose
+CUDA graphs also take the per-step forcing and scoring,
+:mod:`~trace_replay.engines.forced_graph`); with
 ``deterministic`` it is :class:`~trace_replay.engines.invariant_backend.InvariantBackend`,
 which also does the scoring, so that no number of a trace depends on its batch.
 """
@@ -21,6 +23,7 @@ import torch
 from trace_replay.engines.base import EngineBase, EngineConfig, ReplayRequest, TraceResult
 from trace_replay.engines.decode import generate_steps, replay_steps
 from trace_replay.engines.drafts import parse_speculative
+from trace_replay.engines.forced_graph import replay_steps_captured
 from trace_replay.engines.hf_backend import HFBackend
 from trace_replay.engines.results import wave_results
 from trace_replay.engines.scoring import scorer_for
@@ -82,6 +85,7 @@ class TorchEngine(EngineBase):
         if self.speculative is not None:
             self.engine_path += "+verify({}, k={})".format(*self.speculative)
         self._drafted = self._accepted = 0
+        self._captured: dict = {}  # the last forced-step graph, for the next wave
 
     def _make_backend(self, backend: str):
         max_query_len = 1 if self.speculative is None else self.speculative[1] + 1
@@ -119,6 +123,7 @@ class TorchEngine(EngineBase):
 
     def close(self) -> None:
         self.backend = self.lm = None
+        self._captured.clear()
 
     @torch.inference_mode()
     def run(self, requests: Sequence[ReplayRequest], *,
@@ -140,7 +145,11 @@ class TorchEngine(EngineBase):
         idx_mapping = self.slots.admit(wave)
         longest = max(r.trace_len for r in wave)
         logits = self.backend.prefill([r.prompt_token_ids for r in wave], longest)
-        if self.speculative is None:
+        if self.speculative is None and getattr(self.backend, "static_logits", False):
+            steps, counts = replay_steps_captured(self.backend, self.slots, idx_mapping,
+                                                  logits, longest, self.top_k, self.score,
+                                                  progress.forward(1), cache=self._captured)
+        elif self.speculative is None:
             steps, counts = replay_steps(self.backend, self.slots, idx_mapping, logits,
                                          longest, self.top_k, self.score,
                                          on_step=progress.forward(1))
