@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from trace_replay.engines.scoring import collect_rows, score_tokens, scorer_for
+from trace_replay.engines.scoring import (collect_rows, score_tokens, score_with_top, scorer_for,
+                                           top_from_logprob)
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +93,23 @@ def test_top_k_comes_from_the_logits_in_order(logits):
 def test_cpu_scorer_is_score_tokens():
     """CPU engines score with the eager function itself (no compile at start-up)."""
     assert scorer_for("cpu") is score_tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_from_logprob_agrees_with_score_tokens(logits, dtype):
+    """Top-k logprobs taken from the scored token's (the CUDA scorer's way) are
+    log-softmax's within float32 rounding, and the scored token's own exactly."""
+    x = logits.to(dtype)
+    tokens = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7])
+    tokens[:4] = x[:4].float().argmax(dim=1)  # four rows score their top-1 token
+    top_ids = x.float().topk(5, dim=1).indices
+    want = score_tokens(x, tokens, 5)
+    got = top_from_logprob(score_with_top, x, tokens, top_ids)
+    assert torch.equal(got.top_token_ids, top_ids) and got.top_logprobs.dtype == torch.float32
+    torch.testing.assert_close(got.top_logprobs, want.top_logprobs, atol=4e-6, rtol=0)
+    assert torch.equal(got.top_logprobs[:4, 0], got.logprob[:4])
+    for field in ("logprob", "rank", "entropy"):
+        assert torch.equal(getattr(got, field), getattr(want, field))
 
 
 @pytest.mark.gpu

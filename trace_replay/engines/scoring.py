@@ -8,7 +8,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["TokenScores", "score_tokens", "score_with_top", "scorer_for", "collect_rows"]
+__all__ = ["TokenScores", "score_tokens", "score_with_top", "scorer_for", "top_from_logprob",
+           "collect_rows"]
 
 
 class TokenScores(NamedTuple):
@@ -51,10 +52,10 @@ def scorer_for(device: torch.device | str):
     Eager, a score is a dozen passes over a float32 copy of the ``[N, V]`` logits (cast,
     log-softmax, compare, exp, product, sums) plus ``torch.topk``'s radix select. On CUDA
     the top-k comes from :func:`~trace_replay.kernels.top_k.top_k_indices` (the logits
-    read once) and the rest is compiled by inductor into a few fused reductions. Same rule,
-    same dtype; the fused reductions may round differently in the last bits (tests compare
-    within tolerance). CPU keeps the eager function: compiling there costs seconds of
-    start-up for little gain.
+    read once) and the rest is compiled by inductor into a few fused reductions (see
+    :func:`top_from_logprob` for the top-k logprobs). Same rule, same dtype; the fused
+    reductions may round differently in the last bits (tests compare within tolerance).
+    CPU keeps the eager function: compiling there costs seconds of start-up for little gain.
     """
     if torch.device(device).type != "cuda":
         return score_tokens
@@ -71,11 +72,35 @@ def scorer_for(device: torch.device | str):
         def score_cuda(logits: torch.Tensor, token_ids: torch.Tensor,
                        top_k: int) -> TokenScores:
             kernel = top_k <= MAX_TOP_K and logits.stride(1) == 1
-            top_ids = _top_ids(logits, token_ids, top_k, top_k_indices if kernel else None)
-            return compiled(logits, token_ids, top_ids)
+            return top_from_logprob(compiled, logits, token_ids,
+                                    _top_ids(logits, token_ids, top_k,
+                                             top_k_indices if kernel else None))
 
         _CUDA_SCORER = score_cuda
     return _CUDA_SCORER
+
+
+def top_from_logprob(reductions, logits: torch.Tensor, token_ids: torch.Tensor,
+                     top_ids: torch.Tensor) -> TokenScores:
+    """Scores from ``reductions`` (:func:`score_with_top` or its compiled form) run without
+    top-k, the top-k logprobs taken from the token's: ``logprob + (logit_top - logit_token)``.
+
+    With the ``[N, k]`` gather inside the compiled graph, a float32 replay on an H200 ran
+    its scoring as one fused reduction of ~635 µs per step at 64 × 49,152 in three runs of
+    four, while greedy's graph (no top-k) stayed fast; run alone, the same graph took 30 µs,
+    so the cause is not pinned down. Run without top-k, replay's reductions are greedy's
+    graph itself: one compiled graph serves both. A top token's logprob then differs from
+    ``log_softmax``'s by a float32 rounding or two at the size of the numbers involved
+    (about 2e-6 for logits and logprobs under 16 in magnitude), and equals ``logprob``
+    exactly where it is the scored token.
+    """
+    none = token_ids.new_zeros((len(token_ids), 0), dtype=torch.long)
+    scores = reductions(logits, token_ids, none)
+    if top_ids.shape[1] == 0:
+        return scores
+    token_logit = logits.gather(1, token_ids.long()[:, None]).float()
+    top = scores.logprob[:, None] + (logits.gather(1, top_ids).float() - token_logit)
+    return scores._replace(top_token_ids=top_ids, top_logprobs=top)
 
 
 _CUDA_SCORER = None
