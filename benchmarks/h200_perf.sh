@@ -26,9 +26,9 @@ big)
   LIMIT=150 bench qwen7b --shape qwen2.5-7b --dtype bfloat16 --batch 1,64 --k 0 --repeats 2
   ;;
 tests)
-  # the GPU paths: captured steps (both backends), CUDA scoring and top-k, the kernels
+  # the GPU paths: captured steps (both backends, forced steps), CUDA scoring and top-k, the kernels
   timeout 400 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_captured_step.py \
-    tests/test_static_backend.py tests/test_scoring.py tests/test_kernels.py tests/test_state.py \
+    tests/test_forced_graph.py tests/test_static_backend.py tests/test_scoring.py tests/test_kernels.py tests/test_state.py \
     -k "${TESTS:-.}" 2>&1 | grep -E "PASS|FAIL|Error|error|passed|failed" | tee "$out/gpu_tests.txt"
   # the kernels' and the state's CUDA cases are not gpu-marked (a device parameter instead)
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_top_k.py tests/test_kernels.py tests/test_state.py tests/test_cache_attention.py \
