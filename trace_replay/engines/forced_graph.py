@@ -5,8 +5,8 @@ the argmax, the forcing kernel, the step advance, the top-k kernel and the compi
 reductions, the next tokens and positions, each with its host dispatch and a gap on the
 GPU. When the backend's ``decode`` returns the same static logits tensor every step
 (:attr:`StaticCacheBackend.static_logits`), that work is captured once and replayed: one
-launch per step. (On an H200 at bf16 batch 256 replay / greedy stayed at 0.95 with it:
-there the gap is mostly device work; see benchmarks/RESULTS.md.) Each step's scores land in row ``i`` of buffers held for the wave (a
+launch per step. (On an H200 at bf16 batch 256, replay / greedy was 0.95 in the run before
+it and in the run with it; see benchmarks/RESULTS.md.) Each step's scores land in row ``i`` of buffers held for the wave (a
 device counter picks the row), so nothing is overwritten and nothing is read back.
 
 Every tensor address and host-side choice the capture saw is part of its key (the logits,
