@@ -20,9 +20,9 @@ import torch
 from bench_kernels import time_graph_us
 
 from trace_replay.kernels.cache_attention import (
-    _cache_attention_kernel,
     cache_attention,
     cache_attention_reference,
+    launch,
 )
 
 SHAPES = {  # name: (rows, kv heads, query heads per kv head, tokens per row, head size, dtype)
@@ -45,18 +45,6 @@ def inputs(rows, kv_heads, groups, q, dim, dtype, gen):
     hidden = torch.arange(LENGTH)[None, None, :] > own[:, :, None]
     mask = torch.zeros(rows, 1, q, LENGTH).masked_fill_(hidden[:, None], torch.finfo(dtype).min)
     return query, key, value, mask.to("cuda", dtype)
-
-
-def launch(query, key, value, mask, out, block_n, warps):
-    """The kernel with a given block of slots and warps (the launcher's other choices)."""
-    rows, kv_heads, m, dim = query.shape
-    _cache_attention_kernel[(rows, kv_heads)](
-        query, *query.stride()[:3], key, *key.stride()[:3], value, *value.stride()[:3],
-        mask, mask.stride(0), mask.stride(2), mask.stride(3), out, m, mask.shape[2], LENGTH,
-        dim, dim**-0.5, torch.finfo(mask.dtype).min / 2,
-        BLOCK_M=max(16, 1 << (m - 1).bit_length()), BLOCK_N=block_n,
-        BLOCK_D=max(16, 1 << (dim - 1).bit_length()),
-        FLOAT32_DOTS=query.dtype == torch.float32, num_warps=warps)
 
 
 def main() -> None:
@@ -83,9 +71,9 @@ def main() -> None:
         print(f"| {name} | {sdpa:.1f} | {kernel:.1f} | {sdpa / kernel:.2f} | {error:.1e} |",
               flush=True)
         if args.sweep:
-            out = torch.empty_like(query)
-            sweeps[name] = {(n, w): time_graph_us(lambda: launch(query, key, value, mask, out,
-                                                                 n, w), args.repeats, 20)
+            sweeps[name] = {(n, w): time_graph_us(lambda: launch(query, key, value, mask, scale,
+                                                                 block_n=n, num_warps=w),
+                                                  args.repeats, 20)
                             for n in (16, 32, 64, 128) for w in (1, 2, 4, 8)}
     if sweeps:
         configs = list(next(iter(sweeps.values())))

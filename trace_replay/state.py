@@ -183,11 +183,18 @@ class TraceReplayState:
         return (self.trace_token_ids, self.trace_len, self.req_states.total_len,
                 self.req_states.prompt_len)
 
-    def apply_trace(self, sampled: torch.Tensor, idx_mapping: torch.Tensor) -> None:
-        """Force ``sampled`` to each request's trace token; see :func:`apply_trace_tokens`."""
+    def apply_trace(self, sampled: torch.Tensor, idx_mapping: torch.Tensor, *,
+                    trace_token_ids: torch.Tensor | None = None) -> None:
+        """Force ``sampled`` to each request's trace token; see :func:`apply_trace_tokens`.
+
+        ``trace_token_ids``: read the tokens from this copy of the storage (at least as long,
+        same offsets) instead; a CUDA graph that outlives a reallocation keeps its own.
+        """
         if self._num_traced == 0:
             return
-        apply_trace_tokens(sampled, idx_mapping, *self._trace_args,
+        tokens, *lengths = self._trace_args
+        apply_trace_tokens(sampled, idx_mapping,
+                           tokens if trace_token_ids is None else trace_token_ids, *lengths,
                            trace_offsets=self.trace_offsets)
 
     def force_logits(

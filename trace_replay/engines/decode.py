@@ -23,10 +23,14 @@ Scorer = Callable[[torch.Tensor, torch.Tensor, int], TokenScores]
 
 
 def forced_step(logits: torch.Tensor, slots: SlotTable, idx_mapping: torch.Tensor,
-                top_k: int, score: Scorer = score_tokens) -> tuple[torch.Tensor, TokenScores]:
-    """Sample, force the trace token, score it on the unmodified logits, commit it."""
+                top_k: int, score: Scorer = score_tokens, *,
+                trace_token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, TokenScores]:
+    """Sample, force the trace token, score it on the unmodified logits, commit it.
+
+    ``trace_token_ids``: see :meth:`~trace_replay.state.TraceReplayState.apply_trace`.
+    """
     sampled = logits.argmax(dim=-1)
-    slots.trace_state.apply_trace(sampled, idx_mapping)
+    slots.trace_state.apply_trace(sampled, idx_mapping, trace_token_ids=trace_token_ids)
     slots.advance(idx_mapping)
     return sampled, score(logits, sampled, top_k)
 

@@ -29,7 +29,6 @@ from trace_replay.engines.captured_step import capture
 from trace_replay.engines.decode import Scorer, Steps, forced_step
 from trace_replay.engines.scoring import TokenScores
 from trace_replay.engines.slots import SlotTable
-from trace_replay.kernels.trace_tokens import apply_trace_tokens
 
 __all__ = ["ForcedSteps", "replay_steps_captured"]
 
@@ -47,10 +46,10 @@ class ForcedSteps:
     """
 
     def __init__(self, logits: torch.Tensor, slots: SlotTable, idx_mapping: torch.Tensor,
-                 top_k: int, score: Scorer, capacity: int, *, graph: bool) -> None:
+                 top_k: int, score: Scorer, capacity: int, *, graph: bool,
+                 key: tuple) -> None:
         self.logits, self.slots, self.top_k, self.score = logits, slots, top_k, score
         self.idx_mapping = idx_mapping.clone()
-        self.traced = slots.trace_state.has_traces
         self.capacity, self.graph = capacity, graph
         rows, device = len(idx_mapping), logits.device
         self.cursor = torch.zeros(1, dtype=torch.long, device=device)
@@ -60,7 +59,7 @@ class ForcedSteps:
         self.scores: list[torch.Tensor] | None = None  # allocated by the first step
         self.trace_tokens = slots.trace_state.trace_token_ids  # see the module docstring
         self._graph: torch.cuda.CUDAGraph | None = None
-        self.key = _key(logits, slots, len(idx_mapping), top_k, score, capacity, graph)
+        self.key = key  # what the capture depends on (see _key)
 
     def fits(self, slots: SlotTable) -> bool:
         """Whether the trace storage now held fits this capture's own trace buffer."""
@@ -88,15 +87,8 @@ class ForcedSteps:
                 for i in range(count)]
 
     def _step(self) -> None:
-        # forced_step, with the trace tokens read from this capture's own buffer
-        trace, requests = self.slots.trace_state, self.slots.req_states
-        sampled = self.logits.argmax(dim=-1)
-        if self.traced:
-            apply_trace_tokens(sampled, self.idx_mapping, self.trace_tokens, trace.trace_len,
-                               requests.total_len, requests.prompt_len,
-                               trace_offsets=trace.trace_offsets)
-        self.slots.advance(self.idx_mapping)
-        scores = self.score(self.logits, sampled, self.top_k)
+        sampled, scores = forced_step(self.logits, self.slots, self.idx_mapping, self.top_k,
+                                      self.score, trace_token_ids=self.trace_tokens)
         if self.scores is None:  # shapes and dtypes from the scorer, before any capture
             self.scores = [value.new_zeros((self.capacity, *value.shape)) for value in scores]
         self.sampled.index_copy_(0, self.cursor, sampled[None])
@@ -153,7 +145,8 @@ def _forced_steps(cache: dict | None, logits: torch.Tensor, slots: SlotTable,
     key = _key(logits, slots, len(idx_mapping), top_k, score, capacity, graph)
     forced = None if cache is None else cache.get("forced")
     if forced is None or forced.key != key or not forced.fits(slots):
-        forced = ForcedSteps(logits, slots, idx_mapping, top_k, score, capacity, graph=graph)
+        forced = ForcedSteps(logits, slots, idx_mapping, top_k, score, capacity, graph=graph,
+                             key=key)
         if cache is not None:
             cache["forced"] = forced
     forced.start(idx_mapping)

@@ -94,8 +94,7 @@ def top_from_logprob(reductions, logits: torch.Tensor, token_ids: torch.Tensor,
     (about 2e-6 for logits and logprobs under 16 in magnitude), and equals ``logprob``
     exactly where it is the scored token.
     """
-    none = token_ids.new_zeros((len(token_ids), 0), dtype=torch.long)
-    scores = reductions(logits, token_ids, none)
+    scores = reductions(logits, token_ids, _top_ids(logits, token_ids, 0))
     if top_ids.shape[1] == 0:
         return scores
     token_logit = logits.gather(1, token_ids.long()[:, None]).float()

@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from trace_replay._triton import HAS_TRITON
 from trace_replay.kernels.cache_attention import (MAX_QUERY_ROWS, cache_attention,
                                                   cache_attention_reference, grouped_mask)
 
@@ -60,7 +59,7 @@ def grouped_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     query = query.reshape(batch, key.shape[1], groups * q, dim)
     if softcap is None:
         scale = dim**-0.5 if scaling is None else scaling
-        if query.is_cuda and HAS_TRITON and groups * q <= MAX_QUERY_ROWS:
+        if query.is_cuda and groups * q <= MAX_QUERY_ROWS:
             out = cache_attention(query, key, value, attention_mask, scale)
         else:
             out = cache_attention_reference(query, key, value, attention_mask, scale)

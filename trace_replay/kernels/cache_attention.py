@@ -143,31 +143,41 @@ def cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 @torch.library.custom_op("trace_replay::cache_attention", mutates_args=())
 def _cache_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         mask: torch.Tensor, scale: float) -> torch.Tensor:
+    return launch(query, key, value, mask, scale)
+
+
+def launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+           scale: float, *, block_n: int | None = None,
+           num_warps: int | None = None) -> torch.Tensor:
+    """Run the kernel (no fallback); ``block_n``/``num_warps`` override the choices below
+    (``benchmarks/bench_cache_attention.py --sweep``)."""
     batch, kv_heads, rows, dim = query.shape
-    length = key.shape[2]
     query = query if query.stride(-1) == 1 else query.contiguous()
     out = torch.empty((batch, kv_heads, rows, dim), dtype=query.dtype, device=query.device)
     block_d = max(16, triton.next_power_of_2(dim))
-    hidden_below = torch.finfo(mask.dtype).min / 2
     # Blocks and warps, from a sweep on an H200 (µs per call inside a CUDA graph, 256-slot
     # cache, rows 16-144 slots full; SDPA first): SmolLM2 bf16 256 rows 35.0 -> 10.7 at 64
     # slots x 2 warps (10.3 at 1 warp, 13.9 at 4); float32 64 rows 43.3 -> 28.3 at 64 x 4
     # (k = 8 verify 48.3 -> 49.9; 44.2 at 32 x 4); Llama-3-8B bf16 1 row 10.5 -> 7.0 at
     # 64 x 2 (4.9 at 128 x 4), 64 rows 36.0 -> 12.9. Some float32 configurations spill
     # (64 x 2 at 27 query rows: 670 µs), so float32 keeps 4 warps.
+    if block_n is None:
+        block_n = 32 if block_d > 128 else 64
+    if num_warps is None:
+        num_warps = 4 if query.dtype == torch.float32 else 2
     _cache_attention_kernel[(batch, kv_heads)](
         query, query.stride(0), query.stride(1), query.stride(2),
         key, key.stride(0), key.stride(1), key.stride(2),
         value, value.stride(0), value.stride(1), value.stride(2),
         mask, mask.stride(0), mask.stride(2), mask.stride(3),
-        out, rows, mask.shape[2], length, dim, scale, hidden_below,
+        out, rows, mask.shape[2], key.shape[2], dim, scale, torch.finfo(mask.dtype).min / 2,
         BLOCK_M=max(16, triton.next_power_of_2(rows)),
-        BLOCK_N=32 if block_d > 128 else 64,
+        BLOCK_N=block_n,
         BLOCK_D=block_d,
         # no TF32 for float32 inputs; and Triton's interpreter gets bfloat16 dots wrong
         # (3.9), so under it every dot is taken in float32
         FLOAT32_DOTS=query.dtype == torch.float32 or interpreting(),
-        num_warps=4 if query.dtype == torch.float32 else 2,
+        num_warps=num_warps,
     )
     return out
 
