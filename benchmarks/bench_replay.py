@@ -201,7 +201,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--k", type=int, default=8, help="drafts per verify step (0: none)")
     parser.add_argument("--skip-hf", action="store_true", help="skip hf-generate+forcing")
-    parser.add_argument("--backends", default="hf,static", help="torch engine backends")
+    parser.add_argument("--backends", default="hf,static",
+                        help="torch engine backends; static:ieee = float32 without tensor cores")
     parser.add_argument("--bandwidth", type=float, default=4.8e12, help="HBM bytes/s")
     parser.add_argument("--topk-chunk", type=int, default=None,
                         help="first-pass chunk of the top-k kernel (default: its CHUNK)")
@@ -227,6 +228,12 @@ def main():
         run_batch(lm, args, batch, device)
 
 
+def engine_options(spec: str) -> dict:
+    """``static`` or ``static:ieee`` (a backend and the float32 matmul) as engine options."""
+    backend, _, matmul = spec.partition(":")
+    return {"backend": backend, "float32_matmul": matmul or "3xtf32"}
+
+
 def run_batch(lm, args, batch, device):
     """Every path of the table at one batch size; prints the table."""
     if args.shape == "embedded":
@@ -237,7 +244,7 @@ def run_batch(lm, args, batch, device):
         prompts = [torch.randint(3, lm.config.vocab_size, (args.prompt_len,), generator=gen)
                    .tolist() for _ in range(batch)]
     backends = args.backends.split(",")
-    greedy = make_engine("torch", lm, batch_size=batch, backend=backends[0])
+    greedy = make_engine("torch", lm, batch_size=batch, **engine_options(backends[0]))
     generated = greedy.generate(prompts, max_tokens=args.new_tokens)  # no EOS stop: fixed length
     compiled = getattr(greedy.backend, "cuda_graphs", False)
     first_compile = greedy.backend.compile_seconds if compiled else None
@@ -267,14 +274,14 @@ def run_batch(lm, args, batch, device):
         add("hf-generate+forcing", hf_generate_forcing(lm, prompts, traces, 0))
     profiles, syncs = [], {}
     for backend in backends:
-        engine = make_engine("torch", lm, batch_size=batch, backend=backend)
+        engine = make_engine("torch", lm, batch_size=batch, **engine_options(backend))
         label = f"torch[{engine.backend.name}]"
         add(f"{label} greedy (no trace)", lambda e=engine: e.generate(
             prompts, max_tokens=args.new_tokens), backend)
         add(f"{label} replay", lambda e=engine: e.run(requests), backend)
         engines = {"replay": engine}
         if args.k:
-            verify = make_engine("torch", lm, batch_size=batch, backend=backend,
+            verify = make_engine("torch", lm, batch_size=batch, **engine_options(backend),
                                  speculative={"method": "trace", "num_tokens": args.k})
             add(f"{label} verify(trace, k={args.k})", lambda e=verify: e.run(requests), backend)
             engines[f"verify(trace, k={args.k})"] = verify

@@ -47,23 +47,26 @@ def cache_mask(rows: int, length: int, q: int, window: int | None, device: str,
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, precision", [(torch.float32, "ieee"), (torch.float32, "tf32x3"),
+                                              (torch.bfloat16, "ieee")])
 @pytest.mark.parametrize("groups, q, dim, length, window", [
     (3, 1, 64, 256, None),  # SmolLM2's heads, a decode step
     (4, 9, 128, 144, None),  # Llama-3's heads, a k = 8 verify, a length not of whole blocks
     (7, 9, 80, 64, 20),  # Qwen2's 7 groups, a head size off the power of two, a window
     (1, 1, 256, 96, None),  # Gemma's head size (32-slot blocks), no grouping
 ])
-def test_kernel_equals_sdpa_under_cache_masks(device, dtype, groups, q, dim, length, window):
+def test_kernel_equals_sdpa_under_cache_masks(device, dtype, precision, groups, q, dim, length,
+                                              window):
     """Under the masks the static cache builds (left padding, dropped drafts, cursors far
-    apart, a sliding window), the kernel gives SDPA's output within rounding."""
+    apart, a sliding window), the kernel gives SDPA's output within rounding — float32
+    within 2e-6 with float32 FMAs and with the 3xTF32 split on tensor cores."""
     gen = torch.Generator().manual_seed(groups * q + dim)
     rows, kv_heads = 3, 2
     query = torch.randn(rows, kv_heads, groups * q, dim, generator=gen).to(device, dtype)
     key, value = (torch.randn(rows, kv_heads, length, dim, generator=gen).to(device, dtype)
                   for _ in range(2))
     mask = cache_mask(rows, length, q, window, device, dtype)
-    out = cache_attention(query, key, value, mask, dim**-0.5)
+    out = cache_attention(query, key, value, mask, dim**-0.5, precision=precision)
     expected = cache_attention_reference(query.float(), key.float(), value.float(),
                                          mask.float().clamp(min=-1e30), dim**-0.5)
     assert out.dtype == dtype and out.shape == query.shape
@@ -106,6 +109,13 @@ def test_compiled_call_is_one_operator():
     compiled = torch.compile(cache_attention, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(query, key, value, mask, 0.25),
                                cache_attention(query, key, value, mask, 0.25))
+
+
+def test_unknown_precision_is_refused():
+    """Only float32 FMAs or the 3xTF32 split: plain TF32 would move float32 results ~1e-3."""
+    query = torch.zeros(1, 1, 1, 16)
+    with pytest.raises(ValueError, match="precision"):
+        cache_attention(query, query, query, torch.zeros(1, 1, 1, 1), 1.0, precision="tf32")
 
 
 def test_too_many_query_rows_is_refused():

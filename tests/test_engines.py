@@ -40,7 +40,7 @@ def test_make_engine_refuses_options_the_engine_does_not_take():
                                          r"no options\)"):
         make_engine("prefill", speculative={"method": "trace"})
     with pytest.raises(ValueError, match=r"'torch' does not take engine_args \(it takes "
-                                         r"speculative, backend\)"):
+                                         r"speculative, backend, float32_matmul\)"):
         make_engine("torch", engine_args={})
 
 

@@ -17,7 +17,12 @@ import torch
 from trace_replay.engines import make_engine
 from trace_replay.engines.base import ReplayRequest
 from trace_replay.engines.hf_backend import HFBackend
-from trace_replay.engines.static_backend import StaticCacheBackend, supports
+from trace_replay.engines.static_backend import (
+    StaticCacheBackend,
+    _TensorCoreLinear,
+    _tensor_core_linears,
+    supports,
+)
 from trace_replay.replay import replay
 
 PROMPTS = [[50, 35, 28, 46], [1], [95, 30, 21], [50, 35]]
@@ -60,10 +65,11 @@ def requests(vocab: int = 128) -> list[ReplayRequest]:
     return out
 
 
-def run(lm, backend: str, method: str | None = None):
+def run(lm, backend: str, method: str | None = None, **options):
     """Replay ``requests()`` in four slots; returns (engine, results)."""
     speculative = None if method is None else {"method": method, "num_tokens": 3}
-    engine = make_engine("torch", lm, batch_size=4, backend=backend, speculative=speculative)
+    engine = make_engine("torch", lm, batch_size=4, backend=backend, speculative=speculative,
+                         **options)
     return engine, engine.run(requests(lm.config.vocab_size))
 
 
@@ -126,6 +132,33 @@ def test_model_left_unmodified(tiny_model):
     assert lm.config._attn_implementation == before[0]
     assert "forward" not in vars(lm.model.layers[0])
     assert isinstance(HFBackend(lm, 0).prefill(PROMPTS, 4), torch.Tensor)
+
+
+def test_tensor_core_linears_share_weights_and_leave_the_model(tiny_model):
+    """A float32 view's linear layers are the 3xTF32 kernel's, sharing the model's weights
+    (the model's own modules unchanged); a layer computes what the model's layer computes."""
+    lm = tiny_model("qwen2")  # q/k/v with a bias
+    layer = lm.model.layers[0]
+    view = _tensor_core_linears(layer)
+    linears = [m for m in view.modules() if isinstance(m, torch.nn.Linear)]
+    wrapped = [m for m in view.modules() if isinstance(m, _TensorCoreLinear)]
+    assert len(wrapped) == len(linears) == 7  # each wraps one original Linear
+    assert view.self_attn.q_proj.weight is layer.self_attn.q_proj.weight
+    assert view.self_attn.q_proj.bias is layer.self_attn.q_proj.bias
+    assert isinstance(layer.self_attn.q_proj, torch.nn.Linear)  # the model's own, unchanged
+    assert _tensor_core_linears(lm.model.norm) is lm.model.norm  # nothing to replace
+    x = torch.randn(2, 3, lm.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    scale = layer.mlp(x).abs().max().item()  # the tiny models' weights are large
+    torch.testing.assert_close(view.mlp(x), layer.mlp(x), atol=2e-6 * scale, rtol=0)
+    keys = layer.self_attn.k_proj(x)
+    torch.testing.assert_close(view.self_attn.k_proj(x), keys,
+                               atol=2e-6 * keys.abs().max().item(), rtol=0)
+
+
+def test_float32_matmul_is_checked(tiny_model):
+    with pytest.raises(ValueError, match="float32_matmul"):
+        StaticCacheBackend(tiny_model("llama"), 0, float32_matmul="tf32")
+    assert "+3xtf32" not in StaticCacheBackend(tiny_model("llama"), 0).name  # CPU: F.linear
 
 
 KEEP = torch.tensor([[True, False, False], [True, True, True],
@@ -217,11 +250,14 @@ def test_embedded_model_replay_equals_hf(lm, real_traces, assert_matches_referen
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-@pytest.mark.parametrize("method", [None, "trace"])
-def test_compiled_graphs_equal_hf(tiny, method):
-    """On CUDA, the compiled, captured backend replays what the HF backend replays."""
+@pytest.mark.parametrize("method, float32_matmul", [(None, "3xtf32"), ("trace", "3xtf32"),
+                                                    (None, "ieee")])
+def test_compiled_graphs_equal_hf(tiny, method, float32_matmul):
+    """On CUDA, the compiled, captured backend replays what the HF backend replays, with its
+    float32 products on tensor cores (3xTF32) or not."""
     arch, lm, _ = tiny
     gpu = copy.deepcopy(lm).to("cuda")
-    engine, ours = run(gpu, "auto", method)
-    assert engine.backend.name == "static+compiled"
+    engine, ours = run(gpu, "auto", method, float32_matmul=float32_matmul)
+    suffix = "+3xtf32" if float32_matmul == "3xtf32" else ""
+    assert engine.backend.name == "static+compiled" + suffix
     assert_same_results(ours, run(gpu, "hf")[1], atol=2e-4)

@@ -25,7 +25,7 @@ __all__ = ["ENGINES", "ENGINE_OPTIONS", "Engine", "EngineConfig", "make_engine"]
 ENGINES = ("auto", "torch", "prefill", "vllm", "vllm-server")
 # keyword options each engine takes beyond EngineConfig
 ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {
-    "torch": ("speculative", "backend"),
+    "torch": ("speculative", "backend", "float32_matmul"),
     "prefill": (),
     "vllm": ("engine_args", "native"),  # and verbose, which every engine takes
     "vllm-server": ("engine_args",),
@@ -53,7 +53,8 @@ def make_engine(name: str, model: Any = None, *, dtype=None, device=None,
         Show the engine's own start-up logging (vLLM prints ~30 lines); by default only
         its errors are shown.
     **options
-        Engine-specific: ``speculative``, ``backend`` (torch); ``engine_args``, ``native``
+        Engine-specific: ``speculative``, ``backend``, ``float32_matmul`` (torch);
+        ``engine_args``, ``native``
         (vllm); ``engine_args`` (vllm-server: ``base_url``, ``api``, ``api_key``,
         ``timeout_s``, ``max_retries``). ``None`` values count as not given.
 

@@ -25,11 +25,13 @@ import torch
 
 from trace_replay.engines.captured_step import StepGraph, capture_step
 from trace_replay.engines.static_cache import ATTENTION, StaticKVCache, register_attention
+from trace_replay.kernels.fp32_linear import fp32_linear
 
 __all__ = ["StaticCacheBackend", "supports"]
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
+FLOAT32_MATMUL = ("3xtf32", "ieee")
 # these rope types recompute inv_freq from the positions seen (data-dependent, host-synced)
 _DYNAMIC_ROPE = ("dynamic", "longrope")
 
@@ -96,6 +98,40 @@ class _LayerRunner:
         return run(self.layer, hidden_states, *args, past_key_values=cache, **kwargs)
 
 
+class _TensorCoreLinear(torch.nn.Module):
+    """A float32 ``nn.Linear`` (sharing its weights) that multiplies on tensor cores with the
+    3xTF32 split (:func:`~trace_replay.kernels.fp32_linear.fp32_linear`)."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.linear = linear
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.linear.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp32_linear(x, self.linear.weight, self.linear.bias)
+
+
+def _tensor_core_linears(module: torch.nn.Module) -> torch.nn.Module:
+    """``module``, or a shallow copy of it whose ``nn.Linear`` descendants are
+    :class:`_TensorCoreLinear` (copies along the way; the model itself is untouched)."""
+    if isinstance(module, torch.nn.Linear):
+        return _TensorCoreLinear(module)
+    children = {name: _tensor_core_linears(child) for name, child in module._modules.items()
+                if child is not None}
+    if all(children[name] is module._modules[name] for name in children):
+        return module
+    clone = _shallow(module)
+    clone._modules.update(children)
+    return clone
+
+
 def _model_view(lm: torch.nn.Module, backend: StaticCacheBackend) -> torch.nn.Module:
     config = copy.copy(lm.config)
     config._attn_implementation = ATTENTION
@@ -106,9 +142,14 @@ def _model_view(lm: torch.nn.Module, backend: StaticCacheBackend) -> torch.nn.Mo
         layer = _shallow(layer)
         layer.self_attn = _shallow(layer.self_attn)
         layer.self_attn.config = config
+        if backend.tensor_cores:
+            layer.self_attn.float32_dots = "tf32x3"  # read by grouped_attention
+            layer = _tensor_core_linears(layer)
         layer.forward = _LayerRunner(layer, index, backend)
         layers.append(layer)
     view.model.layers = torch.nn.ModuleList(layers)
+    if backend.tensor_cores and isinstance(lm.lm_head, torch.nn.Linear):
+        view.lm_head = _TensorCoreLinear(lm.lm_head)
     return view
 
 
@@ -138,10 +179,17 @@ class StaticCacheBackend:
         Most tokens per row a ``decode`` will feed (``k + 1`` for verify); sizes the slack.
     cuda_graphs
         Compile the decoder layers and capture decode steps (default: on CUDA).
+    float32_matmul
+        How a float32 model multiplies on CUDA: ``"3xtf32"`` (default) on tensor cores with
+        the 3xTF32 split — the linear layers through :mod:`~trace_replay.kernels.fp32_linear`,
+        attention's products inside :mod:`~trace_replay.kernels.cache_attention` — as close
+        to the float64 product as float32 FMAs are; or ``"ieee"``: cuBLAS and the attention
+        kernel without tensor cores. Other dtypes and the CPU ignore it. The backend's
+        ``name`` says which ran (``+3xtf32``).
     """
 
     def __init__(self, lm, pad_id: int, *, max_query_len: int = 1,
-                 cuda_graphs: bool | None = None) -> None:
+                 cuda_graphs: bool | None = None, float32_matmul: str = "3xtf32") -> None:
         if not supports(lm):
             raise ValueError(f"{type(lm).__name__} is not a model the static backend supports")
         param = next(lm.parameters())
@@ -149,11 +197,18 @@ class StaticCacheBackend:
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs needs the model on a CUDA device")
+        if float32_matmul not in FLOAT32_MATMUL:
+            raise ValueError(f"float32_matmul={float32_matmul!r}; choose one of "
+                             f"{', '.join(FLOAT32_MATMUL)}")
         register_attention()
         self.lm = lm
         self.pad_id = pad_id
         self.max_query_len = max_query_len
-        self.name = "static+compiled" if self.cuda_graphs else "static"
+        # the 3xTF32 linears are the kernel's on CUDA only (the CPU reference is F.linear)
+        self.tensor_cores = (float32_matmul == "3xtf32" and self.dtype == torch.float32
+                             and self.device.type == "cuda")
+        self.name = ("static+compiled" if self.cuda_graphs else "static") + (
+            "+3xtf32" if self.tensor_cores else "")
         self.forwards = 0
         self.compile_seconds = 0.0
         self.compiling = False

@@ -50,7 +50,9 @@ def grouped_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     :func:`~trace_replay.kernels.cache_attention.cache_attention`, which reads only the
     cache blocks some query can see; wider forwards and CPU run SDPA. With ``softcap``
     (Gemma-2) the scores are computed as transformers' eager attention does: scale,
-    ``tanh`` soft-cap, mask, float32 softmax.
+    ``tanh`` soft-cap, mask, float32 softmax. A ``module`` with ``float32_dots = "tf32x3"``
+    (set by the static backend's ``float32_matmul``) has the kernel take float32 products
+    on tensor cores with the 3xTF32 split.
 
     Returns ``[B, q, H, D]`` and no weights, as transformers' attention functions do.
     """
@@ -60,7 +62,8 @@ def grouped_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     if softcap is None:
         scale = dim**-0.5 if scaling is None else scaling
         if query.is_cuda and groups * q <= MAX_QUERY_ROWS:
-            out = cache_attention(query, key, value, attention_mask, scale)
+            out = cache_attention(query, key, value, attention_mask, scale,
+                                  precision=getattr(module, "float32_dots", "ieee"))
         else:
             out = cache_attention_reference(query, key, value, attention_mask, scale)
     else:

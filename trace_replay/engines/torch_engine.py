@@ -28,7 +28,7 @@ from trace_replay.engines.hf_backend import HFBackend
 from trace_replay.engines.results import wave_results
 from trace_replay.engines.scoring import scorer_for
 from trace_replay.engines.slots import SlotTable, waves
-from trace_replay.engines.static_backend import StaticCacheBackend, supports
+from trace_replay.engines.static_backend import FLOAT32_MATMUL, StaticCacheBackend, supports
 from trace_replay.engines.threads import engine_threads, intra_op_threads
 from trace_replay.engines.verify import verify_steps
 from trace_replay.models import model_for_engine
@@ -54,12 +54,16 @@ class TorchEngine(EngineBase):
         compiled CUDA graphs on GPU; Llama, Mistral, Qwen2/3, Gemma families) or
         ``"auto"`` (static on CUDA when the model is supported, else hf). With
         ``config.deterministic`` only ``"auto"``: the batch-invariant backend (Llama-family).
+    float32_matmul
+        ``"3xtf32"`` (default) or ``"ieee"``: how the static backend multiplies a float32
+        model on CUDA (see :class:`~trace_replay.engines.static_backend.StaticCacheBackend`;
+        ``engine_path`` ends ``+3xtf32]`` when tensor cores ran). Ignored elsewhere.
     """
 
     name = "torch"
 
     def __init__(self, config: EngineConfig | None = None, *, speculative: dict | None = None,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", float32_matmul: str = "3xtf32") -> None:
         config = config or EngineConfig()
         if backend not in BACKENDS:
             raise ValueError(f"unknown torch engine backend {backend!r}; choose one of "
@@ -78,6 +82,10 @@ class TorchEngine(EngineBase):
         self.max_model_len = getattr(self.lm.config, "max_position_embeddings", None)
         pad = self.lm.config.pad_token_id
         self.pad_id = 0 if pad is None else int(pad)
+        if float32_matmul not in FLOAT32_MATMUL:
+            raise ValueError(f"float32_matmul={float32_matmul!r}; choose one of "
+                             f"{', '.join(FLOAT32_MATMUL)}")
+        self.float32_matmul = float32_matmul
         self.backend = self._make_backend(backend)
         self.score = self.backend.score if self.deterministic else scorer_for(weight.device)
         self.slots = SlotTable(self.batch_size, weight.device)
@@ -100,7 +108,8 @@ class TorchEngine(EngineBase):
             backend = "static" if self.torch_device.type == "cuda" and supports(self.lm) else "hf"
         if backend == "hf":
             return HFBackend(self.lm, self.pad_id)
-        return StaticCacheBackend(self.lm, self.pad_id, max_query_len=max_query_len)
+        return StaticCacheBackend(self.lm, self.pad_id, max_query_len=max_query_len,
+                                  float32_matmul=self.float32_matmul)
 
     def settings(self) -> dict[str, Any]:
         settings = super().settings()

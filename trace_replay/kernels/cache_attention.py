@@ -43,6 +43,7 @@ def _cache_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     FLOAT32_DOTS: tl.constexpr,
+    PRECISION: tl.constexpr,  # of the float32 dots: "ieee" or "tf32x3"
 ):
     b, h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
@@ -71,7 +72,7 @@ def _cache_attention_kernel(
                              other=0.0)
             if FLOAT32_DOTS:
                 keys, values = keys.to(tl.float32), values.to(tl.float32)
-                scores = tl.dot(query, tl.trans(keys), input_precision="ieee")
+                scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION)
             else:
                 scores = tl.dot(query, tl.trans(keys))
             # padding rows (past `rows`) see every real slot: finite garbage, never stored
@@ -84,7 +85,7 @@ def _cache_attention_kernel(
             row_sum = row_sum * rescale + tl.sum(weights, axis=1)
             if FLOAT32_DOTS:
                 acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values,
-                                                      input_precision="ieee")
+                                                      input_precision=PRECISION)
             else:
                 acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values)
             row_max = new_max
@@ -95,7 +96,7 @@ def _cache_attention_kernel(
 
 
 def cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    mask: torch.Tensor, scale: float) -> torch.Tensor:
+                    mask: torch.Tensor, scale: float, *, precision: str = "ieee") -> torch.Tensor:
     """Attention of grouped queries over a KV cache, skipping blocks the mask hides from all.
 
     Runs the Triton kernel when :func:`~trace_replay._triton.use_triton` allows it (CUDA
@@ -115,12 +116,17 @@ def cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         row is skipped.
     scale
         Multiplies the scores before the mask is added.
+    precision
+        How the kernel multiplies float32 inputs: ``"ieee"`` (float32 FMAs, no tensor
+        cores) or ``"tf32x3"`` (tensor cores, each input split into a TF32 part and its
+        TF32 remainder, as :mod:`~trace_replay.kernels.fp32_linear` does: ~2x faster at
+        SmolLM2's float32 decode shapes on an H200, within float32 rounding of float64).
+        16-bit inputs ignore it.
 
     Returns
     -------
     torch.Tensor
-        ``[B, H_kv, G * q, D]`` contiguous, the dtype of ``query``. Float32 inputs multiply
-        in full float32 (no TF32).
+        ``[B, H_kv, G * q, D]`` contiguous, the dtype of ``query``.
 
     Examples
     --------
@@ -135,20 +141,23 @@ def cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if rows % mask.shape[2]:
         raise ValueError(f"{rows} query rows are not a multiple of the mask's "
                          f"{mask.shape[2]} tokens")
+    if precision not in ("ieee", "tf32x3"):
+        raise ValueError(f"precision={precision!r}; choose 'ieee' or 'tf32x3'")
     if not use_triton(query, key, value, mask):
         return cache_attention_reference(query, key, value, mask, scale)
-    return torch.ops.trace_replay.cache_attention(query, key, value, mask, float(scale))
+    return torch.ops.trace_replay.cache_attention(query, key, value, mask, float(scale),
+                                                  precision)
 
 
 @torch.library.custom_op("trace_replay::cache_attention", mutates_args=())
 def _cache_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        mask: torch.Tensor, scale: float) -> torch.Tensor:
-    return launch(query, key, value, mask, scale)
+                        mask: torch.Tensor, scale: float, precision: str) -> torch.Tensor:
+    return launch(query, key, value, mask, scale, precision=precision)
 
 
 def launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
            scale: float, *, block_n: int | None = None,
-           num_warps: int | None = None) -> torch.Tensor:
+           num_warps: int | None = None, precision: str = "ieee") -> torch.Tensor:
     """Run the kernel (no fallback); ``block_n``/``num_warps`` override the choices below
     (``benchmarks/bench_cache_attention.py --sweep``)."""
     batch, kv_heads, rows, dim = query.shape
@@ -174,16 +183,17 @@ def launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
         BLOCK_M=max(16, triton.next_power_of_2(rows)),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
-        # no TF32 for float32 inputs; and Triton's interpreter gets bfloat16 dots wrong
-        # (3.9), so under it every dot is taken in float32
+        # float32 inputs multiply at `precision` (never plain TF32); and Triton's
+        # interpreter gets bfloat16 dots wrong (3.9), so under it every dot is in float32
         FLOAT32_DOTS=query.dtype == torch.float32 or interpreting(),
+        PRECISION=precision if query.dtype == torch.float32 else "ieee",
         num_warps=num_warps,
     )
     return out
 
 
 @_cache_attention_op.register_fake
-def _(query, key, value, mask, scale):
+def _(query, key, value, mask, scale, precision):
     return query.new_empty(query.shape)
 
 

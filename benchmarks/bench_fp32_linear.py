@@ -1,0 +1,75 @@
+"""Float32 linear layers: cuBLAS against the 3xTF32 tensor-core kernel, per call, on CUDA.
+
+For the linear layers of a float32 SmolLM2-135M replay at 64 rows (decode), 576 rows (a
+k = 8 verify forward: 9 tokens per row) and 1,024 rows (a 16-token prefill), this prints
+device µs per call inside a CUDA graph (no launch cost; median of ``--repeats`` graphs of 20
+calls) for cuBLAS in float32 (what ``F.linear`` runs with TF32 off), cuBLAS with TF32 (for
+scale only: it is not accurate enough), and ``kernels.fp32_linear``; and each one's largest
+error against the float64 product, relative to the largest |output|. ``--sweep`` times every
+block configuration of the kernel.
+
+    python benchmarks/bench_fp32_linear.py [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import torch.nn.functional as F
+from bench_kernels import time_graph_us
+
+from trace_replay.kernels.fp32_linear import blocks, fp32_linear, launch
+
+HIDDEN, INTERMEDIATE, KV, VOCAB = 576, 1536, 192, 49152  # SmolLM2-135M
+LAYERS = {"q/o": (HIDDEN, HIDDEN), "k/v": (HIDDEN, KV), "gate/up": (HIDDEN, INTERMEDIATE),
+          "down": (INTERMEDIATE, HIDDEN), "lm_head": (HIDDEN, VOCAB)}
+ROWS = {"decode b64": 64, "verify b64 k=8": 576, "prefill b64×16": 1024}
+
+
+def relative_error(out: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((out.double() - exact).abs().max() / exact.abs().max()).item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    print(f"{torch.cuda.get_device_name()} · torch {torch.__version__} · µs per call in a "
+          f"CUDA graph, median of {args.repeats}; error: max |Δ| from float64 / max |out|\n")
+    print("| rows | layer (K → N) | cuBLAS fp32 | cuBLAS TF32 | kernel 3xTF32 | cuBLAS / kernel "
+          "| error cuBLAS fp32 | error TF32 | error kernel | kernel blocks |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    sweeps = {}
+    for (rows_name, rows), (layer, (depth, cols)) in itertools.product(ROWS.items(),
+                                                                        LAYERS.items()):
+        x = torch.randn(rows, depth, generator=gen).cuda()
+        weight = (torch.randn(cols, depth, generator=gen) * depth**-0.5).cuda()
+        exact = x.double() @ weight.double().T
+        times, errors = [], []
+        for tf32 in (False, True):
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            times.append(time_graph_us(lambda: F.linear(x, weight), args.repeats, 20))
+            errors.append(relative_error(F.linear(x, weight), exact))
+        torch.backends.cuda.matmul.allow_tf32 = False
+        times.append(time_graph_us(lambda: fp32_linear(x, weight), args.repeats, 20))
+        errors.append(relative_error(fp32_linear(x, weight), exact))
+        print(f"| {rows_name} | {layer} ({depth} → {cols}) | {times[0]:.1f} | {times[1]:.1f} | "
+              f"{times[2]:.1f} | {times[0] / times[2]:.2f} | {errors[0]:.1e} | {errors[1]:.1e} "
+              f"| {errors[2]:.1e} | {blocks(rows, cols, depth)} |", flush=True)
+        if args.sweep:
+            configs = [(m, n, k, w, s) for m in (16, 32, 64) for n in (32, 64, 128)
+                       for k in (32, 64) for w in (4,) for s in (2, 3, 4)]
+            sweeps[f"{rows_name} {layer}"] = {
+                c: time_graph_us(lambda c=c: launch(x, weight, config=c), args.repeats, 20)
+                for c in configs}
+    for name, times in sweeps.items():
+        best = sorted(times, key=times.get)[:5]
+        print(f"{name}: " + ", ".join(f"{c} {times[c]:.1f}" for c in best), flush=True)
+
+
+if __name__ == "__main__":
+    main()
