@@ -3,6 +3,7 @@
 #   bash benchmarks/h200_perf.sh torch    # 135M float32 / bfloat16, Llama-3.1-8B shape
 #   bash benchmarks/h200_perf.sh big      # Qwen2.5-7B shape
 #   bash benchmarks/h200_perf.sh tests    # the GPU tests (run these first on new code)
+#   python3 benchmarks/bench_fp32_linear.py [--sweep]      # float32 linears: cuBLAS vs 3xTF32
 #   bash benchmarks/h200_perf.sh vllm W   # vLLM 0.26 forcing vs greedy; W = the assembled
 #       bundle of ../shared/tools/vllm-h200 (carry .vllm-bundle/p0..p3 into W in four calls
 #       back to back, the machine idles out after 30 s; then `bash W/p3/assemble.sh W`)
@@ -15,12 +16,15 @@ bench() { name=$1; shift; timeout "$LIMIT" python3 benchmarks/bench_replay.py --
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 case $1 in
 torch)
-  LIMIT=200 bench smol_fp32 --shape smollm2-135m --dtype float32 --batch 64 --k 8 --fidelity --profile
+  LIMIT=200 bench smol_fp32 --shape smollm2-135m --dtype float32 --batch 64 --k 8 --fidelity --profile \
+    --backends static,static:ieee
   LIMIT=100 bench smol_bf16 --shape smollm2-135m --dtype bfloat16 --batch 256 --k 0 --skip-hf --profile
   LIMIT=240 bench llama8b --shape llama-3.1-8b --dtype bfloat16 --batch 1,16,64 --k 0 --repeats 2 --profile
   ;;
 fp32)
-  LIMIT=150 bench smol_fp32 --shape smollm2-135m --dtype float32 --batch 64 --k 8 --fidelity --profile
+  # the 3xTF32 tensor-core default beside float32 FMAs (cuBLAS), one run
+  LIMIT=200 bench smol_fp32 --shape smollm2-135m --dtype float32 --batch 64 --k 8 --fidelity --profile \
+    --backends static,static:ieee
   ;;
 big)
   LIMIT=150 bench qwen7b --shape qwen2.5-7b --dtype bfloat16 --batch 1,64 --k 0 --repeats 2
@@ -31,7 +35,7 @@ tests)
     tests/test_forced_graph.py tests/test_static_backend.py tests/test_scoring.py tests/test_kernels.py tests/test_state.py \
     -k "${TESTS:-.}" 2>&1 | grep -E "PASS|FAIL|Error|error|passed|failed" | tee "$out/gpu_tests.txt"
   # the kernels' and the state's CUDA cases are not gpu-marked (a device parameter instead)
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_top_k.py tests/test_kernels.py tests/test_state.py tests/test_cache_attention.py \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_top_k.py tests/test_kernels.py tests/test_state.py tests/test_cache_attention.py tests/test_fp32_linear.py \
     -k cuda 2>&1 | tail -5 | tee -a "$out/gpu_tests.txt"
   ;;
 vllm)

@@ -67,11 +67,11 @@ def scorer_for(device: torch.device | str):
         # internal choice, nothing a user can act on
         warnings.filterwarnings("ignore", message=r"\s*Online softmax is disabled")
         # One graph per row count, not one dynamic-shape graph: inductor shapes a reduction
-        # by the sizes it compiles for, and the dynamic graph, compiled at the first row
-        # count seen, ran float32 replays on an H200 at ~570 µs per 64 × 49,152 step in four
-        # runs of six (20 µs static). Row counts per run are few (the wave's rows, the last
-        # wave's, verify's rows × (k + 1), the prefill's chunks); each new one compiles in
-        # about a second.
+        # by the sizes it compiles for. The dynamic graph ran float32 replays on an H200 at
+        # ~570-640 µs per 64 × 49,152 step in four runs of six (6-20 µs in the others);
+        # compiled per row count, in none of the three runs since. Row counts are few (the
+        # wave's rows, the last wave's, verify's rows × (k + 1), the prefill's chunks);
+        # each new one compiles in about a second.
         compiled = torch.compile(score_with_top, dynamic=False, fullgraph=True)
 
         def score_cuda(logits: torch.Tensor, token_ids: torch.Tensor,
@@ -91,13 +91,11 @@ def top_from_logprob(reductions, logits: torch.Tensor, token_ids: torch.Tensor,
     top-k, the top-k logprobs taken from the token's: ``logprob + (logit_top - logit_token)``.
 
     One compiled graph then serves greedy (no top-k) and replay alike. A top token's
-    logprob differs from
-    ``log_softmax``'s by a float32 rounding or two at the size of the numbers involved
-    (about 2e-6 for logits and logprobs under 16 in magnitude), and equals ``logprob``
-    exactly where it is the scored token. (This was introduced when the ``[N, k]`` gather
+    logprob differs from ``log_softmax``'s by a float32 rounding or two at the size of the
+    numbers involved (about 2e-6 for logits and logprobs under 16 in magnitude), and equals
+    ``logprob`` exactly where it is the scored token. (Introduced when the ``[N, k]`` gather
     inside the graph looked like the cause of a ~600 µs fused reduction in float32 replays
-    on an H200; the reduction later appeared without it: the cause was the dynamic-shape
-    compile, see :func:`scorer_for`.)
+    on an H200; the reduction later appeared without it, see :func:`scorer_for`.)
     """
     scores = reductions(logits, token_ids, _top_ids(logits, token_ids, 0))
     if top_ids.shape[1] == 0:
