@@ -140,12 +140,14 @@ def profile_replay(engine, requests, device, prompts=None, new_tokens=0):
     ms, events = kernels(lambda: engine.run(requests))
     total = sum(getattr(e, key) for e in events) or 1
     sums.append(("replay", ms, total))
-    lines = [f"{engine.settings()['engine_path']}: one replay ({steps} steps + prefill) in "
-             f"{ms:.1f} ms under the profiler; kernels per step (device time):",
+    per = "trace token" if "verify" in engine.settings()["engine_path"] else "step"
+    lines = [f"{engine.settings()['engine_path']}: one replay ({steps} trace tokens + prefill) "
+             f"in {ms:.1f} ms under the profiler; kernels per {per} (device time):",
              "| kernel | µs/step | calls/step | share |", "|---|---:|---:|---:|"]
     for e in events[:25]:
         lines.append(f"| {e.key[:70]} | {getattr(e, key) / steps:.1f} | {e.count / steps:.1f} | "
                      f"{getattr(e, key) / total:.1%} |")
+    lines.append(f"(all kernels: {total / steps:.0f} µs per {per})")
     if len(sums) > 1:
         lines += ["", "Kernel time against wall time under the profiler, per step:",
                   "| path | kernels µs/step | wall µs/step | kernels / wall |",
@@ -295,6 +297,9 @@ def run_batch(lm, args, batch, device):
         syncs[label] = count_syncs(engine, requests, device)
         if args.profile:
             profiles.append(profile_replay(engine, requests, device, prompts, args.new_tokens))
+            if args.k:  # the verify forward: where its time goes against k + 1 single steps
+                profiles.append(profile_replay(engines[f"verify(trace, k={args.k})"], requests,
+                                               device))
         del engine, engines
     if args.shape == "embedded":
         prefill = make_engine("prefill", lm, batch_size=batch)

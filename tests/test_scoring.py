@@ -93,6 +93,7 @@ def test_top_k_comes_from_the_logits_in_order(logits):
 def test_cpu_scorer_is_score_tokens():
     """CPU engines score with the eager function itself (no compile at start-up)."""
     assert scorer_for("cpu") is score_tokens
+    assert scorer_for("cpu", rows="dynamic") is score_tokens
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -115,12 +116,14 @@ def test_top_from_logprob_agrees_with_score_tokens(logits, dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_scorer_agrees_with_score_tokens(dtype):
-    """The CUDA scorer (top-k kernel + compiled reductions) gives score_tokens' numbers."""
+@pytest.mark.parametrize("rows", ["static", "dynamic"])
+def test_cuda_scorer_agrees_with_score_tokens(dtype, rows):
+    """The CUDA scorer (top-k kernel + compiled reductions, one graph per row count or one
+    for all) gives score_tokens' numbers."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(37, 49152, generator=gen, device="cuda") * 3).to(dtype)
     tokens = torch.randint(0, 49152, (37,), generator=gen, device="cuda")
-    want, got = score_tokens(x, tokens, 5), scorer_for("cuda")(x, tokens, 5)
+    want, got = score_tokens(x, tokens, 5), scorer_for("cuda", rows=rows)(x, tokens, 5)
     torch.testing.assert_close(got.logprob, want.logprob, atol=1e-5, rtol=0)
     torch.testing.assert_close(got.entropy, want.entropy, atol=1e-4, rtol=0)
     torch.testing.assert_close(got.top_logprobs, want.top_logprobs, atol=1e-5, rtol=0)

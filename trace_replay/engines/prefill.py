@@ -128,8 +128,9 @@ class PrefillEngine(EngineBase):
             logits = self.lm(input_ids=input_ids, attention_mask=mask, logits_to_keep=keep).logits
             scored, head = logits[rows_t, cols_t - first], None
         self._forwards += 1
-        host = collect_rows(self._score_in_chunks(scored, targets_t, head, scorer_for(device)),
-                            targets_t)
+        # chunks' row counts differ per batch: one dynamic-shape scoring graph for them all
+        score = scorer_for(device, rows="dynamic")
+        host = collect_rows(self._score_in_chunks(scored, targets_t, head, score), targets_t)
         bounds = np.cumsum([0] + [r.trace_len for r in batch])
         return split_results(batch, host, [np.arange(a, b) for a, b in zip(bounds, bounds[1:])])
 

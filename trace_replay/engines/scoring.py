@@ -46,7 +46,7 @@ def score_with_top(logits: torch.Tensor, token_ids: torch.Tensor,
                        top_logprobs=logprobs.gather(1, top_ids), entropy=entropy)
 
 
-def scorer_for(device: torch.device | str):
+def scorer_for(device: torch.device | str, *, rows: str = "static"):
     """The scorer for ``device``: :func:`score_tokens`, or its fast form on CUDA.
 
     Eager, a score is a dozen passes over a float32 copy of the ``[N, V]`` logits (cast,
@@ -56,23 +56,26 @@ def scorer_for(device: torch.device | str):
     :func:`top_from_logprob` for the top-k logprobs). Same rule, same dtype; the fused
     reductions may round differently in the last bits (tests compare within tolerance).
     CPU keeps the eager function: compiling there costs seconds of start-up for little gain.
+
+    ``rows`` (CUDA): ``"static"`` compiles one graph per row count — for decode loops,
+    whose few row counts (a wave's rows, the last wave's, verify's rows × (k + 1)) each
+    repeat for every step; ``"dynamic"``, one graph for all — for the prefill engine,
+    whose last chunk of each batch has a row count of its own. Inductor shapes a
+    reduction by the sizes it compiles for: the dynamic graph ran float32 decode replays
+    on an H200 at ~570-640 µs per 64 × 49,152 step in four runs of six (6-20 µs in the
+    others); compiled per row count, in none of the runs since.
     """
+    if rows not in ("static", "dynamic"):
+        raise ValueError(f"rows={rows!r}; choose 'static' or 'dynamic'")
     if torch.device(device).type != "cuda":
         return score_tokens
-    global _CUDA_SCORER
-    if _CUDA_SCORER is None:
+    if rows not in _CUDA_SCORERS:
         from trace_replay.kernels.top_k import MAX_TOP_K, top_k_indices
 
         # inductor says so at each compile when it splits the vocabulary reduction: an
         # internal choice, nothing a user can act on
         warnings.filterwarnings("ignore", message=r"\s*Online softmax is disabled")
-        # One graph per row count, not one dynamic-shape graph: inductor shapes a reduction
-        # by the sizes it compiles for. The dynamic graph ran float32 replays on an H200 at
-        # ~570-640 µs per 64 × 49,152 step in four runs of six (6-20 µs in the others);
-        # compiled per row count, in none of the three runs since. Row counts are few (the
-        # wave's rows, the last wave's, verify's rows × (k + 1), the prefill's chunks);
-        # each new one compiles in about a second.
-        compiled = torch.compile(score_with_top, dynamic=False, fullgraph=True)
+        compiled = torch.compile(score_with_top, dynamic=rows == "dynamic", fullgraph=True)
 
         def score_cuda(logits: torch.Tensor, token_ids: torch.Tensor,
                        top_k: int) -> TokenScores:
@@ -81,8 +84,8 @@ def scorer_for(device: torch.device | str):
                                     _top_ids(logits, token_ids, top_k,
                                              top_k_indices if kernel else None))
 
-        _CUDA_SCORER = score_cuda
-    return _CUDA_SCORER
+        _CUDA_SCORERS[rows] = score_cuda
+    return _CUDA_SCORERS[rows]
 
 
 def top_from_logprob(reductions, logits: torch.Tensor, token_ids: torch.Tensor,
@@ -105,7 +108,7 @@ def top_from_logprob(reductions, logits: torch.Tensor, token_ids: torch.Tensor,
     return scores._replace(top_token_ids=top_ids, top_logprobs=top)
 
 
-_CUDA_SCORER = None
+_CUDA_SCORERS: dict = {}  # rows -> the CUDA scorer
 
 
 def _top_ids(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int,

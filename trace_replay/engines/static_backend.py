@@ -12,7 +12,9 @@ On CUDA a decode step is captured once per (rows, cache length, tokens per row) 
 graph and replayed: no host synchronization in ``decode`` or ``keep``. Inside the capture the
 decoder layers run compiled by ``torch.compile`` — one compiled region that all layers of a
 kind share (the layers differ only in their weights), so start-up compiles one layer per
-shape rather than the whole model. On CPU everything runs eagerly.
+shape rather than the whole model. A float32 model's view multiplies on tensor cores with
+the 3xTF32 split (``float32_matmul``; its linear layers become
+:class:`_TensorCoreLinear` in the view). On CPU everything runs eagerly.
 """
 
 from __future__ import annotations

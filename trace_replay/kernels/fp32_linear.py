@@ -2,17 +2,19 @@
 
 A float32 GEMM without tensor cores ran at ~10% of the H200's float32 peak at the small row
 counts of decode (64 rows × 576 columns: cuBLAS's SIMT and split-K kernels), and was 70% of
-a float32 SmolLM2 replay step. TF32 tensor cores keep only 10 mantissa bits of each input,
-which moves logprobs by ~1e-3 — the size of the effects a float32 replay is there to
-measure. The 3xTF32 split keeps both: each input is ``big + small`` with ``big`` its TF32
-rounding and ``small`` the (TF32-rounded) rest, and ``x @ w`` is taken as
-``big·big + big·small + small·big`` on tensor cores, accumulated in float32; only
-``small·small`` (below 2^-22 relative) is left out. Triton does the split inside ``tl.dot``
+a float32 SmolLM2 replay step. TF32 tensor cores keep only 10 mantissa bits of each input
+(3e-4 relative error per output there, against 2e-7 to 1e-6 for float32): errors of the
+size a float32 replay is there to measure against. The 3xTF32 split keeps both speed and
+accuracy: each input is ``big + small``, ``big`` its TF32 rounding and ``small`` the
+(TF32-rounded) rest, and ``x @ w`` is taken as ``big·big + big·small + small·big`` on
+tensor cores, accumulated in float32; what is lost (``small·small`` and the rounding of
+``small``) is ~2^-22 relative. Triton does the split inside ``tl.dot``
 (``input_precision="tf32x3"``).
 
 The result is not cuBLAS's float32 result bit for bit (no two GEMM kernels agree in the last
-bits: their reduction orders differ), but it is as close to the float64 product as cuBLAS's
-is; ``tests/test_fp32_linear.py`` checks both against float64.
+bits: their reduction orders differ), but it is as close to the float64 product:
+``benchmarks/bench_fp32_linear.py`` measures both, ``tests/test_fp32_linear.py`` holds the
+kernel to float32 rounding.
 """
 
 # No `from __future__ import annotations`: Triton's interpreter must see `tl.constexpr`
