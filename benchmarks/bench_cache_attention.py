@@ -14,10 +14,8 @@ calls) for SDPA, the kernel as the launcher runs it, and with ``--sweep`` every
 
 from __future__ import annotations
 
-import argparse
-
 import torch
-from bench_kernels import time_graph_us
+from bench_kernels import per_call_arguments, time_graph_us
 
 from trace_replay.kernels.cache_attention import (
     cache_attention,
@@ -48,13 +46,9 @@ def inputs(rows, kv_heads, groups, q, dim, dtype, gen):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--sweep", action="store_true")
-    args = parser.parse_args()
+    args = per_call_arguments(__doc__)
+    print(f" · {LENGTH}-slot cache\n")
     gen = torch.Generator().manual_seed(0)
-    print(f"{torch.cuda.get_device_name()} · torch {torch.__version__} · µs per call in a "
-          f"CUDA graph, median of {args.repeats} · {LENGTH}-slot cache\n")
     print("| shape | SDPA | kernel | SDPA / kernel | max |Δ| |")
     print("|---|---:|---:|---:|---:|")
     sweeps = {}

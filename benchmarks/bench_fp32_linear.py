@@ -13,12 +13,11 @@ block configuration of the kernel.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 
 import torch
 import torch.nn.functional as F
-from bench_kernels import time_graph_us
+from bench_kernels import per_call_arguments, time_graph_us
 
 from trace_replay.kernels.fp32_linear import blocks, fp32_linear, launch
 
@@ -33,13 +32,9 @@ def relative_error(out: torch.Tensor, exact: torch.Tensor) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--sweep", action="store_true")
-    args = parser.parse_args()
+    args = per_call_arguments(__doc__)
+    print("; error: max |Δ| from float64 / max |out|\n")
     gen = torch.Generator().manual_seed(0)
-    print(f"{torch.cuda.get_device_name()} · torch {torch.__version__} · µs per call in a "
-          f"CUDA graph, median of {args.repeats}; error: max |Δ| from float64 / max |out|\n")
     print("| rows | layer (K → N) | cuBLAS fp32 | cuBLAS TF32 | kernel 3xTF32 | cuBLAS / kernel "
           "| error cuBLAS fp32 | error TF32 | error kernel | kernel blocks |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")

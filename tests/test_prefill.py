@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+
+import numpy as np
 import pytest
+import torch
 
 from trace_replay.engines import make_engine
 from trace_replay.replay import replay
@@ -44,3 +48,19 @@ def test_deterministic_scoring_runs_in_bounded_chunks_with_the_same_bits(
     block = engine.backend.model.blocks.score
     assert max(rows_seen) == block and len(rows_seen) == -(-len(chunked) // block)
     assert_frames_bitwise_equal(chunked, whole)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_chunks_of_every_size_score_as_on_cpu(tiny_llama, tiny_requests):
+    """On CUDA the prefill engine's chunks — full ones and each batch's shorter last one —
+    share one dynamic-shape scoring graph and give the CPU engine's scores."""
+    cpu = make_engine("prefill", tiny_llama, batch_size=2, top_k=3)
+    gpu = make_engine("prefill", copy.deepcopy(tiny_llama).to("cuda"), batch_size=2, top_k=3)
+    vocab = tiny_llama.config.vocab_size
+    cpu.score_chunk_bytes = gpu.score_chunk_bytes = 3 * vocab * 20  # 3 positions a chunk
+    for ours, theirs in zip(gpu.run(tiny_requests), cpu.run(tiny_requests)):
+        np.testing.assert_array_equal(ours.token_ids, theirs.token_ids)
+        np.testing.assert_allclose(ours.logprob, theirs.logprob, atol=1e-4)
+        np.testing.assert_allclose(ours.top_logprobs, theirs.top_logprobs, atol=1e-4)
+        np.testing.assert_allclose(ours.entropy, theirs.entropy, atol=1e-4)
