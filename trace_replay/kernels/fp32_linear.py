@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from trace_replay._triton import tl, triton, use_triton
 
-__all__ = ["fp32_linear", "fp32_linear_reference", "launch"]
+__all__ = ["blocks", "fp32_linear", "fp32_linear_reference", "launch"]
 
 
 @triton.jit
@@ -41,7 +41,7 @@ def _fp32_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr,  # of the float32 dots: "tf32x3" (the launcher's)
 ):
     # N tiles vary fastest: programs running together share the x tile and stream weights
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
@@ -84,8 +84,8 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor,
     Returns
     -------
     torch.Tensor
-        ``[..., N]`` float32, within float32 rounding of the float64 product (the products
-        ``small·small`` of the split, below 2^-22 relative, are left out).
+        ``[..., N]`` float32, within float32 rounding of the float64 product (what the
+        split leaves out is ~2^-22 relative).
 
     Examples
     --------
@@ -139,14 +139,14 @@ def blocks(rows: int, cols: int, depth: int) -> tuple[int, int, int, int, int]:
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           config: tuple[int, int, int, int, int] | None = None,
-           precision: str = "tf32x3") -> torch.Tensor:
+           config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """Run the kernel on ``x`` ``[M, K]`` (no fallback); ``config`` overrides :func:`blocks`
-    and ``precision`` the dot's input precision (``benchmarks/bench_fp32_linear.py``)."""
+    (``benchmarks/bench_fp32_linear.py --sweep``)."""
     rows, depth = x.shape
     cols = weight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
     out = torch.empty((rows, cols), dtype=torch.float32, device=x.device)
     block_m, block_n, block_k, warps, stages = config or blocks(rows, cols, depth)
     grid = (triton.cdiv(cols, block_n), triton.cdiv(rows, block_m))
@@ -154,6 +154,6 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x, x.stride(0), weight, weight.stride(0), bias if bias is not None else x, out,
         rows, cols, depth,
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRECISION=precision, num_warps=warps, num_stages=stages,
+        PRECISION="tf32x3", num_warps=warps, num_stages=stages,
     )
     return out
