@@ -8,7 +8,7 @@ scale only: it is not accurate enough), and ``kernels.fp32_linear``; and each on
 error against the float64 product, relative to the largest |output|. ``--sweep`` times every
 block configuration of the kernel.
 
-    python benchmarks/bench_fp32_linear.py [--sweep]
+    python benchmarks/bench_fp32_linear.py [--sweep] [--rows decode|verify|prefill]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from bench_kernels import per_call_arguments, time_graph_us
 
+from trace_replay._triton import triton
 from trace_replay.kernels.fp32_linear import blocks, fp32_linear, launch
 
 HIDDEN, INTERMEDIATE, KV, VOCAB = 576, 1536, 192, 49152  # SmolLM2-135M
@@ -27,19 +28,29 @@ LAYERS = {"q/o": (HIDDEN, HIDDEN), "k/v": (HIDDEN, KV), "gate/up": (HIDDEN, INTE
 ROWS = {"decode b64": 64, "verify b64 k=8": 576, "prefill b64×16": 1024}
 
 
+def time_or_inf(fn, repeats: int) -> float:
+    """µs per call, or infinity for a configuration the GPU cannot run (shared memory)."""
+    try:
+        return time_graph_us(fn, repeats, 20)
+    except triton.runtime.errors.OutOfResources:
+        return float("inf")
+
+
 def relative_error(out: torch.Tensor, exact: torch.Tensor) -> float:
     return ((out.double() - exact).abs().max() / exact.abs().max()).item()
 
 
 def main() -> None:
-    args = per_call_arguments(__doc__)
+    args = per_call_arguments(__doc__, lambda parser: parser.add_argument(
+        "--rows", choices=[name.split()[0] for name in ROWS], help="one row set only"))
     print("; error: max |Δ| from float64 / max |out|\n")
     gen = torch.Generator().manual_seed(0)
     print("| rows | layer (K → N) | cuBLAS fp32 | cuBLAS TF32 | kernel 3xTF32 | cuBLAS / kernel "
           "| error cuBLAS fp32 | error TF32 | error kernel | kernel blocks |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     sweeps = {}
-    for (rows_name, rows), (layer, (depth, cols)) in itertools.product(ROWS.items(),
+    row_sets = {name: n for name, n in ROWS.items() if args.rows in (None, name.split()[0])}
+    for (rows_name, rows), (layer, (depth, cols)) in itertools.product(row_sets.items(),
                                                                         LAYERS.items()):
         x = torch.randn(rows, depth, generator=gen).cuda()
         weight = (torch.randn(cols, depth, generator=gen) * depth**-0.5).cuda()
@@ -57,9 +68,9 @@ def main() -> None:
               f"| {errors[2]:.1e} | {blocks(rows, cols, depth)} |", flush=True)
         if args.sweep:
             configs = [(m, n, k, w, s) for m in (16, 32, 64) for n in (32, 64, 128)
-                       for k in (32, 64) for w in (4,) for s in (2, 3, 4)]
+                       for k in (32, 64, 128) for w in (4,) for s in (2, 3, 4)]
             sweeps[f"{rows_name} {layer}"] = {
-                c: time_graph_us(lambda c=c: launch(x, weight, config=c), args.repeats, 20)
+                c: time_or_inf(lambda c=c: launch(x, weight, config=c), args.repeats)
                 for c in configs}
     for name, times in sweeps.items():
         best = sorted(times, key=times.get)[:5]

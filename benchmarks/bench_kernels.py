@@ -220,12 +220,15 @@ def time_graph_us(fn, repeats, launches):
     return statistics.median(samples)
 
 
-def per_call_arguments(doc: str) -> argparse.Namespace:
-    """``--repeats`` and ``--sweep`` of the per-call benchmarks timed by :func:`time_graph_us`
-    (``bench_cache_attention.py``, ``bench_fp32_linear.py``); prints their title line."""
+def per_call_arguments(doc: str, configure=None) -> argparse.Namespace:
+    """``--repeats`` and ``--sweep`` (and what ``configure(parser)`` adds) of the per-call
+    benchmarks timed by :func:`time_graph_us` (``bench_cache_attention.py``,
+    ``bench_fp32_linear.py``); prints their title line."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--sweep", action="store_true")
+    if configure is not None:
+        configure(parser)
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()} · torch {torch.__version__} · µs per call in a "
           f"CUDA graph, median of {args.repeats}", end="")

@@ -135,7 +135,9 @@ def blocks(rows: int, cols: int, depth: int) -> tuple[int, int, int, int, int]:
         block_n = 128 if rows > 64 else 64
     else:
         block_n = 64 if rows > 64 and cols >= 1536 and depth < 1024 else 32
-    return block_m, block_n, 32 if wide else 64, 4, 3
+    # deep and few rows (the down projection at decode): fewer serial steps, 14.9 -> 13.8 µs
+    block_k = 32 if wide else 128 if depth >= 1024 and block_m == 16 else 64
+    return block_m, block_n, block_k, 4, 3
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
