@@ -6,7 +6,8 @@ the decode shapes the performance issue names (SmolLM2-135M's 3 kv heads of 64 w
 query heads each; Llama-3.1-8B's 8 of 128 with 4 each), a 256-slot cache whose rows hold
 16-144 tokens (a 16-token prompt and a 128-token trace, part way), this prints device µs
 per call inside a CUDA graph (no launch cost; median of ``--repeats`` graphs of 20
-calls) for SDPA, the kernel as the launcher runs it, and with ``--sweep`` every
+calls) for SDPA, the kernel as the launcher runs it (float32 also with its products in
+the 3xTF32 split, as the static backend runs it), and with ``--sweep`` every
 (slots per block, warps), with the largest difference from SDPA's output.
 
     python benchmarks/bench_cache_attention.py [--sweep]
@@ -49,8 +50,8 @@ def main() -> None:
     args = per_call_arguments(__doc__)
     print(f" · {LENGTH}-slot cache\n")
     gen = torch.Generator().manual_seed(0)
-    print("| shape | SDPA | kernel | SDPA / kernel | max |Δ| |")
-    print("|---|---:|---:|---:|---:|")
+    print("| shape | SDPA | kernel | SDPA / kernel | max |Δ| | kernel 3xTF32 | max |Δ| 3xTF32 |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     sweeps = {}
     for name, (rows, kv_heads, groups, q, dim, dtype) in SHAPES.items():
         query, key, value, mask = inputs(rows, kv_heads, groups, q, dim, dtype, gen)
@@ -58,12 +59,18 @@ def main() -> None:
         expected = cache_attention_reference(query, key, value, mask, scale)
         sdpa = time_graph_us(lambda: cache_attention_reference(query, key, value, mask, scale),
                              args.repeats, 20)
-        kernel = time_graph_us(lambda: cache_attention(query, key, value, mask, scale),
-                               args.repeats, 20)
-        error = (cache_attention(query, key, value, mask, scale).float()
-                 - expected.float()).abs().max().item()
-        print(f"| {name} | {sdpa:.1f} | {kernel:.1f} | {sdpa / kernel:.2f} | {error:.1e} |",
-              flush=True)
+        cells = []
+        # float32 inputs: FMAs (the default) and the 3xTF32 split the static backend uses
+        for precision in ("ieee", "tf32x3") if dtype == torch.float32 else ("ieee",):
+            kernel = time_graph_us(lambda p=precision: cache_attention(
+                query, key, value, mask, scale, precision=p), args.repeats, 20)
+            error = (cache_attention(query, key, value, mask, scale, precision=precision)
+                     .float() - expected.float()).abs().max().item()
+            cells.append((kernel, error))
+        (kernel, error), tf32x3 = cells[0], cells[1:]
+        extra = f"{tf32x3[0][0]:.1f} | {tf32x3[0][1]:.1e}" if tf32x3 else "– | –"
+        print(f"| {name} | {sdpa:.1f} | {kernel:.1f} | {sdpa / kernel:.2f} | {error:.1e} | "
+              f"{extra} |", flush=True)
         if args.sweep:
             sweeps[name] = {(n, w): time_graph_us(lambda: launch(query, key, value, mask, scale,
                                                                  block_n=n, num_warps=w),
