@@ -25,6 +25,17 @@ matplotlib.use("Agg")  # tests draw into files and buffers; no window is ever op
 torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="session", params=[
+    "cpu",
+    pytest.param("cuda",
+                 marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
+])
+def device(request) -> str:
+    """Where a kernel or state test runs: CPU (Triton's interpreter, or the torch reference
+    without Triton) and, on a machine with one, CUDA (``-k cuda`` selects those)."""
+    return request.param
+
+
 @pytest.fixture(autouse=True)
 def _close_figures():
     """Close every matplotlib figure a test opened, so figures never pile up across tests."""

@@ -7,14 +7,6 @@ import torch
 from trace_replay._triton import use_triton
 from trace_replay.kernels.fp32_linear import blocks, fp32_linear, launch
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
-    ),
-]
-
 
 def error_from_float64(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                        bias: torch.Tensor | None) -> float:
@@ -22,7 +14,6 @@ def error_from_float64(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     return ((out.double() - exact).abs().max() / exact.abs().max()).item()
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows, depth, cols, bias", [
     (64, 576, 192, False),  # SmolLM2's k/v at a decode step of 64 rows
     (9, 100, 70, True),  # nothing a multiple of a block; Qwen2's q/k/v carry a bias

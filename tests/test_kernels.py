@@ -20,13 +20,6 @@ from trace_replay.kernels import (
     force_trace_logits_reference,
 )
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
-    ),
-]
 LAYOUTS = ["2d", "ragged"]
 TOKEN = st.integers(0, 3) | st.integers(0, 2**31 - 1)  # small ids make drafts agree often
 INT_DTYPES = st.sampled_from([torch.int32, torch.int64])
@@ -139,7 +132,6 @@ def test_kernels_import_and_fall_back_without_triton():
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @SETTINGS
 @given(case=replay_cases())
@@ -170,7 +162,6 @@ def test_apply_trace_tokens_matches_reference_and_oracle(device, layout, case):
     assert wide[:, 0].tolist() == [100 + 2 * b for b in range(batch)]
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @SETTINGS
@@ -237,7 +228,6 @@ def verified_cases(draw):
     return case
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @SETTINGS
 @given(case=verified_cases())
@@ -296,7 +286,6 @@ def run_verified(device, layout, trace, step, drafts_after_committed, k):
     return sampled[0].tolist(), int(num_sampled[0])
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_verified_all_drafts_accepted(device, layout):
     """Drafts equal to the trace are all accepted: k + 1 trace tokens are emitted."""
@@ -304,7 +293,6 @@ def test_verified_all_drafts_accepted(device, layout):
     assert (row, count) == ([11, 12, 13, 14], 4)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_verified_first_draft_rejected(device, layout):
     """A first draft off the trace is rejected: exactly one (trace) token is emitted."""
@@ -312,7 +300,6 @@ def test_verified_first_draft_rejected(device, layout):
     assert (row[:count], count) == ([11], 1)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_verified_trace_ends_inside_row(device, layout):
     """Accepted drafts never run past the trace: the row stops at its last trace token."""
@@ -320,7 +307,6 @@ def test_verified_trace_ends_inside_row(device, layout):
     assert (row[:count], count) == ([11, 12], 2)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_verified_last_logits_row_checks_no_draft(device, layout):
     """A request with n logits rows emits at most n tokens, even when the slot after its
@@ -340,7 +326,6 @@ def test_verified_last_logits_row_checks_no_draft(device, layout):
     assert sampled[1, :1].tolist() == [20]
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("step", [-1, 3, 4])
 def test_verified_step_outside_trace_leaves_row(device, layout, step):
@@ -349,7 +334,6 @@ def test_verified_step_outside_trace_leaves_row(device, layout, step):
     assert (row, count) == ([-1, -1, -1, -1], 0)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_empty_batch_is_a_no_op(device):
     """A batch with no rows launches nothing and raises nothing."""
     empty = torch.empty(0, dtype=torch.int32, device=device)
@@ -362,7 +346,6 @@ def test_empty_batch_is_a_no_op(device):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_force_trace_logits_empty_batch_is_a_no_op(device):
     """No rows: nothing launched, lengths untouched even with ``advance``."""
     lens = int32([4, 4], device)

@@ -8,19 +8,7 @@ from hypothesis import strategies as st
 import trace_replay.state as state_module
 from trace_replay.state import RequestState, TraceReplayState
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
-    ),
-]
 NOT_REPLAYED = -7
-
-
-@pytest.fixture(params=DEVICES)
-def device(request):
-    return request.param
 
 
 def make_state(device, max_num_reqs=8, min_capacity=4):
@@ -243,7 +231,6 @@ OPS = st.lists(
 )
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=50, deadline=None)
 @given(ops=OPS)
 def test_state_matches_a_dict_model(device, ops):

@@ -6,8 +6,9 @@ reductions, the next tokens and positions, each with its host dispatch and a gap
 GPU. When the backend's ``decode`` returns the same static logits tensor every step
 (:attr:`StaticCacheBackend.static_logits`), that work is captured once and replayed: one
 launch per step. (On an H200 at bf16 batch 256, replay / greedy was 0.95 in the run before
-it and in the run with it; see benchmarks/RESULTS.md.) Each step's scores land in row ``i`` of buffers held for the wave (a
-device counter picks the row), so nothing is overwritten and nothing is read back.
+it and in the run with it; see benchmarks/RESULTS.md.) Each step's scores land in row ``i``
+of buffers held for the wave (a device counter picks the row), so nothing is overwritten
+and nothing is read back.
 
 Every tensor address and host-side choice the capture saw is part of its key (the logits,
 the slot and trace-length tensors, the rows, the top-k, the scorer, whether any trace is

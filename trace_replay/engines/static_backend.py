@@ -29,13 +29,19 @@ from trace_replay.engines.captured_step import StepGraph, capture_step
 from trace_replay.engines.static_cache import ATTENTION, StaticKVCache, register_attention
 from trace_replay.kernels.fp32_linear import fp32_linear
 
-__all__ = ["StaticCacheBackend", "supports"]
+__all__ = ["FLOAT32_MATMUL", "StaticCacheBackend", "check_float32_matmul", "supports"]
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 FLOAT32_MATMUL = ("3xtf32", "ieee")
 # these rope types recompute inv_freq from the positions seen (data-dependent, host-synced)
 _DYNAMIC_ROPE = ("dynamic", "longrope")
+
+
+def check_float32_matmul(value: str) -> None:
+    """Refuse a ``float32_matmul`` that is not one of :data:`FLOAT32_MATMUL`."""
+    if value not in FLOAT32_MATMUL:
+        raise ValueError(f"float32_matmul={value!r}; choose one of {', '.join(FLOAT32_MATMUL)}")
 
 
 def supports(lm) -> bool:
@@ -199,9 +205,7 @@ class StaticCacheBackend:
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs needs the model on a CUDA device")
-        if float32_matmul not in FLOAT32_MATMUL:
-            raise ValueError(f"float32_matmul={float32_matmul!r}; choose one of "
-                             f"{', '.join(FLOAT32_MATMUL)}")
+        check_float32_matmul(float32_matmul)
         register_attention()
         self.lm = lm
         self.pad_id = pad_id

@@ -19,7 +19,6 @@ capturable in a CUDA graph and compiles once per shape.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from trace_replay.kernels.cache_attention import (MAX_QUERY_ROWS, cache_attention,
                                                   cache_attention_reference, grouped_mask)

@@ -28,7 +28,11 @@ from trace_replay.engines.hf_backend import HFBackend
 from trace_replay.engines.results import wave_results
 from trace_replay.engines.scoring import scorer_for
 from trace_replay.engines.slots import SlotTable, waves
-from trace_replay.engines.static_backend import FLOAT32_MATMUL, StaticCacheBackend, supports
+from trace_replay.engines.static_backend import (
+    StaticCacheBackend,
+    check_float32_matmul,
+    supports,
+)
 from trace_replay.engines.threads import engine_threads, intra_op_threads
 from trace_replay.engines.verify import verify_steps
 from trace_replay.models import model_for_engine
@@ -68,6 +72,7 @@ class TorchEngine(EngineBase):
         if backend not in BACKENDS:
             raise ValueError(f"unknown torch engine backend {backend!r}; choose one of "
                              f"{', '.join(BACKENDS)}")
+        check_float32_matmul(float32_matmul)  # before the model loads, whichever backend runs
         self.speculative = parse_speculative(speculative)
         self.lm, self.model_label, self.tokenizer_source = model_for_engine(
             config.model, dtype=config.dtype, device=config.device)
@@ -82,9 +87,6 @@ class TorchEngine(EngineBase):
         self.max_model_len = getattr(self.lm.config, "max_position_embeddings", None)
         pad = self.lm.config.pad_token_id
         self.pad_id = 0 if pad is None else int(pad)
-        if float32_matmul not in FLOAT32_MATMUL:
-            raise ValueError(f"float32_matmul={float32_matmul!r}; choose one of "
-                             f"{', '.join(FLOAT32_MATMUL)}")
         self.float32_matmul = float32_matmul
         self.backend = self._make_backend(backend)
         self.score = self.backend.score if self.deterministic else scorer_for(weight.device)
