@@ -19,7 +19,12 @@ when every weight and every row's keys and values are read once per step at
 synchronizations of one full replay are counted and the start-up cost of compiling and
 capturing is printed; ``--profile`` adds, per backend, a torch.profiler table of one
 replay's kernels per decode step; ``--fidelity`` compares every replay's logprobs with a
-float64 teacher-forced forward of the same model.
+float64 teacher-forced forward of the same model; ``--host-profile`` prints a cProfile of one
+run per engine.
+
+The paths run interleaved, one run each per round (``--repeats`` rounds), and every ratio
+is the median over rounds of the ratio within a round, with its range: on the H200 a path
+moved by up to 20% between runs minutes apart, more than the effects measured here.
 
 ``--shape`` replaces the embedded model by random weights of a published shape
 (``smollm2-135m``, ``llama-3.1-8b``, ``qwen2.5-7b``; see ``shapes.py``) and the prompts by
@@ -61,16 +66,52 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def timed(fn, device, repeats):
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def timed_rounds(fns, device, repeats):
+    """Seconds of each of ``fns`` per round, ``repeats`` rounds, the paths interleaved.
+
+    Every path runs once per round (the order rotating from round to round), so a drift of
+    the machine — clocks, another tenant, the allocator — lands on all paths alike and the
+    ratio of two paths within a round is what the tables report (median over rounds).
+    """
+    for fn in fns:
+        fn()  # warm-up: compiles and captures
+    times = [[] for _ in fns]
+    for round_ in range(repeats):
+        order = list(range(len(fns)))
+        order = order[round_ % len(fns):] + order[: round_ % len(fns)]
+        for i in order:
+            _sync(device)
+            start = time.perf_counter()
+            fns[i]()
+            _sync(device)
+            times[i].append(time.perf_counter() - start)
+    return times
+
+
+def paired(numerator, denominator):
+    """Median and range over rounds of ``numerator[r] / denominator[r]``."""
+    ratios = [a / b for a, b in zip(numerator, denominator)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
+def host_profile(run, label, top=14):
+    """cProfile of one ``run()`` (after the timed rounds): where the host's time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    run()
+    torch.cuda.synchronize()
+    profiler.disable()
+    wall = time.perf_counter() - start
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(top)
+    body = [line for line in text.getvalue().splitlines() if line.strip()][-top - 1:]
+    return "\n".join([f"{label}: host profile of one run ({wall * 1e3:.1f} ms wall under "
+                      "cProfile), top functions by cumulative time:", *body])
 
 
 def hf_generate_forcing(lm, prompts, traces, pad_id):
@@ -208,20 +249,25 @@ def main():
     parser.add_argument("--bandwidth", type=float, default=4.8e12, help="HBM bytes/s")
     parser.add_argument("--topk-chunk", type=int, default=None,
                         help="first-pass chunk of the top-k kernel (default: its CHUNK)")
+    parser.add_argument("--topk-group", type=int, default=None,
+                        help="chunks per first-pass program of the top-k kernel")
     parser.add_argument("--topk-warps", type=int, default=None,
                         help="warps of the top-k kernel's first pass (default: its NUM_WARPS)")
     parser.add_argument("--profile", action="store_true",
                         help="kernel table of one replay per backend")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="cProfile of one run per engine (CUDA): the host's share")
     parser.add_argument("--fidelity", action="store_true",
                         help="max |Δ logprob| of each replay against float64")
     args = parser.parse_args()
     device = torch.device(args.device)
-    if args.topk_chunk or args.topk_warps:  # tuning: module defaults read at each call
+    if args.topk_chunk or args.topk_group or args.topk_warps:  # module defaults, read per call
         from trace_replay.kernels import top_k
 
         top_k.CHUNK = args.topk_chunk or top_k.CHUNK
+        top_k.GROUP = args.topk_group or top_k.GROUP
         top_k.NUM_WARPS = args.topk_warps or top_k.NUM_WARPS
-        print(f"top-k kernel: chunk {top_k.CHUNK}, {top_k.NUM_WARPS} warps")
+        print(f"top-k kernel: chunk {top_k.CHUNK}, group {top_k.GROUP}, {top_k.NUM_WARPS} warps")
     if args.shape == "embedded":
         lm = load_model(dtype=args.dtype, device=device)
     else:
@@ -259,7 +305,7 @@ def run_batch(lm, args, batch, device):
                               args.new_tokens, args.bandwidth)
     reference = float64_logprobs(lm, requests) if args.fidelity else None
 
-    rows, notes = [], []
+    notes = []
     if first_compile is not None:
         from torch._dynamo.utils import counters
 
@@ -267,61 +313,76 @@ def run_batch(lm, args, batch, device):
                      f"{first_compile:.1f} s; dynamo graphs so far "
                      f"{counters['stats']['unique_graphs']}")
 
-    def add(name, fn, backend="–"):
-        seconds = timed(fn, device, args.repeats)
-        rows.append((name, backend, seconds, tokens / seconds))
-        print(f"  {name}: {seconds:.3f} s", flush=True)
-
+    paths = []  # (name, backend spec, fn)
     if not args.skip_hf:
-        add("hf-generate+forcing", hf_generate_forcing(lm, prompts, traces, 0))
-    profiles, syncs = [], {}
+        paths.append(("hf-generate+forcing", "–", hf_generate_forcing(lm, prompts, traces, 0)))
+    engines = {}  # backend spec -> {what: engine}
     for backend in backends:
         engine = make_engine("torch", lm, batch_size=batch, **engine_options(backend))
         label = f"torch[{engine.backend.name}]"
-        add(f"{label} greedy (no trace)", lambda e=engine: e.generate(
-            prompts, max_tokens=args.new_tokens), backend)
-        add(f"{label} replay", lambda e=engine: e.run(requests), backend)
-        engines = {"replay": engine}
+        engines[backend] = {"replay": engine}
+        paths.append((f"{label} greedy (no trace)", backend, lambda e=engine: e.generate(
+            prompts, max_tokens=args.new_tokens)))
+        paths.append((f"{label} replay", backend, lambda e=engine: e.run(requests)))
         if args.k:
             verify = make_engine("torch", lm, batch_size=batch, **engine_options(backend),
                                  speculative={"method": "trace", "num_tokens": args.k})
-            add(f"{label} verify(trace, k={args.k})", lambda e=verify: e.run(requests), backend)
-            engines[f"verify(trace, k={args.k})"] = verify
-        for what, e in engines.items():
+            engines[backend][f"verify(trace, k={args.k})"] = verify
+            paths.append((f"{label} verify(trace, k={args.k})", backend,
+                          lambda e=verify: e.run(requests)))
+    if args.shape == "embedded":
+        prefill = make_engine("prefill", lm, batch_size=batch)
+        paths.append(("prefill (teacher-forced)", "–", lambda: prefill.run(requests)))
+    times = timed_rounds([fn for _, _, fn in paths], device, args.repeats)
+    for (name, _, _), seconds in zip(paths, times):
+        print(f"  {name}: " + " ".join(f"{s:.3f}" for s in seconds) + " s", flush=True)
+
+    profiles, syncs = [], {}
+    for backend, of_backend in engines.items():
+        label = f"torch[{of_backend['replay'].backend.name}]"
+        for what, e in of_backend.items():
             if getattr(e.backend, "cuda_graphs", False):
                 notes.append(f"{label} {what}: compile + capture {e.backend.compile_seconds:.1f} s"
                              " at start-up")
             if reference is not None:
                 notes.append(f"{label} {what}: max |Δ logprob| vs float64 "
                              f"{max_abs_delta(e.run(requests), reference):.2e}")
+            if args.host_profile and device.type == "cuda":
+                profiles.append(host_profile(lambda e=e: e.run(requests), f"{label} {what}"))
+        engine = of_backend["replay"]
         syncs[label] = count_syncs(engine, requests, device)
         if args.profile:
             profiles.append(profile_replay(engine, requests, device, prompts, args.new_tokens))
             if args.k:  # the verify forward: where its time goes against k + 1 single steps
-                profiles.append(profile_replay(engines[f"verify(trace, k={args.k})"], requests,
-                                               device))
-        del engine, engines
-    if args.shape == "embedded":
-        prefill = make_engine("prefill", lm, batch_size=batch)
-        add("prefill (teacher-forced)", lambda: prefill.run(requests))
+                profiles.append(profile_replay(of_backend[f"verify(trace, k={args.k})"],
+                                               requests, device))
+    del engines
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
     print(f"\n{dt.date.today()} · {name or platform.machine()} · torch {torch.__version__} · "
           f"{args.shape} · {args.dtype} · batch {batch} · {args.new_tokens} trace tokens/row"
-          f" · median of {args.repeats} · HBM bound {bound * 1e3 / args.new_tokens:.2f} ms/step")
-    greedy_tps = {b: tps for name, b, _, tps in rows if "greedy" in name}
-    hf_tps = next((tps for name, _, _, tps in rows if name == "hf-generate+forcing"), None)
+          f" · {args.repeats} interleaved rounds · HBM bound {bound * 1e3 / args.new_tokens:.2f} ms/step")
+    by_name = {name: (backend, seconds) for (name, backend, _), seconds in zip(paths, times)}
+    greedy = {b: seconds for name, (b, seconds) in by_name.items() if "greedy" in name}
+    replay = {b: seconds for name, (b, seconds) in by_name.items() if name.endswith(" replay")}
+    hf = by_name.get("hf-generate+forcing", (None, None))[1]
+    print("\nRatios are medians over rounds of the ratio within a round (min–max over rounds).")
     print("\n| path | median s | ms/step | tokens/s | × hf-generate+forcing | "
           "× greedy (same backend) | HBM bound / time |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for name, backend, seconds, tps in rows:
-        vs_hf = f"{tps / hf_tps:.2f}" if hf_tps else "–"
-        vs_greedy = f"{tps / greedy_tps[backend]:.2f}" if backend in greedy_tps else "–"
+    for name, (backend, seconds) in by_name.items():
+        median = statistics.median(seconds)
+        vs_hf = _ratio(hf, seconds) if hf and name != "hf-generate+forcing" else "–"
+        if "verify" in name:  # against step-by-step replay, the verify target's ratio
+            vs_greedy = _ratio(greedy[backend], seconds)
+            vs_greedy += f"; × replay {_ratio(replay[backend], seconds)}"
+        else:
+            vs_greedy = _ratio(greedy[backend], seconds) if backend in greedy else "–"
         stepwise = "verify" not in name and "prefill" not in name
-        step_ms = f"{seconds * 1e3 / args.new_tokens:.2f}" if stepwise else "–"
-        of_bound = f"{bound / seconds:.0%}" if stepwise else "–"
-        print(f"| {name} | {seconds:.3f} | {step_ms} | {tps:,.0f} | {vs_hf} | {vs_greedy} | "
-              f"{of_bound} |")
+        step_ms = f"{median * 1e3 / args.new_tokens:.2f}" if stepwise else "–"
+        of_bound = f"{bound / median:.0%}" if stepwise else "–"
+        print(f"| {name} | {median:.3f} | {step_ms} | {tokens / median:,.0f} | {vs_hf} | "
+              f"{vs_greedy} | {of_bound} |")
     if device.type == "cuda":
         print("\nHost synchronizations in one full replay (CUDA sync debug mode): " +
               ", ".join(f"{label} {n}" for label, n in syncs.items()))
@@ -330,6 +391,12 @@ def run_batch(lm, args, batch, device):
     for table in profiles:
         print("\n" + table)
     print(flush=True)
+
+
+def _ratio(baseline, seconds):
+    """"median (min–max)" of ``baseline / seconds`` over rounds: × the baseline's speed."""
+    mid, low, high = paired(baseline, seconds)
+    return f"{mid:.2f} ({low:.2f}–{high:.2f})"
 
 
 if __name__ == "__main__":

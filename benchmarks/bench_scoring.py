@@ -14,7 +14,7 @@ of the decode shapes the performance issue names, per call (CUDA events, median 
   model-dtype logits, in two torch stages (top-k of each 1,024-wide chunk, then of the
   candidates), and the Triton kernel;
 * on CUDA, the Triton kernel's device time per call inside a CUDA graph (no launch cost)
-  for each first-pass chunk × warps, the best one named.
+  for each first-pass chunk × group × warps, the best one named.
 
 It also checks that the fast scorer agrees with the eager one (max |Δ logprob|; ranks and
 top-k logprobs equal — ids may differ among tied logits) and that every top-k variant
@@ -32,10 +32,12 @@ import torch
 from bench_kernels import time_eager_us, time_graph_us  # µs per call: eager, in a CUDA graph
 
 from trace_replay.engines.scoring import score_tokens, scorer_for
-from trace_replay.kernels.top_k import CHUNK, NUM_WARPS, top_k_indices
+from trace_replay.kernels.top_k import CHUNK, GROUP, NUM_WARPS, top_k_indices
 
-CHUNKS = (512, 1024, 2048, 4096)
-WARPS = (1, 2, 4, 8)
+CHUNKS = (128, 256, 512, 1024)
+GROUPS = (1, 4, 16)
+WARPS = (1, 4, 8)
+CONFIGS = [(c, g, w) for c in CHUNKS for g in GROUPS for w in WARPS]
 SHAPES = [  # (rows, vocabulary, dtype): the issue's 135M and 8B decode steps
     (64, 49152, torch.float32), (256, 49152, torch.bfloat16), (1, 128256, torch.bfloat16),
     (64, 128256, torch.bfloat16),
@@ -100,20 +102,20 @@ def main() -> None:
         print(f"| {rows} × {vocab} | {str(dtype)[6:]} | {cells} | {delta:.1e} | {same} |")
         if device.type == "cuda":
             sweep[f"{rows} × {vocab}"] = {
-                (c, w): time_graph_us(lambda c=c, w=w: top_k_indices(logits, k, chunk=c,
-                                                                     num_warps=w),
-                                      args.repeats, 20) for c in CHUNKS for w in WARPS}
+                config: time_graph_us(lambda c=config: top_k_indices(
+                    logits, k, chunk=c[0], group=c[1], num_warps=c[2]), args.repeats, 20)
+                for config in CONFIGS}
     if not sweep:
         return
-    configs = [(c, w) for c in CHUNKS for w in WARPS]
-    print(f"\nThe top-k kernel by first-pass chunk × warps: device µs per call inside a CUDA "
-          f"graph (default {CHUNK} × {NUM_WARPS}):\n")
-    print("| rows × vocab | " + " | ".join(f"{c}×{w}" for c, w in configs) + " | best |")
-    print("|---|" + "---:|" * len(configs) + "---|")
-    for shape, times in sweep.items():
-        best = min(times, key=times.get)
-        print(f"| {shape} | " + " | ".join(f"{times[cw]:.1f}" for cw in configs) +
-              f" | {best[0]}×{best[1]} |")
+    print(f"\nThe top-k kernel by first-pass chunk × group × warps: device µs per call inside "
+          f"a CUDA graph (default {CHUNK}×{GROUP}×{NUM_WARPS}):\n")
+    print("| chunk×group×warps | " + " | ".join(sweep) + " |")
+    print("|---|" + "---:|" * len(sweep))
+    for config in CONFIGS:
+        print(f"| {'×'.join(map(str, config))} | " +
+              " | ".join(f"{times[config]:.1f}" for times in sweep.values()) + " |")
+    print("| best | " + " | ".join("×".join(map(str, min(times, key=times.get)))
+                                   for times in sweep.values()) + " |")
 
 
 if __name__ == "__main__":

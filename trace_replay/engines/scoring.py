@@ -51,9 +51,9 @@ def scorer_for(device: torch.device | str, *, rows: str = "static"):
 
     Eager, a score is a dozen passes over a float32 copy of the ``[N, V]`` logits (cast,
     log-softmax, compare, exp, product, sums) plus ``torch.topk``'s radix select. On CUDA
-    the top-k comes from :func:`~trace_replay.kernels.top_k.top_k_indices` (the logits
-    read once) and the rest is compiled by inductor into a few fused reductions (see
-    :func:`top_from_logprob` for the top-k logprobs). Same rule, same dtype; the fused
+    the top-k and its logprobs come from :func:`~trace_replay.kernels.top_k.top_k_scores`
+    (the logits read once; two launches; their logprobs by :func:`top_from_logprob`'s
+    rule) and the rest is compiled by inductor into a few fused reductions. Same rule, same dtype; the fused
     reductions may round differently in the last bits (tests compare within tolerance).
     CPU keeps the eager function: compiling there costs seconds of start-up for little gain.
 
@@ -70,7 +70,7 @@ def scorer_for(device: torch.device | str, *, rows: str = "static"):
     if torch.device(device).type != "cuda":
         return score_tokens
     if rows not in _CUDA_SCORERS:
-        from trace_replay.kernels.top_k import MAX_TOP_K, top_k_indices
+        from trace_replay.kernels.top_k import MAX_TOP_K, top_k_scores
 
         # inductor says so at each compile when it splits the vocabulary reduction: an
         # internal choice, nothing a user can act on
@@ -79,10 +79,13 @@ def scorer_for(device: torch.device | str, *, rows: str = "static"):
 
         def score_cuda(logits: torch.Tensor, token_ids: torch.Tensor,
                        top_k: int) -> TokenScores:
-            kernel = top_k <= MAX_TOP_K and logits.stride(1) == 1
-            return top_from_logprob(compiled, logits, token_ids,
-                                    _top_ids(logits, token_ids, top_k,
-                                             top_k_indices if kernel else None))
+            if not 0 < top_k <= min(MAX_TOP_K, logits.shape[1]) or logits.stride(1) != 1:
+                return top_from_logprob(compiled, logits, token_ids,
+                                        _top_ids(logits, token_ids, top_k))
+            # the top-k kernel also writes the top logprobs, by top_from_logprob's rule
+            scores = compiled(logits, token_ids, _top_ids(logits, token_ids, 0))
+            ids, top = top_k_scores(logits, top_k, token_ids, scores.logprob)
+            return scores._replace(top_token_ids=ids, top_logprobs=top)
 
         _CUDA_SCORERS[rows] = score_cuda
     return _CUDA_SCORERS[rows]

@@ -1,11 +1,22 @@
-"""Indices of the ``k`` largest logits of each row, for small ``k``, in two passes.
+"""The ``k`` largest logits of each row, for small ``k``: one pass over the logits, then a
+look at the ``k`` chunks that can hold them.
 
 ``torch.topk`` on a ``[rows, vocab]`` tensor runs a radix select: several passes over the
-whole tensor (about 250 µs for 256 × 49,152 on an H200: the largest part of a replay
-step's scoring). For the few tokens a replay reports (``top_k`` ≤ 32), two small passes
-do: each program takes ``k`` maxima (one argmax each) of one ``BLOCK``-wide chunk of a row
-in registers, then one program per row takes ``k`` maxima of those candidates. The logits
-are read once.
+whole tensor (about 250 µs for 256 × 49,152 on an H200). A replay reports a few tokens
+(``top_k`` ≤ 32), and those few lie in few chunks of the vocabulary:
+
+1. one program per group of ``CHUNK``-wide chunks of a row writes each chunk's maximum (the
+   logits are read once, one reduction each);
+2. one program per row takes the ``k`` chunks with the largest maxima (ties: the lower
+   chunk) and picks the ``k`` largest logits among their ``k × CHUNK`` entries.
+
+Exact, not a heuristic: a logit among the ``k`` largest (ties going to the lower index) has
+at most ``k - 1`` logits ranked above it, while every chunk ranked above its own chunk
+holds a logit ranked above it (the chunk's first maximum), so its chunk is among the first
+``k``. The second program can also finish the scores: given the scored token and its
+logprob it writes the top-k logprobs (:func:`top_k_scores`), so a replay step's top-k costs
+two launches in all. (The kernel before this one took ``k`` argmax passes over every
+1,024-wide chunk: 34-47 µs per bf16 256 × 49,152 step on an H200.)
 """
 
 # No `from __future__ import annotations`: Triton's interpreter must see `tl.constexpr`
@@ -15,77 +26,126 @@ import torch
 
 from trace_replay._triton import tl, triton, use_triton
 
-__all__ = ["CHUNK", "NUM_WARPS", "MAX_TOP_K", "top_k_indices", "top_k_indices_reference"]
+__all__ = ["CHUNK", "GROUP", "NUM_WARPS", "MAX_TOP_K", "top_k_indices", "top_k_scores",
+           "top_k_indices_reference"]
 
 MAX_TOP_K = 32
-# first pass: logits per program, and its warps (``benchmarks/bench_scoring.py`` sweeps both)
-CHUNK = 1024
-NUM_WARPS = 1
+# first pass: logits per chunk, chunks per program, warps (``benchmarks/bench_scoring.py``
+# sweeps them); the second pass holds ``k × CHUNK`` entries per row
+CHUNK = 256
+GROUP = 4
+NUM_WARPS = 4
+_NONE = 2**31 - 1  # larger than any vocabulary index
 
 
 @triton.jit
 def _keys(values):
-    """Float32 sort keys: NaN and -inf become the lowest finite float, so -inf marks "taken"."""
-    values = values.to(tl.float32)
+    """Float32 sort keys: NaN and -inf become the lowest finite float, so -inf marks "taken"
+    (and "not there")."""
     return tl.where((values != values) | (values == float("-inf")), -3.4028234663852886e38,
                     values)
 
 
 @triton.jit
-def _take_k_largest(keys, positions, out_index_ptr, base, K: tl.constexpr):
-    """Store ``base`` + the positions of the ``K`` largest ``keys`` (ties: lowest position),
-    largest first.
-
-    One argmax per pick; a taken key becomes -inf, which no real key is (see ``_keys``).
-    """
-    for i in range(K):
-        pick = tl.argmax(keys, axis=0, tie_break_left=True)
-        tl.store(out_index_ptr + i, pick + base)
-        keys = tl.where(positions == pick, float("-inf"), keys)
-
-
-@triton.jit
-def _chunk_top_k_kernel(
+def _chunk_max_kernel(
     logits_ptr,  # [rows, vocab], any float dtype
     logits_stride,
     vocab,
-    cand_index_ptr,  # [rows, chunks * K] int32, written: vocabulary indices
-    K: tl.constexpr,
+    chunks,
+    chunk_max_ptr,  # [rows, chunks] float32, written: each chunk's largest key
     BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
-    row, chunk = tl.program_id(0), tl.program_id(1)
-    index = chunk * BLOCK + tl.arange(0, BLOCK)
-    keys = _keys(tl.load(logits_ptr + row * logits_stride + index, mask=index < vocab,
-                         other=float("nan")))
-    # past the vocabulary: -inf, never taken before every real entry is
-    keys = tl.where(index < vocab, keys, float("-inf"))
-    out = (row * tl.num_programs(1) + chunk) * K
-    _take_k_largest(keys, tl.arange(0, BLOCK), cand_index_ptr + out, chunk * BLOCK, K)
+    row, group = tl.program_id(0), tl.program_id(1)
+    chunk = group * GROUP + tl.arange(0, GROUP)
+    index = chunk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    inside = index < vocab
+    values = tl.load(logits_ptr + row * logits_stride + index, mask=inside, other=0.0)
+    keys = tl.where(inside, _keys(values.to(tl.float32)), float("-inf"))
+    tl.store(chunk_max_ptr + row * chunks + chunk, tl.max(keys, axis=1), mask=chunk < chunks)
 
 
 @triton.jit
-def _merge_top_k_kernel(
+def _pick_kernel(
     logits_ptr,
     logits_stride,
     vocab,
-    cand_index_ptr,  # [rows, width] int32: each chunk's K candidates
-    width,
-    out_index_ptr,  # [rows, K] int32, written: positions among the candidates
+    chunks,
+    chunk_max_ptr,  # [rows, chunks] float32
+    out_index_ptr,  # [rows, K] int64, written: vocabulary indices, largest first
+    token_ptr,  # [rows] int: the scored tokens (SCORES)
+    token_logprob_ptr,  # [rows] float32: their logprobs (SCORES)
+    out_logprob_ptr,  # [rows, K] float32, written: logprob + (top logit - token logit) (SCORES)
     K: tl.constexpr,
+    KP: tl.constexpr,  # K rounded up to a power of two
+    CHUNKS_P: tl.constexpr,  # chunks rounded up to a power of two
     BLOCK: tl.constexpr,
+    SCORES: tl.constexpr,
 ):
     row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    index = tl.load(cand_index_ptr + row * width + offs, mask=offs < width, other=0)
-    real = (offs < width) & (index < vocab)
-    keys = _keys(tl.load(logits_ptr + row * logits_stride + index, mask=real, other=float("nan")))
-    # candidates sit by chunk, each chunk's largest first: ties still go to the lower index
-    keys = tl.where(real, keys, float("-inf"))
-    _take_k_largest(keys, offs, out_index_ptr + row * K, 0, K)
+    at = tl.arange(0, CHUNKS_P)
+    maxima = tl.load(chunk_max_ptr + row * chunks + at, mask=at < chunks,
+                     other=float("-inf"))
+    slot = tl.arange(0, KP)
+    picked = tl.full((KP,), _NONE, tl.int32)
+    for i in range(K):  # the K chunks with the largest maxima, ties to the lower chunk
+        best = tl.max(maxima, axis=0)
+        chunk = tl.min(tl.where(maxima == best, at, _NONE), axis=0)
+        # past the real chunks (vocab < K chunks) the maxima left are -inf: nothing there
+        chunk = tl.where(best > float("-inf"), chunk, _NONE)
+        picked = tl.where(slot == i, chunk, picked)
+        maxima = tl.where(at == chunk, float("-inf"), maxima)
+    there = picked[:, None] != _NONE
+    index = tl.where(there, picked[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :], _NONE)
+    inside = index < vocab
+    base = logits_ptr + row * logits_stride
+    values = tl.load(base + index, mask=inside, other=0.0).to(tl.float32)
+    keys = tl.where(inside, _keys(values), float("-inf"))
+    if SCORES:
+        token_logit = tl.load(base + tl.load(token_ptr + row)).to(tl.float32)
+        token_logprob = tl.load(token_logprob_ptr + row)
+    for i in range(K):  # the K largest entries, ties to the lower index
+        best = tl.max(tl.max(keys, axis=1), axis=0)
+        pick = tl.min(tl.min(tl.where(keys == best, index, _NONE), axis=1), axis=0)
+        tl.store(out_index_ptr + row * K + i, pick.to(tl.int64))
+        if SCORES:
+            # the picked entry's own value (NaN stays NaN): a sum of it and zeros
+            value = tl.sum(tl.sum(tl.where(index == pick, values, 0.0), axis=1), axis=0)
+            tl.store(out_logprob_ptr + row * K + i, token_logprob + (value - token_logit))
+        keys = tl.where(index == pick, float("-inf"), keys)
+
+
+def _check(logits: torch.Tensor, k: int, chunk: int) -> None:
+    vocab = logits.shape[1]
+    if not 1 <= k <= min(vocab, MAX_TOP_K):
+        raise ValueError(f"k must be in 1..{min(vocab, MAX_TOP_K)}, got {k}")
+    if chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of two >= 16, got {chunk}")
+    if logits.stride(1) != 1:
+        raise ValueError("logits rows must be contiguous (last stride 1)")
+
+
+def _launch(logits, k, chunk, group, num_warps, token_ids=None, token_logprob=None):
+    rows, vocab = logits.shape
+    chunks = triton.cdiv(vocab, chunk)
+    chunk_max = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
+    _chunk_max_kernel[(rows, triton.cdiv(chunks, group))](
+        logits, logits.stride(0), vocab, chunks, chunk_max, BLOCK=chunk, GROUP=group,
+        num_warps=num_warps)
+    index = torch.empty((rows, k), dtype=torch.long, device=logits.device)
+    scores = token_ids is not None
+    top = torch.empty((rows, k), dtype=torch.float32, device=logits.device) if scores else index
+    _pick_kernel[(rows,)](
+        logits, logits.stride(0), vocab, chunks, chunk_max, index,
+        token_ids if scores else index, token_logprob if scores else chunk_max, top,
+        K=k, KP=max(2, triton.next_power_of_2(k)),
+        CHUNKS_P=max(16, triton.next_power_of_2(chunks)), BLOCK=chunk, SCORES=scores,
+        num_warps=4)
+    return index, top
 
 
 def top_k_indices(logits: torch.Tensor, k: int, *, chunk: int | None = None,
-                  num_warps: int | None = None) -> torch.Tensor:
+                  group: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """``[rows, k]`` int64 indices of each row's ``k`` largest logits, largest first.
 
     Ties go to the lower index; NaN and -inf rank as the lowest finite float (below every
@@ -99,34 +159,58 @@ def top_k_indices(logits: torch.Tensor, k: int, *, chunk: int | None = None,
         ``[rows, vocab]`` floating tensor, rows contiguous (last stride 1).
     k
         How many, ``1 <= k <= min(vocab, MAX_TOP_K)``.
-    chunk, num_warps
-        Logits per first-pass program (a power of two) and its warps; default
-        :data:`CHUNK` and :data:`NUM_WARPS`.
+    chunk, group, num_warps
+        The first pass: logits per chunk (a power of two), chunks per program (a power of
+        two) and warps; default :data:`CHUNK`, :data:`GROUP` and :data:`NUM_WARPS`.
 
     Examples
     --------
     >>> top_k_indices(torch.tensor([[0.5, 2.0, -1.0, 2.0]]), 2).tolist()
     [[1, 3]]
     """
-    rows, vocab = logits.shape
-    chunk = CHUNK if chunk is None else chunk
-    num_warps = NUM_WARPS if num_warps is None else num_warps
-    if not 1 <= k <= min(vocab, MAX_TOP_K):
-        raise ValueError(f"k must be in 1..{min(vocab, MAX_TOP_K)}, got {k}")
-    if chunk < 16 or chunk & (chunk - 1):
-        raise ValueError(f"chunk must be a power of two >= 16, got {chunk}")
-    if logits.stride(1) != 1:
-        raise ValueError("logits rows must be contiguous (last stride 1)")
+    chunk, group, num_warps = _settings(chunk, group, num_warps)
+    _check(logits, k, chunk)
     if not use_triton(logits):
         return top_k_indices_reference(logits, k)
-    chunks = triton.cdiv(vocab, chunk)
-    cand_index = torch.empty((rows, chunks * k), dtype=torch.int32, device=logits.device)
-    _chunk_top_k_kernel[(rows, chunks)](logits, logits.stride(0), vocab, cand_index, K=k,
-                                        BLOCK=chunk, num_warps=num_warps)
-    picked = torch.empty((rows, k), dtype=torch.int32, device=logits.device)
-    _merge_top_k_kernel[(rows,)](logits, logits.stride(0), vocab, cand_index, chunks * k,
-                                 picked, K=k, BLOCK=max(16, triton.next_power_of_2(chunks * k)))
-    return cand_index.gather(1, picked.long()).long()
+    return _launch(logits, k, chunk, group, num_warps)[0]
+
+
+def top_k_scores(logits: torch.Tensor, k: int, token_ids: torch.Tensor,
+                 token_logprob: torch.Tensor, *, chunk: int | None = None,
+                 group: int | None = None,
+                 num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`top_k_indices` and the top tokens' logprobs, ``([rows, k] int64, [rows, k]
+    float32)``.
+
+    A top token's logprob is taken from the scored token's: ``token_logprob + (logit_top -
+    logit_token)`` in float32, the rule of
+    :func:`~trace_replay.engines.scoring.top_from_logprob` (same operations, same order),
+    computed by the kernel that picks the top-k.
+
+    Examples
+    --------
+    >>> logits = torch.tensor([[0.5, 2.0, -1.0, 2.0]])
+    >>> ids, top = top_k_scores(logits, 2, torch.tensor([0]), torch.tensor([-2.0]))
+    >>> ids.tolist(), top.tolist()
+    ([[1, 3]], [[-0.5, -0.5]])
+    """
+    chunk, group, num_warps = _settings(chunk, group, num_warps)
+    _check(logits, k, chunk)
+    if not use_triton(logits):
+        ids = top_k_indices_reference(logits, k)
+        token_logit = logits.gather(1, token_ids.long()[:, None]).float()
+        return ids, token_logprob[:, None] + (logits.gather(1, ids).float() - token_logit)
+    return _launch(logits, k, chunk, group, num_warps, token_ids.contiguous(),
+                   token_logprob.float().contiguous())
+
+
+def _settings(chunk, group, num_warps):
+    """The first pass's settings, module defaults read at each call (benchmarks tune them)."""
+    group = GROUP if group is None else group
+    if group < 1 or group & (group - 1):
+        raise ValueError(f"group must be a power of two, got {group}")
+    return (CHUNK if chunk is None else chunk, group,
+            NUM_WARPS if num_warps is None else num_warps)
 
 
 def top_k_indices_reference(logits: torch.Tensor, k: int) -> torch.Tensor:
