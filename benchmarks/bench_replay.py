@@ -109,7 +109,8 @@ def host_profile(run, label, top=14):
     wall = time.perf_counter() - start
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(top)
-    body = [line for line in text.getvalue().splitlines() if line.strip()][-top - 1:]
+    lines = [line for line in text.getvalue().splitlines() if line.strip()]
+    body = lines[next(i for i, line in enumerate(lines) if "ncalls" in line):]
     return "\n".join([f"{label}: host profile of one run ({wall * 1e3:.1f} ms wall under "
                       "cProfile), top functions by cumulative time:", *body])
 
@@ -198,6 +199,46 @@ def profile_replay(engine, requests, device, prompts=None, new_tokens=0):
     return "\n".join(lines)
 
 
+def phases(engine, run, label):
+    """Wall ms of one ``run()`` split into admission, prefill, results and the rest (the
+    decode loop), each phase fenced by device synchronizations (so nothing overlaps)."""
+    import trace_replay.engines.torch_engine as torch_engine
+
+    spent = dict.fromkeys(("admit", "prefill", "results"), 0.0)
+
+    def fenced(name, fn):
+        def call(*args, **kwargs):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            torch.cuda.synchronize()
+            spent[name] += time.perf_counter() - start
+            return out
+        return call
+
+    patches = [(engine.slots, "admit"), (engine.backend, "prefill"),
+               (torch_engine, "wave_results")]
+    saved = [getattr(obj, name) for obj, name in patches]
+    for (obj, name), fn, phase in zip(patches, saved, spent):
+        setattr(obj, name, fenced(phase, fn))
+    try:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        total = time.perf_counter() - start
+    finally:
+        for (obj, name), fn in zip(patches, saved):
+            if obj is torch_engine:
+                setattr(obj, name, fn)
+            else:
+                delattr(obj, name)  # back to the class's method
+    loop = total - sum(spent.values())
+    return (f"{label}: phases of one run, ms (fenced): " +
+            ", ".join(f"{name} {value * 1e3:.1f}" for name, value in spent.items()) +
+            f", decode loop {loop * 1e3:.1f}, total {total * 1e3:.1f}")
+
+
 def count_syncs(engine, requests, device):
     """Host synchronizations in one full replay (CUDA sync debug mode warnings)."""
     if device.type != "cuda":
@@ -256,7 +297,7 @@ def main():
     parser.add_argument("--profile", action="store_true",
                         help="kernel table of one replay per backend")
     parser.add_argument("--host-profile", action="store_true",
-                        help="cProfile of one run per engine (CUDA): the host's share")
+                        help="per engine (CUDA): phases of one run, and its cProfile")
     parser.add_argument("--fidelity", action="store_true",
                         help="max |Δ logprob| of each replay against float64")
     args = parser.parse_args()
@@ -348,6 +389,10 @@ def run_batch(lm, args, batch, device):
                 notes.append(f"{label} {what}: max |Δ logprob| vs float64 "
                              f"{max_abs_delta(e.run(requests), reference):.2e}")
             if args.host_profile and device.type == "cuda":
+                notes.append(phases(e, lambda e=e: e.run(requests), f"{label} {what}"))
+                if what == "replay":
+                    notes.append(phases(e, lambda e=e: e.generate(
+                        prompts, max_tokens=args.new_tokens), f"{label} greedy"))
                 profiles.append(host_profile(lambda e=e: e.run(requests), f"{label} {what}"))
         engine = of_backend["replay"]
         syncs[label] = count_syncs(engine, requests, device)

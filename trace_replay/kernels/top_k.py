@@ -32,10 +32,10 @@ __all__ = ["CHUNK", "GROUP", "NUM_WARPS", "MAX_TOP_K", "top_k_indices", "top_k_s
 MAX_TOP_K = 32
 # first pass: logits per chunk, chunks per program, warps (``benchmarks/bench_scoring.py``
 # sweeps them); the second pass holds ``k × CHUNK`` entries per row
-CHUNK = 256
-GROUP = 4
+CHUNK = 128
+GROUP = 16
 NUM_WARPS = 4
-_NONE = 2**31 - 1  # larger than any vocabulary index
+_NONE = tl.constexpr(2**31 - 1)  # larger than any vocabulary index (a constexpr: kernels read it)
 
 
 @triton.jit
