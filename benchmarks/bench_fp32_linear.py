@@ -6,7 +6,11 @@ device µs per call inside a CUDA graph (no launch cost; median of ``--repeats``
 calls) for cuBLAS in float32 (what ``F.linear`` runs with TF32 off), cuBLAS with TF32 (for
 scale only: it is not accurate enough), and ``kernels.fp32_linear``; and each one's largest
 error against the float64 product, relative to the largest |output|. ``--sweep`` times every
-block configuration of the kernel.
+block configuration of the kernel at split 1 (no split-K), and splits 2 to 8 of a few block
+configurations (``SPLIT_BLOCKS`` and the launcher's own), and prints the best five of each
+shape as ``(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split) µs``; a split is printed as it
+runs (``fp32_linear.split_depth``: clamped so that no split's range of K is empty), and one
+that clamps to a split already timed is timed once.
 
     python benchmarks/bench_fp32_linear.py [--sweep] [--rows decode|verify|prefill]
 """
@@ -20,12 +24,17 @@ import torch.nn.functional as F
 from bench_kernels import per_call_arguments, time_graph_us
 
 from trace_replay._triton import triton
-from trace_replay.kernels.fp32_linear import blocks, fp32_linear, launch
+from trace_replay.kernels.fp32_linear import blocks, fp32_linear, launch, split_depth
 
 HIDDEN, INTERMEDIATE, KV, VOCAB = 576, 1536, 192, 49152  # SmolLM2-135M
 LAYERS = {"q/o": (HIDDEN, HIDDEN), "k/v": (HIDDEN, KV), "gate/up": (HIDDEN, INTERMEDIATE),
           "down": (INTERMEDIATE, HIDDEN), "lm_head": (HIDDEN, VOCAB)}
 ROWS = {"decode b64": 64, "verify b64 k=8": 576, "prefill b64×16": 1024}
+SPLITS = (2, 3, 4, 6, 8)
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) swept at SPLITS too, besides the launcher's
+# own: decode's deep-step choice, and 64-row tiles (fewer, each more efficient: split-K is
+# then what gives the SMs enough programs)
+SPLIT_BLOCKS = ((16, 32, 128, 4, 3), (64, 32, 64, 4, 3), (64, 64, 64, 4, 3))
 
 
 def time_or_inf(fn, repeats: int) -> float:
@@ -38,6 +47,16 @@ def time_or_inf(fn, repeats: int) -> float:
 
 def relative_error(out: torch.Tensor, exact: torch.Tensor) -> float:
     return ((out.double() - exact).abs().max() / exact.abs().max()).item()
+
+
+def sweep_configs(rows: int, cols: int, depth: int) -> list[tuple[int, ...]]:
+    """Every block configuration at split 1, and ``SPLITS`` of ``SPLIT_BLOCKS`` and the
+    launcher's blocks, each split as it runs (clamped), without repeats."""
+    configs = [(m, n, k, w, s, 1) for m in (16, 32, 64) for n in (32, 64, 128)
+               for k in (32, 64, 128) for w in (4,) for s in (2, 3, 4)]
+    for block in dict.fromkeys((blocks(rows, cols, depth)[:5], *SPLIT_BLOCKS)):
+        configs += [(*block, split_depth(depth, block[2], split)[0]) for split in SPLITS]
+    return list(dict.fromkeys(configs))
 
 
 def main() -> None:
@@ -67,11 +86,9 @@ def main() -> None:
               f"{times[2]:.1f} | {times[0] / times[2]:.2f} | {errors[0]:.1e} | {errors[1]:.1e} "
               f"| {errors[2]:.1e} | {blocks(rows, cols, depth)} |", flush=True)
         if args.sweep:
-            configs = [(m, n, k, w, s) for m in (16, 32, 64) for n in (32, 64, 128)
-                       for k in (32, 64, 128) for w in (4,) for s in (2, 3, 4)]
             sweeps[f"{rows_name} {layer}"] = {
                 c: time_or_inf(lambda c=c: launch(x, weight, config=c), args.repeats)
-                for c in configs}
+                for c in sweep_configs(rows, cols, depth)}
     for name, times in sweeps.items():
         best = sorted(times, key=times.get)[:5]
         print(f"{name}: " + ", ".join(f"{c} {times[c]:.1f}" for c in best), flush=True)

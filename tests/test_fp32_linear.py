@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from trace_replay._triton import use_triton
-from trace_replay.kernels.fp32_linear import blocks, fp32_linear, launch
+from trace_replay.kernels.fp32_linear import blocks, fp32_linear, launch, split_depth
 
 
 def error_from_float64(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
@@ -45,14 +45,118 @@ def test_leading_dimensions_and_strides():
     torch.testing.assert_close(out, torch.nn.functional.linear(x, weight), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("config", [(16, 32, 64, 4, 3), (64, 128, 32, 4, 2)])
+@pytest.mark.parametrize("config", [(16, 32, 64, 4, 3), (64, 128, 32, 4, 2),
+                                    (32, 64, 32, 4, 3, 3)])
 def test_every_block_configuration_computes_the_same_product(config):
-    """The launcher's block choice changes speed, not the product (within rounding)."""
+    """The launcher's block choice (split-K included) changes speed, not the product
+    (within rounding); :func:`blocks` gives all six entries."""
     gen = torch.Generator().manual_seed(4)
     x, weight = torch.randn(70, 130, generator=gen), torch.randn(150, 130, generator=gen)
     torch.testing.assert_close(launch(x, weight, config=config),
                                torch.nn.functional.linear(x, weight), atol=2e-5, rtol=0)
-    assert blocks(64, 576, 576)[0] == 16 and blocks(64, 49152, 576)[0] == 64
+
+
+@pytest.mark.parametrize("rows", [1, 64, 576, 1024])
+@pytest.mark.parametrize("cols, depth", [(576, 576), (192, 576), (1536, 576), (576, 1536),
+                                         (49152, 576)])
+def test_blocks_split_k_only_where_tiles_are_few(rows, cols, depth):
+    """blocks(): a split only where the output has fewer tiles than two waves of programs,
+    none for the lm_head, and never more programs than that target (or the tiles alone)."""
+    block_m, block_n, _, _, _, split = blocks(rows, cols, depth)
+    tiles = -(-rows // block_m) * -(-cols // block_n)
+    assert split >= 1 and (split == 1 or tiles * 2 <= 264)
+    assert tiles * split <= max(264, tiles)
+    if cols >= 16384:
+        assert split == 1
+
+
+# --- split-K: tiny shapes (the interpreter is slow) in 16-wide blocks, so that K = 40 is 3
+# steps (the last one 8 deep) and K = 100 is 7 ----------------------------------------------
+
+def split_config(split: int) -> tuple[int, int, int, int, int, int]:
+    return 16, 16, 16, 4, 3, split
+
+
+def split_inputs(depth: int, bias: bool = True, seed: int = 6):
+    """``x`` [5, depth], ``weight`` [24, depth] (two column tiles), ``bias`` [24] or None."""
+    gen = torch.Generator().manual_seed(seed + depth)
+    x = torch.randn(5, depth, generator=gen)
+    weight = torch.randn(24, depth, generator=gen) * depth**-0.5
+    return x, weight, torch.randn(24, generator=gen) if bias else None
+
+
+def skip_without_triton(device: str) -> None:
+    if not use_triton(torch.empty(0, device=device)):
+        pytest.skip("without Triton there is no kernel to launch")
+
+
+def test_split_depth_covers_k_in_nonempty_ranges():
+    """For every K, step and requested split, the split that runs is at most the requested
+    one, each range is whole steps, and the ranges cover K with none empty:
+    ``(split - 1) * per_split < K <= split * per_split``. A split below 1 is refused."""
+    for depth in range(1, 120):
+        for block_k in (16, 32):
+            for requested in range(1, 10):
+                split, per_split = split_depth(depth, block_k, requested)
+                assert 1 <= split <= requested and per_split % block_k == 0
+                assert (split - 1) * per_split < depth <= split * per_split
+    with pytest.raises(ValueError, match="split"):
+        split_depth(40, 16, 0)
+
+
+@pytest.mark.parametrize("depth, split", [
+    (40, 1), (40, 2),  # 2 + 1 steps: K = 40 is no multiple of split × BLOCK_K
+    (40, 3), (40, 4),  # one step each; 4 asks for more splits than K has steps (runs as 3)
+    (100, 3), (100, 4),  # 3 + 3 + 1 and 2 + 2 + 2 + 1 steps
+])
+def test_split_k_is_as_close_to_float64_as_float32(device, depth, split):
+    """Split-K's largest error from the float64 product (bias included), relative to the
+    largest output, is below 1e-6 — float32 rounding, as for the one-pass kernel."""
+    skip_without_triton(device)
+    x, weight, bias = (t.to(device) for t in split_inputs(depth))
+    out = launch(x, weight, bias, config=split_config(split))
+    assert out.shape == (5, 24) and out.dtype == torch.float32
+    assert error_from_float64(out, x, weight, bias) < 1e-6
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_bias_is_added_once(device, split):
+    """With zero weights every partial is zero, so the output is exactly the bias: added
+    once, not once per split."""
+    skip_without_triton(device)
+    x, weight, bias = (t.to(device) for t in split_inputs(40))
+    out = launch(x, torch.zeros_like(weight), bias, config=split_config(split))
+    assert torch.equal(out, bias.expand(5, -1))
+
+
+@pytest.mark.parametrize("split", [2, 4])
+def test_split_k_is_deterministic(device, split):
+    """No atomics: the partials are summed in the fixed order s = 0, 1, ..., so two calls on
+    the same inputs give the same bits."""
+    skip_without_triton(device)
+    x, weight, bias = (t.to(device) for t in split_inputs(100))
+    first = launch(x, weight, bias, config=split_config(split))
+    assert torch.equal(launch(x, weight, bias, config=split_config(split)), first)
+
+
+@pytest.mark.parametrize("depth, split", [(100, 1), (16, 4)])
+def test_split_one_is_the_one_pass_kernel(device, depth, split):
+    """A 6-entry config at split 1, or a split that clamps to 1 (K of one step), gives the
+    same bits as the 5-entry config: the one-pass kernel, no workspace, no second sum."""
+    skip_without_triton(device)
+    x, weight, bias = (t.to(device) for t in split_inputs(depth))
+    one_pass = launch(x, weight, bias, config=split_config(1)[:5])
+    assert torch.equal(launch(x, weight, bias, config=split_config(split)), one_pass)
+
+
+def test_bad_configs_are_refused():
+    """A config of other than 5 or 6 entries, or a split below 1, is a ValueError (before
+    any launch)."""
+    x, weight = torch.zeros(5, 40), torch.zeros(24, 40)
+    with pytest.raises(ValueError, match="config"):
+        launch(x, weight, config=(16, 16, 16, 4))
+    with pytest.raises(ValueError, match="split"):
+        launch(x, weight, config=split_config(0))
 
 
 def test_other_dtypes_and_mismatched_shapes_are_refused():

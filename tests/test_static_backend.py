@@ -261,3 +261,29 @@ def test_compiled_graphs_equal_hf(tiny, method, float32_matmul):
     suffix = "+3xtf32" if float32_matmul == "3xtf32" else ""
     assert engine.backend.name == "static+compiled" + suffix
     assert_same_results(ours, run(gpu, "hf")[1], atol=2e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_captured_prefill_is_replayed_for_later_waves(tiny_model, monkeypatch):
+    """On CUDA a prefill is captured once per padded width and replayed with the next
+    wave's prompts (widths 4 and 3 share a bucket, 20 does not); past
+    PREFILL_GRAPH_TOKENS it runs compiled without a graph. Every prefill's logits are
+    the HF backend's, within float32 rounding of differently fused kernels."""
+    from trace_replay.engines import static_backend
+
+    lm = copy.deepcopy(tiny_model("llama")).to("cuda")
+    ours, theirs = StaticCacheBackend(lm, 0), HFBackend(lm, 0)
+    long_prompts = [list(range(3, 23)), [7, 8]]
+    # 150 new tokens: every wave's cache is 256 slots long, so captures are kept
+    with torch.inference_mode():
+        for prompts in (PROMPTS, [[5, 6, 7], [9], [40, 41]], long_prompts):
+            torch.testing.assert_close(ours.prefill(prompts, max_new_tokens=150),
+                                       theirs.prefill(prompts, max_new_tokens=150),
+                                       atol=2e-4, rtol=0)
+        assert sorted(ours._prefills) == [16, 32]  # both buckets captured
+        monkeypatch.setattr(static_backend, "PREFILL_GRAPH_TOKENS", 8)
+        torch.testing.assert_close(ours.prefill(long_prompts, max_new_tokens=150),
+                                   theirs.prefill(long_prompts, max_new_tokens=150),
+                                   atol=2e-4, rtol=0)
+        assert ours._prefill_shapes == {(4, 32)}

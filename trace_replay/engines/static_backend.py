@@ -22,10 +22,11 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
-from trace_replay.engines.captured_step import StepGraph, capture_step
+from trace_replay.engines.captured_step import StepGraph, capture, capture_step
 from trace_replay.engines.static_cache import ATTENTION, StaticKVCache, register_attention
 from trace_replay.kernels.fp32_linear import fp32_linear
 
@@ -34,6 +35,8 @@ __all__ = ["FLOAT32_MATMUL", "StaticCacheBackend", "check_float32_matmul", "supp
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 FLOAT32_MATMUL = ("3xtf32", "ieee")
+# prefills of up to this many tokens (rows × padded width) are captured in CUDA graphs
+PREFILL_GRAPH_TOKENS = 16384
 # these rope types recompute inv_freq from the positions seen (data-dependent, host-synced)
 _DYNAMIC_ROPE = ("dynamic", "longrope")
 
@@ -223,8 +226,9 @@ class StaticCacheBackend:
         self.view = _model_view(lm, self)
         self.cache: StaticKVCache | None = None
         self._graphs: dict[int, StepGraph] = {}
-        self._prefill_shapes: set[tuple[int, int]] = set()
-        self._pool = None
+        self._prefill_shapes: set[tuple[int, int]] = set()  # compiled, not captured
+        self._prefills: dict[int, _PrefillGraph] = {}  # captured, by prompt width
+        self._pool = self._prefill_pool = None
 
     @property
     def static_logits(self) -> bool:
@@ -242,8 +246,12 @@ class StaticCacheBackend:
 
         With ``cuda_graphs`` the prompt width is padded up to a bucket of :func:`_bucket`
         and the decoder layers run compiled (one compile per rows × bucket, counted in
-        ``compile_seconds``); run eagerly, a prefill's ~20 launches per layer were
-        host-bound. No graph capture: a wave prefills once.
+        ``compile_seconds``). Up to :data:`PREFILL_GRAPH_TOKENS` tokens (rows × width) the
+        prefill is also captured in a CUDA graph per width, replayed by later waves: a
+        short prefill is host-bound — on an H200 a 64 × 16-token float32 SmolLM2 prefill
+        took ~23 ms compiled, ~16 launches per layer through Python — and a capture's
+        memory (its own pool) is small at that size. Longer prefills keep the GPU busy on
+        their own and hold no memory after they return.
         """
         batch, width = len(prompts), max(len(p) for p in prompts)
         if self.cuda_graphs:
@@ -258,17 +266,23 @@ class StaticCacheBackend:
         tokens, present = tokens.to(self.device), present.to(self.device)
         positions = (present.long().cumsum(1) - 1).clamp(min=0)
         self.cache.reset()
-        first = self.cuda_graphs and (rows, width) not in self._prefill_shapes
-        start = time.perf_counter()
-        self.compiling = self.cuda_graphs
-        try:
+        if not self.cuda_graphs:
             logits = self._forward(tokens, positions, present=present, logits_to_keep=1)
-        finally:
-            self.compiling = False
-        if first:  # start-up cost, as for a decode shape
-            torch.cuda.synchronize(self.device)
-            self.compile_seconds += time.perf_counter() - start
-            self._prefill_shapes.add((rows, width))
+        elif rows * width <= PREFILL_GRAPH_TOKENS:
+            graph = self._prefills.get(width) or self._capture_prefill(width)
+            logits = graph.replay(tokens, positions, present)
+        else:  # long prompts keep the GPU busy: compiled layers, no graph (no memory held)
+            first = (rows, width) not in self._prefill_shapes
+            start = time.perf_counter()
+            self.compiling = True
+            try:
+                logits = self._forward(tokens, positions, present=present, logits_to_keep=1)
+            finally:
+                self.compiling = False
+            if first:  # start-up cost, as for a decode shape
+                torch.cuda.synchronize(self.device)
+                self.compile_seconds += time.perf_counter() - start
+                self._prefill_shapes.add((rows, width))
         self.forwards += 1
         return logits[:batch, -1]
 
@@ -301,6 +315,7 @@ class StaticCacheBackend:
         if shape is not None and shape[1] == length and batch <= shape[0]:
             return
         self._graphs.clear()
+        self._prefills.clear()
         self.cache = None  # free before allocating the new one
         config = self.lm.config
         attn = self.lm.model.layers[0].self_attn
@@ -309,6 +324,9 @@ class StaticCacheBackend:
         self.cache = StaticKVCache(len(self.lm.model.layers), batch, config.num_key_value_heads,
                                    length, head_dim, self.dtype, self.device)
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        # prefill graphs apart: a decode replay must never write where a prefill's
+        # output, still to be read, lives (and the other way round)
+        self._prefill_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, *,
                  present: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
@@ -328,6 +346,13 @@ class StaticCacheBackend:
         cache.finish()
         return out.logits
 
+    def _capture_prefill(self, width: int) -> _PrefillGraph:
+        start = time.perf_counter()
+        self._prefills[width] = graph = _capture_prefill_of(self, width)
+        torch.cuda.synchronize(self.device)
+        self.compile_seconds += time.perf_counter() - start
+        return graph
+
     def _capture(self, q: int) -> StepGraph:
         start = time.perf_counter()
         cache = self.cache
@@ -342,6 +367,41 @@ class StaticCacheBackend:
         torch.cuda.synchronize(self.device)
         self.compile_seconds += time.perf_counter() - start
         return graph
+
+
+def _capture_prefill_of(backend: StaticCacheBackend, width: int) -> _PrefillGraph:
+    """Compile (if new) and capture ``backend``'s prefill of ``width`` tokens per row."""
+    cache = backend.cache
+    rows, device = cache.shape[0], backend.device
+    tokens = torch.full((rows, width), backend.pad_id, dtype=torch.long, device=device)
+    positions = torch.arange(width, device=device).expand(rows, width).contiguous()
+    present = torch.ones((rows, width), dtype=torch.bool, device=device)
+    backend.compiling = True  # the warm-up inside compiles the layers for this shape
+    try:
+        graph, logits = capture(
+            lambda: backend._forward(tokens, positions, present=present, logits_to_keep=1),
+            (cache.cursor, cache.valid, cache.slot_pos), pool=backend._prefill_pool)
+    finally:
+        backend.compiling = False
+    return _PrefillGraph(graph, tokens, positions, present, logits)
+
+
+class _PrefillGraph(NamedTuple):
+    """A captured prefill: its graph, static inputs ``[rows, width]`` and static output."""
+
+    graph: torch.cuda.CUDAGraph
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    present: torch.Tensor
+    logits: torch.Tensor
+
+    def replay(self, tokens: torch.Tensor, positions: torch.Tensor,
+               present: torch.Tensor) -> torch.Tensor:
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        self.present.copy_(present)
+        self.graph.replay()
+        return self.logits
 
 
 def _compile_layer():

@@ -11,6 +11,21 @@ tensor cores, accumulated in float32; what is lost (``small·small`` and the rou
 ``small``) is ~2^-22 relative. Triton does the split inside ``tl.dot``
 (``input_precision="tf32x3"``).
 
+Split-K. Each program computes one ``BLOCK_M × BLOCK_N`` output tile and walks all of K
+serially. When the output is small there are few tiles for the H200's 132 SMs (576 rows ×
+576 columns in 64 × 32 tiles: 162 programs) and each one's chain of K steps sets the time
+(24 steps for the 1536-deep down projection at 64-deep steps). ``SPLIT > 1`` cuts K into
+``SPLIT`` contiguous ranges of whole ``BLOCK_K`` steps (the last one shorter), one program
+per (tile, range), so ``SPLIT`` times the programs with ``1 / SPLIT`` of the steps each.
+Each program writes its partial tile to a float32 workspace ``[SPLIT, M, N]``; a second,
+elementwise kernel then adds the partials in the fixed order ``s = 0, 1, …, SPLIT - 1`` and
+adds the bias once, at the end. No atomics: the order of every float32 addition is fixed
+by the code, so the same inputs give the same bits on every run. The cost: a workspace of
+``SPLIT × M × N`` float32 (written once, read once) and a second launch; and the sum's
+order differs from the one-pass kernel's, so results at different splits agree to float32
+rounding, not bit for bit. At ``SPLIT == 1`` there is neither: the kernel adds the bias and
+writes the output itself, exactly as without split-K.
+
 The result is not cuBLAS's float32 result bit for bit (no two GEMM kernels agree in the last
 bits: their reduction orders differ), but it is as close to the float64 product:
 ``benchmarks/bench_fp32_linear.py`` measures both, ``tests/test_fp32_linear.py`` holds the
@@ -25,7 +40,12 @@ import torch.nn.functional as F
 
 from trace_replay._triton import tl, triton, use_triton
 
-__all__ = ["blocks", "fp32_linear", "fp32_linear_reference", "launch"]
+__all__ = ["blocks", "fp32_linear", "fp32_linear_reference", "launch", "split_depth"]
+
+# elements per program of the partial-sum kernel (an elementwise pass: any size works)
+_SUM_BLOCK = 1024
+# programs split-K aims at: two waves on an H200's 132 SMs (see blocks)
+_PROGRAMS = 264
 
 
 @triton.jit
@@ -35,12 +55,14 @@ def _fp32_linear_kernel(
     weight_ptr,  # [N, K] float32, last stride 1
     weight_stride_n,
     bias_ptr,  # [N] float32, or any pointer when not HAS_BIAS
-    out_ptr,  # [M, N] float32, contiguous, written
+    out_ptr,  # [M, N] float32, contiguous, written; at SPLIT > 1 the [SPLIT, M, N] partials
     rows, cols, depth,
+    k_per_split,  # a multiple of BLOCK_K (unused at SPLIT == 1)
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,  # programs along K per output tile (grid axis 2)
     PRECISION: tl.constexpr,  # of the float32 dots: "tf32x3" (the launcher's)
 ):
     # N tiles vary fastest: programs running together share the x tile and stream weights
@@ -51,17 +73,48 @@ def _fp32_linear_kernel(
     row_ok, col_ok = offs_m < rows, offs_n < cols
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * x_stride_m
     w_rows = weight_ptr + offs_n.to(tl.int64)[:, None] * weight_stride_n
+    if SPLIT == 1:  # resolved at compile time: the one-pass kernel, all of K
+        k_start, k_end = 0, depth
+    else:  # this program's range; it starts on a BLOCK_K boundary, so `k < depth` masks it
+        pid_s = tl.program_id(2)
+        k_start = pid_s * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, depth)
+        out_ptr += pid_s.to(tl.int64) * rows * cols  # its own [M, N] slice of the partials
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for start in range(0, depth, BLOCK_K):
+    for start in range(k_start, k_end, BLOCK_K):
         k = start + offs_k
         k_ok = k < depth
         x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-    if HAS_BIAS:
+    if HAS_BIAS:  # the launcher sets it only at SPLIT == 1: the sum adds the bias otherwise
         acc += tl.load(bias_ptr + offs_n, mask=col_ok, other=0.0)[None, :]
     tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * cols + offs_n[None, :], acc,
              mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _sum_partials_kernel(
+    partials_ptr,  # [SPLIT, size] float32, contiguous
+    bias_ptr,  # [cols] float32, or any pointer when not HAS_BIAS
+    out_ptr,  # [size] float32 (an [M, N] output, flattened), written
+    size, cols,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # Each output element is one lane's running sum, partial 0 first, then 1, ..., then the
+    # bias: a fixed order of float32 additions, hence the same bits on every run and device.
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < size
+    ptrs = partials_ptr + offs
+    acc = tl.load(ptrs, mask=ok, other=0.0)
+    for _ in tl.static_range(1, SPLIT):
+        ptrs += size  # the next split's slice (a pointer step: no SPLIT * size product)
+        acc += tl.load(ptrs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % cols, mask=ok, other=0.0)
+    tl.store(out_ptr + offs, acc, mask=ok)
 
 
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor,
@@ -121,41 +174,89 @@ def _(x, weight, bias):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-def blocks(rows: int, cols: int, depth: int) -> tuple[int, int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)`` for ``[rows, depth] @ [depth, cols]``.
+def blocks(rows: int, cols: int, depth: int) -> tuple[int, int, int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split)`` for ``[rows, depth] @ [depth, cols]``.
 
     From ``benchmarks/bench_fp32_linear.py --sweep`` on an H200 (SmolLM2-135M's layers at
-    64, 576 and 1,024 rows): small outputs are latency-bound, so 16-row tiles and 64-deep
-    steps (more programs, fewer serial steps); at 49,152 columns (lm_head) the three
-    tensor-core products per step make it compute-bound, so larger tiles.
+    64 and 576 rows; device µs per call). Small outputs are latency-bound: few output tiles
+    for 132 SMs, each walking all of K. Split-K (module docstring) cuts K so that about two
+    waves of programs run (:data:`_PROGRAMS`), up to 5 ranges (6 when K >= 1,024): at 64
+    rows q/o 6.8 -> 5.7, k/v 6.6 -> 4.7, gate/up 8.8 -> 6.8, down 13.8 -> 7.6 (cuBLAS
+    float32 12.1); at 576 rows q/o 14.3 -> 11.0, k/v 10.1 -> 7.2, down 33.9 -> 20.6, while
+    gate/up (216 tiles) stays whole. At 49,152 columns (lm_head) the three tensor-core
+    products per step make it compute-bound: larger tiles, no split. (Rows above 576 — a
+    prefill — follow the 576-row choices; the split then drops to 1 as the tiles multiply.)
     """
-    wide = cols >= 16384
-    block_m = 64 if rows > 64 or wide else 16
-    if wide:
-        block_n = 128 if rows > 64 else 64
+    if cols >= 16384:  # lm_head
+        return 64, 128 if rows > 64 else 64, 32, 4, 3, 1
+    if rows <= 64:
+        block_m, block_n = (16 if cols < 512 else 64), 32
     else:
-        block_n = 64 if rows > 64 and cols >= 1536 and depth < 1024 else 32
-    # deep and few rows (the down projection at decode): fewer serial steps, 14.9 -> 13.8 µs
-    block_k = 32 if wide else 128 if depth >= 1024 and block_m == 16 else 64
-    return block_m, block_n, block_k, 4, 3
+        block_m, block_n = 64, (32 if cols < 512 else 64)
+    tiles = triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n)
+    split = max(1, min(6 if depth >= 1024 else 5, _PROGRAMS // tiles))
+    return block_m, block_n, 64, 4, 3, split
+
+
+def split_depth(depth: int, block_k: int, split: int) -> tuple[int, int]:
+    """``(split, depth per split)`` that :func:`launch` runs for a requested ``split``.
+
+    K is cut into ``split`` contiguous ranges of whole ``block_k`` steps, as even as they
+    go: ``ceil(steps / split)`` steps each, the last range shorter. The split is then
+    clamped so that no range is empty (an empty one would cost a program and a workspace
+    slice for a tile of zeros): 3 steps at a requested split of 4 run as 3 splits of one
+    step; 5 steps at 4 as 3 splits of 2, 2 and 1 steps. A split of 1 is all of K.
+
+    Examples
+    --------
+    >>> split_depth(40, 16, 2), split_depth(40, 16, 4), split_depth(100, 16, 4)
+    ((2, 32), (3, 16), (4, 32))
+    >>> split_depth(16, 16, 4)
+    (1, 16)
+    """
+    if split < 1:
+        raise ValueError(f"split must be at least 1 (got {split})")
+    steps = max(-(-depth // block_k), 1)  # ceiling divisions (no Triton needed here)
+    per_split = -(-steps // split)
+    return -(-steps // per_split), per_split * block_k
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+           config: tuple[int, ...] | None = None) -> torch.Tensor:
     """Run the kernel on ``x`` ``[M, K]`` (no fallback); ``config`` overrides :func:`blocks`
-    (``benchmarks/bench_fp32_linear.py --sweep``)."""
+    (``benchmarks/bench_fp32_linear.py --sweep``).
+
+    ``config`` is ``(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split)``, or the first five
+    (split 1). The split runs as :func:`split_depth` clamps it; one that clamps to 1 (K of
+    one step) is the one-pass kernel. At a split above 1 this allocates a ``[split, M, N]``
+    float32 workspace and launches a second kernel that sums it.
+    """
     rows, depth = x.shape
     cols = weight.shape[0]
+    if config is None:
+        config = blocks(rows, cols, depth)
+    if len(config) not in (5, 6):
+        raise ValueError(f"config is (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, split]), "
+                         f"got {config}")
+    block_m, block_n, block_k, warps, stages = config[:5]
+    split, k_per_split = split_depth(depth, block_k, config[5] if len(config) == 6 else 1)
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     bias = None if bias is None else bias.contiguous()
     out = torch.empty((rows, cols), dtype=torch.float32, device=x.device)
-    block_m, block_n, block_k, warps, stages = config or blocks(rows, cols, depth)
-    grid = (triton.cdiv(cols, block_n), triton.cdiv(rows, block_m))
+    # at a split above 1 the programs write partials, and the sum adds the bias
+    partials = out if split == 1 else torch.empty(
+        (split, rows, cols), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(cols, block_n), triton.cdiv(rows, block_m), split)
     _fp32_linear_kernel[grid](
-        x, x.stride(0), weight, weight.stride(0), bias if bias is not None else x, out,
-        rows, cols, depth,
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRECISION="tf32x3", num_warps=warps, num_stages=stages,
+        x, x.stride(0), weight, weight.stride(0), bias if bias is not None else x, partials,
+        rows, cols, depth, k_per_split,
+        HAS_BIAS=bias is not None and split == 1, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, SPLIT=split, PRECISION="tf32x3", num_warps=warps, num_stages=stages,
     )
+    if split > 1:
+        _sum_partials_kernel[(triton.cdiv(rows * cols, _SUM_BLOCK),)](
+            partials, bias if bias is not None else partials, out, rows * cols, cols,
+            HAS_BIAS=bias is not None, SPLIT=split, BLOCK=_SUM_BLOCK, num_warps=4,
+        )
     return out
