@@ -16,9 +16,9 @@ bench() { name=$1; shift; timeout "$LIMIT" python3 benchmarks/bench_replay.py --
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 case $1 in
 torch)
-  LIMIT=200 bench smol_fp32 --shape smollm2-135m --dtype float32 --batch 64 --k 8 --fidelity --profile \
-    --backends static,static:ieee
-  LIMIT=100 bench smol_bf16 --shape smollm2-135m --dtype bfloat16 --batch 256 --k 0 --skip-hf --profile
+  LIMIT=200 bench smol_fp32 --shape smollm2-135m --dtype float32 --batch 64 --k 8 --repeats 5 \
+    --fidelity --host-profile
+  LIMIT=100 bench smol_bf16 --shape smollm2-135m --dtype bfloat16 --batch 256 --k 0 --skip-hf --repeats 7
   LIMIT=240 bench llama8b --shape llama-3.1-8b --dtype bfloat16 --batch 1,16,64 --k 0 --repeats 2 --profile
   ;;
 fp32)
@@ -39,11 +39,13 @@ tests)
     -k cuda 2>&1 | tail -5 | tee -a "$out/gpu_tests.txt"
   ;;
 vllm)
-  # paired ratios over 9 repeats; then the engine-core profile (no --vanilla there: vLLM
-  # will not capture a second in-process LLM's CUDA graphs)
+  # paired ratios over 11 rounds of 256-token traces (~6 min: a call of its own); PROFILE=1
+  # runs the engine-core profile instead (no --vanilla there: vLLM will not capture a second
+  # in-process LLM's CUDA graphs)
   export PYTHONPATH=$2/site:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0
-  timeout 240 python3 benchmarks/bench_vllm_forcing.py --batches 64,256 --repeats 9 --vanilla \
-    2>&1 | grep -E "^  batch|^\||^20|^Ratios|Error" | tee "$out/vllm_forcing.txt"
+  [ "${PROFILE:-0}" = 1 ] || { timeout 500 python3 benchmarks/bench_vllm_forcing.py \
+    --batches 64,256 --new-tokens 256 --repeats 11 --vanilla 2>&1 \
+    | grep -E "^  batch|^\||^20|^Ratios|Error" | tee "$out/vllm_forcing.txt"; exit; }
   timeout 200 python3 benchmarks/bench_vllm_forcing.py --batches 64,256 --repeats 3 \
     --profile "$out/prof" 2>&1 | grep -E "^  batch|^\||^20|^Ratios|^    |Error" \
     | tee "$out/vllm_profile.txt"
