@@ -22,8 +22,12 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     def _jit(fn=None, **_kwargs):
         return fn if fn is not None else (lambda f: f)
 
+    class _constexpr:  # an annotation, and a module constant's wrapper: ``_constexpr(v)`` is v
+        def __new__(cls, value):
+            return value
+
     triton = SimpleNamespace(jit=_jit)
-    tl = SimpleNamespace(constexpr=object)
+    tl = SimpleNamespace(constexpr=_constexpr)
     HAS_TRITON = False
 
 __all__ = ["HAS_TRITON", "interpreting", "triton", "tl", "use_triton"]
