@@ -53,8 +53,9 @@ def scorer_for(device: torch.device | str, *, rows: str = "static"):
     log-softmax, compare, exp, product, sums) plus ``torch.topk``'s radix select. On CUDA
     the top-k and its logprobs come from :func:`~trace_replay.kernels.top_k.top_k_scores`
     (the logits read once; two launches; their logprobs by :func:`top_from_logprob`'s
-    rule) and the rest is compiled by inductor into a few fused reductions. Same rule, same dtype; the fused
-    reductions may round differently in the last bits (tests compare within tolerance).
+    rule) and the rest is compiled by inductor into a few fused reductions. Same rule, same
+    dtype; the fused reductions may round differently in the last bits (tests compare
+    within tolerance).
     CPU keeps the eager function: compiling there costs seconds of start-up for little gain.
 
     ``rows`` (CUDA): ``"static"`` compiles one graph per row count — for decode loops,

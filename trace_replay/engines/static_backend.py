@@ -19,6 +19,7 @@ the 3xTF32 split (``float32_matmul``; its linear layers become
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from collections.abc import Sequence
@@ -272,17 +273,9 @@ class StaticCacheBackend:
             graph = self._prefills.get(width) or self._capture_prefill(width)
             logits = graph.replay(tokens, positions, present)
         else:  # long prompts keep the GPU busy: compiled layers, no graph (no memory held)
-            first = (rows, width) not in self._prefill_shapes
-            start = time.perf_counter()
-            self.compiling = True
-            try:
+            with self._compiled(startup=(rows, width) not in self._prefill_shapes):
                 logits = self._forward(tokens, positions, present=present, logits_to_keep=1)
-            finally:
-                self.compiling = False
-            if first:  # start-up cost, as for a decode shape
-                torch.cuda.synchronize(self.device)
-                self.compile_seconds += time.perf_counter() - start
-                self._prefill_shapes.add((rows, width))
+            self._prefill_shapes.add((rows, width))
         self.forwards += 1
         return logits[:batch, -1]
 
@@ -346,43 +339,44 @@ class StaticCacheBackend:
         cache.finish()
         return out.logits
 
-    def _capture_prefill(self, width: int) -> _PrefillGraph:
+    @contextlib.contextmanager
+    def _compiled(self, *, startup: bool = True):
+        """Run the layers compiled inside; with ``startup`` the time counts in
+        ``compile_seconds`` (a first shape: compiling, warming up, capturing)."""
         start = time.perf_counter()
-        self._prefills[width] = graph = _capture_prefill_of(self, width)
-        torch.cuda.synchronize(self.device)
-        self.compile_seconds += time.perf_counter() - start
+        self.compiling = True
+        try:
+            yield
+        finally:
+            self.compiling = False
+        if startup:
+            torch.cuda.synchronize(self.device)
+            self.compile_seconds += time.perf_counter() - start
+
+    def _capture_prefill(self, width: int) -> _PrefillGraph:
+        with self._compiled():  # the warm-up inside compiles the layers for this width
+            self._prefills[width] = graph = _capture_prefill_of(self, width)
         return graph
 
     def _capture(self, q: int) -> StepGraph:
-        start = time.perf_counter()
         cache = self.cache
-        self.compiling = True  # the warm-up inside compiles the layers
-        try:
-            graph = capture_step(self._forward, cache.shape[0], q,
-                                 (cache.cursor, cache.valid, cache.slot_pos),
-                                 pad_id=self.pad_id, pool=self._pool)
-        finally:
-            self.compiling = False
-        self._graphs[q] = graph
-        torch.cuda.synchronize(self.device)
-        self.compile_seconds += time.perf_counter() - start
+        with self._compiled():  # the warm-up inside compiles the layers
+            self._graphs[q] = graph = capture_step(
+                self._forward, cache.shape[0], q, (cache.cursor, cache.valid, cache.slot_pos),
+                pad_id=self.pad_id, pool=self._pool)
         return graph
 
 
 def _capture_prefill_of(backend: StaticCacheBackend, width: int) -> _PrefillGraph:
-    """Compile (if new) and capture ``backend``'s prefill of ``width`` tokens per row."""
+    """Capture ``backend``'s prefill of ``width`` tokens per row (warm-ups included)."""
     cache = backend.cache
     rows, device = cache.shape[0], backend.device
     tokens = torch.full((rows, width), backend.pad_id, dtype=torch.long, device=device)
     positions = torch.arange(width, device=device).expand(rows, width).contiguous()
     present = torch.ones((rows, width), dtype=torch.bool, device=device)
-    backend.compiling = True  # the warm-up inside compiles the layers for this shape
-    try:
-        graph, logits = capture(
-            lambda: backend._forward(tokens, positions, present=present, logits_to_keep=1),
-            (cache.cursor, cache.valid, cache.slot_pos), pool=backend._prefill_pool)
-    finally:
-        backend.compiling = False
+    graph, logits = capture(
+        lambda: backend._forward(tokens, positions, present=present, logits_to_keep=1),
+        (cache.cursor, cache.valid, cache.slot_pos), pool=backend._prefill_pool)
     return _PrefillGraph(graph, tokens, positions, present, logits)
 
 
