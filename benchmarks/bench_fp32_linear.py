@@ -13,6 +13,7 @@ runs (``fp32_linear.split_depth``: clamped so that no split's range of K is empt
 that clamps to a split already timed is timed once.
 
     python benchmarks/bench_fp32_linear.py [--sweep] [--rows decode|verify|prefill]
+        [--layers q/o k/v gate/up down lm_head]
 """
 
 from __future__ import annotations
@@ -54,14 +55,21 @@ def sweep_configs(rows: int, cols: int, depth: int) -> list[tuple[int, ...]]:
     launcher's blocks, each split as it runs (clamped), without repeats."""
     configs = [(m, n, k, w, s, 1) for m in (16, 32, 64) for n in (32, 64, 128)
                for k in (32, 64, 128) for w in (4,) for s in (2, 3, 4)]
+    if cols >= 16384:  # lm_head: compute-bound at many rows, so wide tiles and 8 warps too
+        configs += [(m, n, k, w, s, 1) for m in (64, 128) for n in (64, 128, 256)
+                    for k in (16, 32) for w in (4, 8) for s in (3, 4) if m * n >= 128 * 64]
     for block in dict.fromkeys((blocks(rows, cols, depth)[:5], *SPLIT_BLOCKS)):
         configs += [(*block, split_depth(depth, block[2], split)[0]) for split in SPLITS]
     return list(dict.fromkeys(configs))
 
 
 def main() -> None:
-    args = per_call_arguments(__doc__, lambda parser: parser.add_argument(
-        "--rows", choices=[name.split()[0] for name in ROWS], help="one row set only"))
+    def configure(parser):
+        parser.add_argument("--rows", choices=[name.split()[0] for name in ROWS],
+                            help="one row set only")
+        parser.add_argument("--layers", nargs="+", choices=list(LAYERS), help="these only")
+
+    args = per_call_arguments(__doc__, configure)
     print("; error: max |Δ| from float64 / max |out|\n")
     gen = torch.Generator().manual_seed(0)
     print("| rows | layer (K → N) | cuBLAS fp32 | cuBLAS TF32 | kernel 3xTF32 | cuBLAS / kernel "
@@ -69,8 +77,9 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     sweeps = {}
     row_sets = {name: n for name, n in ROWS.items() if args.rows in (None, name.split()[0])}
+    layers = {name: shape for name, shape in LAYERS.items() if name in (args.layers or LAYERS)}
     for (rows_name, rows), (layer, (depth, cols)) in itertools.product(row_sets.items(),
-                                                                        LAYERS.items()):
+                                                                        layers.items()):
         x = torch.randn(rows, depth, generator=gen).cuda()
         weight = (torch.randn(cols, depth, generator=gen) * depth**-0.5).cuda()
         exact = x.double() @ weight.double().T

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from trace_replay._triton import use_triton
-from trace_replay.kernels.fp32_linear import blocks, fp32_linear, launch, split_depth
+from trace_replay.kernels.fp32_linear import (blocks, fp32_linear, launch, launch_partials,
+                                              split_depth, sum_partials)
 
 
 def error_from_float64(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
@@ -172,3 +173,31 @@ def test_compiled_call_is_one_operator():
     x, weight, bias = torch.randn(4, 32, generator=gen), torch.randn(8, 32, generator=gen), None
     compiled = torch.compile(fp32_linear, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x, weight, bias), fp32_linear(x, weight, bias))
+
+
+@pytest.mark.parametrize("split", [2, 3])
+def test_torch_sum_of_partials_is_the_sum_kernel(device, split):
+    """sum_partials (torch ops, what a compiled layer fuses into its consumer) adds the same
+    float32 numbers in the same order as the sum kernel: the same bits, bias included."""
+    skip_without_triton(device)
+    x, weight, bias = (t.to(device) for t in split_inputs(100))
+    partials = launch_partials(x, weight, bias, config=split_config(split))
+    assert partials.shape == (split, 5, 24)
+    assert torch.equal(sum_partials(partials, bias),
+                       launch(x, weight, bias, config=split_config(split)))
+
+
+def test_compiled_split_k_gives_the_eager_bits(device):
+    """Compiled, fp32_linear runs the partials operator and sums in torch ops; eagerly the
+    sum kernel. At a shape where blocks() splits K (5 rows, K = 200: 4 ranges) both give
+    the same bits; the operator's fake output has the split's shape."""
+    skip_without_triton(device)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(5, 200, generator=gen).to(device)
+    weight = (torch.randn(24, 200, generator=gen) * 200**-0.5).to(device)
+    bias = torch.randn(24, generator=gen).to(device)
+    _, _, block_k, _, _, split = blocks(5, 24, 200)
+    assert split_depth(200, block_k, split)[0] == 4
+    compiled = torch.compile(fp32_linear, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x, weight, bias), fp32_linear(x, weight, bias))
+    assert error_from_float64(compiled(x, weight, bias), x, weight, bias) < 1e-6
