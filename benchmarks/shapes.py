@@ -59,8 +59,17 @@ def kv_bytes_per_token(lm: torch.nn.Module) -> int:
 def hbm_bound_seconds(lm: torch.nn.Module, batch: int, prompt_len: int, new_tokens: int,
                       bandwidth: float = 4.8e12) -> float:
     """Least time of ``new_tokens`` decode steps: every weight and every row's context
-    (keys and values) read once per step, at ``bandwidth`` bytes/s."""
+    (keys and values) read once per step, at ``bandwidth`` bytes/s.
+
+    An input embedding table that is not also the output head is not read whole by a
+    step, only one row per token: it counts as ``batch`` rows (Llama-3.1-8B: 1.05 of its
+    16.06 GB are that table; until 2026-12-01's sixth session the bound counted all of it,
+    which made every 8B fraction ~7% too high)."""
     weights = sum(p.numel() * p.element_size() for p in lm.parameters())
+    table = lm.get_input_embeddings().weight
+    head = lm.get_output_embeddings()
+    if head is None or head.weight is not table:
+        weights += (batch - table.shape[0]) * table.shape[1] * table.element_size()
     mean_context = prompt_len + (new_tokens - 1) / 2
     per_step = weights + batch * mean_context * kv_bytes_per_token(lm)
     return new_tokens * per_step / bandwidth

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from trace_replay._triton import use_triton
-from trace_replay.kernels.fp32_linear import (blocks, fp32_linear, launch, launch_partials,
+from trace_replay.kernels.fp32_linear import (blocks, fp32_linear, group_blocks, launch,
+                                              launch_group_partials, launch_partials,
                                               split_depth, sum_partials)
 
 
@@ -201,3 +202,38 @@ def test_compiled_split_k_gives_the_eager_bits(device):
     compiled = torch.compile(fp32_linear, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(x, weight, bias), fp32_linear(x, weight, bias))
     assert error_from_float64(compiled(x, weight, bias), x, weight, bias) < 1e-6
+
+
+def test_group_blocks_put_every_member_on_tiles_of_its_own():
+    """group_blocks: the whole output's blocks at the given split, BLOCK_N narrowed until
+    it divides every member's first column; None when even 16 does not."""
+    assert group_blocks(64, [576, 192, 192], 576, 5) == (*blocks(64, 960, 576)[:5], 5)
+    assert group_blocks(5, [48, 16, 16], 200, 4)[1] == 16  # 48 is no multiple of 32
+    assert group_blocks(5, [40, 24], 200, 4) is None
+
+
+@pytest.mark.parametrize("split, bias", [(1, True), (1, False), (3, True)])
+def test_group_launch_is_each_members_launch(device, split, bias):
+    """Three weights side by side in one launch: each member's columns hold what its own
+    launch at the same blocks and split holds (partials, or at split 1 the output with its
+    bias), to float32 rounding."""
+    skip_without_triton(device)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(5, 100, generator=gen).to(device)
+    weights = [(torch.randn(n, 100, generator=gen) * 0.1).to(device) for n in (32, 16, 48)]
+    biases = [torch.randn(n, generator=gen).to(device) for n in (32, 16, 48)] if bias else None
+    group = launch_group_partials(x, weights, biases, split)
+    config = group_blocks(5, [32, 16, 48], 100, split)
+    assert group.shape == (split_depth(100, config[2], split)[0], 5, 96)
+    start = 0
+    for i, weight in enumerate(weights):
+        own = launch_partials(x, weight, None if biases is None else biases[i], config=config)
+        torch.testing.assert_close(group[:, :, start:start + weight.shape[0]], own,
+                                   atol=1e-6, rtol=0)
+        start += weight.shape[0]
+
+
+def test_group_launch_refuses_tiles_across_members():
+    x = torch.zeros(5, 100)
+    with pytest.raises(ValueError, match="tile"):
+        launch_group_partials(x, [torch.zeros(40, 100), torch.zeros(24, 100)], None, 1)

@@ -14,7 +14,9 @@ decoder layers run compiled by ``torch.compile`` — one compiled region that al
 kind share (the layers differ only in their weights), so start-up compiles one layer per
 shape rather than the whole model. A float32 model's view multiplies on tensor cores with
 the 3xTF32 split (``float32_matmul``; its linear layers become
-:class:`_TensorCoreLinear` in the view). On CPU everything runs eagerly.
+:class:`_TensorCoreLinear` in the view), and the compiler puts the linears that read the same
+input (q/k/v, gate/up) in one launch each (:mod:`~trace_replay.engines.linear_groups`). On
+CPU everything runs eagerly.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from trace_replay.engines.captured_step import StepGraph, capture, capture_step
+from trace_replay.engines.linear_groups import GroupLinears
 from trace_replay.engines.static_cache import ATTENTION, StaticKVCache, register_attention
 from trace_replay.kernels.fp32_linear import fp32_linear
 
@@ -405,7 +408,10 @@ def _compile_layer():
         # one entry per (layer kind, shape, dtype): more than dynamo's default of 8 in a
         # process that replays several models or batch sizes
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        _COMPILED_LAYER = torch.compile(_layer_forward, fullgraph=True, dynamic=False)
+        # a float32 layer's q/k/v and gate/up 3xTF32 linears each in one launch (a no-op
+        # for other dtypes: the pass only rewrites the 3xTF32 operator)
+        _COMPILED_LAYER = torch.compile(_layer_forward, fullgraph=True, dynamic=False,
+                                        options={"post_grad_custom_pre_pass": GroupLinears()})
     return _COMPILED_LAYER
 
 

@@ -42,13 +42,16 @@ kernel to float32 rounding.
 # No `from __future__ import annotations`: Triton's interpreter must see `tl.constexpr`
 # itself, not a string, to treat a kernel parameter as a compile-time constant.
 
+import itertools
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
 from trace_replay._triton import tl, triton, use_triton
 
-__all__ = ["blocks", "fp32_linear", "fp32_linear_reference", "launch", "launch_partials",
-           "split_depth", "sum_partials"]
+__all__ = ["blocks", "fp32_linear", "fp32_linear_reference", "group_blocks", "launch",
+           "launch_group_partials", "launch_partials", "split_depth", "sum_partials"]
 
 # elements per program of the partial-sum kernel (an elementwise pass: any size works)
 _SUM_BLOCK = 1024
@@ -60,13 +63,16 @@ _PROGRAMS = 264
 def _fp32_linear_kernel(
     x_ptr,  # [M, K] float32, last stride 1
     x_stride_m,
-    weight_ptr,  # [N, K] float32, last stride 1
-    weight_stride_n,
-    bias_ptr,  # [N] float32, or any pointer when not HAS_BIAS
+    weight_ptr,  # [N, K] float32, last stride 1 (of the first member, when MEMBERS > 1)
+    weight1_ptr, weight2_ptr,  # the second and third members' (read when MEMBERS > 1, > 2)
+    weight_stride_n,  # every member's
+    bias_ptr, bias1_ptr, bias2_ptr,  # [N_i] float32 each, or any pointer when not HAS_BIAS
     out_ptr,  # [M, N] float32, contiguous, written; at SPLIT > 1 the [SPLIT, M, N] partials
-    rows, cols, depth,
+    rows, cols, depth,  # cols: of the whole output (all members side by side)
+    first1, first2,  # output columns where the second and third members start
     k_per_split,  # a multiple of BLOCK_K (unused at SPLIT == 1)
     HAS_BIAS: tl.constexpr,
+    MEMBERS: tl.constexpr,  # weights side by side in one output (see launch_group_partials)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -76,11 +82,20 @@ def _fp32_linear_kernel(
     # N tiles vary fastest: programs running together share the x tile and stream weights
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns
     offs_k = tl.arange(0, BLOCK_K)
     row_ok, col_ok = offs_m < rows, offs_n < cols
+    # a tile lies inside one member (the launcher aligns members to BLOCK_N): its weight
+    # rows are the tile's columns less the member's first column
+    w_base, b_base, first = weight_ptr, bias_ptr, pid_n * 0
+    if MEMBERS > 1:
+        if pid_n * BLOCK_N >= first1:
+            w_base, b_base, first = weight1_ptr, bias1_ptr, first1
+    if MEMBERS > 2:
+        if pid_n * BLOCK_N >= first2:
+            w_base, b_base, first = weight2_ptr, bias2_ptr, first2
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * x_stride_m
-    w_rows = weight_ptr + offs_n.to(tl.int64)[:, None] * weight_stride_n
+    w_rows = w_base + (offs_n - first).to(tl.int64)[:, None] * weight_stride_n
     if SPLIT == 1:  # resolved at compile time: the one-pass kernel, all of K
         k_start, k_end = 0, depth
     else:  # this program's range; it starts on a BLOCK_K boundary, so `k < depth` masks it
@@ -96,7 +111,7 @@ def _fp32_linear_kernel(
         w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     if HAS_BIAS:  # the launcher sets it only at SPLIT == 1: the sum adds the bias otherwise
-        acc += tl.load(bias_ptr + offs_n, mask=col_ok, other=0.0)[None, :]
+        acc += tl.load(b_base + (offs_n - first), mask=col_ok, other=0.0)[None, :]
     tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * cols + offs_n[None, :], acc,
              mask=row_ok[:, None] & col_ok[None, :])
 
@@ -206,6 +221,18 @@ def _(x, weight, bias):
     return x.new_empty((split_depth(depth, block_k, split)[0], rows, weight.shape[0]))
 
 
+@torch.library.custom_op("trace_replay::fp32_linear_group_partials", mutates_args=())
+def _fp32_linear_group_partials_op(x: torch.Tensor, weights: list[torch.Tensor],
+                                   biases: list[torch.Tensor], split: int) -> torch.Tensor:
+    # biases: one per weight, or empty for none (what engines.linear_groups inserts)
+    return launch_group_partials(x, weights, biases or None, split)
+
+
+@_fp32_linear_group_partials_op.register_fake
+def _(x, weights, biases, split):
+    return x.new_empty((split, x.shape[0], sum(w.shape[0] for w in weights)))
+
+
 def blocks(rows: int, cols: int, depth: int) -> tuple[int, int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split)`` for ``[rows, depth] @ [depth, cols]``.
 
@@ -282,23 +309,64 @@ def launch_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     bias (:func:`sum_partials` or the sum kernel adds it). ``config`` as for :func:`launch`.
     """
     rows, depth = x.shape
-    cols = weight.shape[0]
     if config is None:
-        config = blocks(rows, cols, depth)
+        config = blocks(rows, weight.shape[0], depth)
+    return _launch((weight,), None if bias is None else (bias,), x, config)
+
+
+def group_blocks(rows: int, cols: Sequence[int], depth: int,
+                 split: int) -> tuple[int, int, int, int, int, int] | None:
+    """Blocks for weights of ``cols`` output columns each, side by side in one launch at
+    ``split``: :func:`blocks` of the whole output, its ``BLOCK_N`` narrowed (to 32, then
+    16) until every member starts on a tile; None when none does (no grouping then)."""
+    block_m, block_n, block_k, warps, stages, _ = blocks(rows, sum(cols), depth)
+    starts = list(itertools.accumulate(cols))[:-1]
+    for width in (block_n, 32, 16):
+        if width <= block_n and all(start % width == 0 for start in starts):
+            return block_m, width, block_k, warps, stages, split
+    return None
+
+
+def launch_group_partials(x: torch.Tensor, weights: Sequence[torch.Tensor],
+                          biases: Sequence[torch.Tensor] | None, split: int) -> torch.Tensor:
+    """Two or three linear layers that read the same ``x`` in one launch (q/k/v, gate/up):
+    ``[split, M, N_0 + N_1 (+ N_2)]``, each member's partials (or, at split 1, output with
+    its bias) in its own columns, computed as :func:`launch_partials` computes them; the
+    blocks from :func:`group_blocks`, which must not be None."""
+    rows, depth = x.shape
+    config = group_blocks(rows, [w.shape[0] for w in weights], depth, split)
+    if config is None:
+        raise ValueError("no BLOCK_N puts every member of this group on a tile of its own")
+    return _launch(tuple(weights), None if biases is None else tuple(biases), x, config)
+
+
+def _launch(weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor, ...] | None,
+            x: torch.Tensor, config: tuple[int, ...]) -> torch.Tensor:
     if len(config) not in (5, 6):
         raise ValueError(f"config is (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, split]), "
                          f"got {config}")
+    if not 1 <= len(weights) <= 3 or (biases is not None and len(biases) != len(weights)):
+        raise ValueError(f"{len(weights)} weights and {biases and len(biases)} biases: "
+                         "one to three weights, and a bias for each or for none")
+    rows, depth = x.shape
     block_m, block_n, block_k, warps, stages = config[:5]
     split, k_per_split = split_depth(depth, block_k, config[5] if len(config) == 6 else 1)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    bias = None if bias is None else bias.contiguous()
+    weights = [w.contiguous() for w in weights]  # one row stride for every member: depth
+    starts = list(itertools.accumulate(w.shape[0] for w in weights))
+    cols = starts[-1]
+    if any(start % block_n for start in starts[:-1]):
+        raise ValueError(f"BLOCK_N {block_n} does not divide the members' first columns")
+    pointers = lambda ts: [*ts, *[ts[0]] * (3 - len(ts))]  # unread pointers repeat the first
+    bias_ptrs = pointers([b.contiguous() for b in biases]) if biases is not None else [x] * 3
+    firsts = [*starts[:-1], cols, cols][:2]  # beyond the last member: never reached
     partials = torch.empty((split, rows, cols), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(cols, block_n), triton.cdiv(rows, block_m), split)
     _fp32_linear_kernel[grid](
-        x, x.stride(0), weight, weight.stride(0), bias if bias is not None else x, partials,
-        rows, cols, depth, k_per_split,
-        HAS_BIAS=bias is not None and split == 1, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, SPLIT=split, PRECISION="tf32x3", num_warps=warps, num_stages=stages,
+        x, x.stride(0), *pointers(weights), depth, *bias_ptrs, partials,
+        rows, cols, depth, *firsts, k_per_split,
+        HAS_BIAS=biases is not None and split == 1, MEMBERS=len(weights), BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, PRECISION="tf32x3", num_warps=warps,
+        num_stages=stages,
     )
     return partials
