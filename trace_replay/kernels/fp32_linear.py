@@ -33,6 +33,13 @@ same bits), and the compiler fuses that sum into the kernel that reads the outpu
 residual add and RMSNorm, SiLU·mul, rotary and the cache write). In a float32 SmolLM2
 decode step on an H200 the sum kernels were 208 launches of ~1.5 µs: 15% of the step.
 
+Groups. Two or three weights that multiply the same ``x`` (a layer's q/k/v, its gate/up)
+can share one launch (:func:`launch_group_partials`): their outputs side by side, each tile
+inside one member (``BLOCK_N`` divides the members' first columns), the kernel picking the
+tile's weight and bias pointers from its column. At decode's few rows each call is
+latency-bound whatever its size, so one launch for three costs little more than one;
+:mod:`trace_replay.engines.linear_groups` is the compiler pass that makes the groups.
+
 The result is not cuBLAS's float32 result bit for bit (no two GEMM kernels agree in the last
 bits: their reduction orders differ), but it is as close to the float64 product:
 ``benchmarks/bench_fp32_linear.py`` measures both, ``tests/test_fp32_linear.py`` holds the
@@ -352,21 +359,30 @@ def _launch(weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor, ...] 
     block_m, block_n, block_k, warps, stages = config[:5]
     split, k_per_split = split_depth(depth, block_k, config[5] if len(config) == 6 else 1)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    weights = [w.contiguous() for w in weights]  # one row stride for every member: depth
+    if len(weights) == 1 and weights[0].stride(-1) == 1:  # any row stride
+        row_stride = weights[0].stride(0)
+    else:  # members share one row stride: depth
+        weights, row_stride = [w.contiguous() for w in weights], depth
     starts = list(itertools.accumulate(w.shape[0] for w in weights))
     cols = starts[-1]
     if any(start % block_n for start in starts[:-1]):
         raise ValueError(f"BLOCK_N {block_n} does not divide the members' first columns")
-    pointers = lambda ts: [*ts, *[ts[0]] * (3 - len(ts))]  # unread pointers repeat the first
-    bias_ptrs = pointers([b.contiguous() for b in biases]) if biases is not None else [x] * 3
+    bias_ptrs = (_three([b.contiguous() for b in biases]) if biases is not None
+                 else [x] * 3)
     firsts = [*starts[:-1], cols, cols][:2]  # beyond the last member: never reached
     partials = torch.empty((split, rows, cols), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(cols, block_n), triton.cdiv(rows, block_m), split)
     _fp32_linear_kernel[grid](
-        x, x.stride(0), *pointers(weights), depth, *bias_ptrs, partials,
+        x, x.stride(0), *_three(weights), row_stride, *bias_ptrs, partials,
         rows, cols, depth, *firsts, k_per_split,
         HAS_BIAS=biases is not None and split == 1, MEMBERS=len(weights), BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, PRECISION="tf32x3", num_warps=warps,
         num_stages=stages,
     )
     return partials
+
+
+def _three(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The kernel's three member pointers: the members', then the first one's again (never
+    read: ``MEMBERS`` stops the kernel before them)."""
+    return [*tensors, *[tensors[0]] * (3 - len(tensors))]
