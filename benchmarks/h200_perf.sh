@@ -19,6 +19,7 @@ torch)
   LIMIT=200 bench smol_fp32 --shape smollm2-135m --dtype float32 --batch 64 --k 8 --repeats 5 \
     --fidelity --host-profile
   LIMIT=100 bench smol_bf16 --shape smollm2-135m --dtype bfloat16 --batch 256 --k 0 --skip-hf --repeats 7
+  LIMIT=100 bench smol_bf16_verify --shape smollm2-135m --dtype bfloat16 --batch 64 --k 8 --skip-hf --repeats 5
   LIMIT=240 bench llama8b --shape llama-3.1-8b --dtype bfloat16 --batch 1,16,64 --k 0 --repeats 2 --profile
   ;;
 fp32)
@@ -35,7 +36,7 @@ tests)
     tests/test_forced_graph.py tests/test_static_backend.py tests/test_scoring.py tests/test_kernels.py tests/test_state.py \
     -k "${TESTS:-.}" 2>&1 | grep -E "PASS|FAIL|Error|error|passed|failed" | tee "$out/gpu_tests.txt"
   # the kernels' and the state's CUDA cases are not gpu-marked (a device parameter instead)
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_top_k.py tests/test_kernels.py tests/test_state.py tests/test_cache_attention.py tests/test_fp32_linear.py \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_top_k.py tests/test_kernels.py tests/test_state.py tests/test_cache_attention.py tests/test_fp32_linear.py tests/test_linear_groups.py \
     -k cuda 2>&1 | tail -5 | tee -a "$out/gpu_tests.txt"
   ;;
 vllm)
