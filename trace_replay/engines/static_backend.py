@@ -30,7 +30,6 @@ from typing import NamedTuple
 import torch
 
 from trace_replay.engines.captured_step import StepGraph, capture, capture_step
-from trace_replay.engines.linear_groups import GroupLinears
 from trace_replay.engines.static_cache import ATTENTION, StaticKVCache, register_attention
 from trace_replay.kernels.fp32_linear import fp32_linear
 
@@ -405,6 +404,8 @@ def _compile_layer():
     """``torch.compile`` of a decoder layer's forward, shared by every layer and backend."""
     global _COMPILED_LAYER
     if _COMPILED_LAYER is None:
+        from trace_replay.engines.linear_groups import GroupLinears  # imports inductor
+
         # one entry per (layer kind, shape, dtype): more than dynamo's default of 8 in a
         # process that replays several models or batch sizes
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
