@@ -29,7 +29,9 @@ SHAPES = {  # name: (rows, kv heads, query heads per kv head, tokens per row, he
     "SmolLM2 fp32 b64": (64, 3, 3, 1, 64, torch.float32),
     "SmolLM2 fp32 b64 verify k=8": (64, 3, 3, 9, 64, torch.float32),
     "Llama-3.1-8B bf16 b1": (1, 8, 4, 1, 128, torch.bfloat16),
+    "Llama-3.1-8B bf16 b16": (16, 8, 4, 1, 128, torch.bfloat16),
     "Llama-3.1-8B bf16 b64": (64, 8, 4, 1, 128, torch.bfloat16),
+    "Qwen2.5-7B bf16 b1": (1, 4, 7, 1, 128, torch.bfloat16),
 }
 LENGTH = 256
 

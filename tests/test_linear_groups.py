@@ -88,3 +88,26 @@ def test_members_that_fit_no_tile_are_not_grouped(device):
     out, code = compiled_code(projections, x, weights, biases)
     assert launches(code) == (0, 2)
     torch.testing.assert_close(out, projections(x, weights, biases), atol=1e-5, rtol=0)
+
+
+def test_one_row_half_precision_projections_are_one_gemv_launch(device):
+    """At one bfloat16 row the GEMV calls of one input group the same way: q/k/v-like
+    projections with biases are one ``gemv_group`` launch, each output the single call's
+    within bfloat16 rounding."""
+    from trace_replay.kernels.gemv import gemv
+
+    x, weights, biases = layer_inputs(device)
+    x, weights, biases = (x[:1].bfloat16(), [w.bfloat16() for w in weights],
+                          [b.bfloat16() for b in biases])
+
+    def half_projections(x, weights, biases):
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return tuple(gemv(h, w, b) for w, b in zip(weights, biases))
+
+    out, code = compiled_code(half_projections, x, weights, biases)
+    assert (code.count("trace_replay.gemv_group.default("),
+            code.count("trace_replay.gemv.default(")) == (1, 0)
+    for got, want in zip(out, half_projections(x, weights, biases)):
+        assert got.shape == want.shape == (1, 1, want.shape[-1])
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * want.abs().max().item(),
+                                   rtol=0)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from trace_replay.engines.scoring import (collect_rows, score_tokens, score_with_top, scorer_for,
+from trace_replay.engines.scoring import (chunked_argmax, collect_rows, greedy_tokens, score_tokens, score_with_top, scorer_for,
                                            top_from_logprob)
 
 
@@ -128,3 +128,24 @@ def test_cuda_scorer_agrees_with_score_tokens(dtype, rows):
     torch.testing.assert_close(got.entropy, want.entropy, atol=1e-4, rtol=0)
     torch.testing.assert_close(got.top_logprobs, want.top_logprobs, atol=1e-5, rtol=0)
     assert (got.rank - want.rank).abs().max() <= 1  # only near-ties may move by rounding
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_argmax_is_argmax(device, dtype):
+    """The two-pass argmax gives argmax's index, ties (first wins, across and within chunks),
+    NaN (counted largest) and -inf included; ``greedy_tokens`` is argmax on every device."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 1024, generator=gen).round(decimals=1)  # many exact ties
+    logits[1, 300] = logits[1, 700] = 9.0  # equal maxima in different chunks
+    logits[2, 5] = logits[2, 6] = 9.0  # in one chunk
+    logits[3, 800] = float("nan")
+    logits[3, 900] = float("nan")
+    logits[4] = float("-inf")
+    logits[5, 1023] = 50.0  # the last index
+    logits = logits.to(device, dtype)
+    want = logits.argmax(dim=-1)
+    for chunks in (2, 16, 64):
+        assert torch.equal(chunked_argmax(logits, chunks), want)
+    assert torch.equal(greedy_tokens(logits), want)
+    wide = torch.randn(3, 128256, generator=gen).to(device, dtype)  # Llama-3's vocabulary
+    assert torch.equal(greedy_tokens(wide), wide.argmax(dim=-1))

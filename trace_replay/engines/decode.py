@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from trace_replay.engines.scoring import TokenScores, score_tokens
+from trace_replay.engines.scoring import TokenScores, greedy_tokens, score_tokens
 from trace_replay.engines.slots import SlotTable
 
 __all__ = ["Scorer", "Steps", "replay_steps", "forced_step", "generate_steps"]
@@ -29,7 +29,7 @@ def forced_step(logits: torch.Tensor, slots: SlotTable, idx_mapping: torch.Tenso
 
     ``trace_token_ids``: see :meth:`~trace_replay.state.TraceReplayState.apply_trace`.
     """
-    sampled = logits.argmax(dim=-1)
+    sampled = greedy_tokens(logits)
     slots.trace_state.apply_trace(sampled, idx_mapping, trace_token_ids=trace_token_ids)
     slots.advance(idx_mapping)
     return sampled, score(logits, sampled, top_k)
@@ -74,7 +74,7 @@ def generate_steps(backend, slots: SlotTable, idx_mapping: torch.Tensor, logits:
             probs = torch.softmax(logits.float() / temperature, dim=-1)
             sampled = torch.multinomial(probs, 1, generator=generator).squeeze(1)
         else:
-            sampled = logits.argmax(dim=-1)
+            sampled = greedy_tokens(logits)
         tokens.append(sampled)
         logprobs.append(score(logits, sampled, 0).logprob)
         if eos_token_id is not None:

@@ -8,8 +8,14 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["TokenScores", "score_tokens", "score_with_top", "scorer_for", "top_from_logprob",
+__all__ = ["TokenScores", "greedy_tokens", "score_tokens", "score_with_top", "scorer_for", "top_from_logprob",
            "collect_rows"]
+
+
+# On CUDA, up to this many rows take the two-pass argmax of :func:`greedy_tokens`
+_CHUNKED_ARGMAX_ROWS = 16
+# chunks per row it tries, the first that divides the vocabulary (else the one-pass argmax)
+_ARGMAX_CHUNKS = (256, 128, 64)
 
 
 class TokenScores(NamedTuple):
@@ -31,6 +37,40 @@ def score_tokens(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int) -> T
     order). Everything stays on the device: no host synchronization.
     """
     return score_with_top(logits, token_ids, _top_ids(logits, token_ids, top_k))
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` for ``[N, V]`` logits: the same indices, the first of equal
+    maxima (a NaN counting as the largest).
+
+    On CUDA, for a few rows of a vocabulary that a chunk count divides, in two passes
+    (:func:`chunked_argmax`): torch's one-pass argmax reduces a row in one thread block, and
+    one row of Llama-3's 128,256 logits took it 31 µs on an H200 (0.7% of a batch-1 step of
+    the 8B shape).
+    """
+    rows, vocab = logits.shape
+    chunks = next((c for c in _ARGMAX_CHUNKS if vocab % c == 0 and vocab >= 64 * c), None)
+    if logits.device.type != "cuda" or rows > _CHUNKED_ARGMAX_ROWS or chunks is None:
+        return logits.argmax(dim=-1)
+    return chunked_argmax(logits, chunks)
+
+
+def chunked_argmax(logits: torch.Tensor, chunks: int) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` as the best of ``chunks`` equal chunks per row: each chunk's
+    maximum and its first index, then the first chunk holding the row's maximum. Both passes
+    take the first of equal values and count a NaN as the largest (``torch.max``'s rule, as
+    ``argmax``'s), so the index is argmax's own.
+
+    Examples
+    --------
+    >>> chunked_argmax(torch.tensor([[0.0, 3.0, 1.0, 3.0], [2.0, 0.0, 0.0, 5.0]]), 2).tolist()
+    [1, 3]
+    """
+    rows, vocab = logits.shape
+    width = vocab // chunks
+    maxima, within = logits.reshape(rows, chunks, width).max(dim=-1)
+    best = maxima.argmax(dim=-1, keepdim=True)
+    return (best * width + within.gather(1, best)).squeeze(1)
 
 
 def score_with_top(logits: torch.Tensor, token_ids: torch.Tensor,

@@ -13,10 +13,12 @@ graph and replayed: no host synchronization in ``decode`` or ``keep``. Inside th
 decoder layers run compiled by ``torch.compile`` — one compiled region that all layers of a
 kind share (the layers differ only in their weights), so start-up compiles one layer per
 shape rather than the whole model. A float32 model's view multiplies on tensor cores with
-the 3xTF32 split (``float32_matmul``; its linear layers become
-:class:`_TensorCoreLinear` in the view), and the compiler puts the linears that read the same
-input (q/k/v, gate/up) in one launch each (:mod:`~trace_replay.engines.linear_groups`). On
-CPU everything runs eagerly.
+the 3xTF32 split (``float32_matmul``); a bfloat16 or float16 model's, at one row (batch-1
+decode steps), through :func:`~trace_replay.kernels.gemv.gemv`, which streams the weights
+faster than cuBLAS's GEMVs. Either way its linear layers become :class:`_KernelLinear` in
+the view, and the compiler puts the linears that read the same input (q/k/v, gate/up) in
+one launch each (:mod:`~trace_replay.engines.linear_groups`). On CPU everything runs
+eagerly.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 from trace_replay.engines.captured_step import StepGraph, capture, capture_step
 from trace_replay.engines.static_cache import ATTENTION, StaticKVCache, register_attention
 from trace_replay.kernels.fp32_linear import fp32_linear
+from trace_replay.kernels.gemv import gemv
 
 __all__ = ["FLOAT32_MATMUL", "StaticCacheBackend", "check_float32_matmul", "supports"]
 
@@ -112,13 +115,14 @@ class _LayerRunner:
         return run(self.layer, hidden_states, *args, past_key_values=cache, **kwargs)
 
 
-class _TensorCoreLinear(torch.nn.Module):
-    """A float32 ``nn.Linear`` (sharing its weights) that multiplies on tensor cores with the
-    3xTF32 split (:func:`~trace_replay.kernels.fp32_linear.fp32_linear`)."""
+class _KernelLinear(torch.nn.Module):
+    """An ``nn.Linear`` (sharing its weights) whose product is one of the package's kernels:
+    :func:`~trace_replay.kernels.fp32_linear.fp32_linear` (float32, 3xTF32 on tensor cores)
+    or :func:`~trace_replay.kernels.gemv.gemv` (half precision at one row)."""
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, linear: torch.nn.Linear, product) -> None:
         super().__init__()
-        self.linear = linear
+        self.linear, self.product = linear, product
 
     @property
     def weight(self) -> torch.Tensor:
@@ -129,15 +133,15 @@ class _TensorCoreLinear(torch.nn.Module):
         return self.linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp32_linear(x, self.linear.weight, self.linear.bias)
+        return self.product(x, self.linear.weight, self.linear.bias)
 
 
-def _tensor_core_linears(module: torch.nn.Module) -> torch.nn.Module:
+def _kernel_linears(module: torch.nn.Module, product) -> torch.nn.Module:
     """``module``, or a shallow copy of it whose ``nn.Linear`` descendants are
-    :class:`_TensorCoreLinear` (copies along the way; the model itself is untouched)."""
+    :class:`_KernelLinear` of ``product`` (copies along the way; the model is untouched)."""
     if isinstance(module, torch.nn.Linear):
-        return _TensorCoreLinear(module)
-    children = {name: _tensor_core_linears(child) for name, child in module._modules.items()
+        return _KernelLinear(module, product)
+    children = {name: _kernel_linears(child, product) for name, child in module._modules.items()
                 if child is not None}
     if all(children[name] is module._modules[name] for name in children):
         return module
@@ -158,12 +162,13 @@ def _model_view(lm: torch.nn.Module, backend: StaticCacheBackend) -> torch.nn.Mo
         layer.self_attn.config = config
         if backend.tensor_cores:
             layer.self_attn.float32_dots = "tf32x3"  # read by grouped_attention
-            layer = _tensor_core_linears(layer)
+        if backend.product is not None:
+            layer = _kernel_linears(layer, backend.product)
         layer.forward = _LayerRunner(layer, index, backend)
         layers.append(layer)
     view.model.layers = torch.nn.ModuleList(layers)
-    if backend.tensor_cores and isinstance(lm.lm_head, torch.nn.Linear):
-        view.lm_head = _TensorCoreLinear(lm.lm_head)
+    if backend.product is not None and isinstance(lm.lm_head, torch.nn.Linear):
+        view.lm_head = _KernelLinear(lm.lm_head, backend.product)
     return view
 
 
@@ -219,6 +224,11 @@ class StaticCacheBackend:
         # the 3xTF32 linears are the kernel's on CUDA only (the CPU reference is F.linear)
         self.tensor_cores = (float32_matmul == "3xtf32" and self.dtype == torch.float32
                              and self.device.type == "cuda")
+        # the linears' product in the view: 3xTF32, the one-row GEMV (half precision on
+        # CUDA; more rows go on to cuBLAS), or the model's own nn.Linear
+        self.product = (fp32_linear if self.tensor_cores else gemv
+                        if self.dtype in (torch.bfloat16, torch.float16)
+                        and self.device.type == "cuda" else None)
         self.name = ("static+compiled" if self.cuda_graphs else "static") + (
             "+3xtf32" if self.tensor_cores else "")
         self.forwards = 0
@@ -409,8 +419,8 @@ def _compile_layer():
         # one entry per (layer kind, shape, dtype): more than dynamo's default of 8 in a
         # process that replays several models or batch sizes
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        # a float32 layer's q/k/v and gate/up 3xTF32 linears each in one launch (a no-op
-        # for other dtypes: the pass only rewrites the 3xTF32 operator)
+        # a layer's q/k/v and gate/up kernel linears (3xTF32, one-row GEMV) each in one
+        # launch (a no-op where the layer multiplies with cuBLAS)
         _COMPILED_LAYER = torch.compile(_layer_forward, fullgraph=True, dynamic=False,
                                         options={"post_grad_custom_pre_pass": GroupLinears()})
     return _COMPILED_LAYER

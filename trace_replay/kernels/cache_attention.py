@@ -17,6 +17,8 @@ sees its own slot).
 # No `from __future__ import annotations`: Triton's interpreter must see `tl.constexpr`
 # itself, not a string, to treat a kernel parameter as a compile-time constant.
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -170,10 +172,15 @@ def launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
     # (k = 8 verify 48.3 -> 49.9; 44.2 at 32 x 4); Llama-3-8B bf16 1 row 10.5 -> 7.0 at
     # 64 x 2 (4.9 at 128 x 4), 64 rows 36.0 -> 12.9. Some float32 configurations spill
     # (64 x 2 at 27 query rows: 670 µs), so float32 keeps 4 warps.
+    # Fewer programs than SMs (Llama-3.1-8B at batch 1: 8) leave the GPU idle but for each
+    # program's walk down the cache, so 16-bit inputs then take longer steps with more
+    # warps: 128 slots x 4 warps, 4.9 µs against 7.0 there.
+    few = (query.dtype != torch.float32 and block_d <= 128
+           and batch * kv_heads < _multiprocessors(query.device))
     if block_n is None:
-        block_n = 32 if block_d > 128 else 64
+        block_n = 128 if few else 32 if block_d > 128 else 64
     if num_warps is None:
-        num_warps = 4 if query.dtype == torch.float32 else 2
+        num_warps = 4 if query.dtype == torch.float32 or few else 2
     _cache_attention_kernel[(batch, kv_heads)](
         query, query.stride(0), query.stride(1), query.stride(2),
         key, key.stride(0), key.stride(1), key.stride(2),
@@ -190,6 +197,13 @@ def launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
         num_warps=num_warps,
     )
     return out
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter: the choice is moot
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @_cache_attention_op.register_fake
