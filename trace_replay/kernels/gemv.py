@@ -28,14 +28,13 @@ order, so results agree with ``F.linear`` to the dtype's rounding, not bit for b
 
 # No `from __future__ import annotations`: Triton's interpreter must see `tl.constexpr`.
 
-import functools
 import itertools
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from trace_replay._triton import interpreting, tl, triton, use_triton
+from trace_replay._triton import tl, triton, use_triton
 
 __all__ = ["MAX_ROWS", "blocks", "gemv", "gemv_reference", "launch", "runs"]
 
@@ -59,7 +58,6 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # depth % BLOCK_K == 0: no mask along K
-    USE_PDL: tl.constexpr,  # launched as a programmatic dependent launch (Hopper and later)
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -76,18 +74,8 @@ def _gemv_kernel(
     rows_n = tl.minimum(offs_n, cols - 1) - first
     w_rows = w_base + rows_n.to(tl.int64)[:, None] * weight_stride_n
     x_row = x_ptr + pid_m.to(tl.int64) * x_stride_m
-    # the first step's weights: no kernel writes them, so under PDL they load while the
-    # kernel before this one finishes; x (its output, maybe) only after the wait
-    if EVEN_K:
-        w = tl.load(w_rows + offs_k[None, :], eviction_policy="evict_first")
-    else:
-        w = tl.load(w_rows + offs_k[None, :], mask=(offs_k < depth)[None, :], other=0.0,
-                    eviction_policy="evict_first")
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    x = tl.load(x_row + offs_k, mask=offs_k < depth, other=0.0)
-    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
-    for start in range(BLOCK_K, depth, BLOCK_K):
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for start in range(0, depth, BLOCK_K):
         k = start + offs_k
         if EVEN_K:
             w = tl.load(w_rows + k[None, :], eviction_policy="evict_first")
@@ -194,23 +182,12 @@ def launch(x: torch.Tensor, weights: Sequence[torch.Tensor],
     bias_ptrs = _three([b.contiguous() for b in biases]) if biases is not None else [x] * 3
     firsts = [*starts[:-1], cols, cols][:2]
     out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
-    pdl = _dependent_launch(x.device)
     _gemv_kernel[(rows, triton.cdiv(cols, block_n))](
         x, x.stride(0), *_three(weights), row_stride, *bias_ptrs, out, cols, depth, *firsts,
         HAS_BIAS=biases is not None, MEMBERS=len(weights), BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=depth % block_k == 0, USE_PDL=pdl, num_warps=warps,
-        **({"launch_pdl": True} if pdl else {}),
+        EVEN_K=depth % block_k == 0, num_warps=warps,
     )
     return out
-
-
-@functools.cache
-def _dependent_launch(device: torch.device) -> bool:
-    """Whether launches on ``device`` are programmatic dependent launches (PDL: compute
-    capability 9.0 and later, not the interpreter): the kernel may then start while the
-    one before it finishes, and waits for it (``griddepcontrol.wait``) before reading x."""
-    return (device.type == "cuda" and not interpreting()
-            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def _three(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
