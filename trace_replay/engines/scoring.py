@@ -8,6 +8,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from trace_replay.engines.compiling import allow_recompiles
+
 __all__ = ["TokenScores", "greedy_tokens", "score_tokens", "score_with_top", "scorer_for", "top_from_logprob",
            "collect_rows"]
 
@@ -116,6 +118,7 @@ def scorer_for(device: torch.device | str, *, rows: str = "static"):
         # inductor says so at each compile when it splits the vocabulary reduction: an
         # internal choice, nothing a user can act on
         warnings.filterwarnings("ignore", message=r"\s*Online softmax is disabled")
+        allow_recompiles()  # static rows: one graph per row count, dtype and top-k
         compiled = torch.compile(score_with_top, dynamic=rows == "dynamic", fullgraph=True)
 
         def score_cuda(logits: torch.Tensor, token_ids: torch.Tensor,

@@ -32,6 +32,7 @@ from typing import NamedTuple
 import torch
 
 from trace_replay.engines.captured_step import StepGraph, capture, capture_step
+from trace_replay.engines.compiling import allow_recompiles
 from trace_replay.engines.static_cache import ATTENTION, StaticKVCache, register_attention
 from trace_replay.kernels.fp32_linear import fp32_linear
 from trace_replay.kernels.gemv import gemv
@@ -416,9 +417,7 @@ def _compile_layer():
     if _COMPILED_LAYER is None:
         from trace_replay.engines.linear_groups import GroupLinears  # imports inductor
 
-        # one entry per (layer kind, shape, dtype): more than dynamo's default of 8 in a
-        # process that replays several models or batch sizes
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        allow_recompiles()  # one graph per (layer kind, shape, dtype)
         # a layer's q/k/v and gate/up kernel linears (3xTF32, one-row GEMV) each in one
         # launch (a no-op where the layer multiplies with cuBLAS)
         _COMPILED_LAYER = torch.compile(_layer_forward, fullgraph=True, dynamic=False,
