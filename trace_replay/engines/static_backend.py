@@ -188,6 +188,10 @@ class StaticCacheBackend:
     * ``decode`` returns a view of the graph's static output: valid until the next
       ``decode``.
     * ``compile_seconds`` sums the time spent compiling and capturing (start-up cost).
+    * A bfloat16 or float16 model on CUDA multiplies one-row inputs (batch-1 decode steps,
+      a batch-1 prefill's last position) with :func:`~trace_replay.kernels.gemv.gemv` and
+      everything else with cuBLAS; both accumulate in float32 and round once, in different
+      orders, so they agree to the dtype's rounding. ``name`` does not change with it.
 
     Parameters
     ----------
