@@ -16,10 +16,10 @@ five of each layer as ``(BLOCK_N, BLOCK_K, warps) µs``.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
+from bench_kernels import time_graph_us
 from shapes import SHAPES
 
 from trace_replay._triton import triton
@@ -41,27 +41,7 @@ def layers(shape: str) -> dict[str, tuple[int, list[int]]]:
 
 def time_cycle_us(fns, repeats: int) -> float:
     """Median device µs per call of a CUDA graph that calls each of ``fns`` once."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / len(fns))
-    return statistics.median(samples)
+    return time_graph_us(lambda: [fn() for fn in fns], repeats, 1) / len(fns)
 
 
 def sweep_configs() -> list[tuple[int, int, int]]:

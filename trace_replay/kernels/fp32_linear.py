@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from trace_replay._triton import tl, triton, use_triton
+from trace_replay.kernels._members import tile_member
 
 __all__ = ["blocks", "fp32_linear", "fp32_linear_reference", "group_blocks", "launch",
            "launch_group_partials", "launch_partials", "split_depth", "sum_partials"]
@@ -94,13 +95,8 @@ def _fp32_linear_kernel(
     row_ok, col_ok = offs_m < rows, offs_n < cols
     # a tile lies inside one member (the launcher aligns members to BLOCK_N): its weight
     # rows are the tile's columns less the member's first column
-    w_base, b_base, first = weight_ptr, bias_ptr, pid_n * 0
-    if MEMBERS > 1:
-        if pid_n * BLOCK_N >= first1:
-            w_base, b_base, first = weight1_ptr, bias1_ptr, first1
-    if MEMBERS > 2:
-        if pid_n * BLOCK_N >= first2:
-            w_base, b_base, first = weight2_ptr, bias2_ptr, first2
+    w_base, b_base, first = tile_member(pid_n * BLOCK_N, weight_ptr, weight1_ptr, weight2_ptr,
+                                        bias_ptr, bias1_ptr, bias2_ptr, first1, first2, MEMBERS)
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * x_stride_m
     w_rows = w_base + (offs_n - first).to(tl.int64)[:, None] * weight_stride_n
     if SPLIT == 1:  # resolved at compile time: the one-pass kernel, all of K

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from trace_replay._triton import tl, triton, use_triton
+from trace_replay.kernels._members import tile_member
 
 __all__ = ["MAX_ROWS", "blocks", "gemv", "gemv_reference", "launch", "runs"]
 
@@ -63,13 +64,8 @@ def _gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     col_ok = offs_n < cols
-    w_base, b_base, first = weight_ptr, bias_ptr, pid_n * 0
-    if MEMBERS > 1:
-        if pid_n * BLOCK_N >= first1:
-            w_base, b_base, first = weight1_ptr, bias1_ptr, first1
-    if MEMBERS > 2:
-        if pid_n * BLOCK_N >= first2:
-            w_base, b_base, first = weight2_ptr, bias2_ptr, first2
+    w_base, b_base, first = tile_member(pid_n * BLOCK_N, weight_ptr, weight1_ptr, weight2_ptr,
+                                        bias_ptr, bias1_ptr, bias2_ptr, first1, first2, MEMBERS)
     # columns past the end read the member's last row (in bounds, never stored): no mask
     rows_n = tl.minimum(offs_n, cols - 1) - first
     w_rows = w_base + rows_n.to(tl.int64)[:, None] * weight_stride_n
