@@ -43,17 +43,24 @@ _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
 
 
 class _Kind(NamedTuple):
-    """An operator the pass groups: its group operator and where members' columns lie."""
+    """An operator the pass groups, and its group operator."""
 
     group: object
-    dim: int  # the output dimension the members' columns are side by side in
+    # 3xTF32: the output is the [split, M, N] partials, so members must agree on the split
+    # and their columns lie along dimension 2; the GEMV's output is [M, N]
+    split: bool
+
+    @property
+    def dim(self) -> int:
+        """The output dimension the members' columns are side by side in."""
+        return 2 if self.split else 1
 
     def key(self, node: torch.fx.Node) -> tuple:
-        """What members must share besides the input and bias presence: the split."""
-        return (node.meta["val"].shape[0],) if self.dim == 2 else ()
+        """What members must share besides the input and bias presence."""
+        return (node.meta["val"].shape[0],) if self.split else ()
 
     def fits(self, x: torch.fx.Node, cols: list[int], key: tuple) -> bool:
-        if self.dim == 1:  # the gemv launcher narrows its tiles to any members
+        if not self.split:  # the GEMV's launcher narrows its tiles to any members
             return True
         rows, depth = x.meta["val"].shape
         return _fp32_linear.group_blocks(rows, cols, depth, *key) is not None
@@ -64,8 +71,9 @@ class _Kind(NamedTuple):
 
 _KINDS = {
     torch.ops.trace_replay.fp32_linear_partials.default:
-        _Kind(torch.ops.trace_replay.fp32_linear_group_partials.default, 2),
-    torch.ops.trace_replay.gemv.default: _Kind(torch.ops.trace_replay.gemv_group.default, 1),
+        _Kind(torch.ops.trace_replay.fp32_linear_group_partials.default, split=True),
+    torch.ops.trace_replay.gemv.default:
+        _Kind(torch.ops.trace_replay.gemv_group.default, split=False),
 }
 
 
