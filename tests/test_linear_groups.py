@@ -1,5 +1,5 @@
 """Tests for trace_replay.engines.linear_groups: the compiled graph runs the 3xTF32 linears
-that read one input in one launch, and gives what the separate calls give."""
+(and the one-row GEMVs) that read one input in one launch, and gives what the separate calls give."""
 
 import pytest
 import torch
@@ -8,6 +8,7 @@ from torch._inductor.utils import run_and_get_code
 from trace_replay._triton import use_triton
 from trace_replay.engines.linear_groups import GroupLinears
 from trace_replay.kernels.fp32_linear import fp32_linear
+from trace_replay.kernels.gemv import gemv
 
 # a q/k/v-like trio at 5 rows of one token, K = 200: blocks() splits each 4 ways; 48 + 16 + 16 columns
 COLS = (48, 16, 16)
@@ -94,8 +95,6 @@ def test_one_row_half_precision_projections_are_one_gemv_launch(device):
     """At one bfloat16 row the GEMV calls of one input group the same way: q/k/v-like
     projections with biases are one ``gemv_group`` launch, each output the single call's
     within bfloat16 rounding."""
-    from trace_replay.kernels.gemv import gemv
-
     x, weights, biases = layer_inputs(device)
     x, weights, biases = (x[:1].bfloat16(), [w.bfloat16() for w in weights],
                           [b.bfloat16() for b in biases])

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from trace_replay.engines.scoring import (chunked_argmax, collect_rows, greedy_tokens, score_tokens, score_with_top, scorer_for,
-                                           top_from_logprob)
+from trace_replay.engines.scoring import (chunked_argmax, collect_rows, greedy_tokens,
+                                          score_tokens, score_with_top, scorer_for,
+                                          top_from_logprob)
 
 
 @pytest.fixture(scope="module")

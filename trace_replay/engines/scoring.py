@@ -10,8 +10,8 @@ import torch
 
 from trace_replay.engines.compiling import allow_recompiles
 
-__all__ = ["TokenScores", "greedy_tokens", "score_tokens", "score_with_top", "scorer_for", "top_from_logprob",
-           "collect_rows"]
+__all__ = ["TokenScores", "chunked_argmax", "collect_rows", "greedy_tokens", "score_tokens",
+           "score_with_top", "scorer_for", "top_from_logprob"]
 
 
 # On CUDA, up to this many rows take the two-pass argmax of :func:`greedy_tokens`

@@ -230,10 +230,12 @@ class StaticCacheBackend:
         self.tensor_cores = (float32_matmul == "3xtf32" and self.dtype == torch.float32
                              and self.device.type == "cuda")
         # the linears' product in the view: 3xTF32, the one-row GEMV (half precision on
-        # CUDA; more rows go on to cuBLAS), or the model's own nn.Linear
-        self.product = (fp32_linear if self.tensor_cores else gemv
-                        if self.dtype in (torch.bfloat16, torch.float16)
-                        and self.device.type == "cuda" else None)
+        # CUDA; more rows go on to cuBLAS), or None: the model's own nn.Linear
+        self.product = None
+        if self.tensor_cores:
+            self.product = fp32_linear
+        elif self.dtype in (torch.bfloat16, torch.float16) and self.device.type == "cuda":
+            self.product = gemv
         self.name = ("static+compiled" if self.cuda_graphs else "static") + (
             "+3xtf32" if self.tensor_cores else "")
         self.forwards = 0
