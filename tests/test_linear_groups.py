@@ -1,5 +1,6 @@
 """Tests for trace_replay.engines.linear_groups: the compiled graph runs the 3xTF32 linears
-(and the one-row GEMVs) that read one input in one launch, and gives what the separate calls give."""
+(and the one-row GEMVs) that read one input in one launch, and gives what the separate
+calls give."""
 
 import pytest
 import torch
