@@ -51,10 +51,11 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     the 8B shape).
     """
     rows, vocab = logits.shape
-    chunks = next((c for c in _ARGMAX_CHUNKS if vocab % c == 0 and vocab >= 64 * c), None)
-    if logits.device.type != "cuda" or rows > _CHUNKED_ARGMAX_ROWS or chunks is None:
-        return logits.argmax(dim=-1)
-    return chunked_argmax(logits, chunks)
+    if logits.device.type == "cuda" and rows <= _CHUNKED_ARGMAX_ROWS:
+        for chunks in _ARGMAX_CHUNKS:
+            if vocab % chunks == 0 and vocab >= 64 * chunks:
+                return chunked_argmax(logits, chunks)
+    return logits.argmax(dim=-1)
 
 
 def chunked_argmax(logits: torch.Tensor, chunks: int) -> torch.Tensor:

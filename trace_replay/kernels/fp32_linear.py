@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from trace_replay._triton import tl, triton, use_triton
-from trace_replay.kernels._members import tile_member
+from trace_replay.kernels._members import members, tile_member
 
 __all__ = ["blocks", "fp32_linear", "fp32_linear_reference", "group_blocks", "launch",
            "launch_group_partials", "launch_partials", "split_depth", "sum_partials"]
@@ -348,37 +348,19 @@ def _launch(weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor, ...] 
     if len(config) not in (5, 6):
         raise ValueError(f"config is (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, split]), "
                          f"got {config}")
-    if not 1 <= len(weights) <= 3 or (biases is not None and len(biases) != len(weights)):
-        raise ValueError(f"{len(weights)} weights and {biases and len(biases)} biases: "
-                         "one to three weights, and a bias for each or for none")
     rows, depth = x.shape
     block_m, block_n, block_k, warps, stages = config[:5]
     split, k_per_split = split_depth(depth, block_k, config[5] if len(config) == 6 else 1)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    if len(weights) == 1 and weights[0].stride(-1) == 1:  # any row stride
-        row_stride = weights[0].stride(0)
-    else:  # members share one row stride: depth
-        weights, row_stride = [w.contiguous() for w in weights], depth
-    starts = list(itertools.accumulate(w.shape[0] for w in weights))
-    cols = starts[-1]
-    if any(start % block_n for start in starts[:-1]):
+    group = members(x, weights, biases)
+    if any(start % block_n for start in group.starts):
         raise ValueError(f"BLOCK_N {block_n} does not divide the members' first columns")
-    bias_ptrs = (_three([b.contiguous() for b in biases]) if biases is not None
-                 else [x] * 3)
-    firsts = [*starts[:-1], cols, cols][:2]  # beyond the last member: never reached
-    partials = torch.empty((split, rows, cols), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(cols, block_n), triton.cdiv(rows, block_m), split)
+    partials = torch.empty((split, rows, group.cols), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(group.cols, block_n), triton.cdiv(rows, block_m), split)
     _fp32_linear_kernel[grid](
-        x, x.stride(0), *_three(weights), row_stride, *bias_ptrs, partials,
-        rows, cols, depth, *firsts, k_per_split,
-        HAS_BIAS=biases is not None and split == 1, MEMBERS=len(weights), BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, PRECISION="tf32x3", num_warps=warps,
-        num_stages=stages,
+        x, x.stride(0), *group.args, partials, rows, group.cols, depth, *group.firsts,
+        k_per_split, HAS_BIAS=biases is not None and split == 1, MEMBERS=len(weights),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, PRECISION="tf32x3",
+        num_warps=warps, num_stages=stages,
     )
     return partials
-
-
-def _three(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The kernel's three member pointers: the members', then the first one's again (never
-    read: ``MEMBERS`` stops the kernel before them)."""
-    return [*tensors, *[tensors[0]] * (3 - len(tensors))]

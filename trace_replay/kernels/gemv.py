@@ -28,14 +28,13 @@ order, so results agree with ``F.linear`` to the dtype's rounding, not bit for b
 
 # No `from __future__ import annotations`: Triton's interpreter must see `tl.constexpr`.
 
-import itertools
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from trace_replay._triton import tl, triton, use_triton
-from trace_replay.kernels._members import tile_member
+from trace_replay.kernels._members import members, tile_member
 
 __all__ = ["MAX_ROWS", "blocks", "gemv", "gemv_reference", "launch", "runs"]
 
@@ -156,38 +155,24 @@ def launch(x: torch.Tensor, weights: Sequence[torch.Tensor],
     each member's product (plus its bias) in its own columns. The blocks are :func:`blocks`'
     with ``BLOCK_N`` halved until it divides every member's first column; ``config``
     overrides them (``benchmarks/bench_gemv.py --sweep``)."""
-    if not 1 <= len(weights) <= 3 or (biases is not None and len(biases) != len(weights)):
-        raise ValueError(f"{len(weights)} weights and {biases and len(biases)} biases: "
-                         "one to three weights, and a bias for each or for none")
     rows, depth = x.shape
-    starts = list(itertools.accumulate(w.shape[0] for w in weights))
-    cols = starts[-1]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    group = members(x, weights, biases)
     if config is None:  # narrowed until every member starts on a tile of its own
-        block_n, block_k, warps = blocks(cols, depth)
-        while any(start % block_n for start in starts[:-1]):
+        block_n, block_k, warps = blocks(group.cols, depth)
+        while any(start % block_n for start in group.starts):
             block_n //= 2
     else:
         block_n, block_k, warps = config
-        if any(start % block_n for start in starts[:-1]):
+        if any(start % block_n for start in group.starts):
             raise ValueError(f"BLOCK_N {block_n} does not divide the members' first columns")
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    if len(weights) == 1 and weights[0].stride(-1) == 1:
-        row_stride = weights[0].stride(0)
-    else:
-        weights, row_stride = [w.contiguous() for w in weights], depth
-    bias_ptrs = _three([b.contiguous() for b in biases]) if biases is not None else [x] * 3
-    firsts = [*starts[:-1], cols, cols][:2]
-    out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
-    _gemv_kernel[(rows, triton.cdiv(cols, block_n))](
-        x, x.stride(0), *_three(weights), row_stride, *bias_ptrs, out, cols, depth, *firsts,
+    out = torch.empty((rows, group.cols), dtype=x.dtype, device=x.device)
+    _gemv_kernel[(rows, triton.cdiv(group.cols, block_n))](
+        x, x.stride(0), *group.args, out, group.cols, depth, *group.firsts,
         HAS_BIAS=biases is not None, MEMBERS=len(weights), BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=depth % block_k == 0, num_warps=warps,
     )
     return out
-
-
-def _three(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return [*tensors, *[tensors[0]] * (3 - len(tensors))]
 
 
 @torch.library.custom_op("trace_replay::gemv", mutates_args=())
