@@ -10,7 +10,12 @@ the largest |output|. First line: what a plain read of 2 GiB reaches (``torch.su
 practical ceiling. ``--sweep`` times block configurations of the kernel and prints the best
 five of each layer as ``(BLOCK_N, BLOCK_K, warps) µs``.
 
-    python benchmarks/bench_gemv.py [--sweep] [--shape llama-3.1-8b] [--rows 1]
+A second table times what the compiled layer fuses at one row: the MLP's first half
+(grouped gate/up GEMV, then the compiled SiLU·mul, against ``kernels.gated_gemv``'s one
+launch) and the down projection with its residual add (GEMV, then the compiled add, against
+the GEMV that adds it, ``gemv_add``); ``--sweep`` sweeps the gated kernel's blocks too.
+
+    python benchmarks/bench_gemv.py [--sweep] [--shape llama-3.1-8b] [--rows 1] [--fused-only]
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from bench_kernels import time_graph_us
 from shapes import SHAPES
 
 from trace_replay._triton import triton
+from trace_replay.kernels import gated_gemv
 from trace_replay.kernels.gemv import blocks, launch
 
 L2_BYTES = 256 << 20  # cycled through per graph: well past an H200's 50 MB of L2
@@ -57,6 +63,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--fused-only", action="store_true", help="the second table only")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     big = torch.ones(1 << 30, dtype=dtype, device="cuda")
@@ -70,7 +77,7 @@ def main() -> None:
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
     gen = torch.Generator(device="cuda").manual_seed(0)
     sweeps = {}
-    for rows in args.rows:
+    for rows in [] if args.fused_only else args.rows:
         for name, (depth, cols) in layers(args.shape).items():
             size = sum(cols) * depth * dtype.itemsize
             copies = max(2, -(-L2_BYTES // size))
@@ -106,10 +113,65 @@ def main() -> None:
                         pass
                 sweeps[f"rows {rows} {name}"] = (times, size)
             del sets, joined
+    sweeps.update(fused(args.shape, dtype, args.repeats, args.sweep, gen))
     for name, (times, size) in sweeps.items():
         best = sorted(times, key=times.get)[:5]
         print(f"{name}: " + ", ".join(f"{c} {times[c]:.1f} ({size / times[c] / 1e6:.2f} TB/s)"
                                       for c in best), flush=True)
+
+
+def fused(shape: str, dtype: torch.dtype, repeats: int, sweep: bool, gen) -> dict:
+    """Print the fused-epilogue table at one row; return the gated kernel's sweep."""
+    c = SHAPES[shape][1]
+    hidden, inter = c["hidden_size"], c["intermediate_size"]
+    size = 2 * inter * hidden * dtype.itemsize
+    copies = max(2, -(-L2_BYTES // size))
+    pairs = [[(torch.randn(inter, hidden, generator=gen, device="cuda") * hidden**-0.5)
+              .to(dtype) for _ in range(2)] for _ in range(copies)]
+    downs = [(torch.randn(hidden, inter, generator=gen, device="cuda") * inter**-0.5).to(dtype)
+             for _ in range(copies)]
+    x = torch.randn(1, hidden, generator=gen, device="cuda").to(dtype)
+    h = torch.randn(1, inter, generator=gen, device="cuda").to(dtype)
+    residual = torch.randn(1, hidden, generator=gen, device="cuda").to(dtype)
+    silu_mul = torch.compile(lambda both: F.silu(both[:, :inter]) * both[:, inter:])
+    add = torch.compile(torch.add)
+    rows = {
+        "gate/up, act·mul": (
+            size,
+            [lambda ws=ws: silu_mul(launch(x, ws)) for ws in pairs],
+            [lambda ws=ws: gated_gemv.launch(x, *ws) for ws in pairs],
+            gated_gemv.launch(x, *pairs[0]).float(),
+            F.silu(F.linear(x.float(), pairs[0][0].float())) * F.linear(x.float(),
+                                                                        pairs[0][1].float())),
+        "down + residual": (
+            size // 2,
+            [lambda w=w: add(launch(h, [w]), residual) for w in downs],
+            [lambda w=w: launch(h, [w], residual=residual) for w in downs],
+            launch(h, [downs[0]], residual=residual).float(),
+            F.linear(h.float(), downs[0].float()) + residual.float()),
+    }
+    print("\n| layer, one row | GEMV + compiled pointwise (µs) | fused launch (µs) | "
+          "TB/s fused | unfused / fused | max Δ vs float32 |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, (nbytes, apart, together, got, want) in rows.items():
+        apart_us = time_cycle_us(apart, repeats)
+        together_us = time_cycle_us(together, repeats)
+        delta = ((got - want).abs().max() / want.abs().max()).item()
+        print(f"| {name} | {apart_us:.1f} | {together_us:.1f} | "
+              f"{nbytes / together_us / 1e6:.2f} | {apart_us / together_us:.2f} | "
+              f"{delta:.1e} |", flush=True)
+    if not sweep:
+        return {}
+    times = {}
+    for config in [(n, k, w) for n in (1, 2, 4, 8, 16) for k in (256, 512, 1024)
+                   for w in (1, 2, 4, 8) if n * k <= 8192]:
+        try:
+            times[config] = time_cycle_us(
+                [lambda ws=ws, c=config: gated_gemv.launch(x, *ws, config=c) for ws in pairs],
+                max(5, repeats // 4))
+        except triton.runtime.errors.OutOfResources:
+            pass
+    return {"rows 1 gated gate/up": (times, size)}
 
 
 if __name__ == "__main__":

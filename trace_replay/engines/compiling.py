@@ -1,10 +1,10 @@
-"""What every ``torch.compile`` of the package needs from dynamo's configuration."""
+"""What every ``torch.compile`` of the package needs: dynamo's configuration, inductor's passes."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["RECOMPILES", "allow_recompiles"]
+__all__ = ["RECOMPILES", "allow_recompiles", "layer_passes"]
 
 # graphs one compiled function may hold: one per (shape, dtype) it meets
 RECOMPILES = 64
@@ -21,3 +21,19 @@ def allow_recompiles() -> None:
     """
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
                                                  RECOMPILES)
+
+
+def layer_passes() -> dict:
+    """Inductor options that add the package's graph passes to a decoder layer's compile.
+
+    Before inductor's own post-grad passes, the linears that read one input go into one
+    launch (:class:`~trace_replay.engines.linear_groups.GroupLinears`); after them, a residual
+    add that follows a one-row GEMV goes into the GEMV
+    (:class:`~trace_replay.engines.residual_adds.FoldResidualAdds`). Both leave a graph
+    without the package's operators as it was.
+    """
+    from trace_replay.engines.linear_groups import GroupLinears  # both import inductor
+    from trace_replay.engines.residual_adds import FoldResidualAdds
+
+    return {"post_grad_custom_pre_pass": GroupLinears(),
+            "post_grad_custom_post_pass": FoldResidualAdds()}

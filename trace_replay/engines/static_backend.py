@@ -15,10 +15,12 @@ kind share (the layers differ only in their weights), so start-up compiles one l
 shape rather than the whole model. A float32 model's view multiplies on tensor cores with
 the 3xTF32 split (``float32_matmul``); a bfloat16 or float16 model's, at one row (batch-1
 decode steps), through :func:`~trace_replay.kernels.gemv.gemv`, which streams the weights
-faster than cuBLAS's GEMVs. Either way its linear layers become :class:`_KernelLinear` in
-the view, and the compiler puts the linears that read the same input (q/k/v, gate/up) in
-one launch each (:mod:`~trace_replay.engines.linear_groups`). On CPU everything runs
-eagerly.
+faster than cuBLAS's GEMVs, with each gated MLP's gate, up and activation in one launch
+(:func:`~trace_replay.kernels.gated_gemv.gated_gemv`). The view's modules that run these
+kernels are in :mod:`~trace_replay.engines.kernel_view`. The compiler then puts the linears
+that read the same input (q/k/v, gate/up) in one launch each
+(:mod:`~trace_replay.engines.linear_groups`) and folds a residual add into the one-row GEMV
+before it (:mod:`~trace_replay.engines.residual_adds`). On CPU everything runs eagerly.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from typing import NamedTuple
 import torch
 
 from trace_replay.engines.captured_step import StepGraph, capture, capture_step
-from trace_replay.engines.compiling import allow_recompiles
+from trace_replay.engines.compiling import allow_recompiles, layer_passes
+from trace_replay.engines.kernel_view import KernelLinear, kernel_modules, shallow
 from trace_replay.engines.static_cache import ATTENTION, StaticKVCache, register_attention
 from trace_replay.kernels.fp32_linear import fp32_linear
 from trace_replay.kernels.gemv import gemv
@@ -93,13 +96,6 @@ def _windows(config) -> dict[str, int | None] | None:
     return {"": window}
 
 
-def _shallow(module: torch.nn.Module) -> torch.nn.Module:
-    """A copy sharing parameters and buffers, whose submodules can be replaced."""
-    clone = copy.copy(module)
-    clone._modules = dict(module._modules)
-    return clone
-
-
 def _layer_forward(layer, hidden_states, *args, **kwargs):
     return type(layer).forward(layer, hidden_states, *args, **kwargs)
 
@@ -116,60 +112,25 @@ class _LayerRunner:
         return run(self.layer, hidden_states, *args, past_key_values=cache, **kwargs)
 
 
-class _KernelLinear(torch.nn.Module):
-    """An ``nn.Linear`` (sharing its weights) whose product is one of the package's kernels:
-    :func:`~trace_replay.kernels.fp32_linear.fp32_linear` (float32, 3xTF32 on tensor cores)
-    or :func:`~trace_replay.kernels.gemv.gemv` (half precision at one row)."""
-
-    def __init__(self, linear: torch.nn.Linear, product) -> None:
-        super().__init__()
-        self.linear, self.product = linear, product
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.linear.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.product(x, self.linear.weight, self.linear.bias)
-
-
-def _kernel_linears(module: torch.nn.Module, product) -> torch.nn.Module:
-    """``module``, or a shallow copy of it whose ``nn.Linear`` descendants are
-    :class:`_KernelLinear` of ``product`` (copies along the way; the model is untouched)."""
-    if isinstance(module, torch.nn.Linear):
-        return _KernelLinear(module, product)
-    children = {name: _kernel_linears(child, product) for name, child in module._modules.items()
-                if child is not None}
-    if all(children[name] is module._modules[name] for name in children):
-        return module
-    clone = _shallow(module)
-    clone._modules.update(children)
-    return clone
-
-
 def _model_view(lm: torch.nn.Module, backend: StaticCacheBackend) -> torch.nn.Module:
     config = copy.copy(lm.config)
     config._attn_implementation = ATTENTION
-    view = _shallow(lm)
-    view.model = _shallow(lm.model)
+    view = shallow(lm)
+    view.model = shallow(lm.model)
     layers = []
     for index, layer in enumerate(lm.model.layers):
-        layer = _shallow(layer)
-        layer.self_attn = _shallow(layer.self_attn)
+        layer = shallow(layer)
+        layer.self_attn = shallow(layer.self_attn)
         layer.self_attn.config = config
         if backend.tensor_cores:
             layer.self_attn.float32_dots = "tf32x3"  # read by grouped_attention
         if backend.product is not None:
-            layer = _kernel_linears(layer, backend.product)
+            layer = kernel_modules(layer, backend.product)
         layer.forward = _LayerRunner(layer, index, backend)
         layers.append(layer)
     view.model.layers = torch.nn.ModuleList(layers)
     if backend.product is not None and isinstance(lm.lm_head, torch.nn.Linear):
-        view.lm_head = _KernelLinear(lm.lm_head, backend.product)
+        view.lm_head = KernelLinear(lm.lm_head, backend.product)
     return view
 
 
@@ -191,7 +152,11 @@ class StaticCacheBackend:
     * A bfloat16 or float16 model on CUDA multiplies one-row inputs (batch-1 decode steps,
       a batch-1 prefill's last position) with :func:`~trace_replay.kernels.gemv.gemv` and
       everything else with cuBLAS; both accumulate in float32 and round once, in different
-      orders, so they agree to the dtype's rounding. ``name`` does not change with it.
+      orders, so they agree to the dtype's rounding. At one row the gated MLP's activation
+      and product and the residual adds after a GEMV are computed in float32 inside the
+      GEMV and rounded once, where the model rounds each step: closer to the float32
+      result, equal to the model's to the dtype's rounding. ``name`` does not change
+      with it.
 
     Parameters
     ----------
@@ -421,13 +386,9 @@ def _compile_layer():
     """``torch.compile`` of a decoder layer's forward, shared by every layer and backend."""
     global _COMPILED_LAYER
     if _COMPILED_LAYER is None:
-        from trace_replay.engines.linear_groups import GroupLinears  # imports inductor
-
         allow_recompiles()  # one graph per (layer kind, shape, dtype)
-        # a layer's q/k/v and gate/up kernel linears (3xTF32, one-row GEMV) each in one
-        # launch (a no-op where the layer multiplies with cuBLAS)
         _COMPILED_LAYER = torch.compile(_layer_forward, fullgraph=True, dynamic=False,
-                                        options={"post_grad_custom_pre_pass": GroupLinears()})
+                                        options=layer_passes())
     return _COMPILED_LAYER
 
 

@@ -50,10 +50,12 @@ def _gemv_kernel(
     weight_ptr, weight1_ptr, weight2_ptr,  # [N_i, K] each, last stride 1
     weight_stride_n,  # every member's
     bias_ptr, bias1_ptr, bias2_ptr,  # [N_i] each, or any pointer when not HAS_BIAS
+    residual_ptr,  # [M, N] contiguous, added to the output, or any pointer when not HAS_RESIDUAL
     out_ptr,  # [M, N] contiguous (N: all members side by side), written
     cols, depth,
     first1, first2,  # output columns where the second and third members start
     HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
     MEMBERS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -84,8 +86,10 @@ def _gemv_kernel(
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
         out += tl.load(b_base + rows_n).to(tl.float32)
-    tl.store(out_ptr + pid_m.to(tl.int64) * cols + offs_n,
-             out.to(out_ptr.dtype.element_ty), mask=col_ok)
+    at = pid_m.to(tl.int64) * cols + offs_n
+    if HAS_RESIDUAL:
+        out += tl.load(residual_ptr + at, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 def runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -150,14 +154,21 @@ def blocks(cols: int, depth: int) -> tuple[int, int, int]:
 
 def launch(x: torch.Tensor, weights: Sequence[torch.Tensor],
            biases: Sequence[torch.Tensor] | None = None, *,
+           residual: torch.Tensor | None = None,
            config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """``x`` ``[M, K]`` times one to three weights side by side: ``[M, N_0 (+ N_1 (+ N_2))]``,
-    each member's product (plus its bias) in its own columns. The blocks are :func:`blocks`'
-    with ``BLOCK_N`` halved until it divides every member's first column; ``config``
-    overrides them (``benchmarks/bench_gemv.py --sweep``)."""
+    each member's product (plus its bias) in its own columns, plus ``residual`` (``[M, N]``)
+    where given, before the one rounding. The blocks are :func:`blocks`' with ``BLOCK_N``
+    halved until it divides every member's first column; ``config`` overrides them
+    (``benchmarks/bench_gemv.py --sweep``)."""
     rows, depth = x.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
     group = members(x, weights, biases)
+    if residual is not None:
+        if residual.shape != (rows, group.cols) or residual.dtype != x.dtype:
+            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype}: expected "
+                             f"{(rows, group.cols)} {x.dtype}")
+        residual = residual.contiguous()
     if config is None:  # narrowed until every member starts on a tile of its own
         block_n, block_k, warps = blocks(group.cols, depth)
         while any(start % block_n for start in group.starts):
@@ -168,8 +179,9 @@ def launch(x: torch.Tensor, weights: Sequence[torch.Tensor],
             raise ValueError(f"BLOCK_N {block_n} does not divide the members' first columns")
     out = torch.empty((rows, group.cols), dtype=x.dtype, device=x.device)
     _gemv_kernel[(rows, triton.cdiv(group.cols, block_n))](
-        x, x.stride(0), *group.args, out, group.cols, depth, *group.firsts,
-        HAS_BIAS=biases is not None, MEMBERS=len(weights), BLOCK_N=block_n, BLOCK_K=block_k,
+        x, x.stride(0), *group.args, x if residual is None else residual, out, group.cols,
+        depth, *group.firsts, HAS_BIAS=biases is not None, HAS_RESIDUAL=residual is not None,
+        MEMBERS=len(weights), BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=depth % block_k == 0, num_warps=warps,
     )
     return out
@@ -182,6 +194,17 @@ def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 
 @_gemv_op.register_fake
 def _(x, weight, bias):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.custom_op("trace_replay::gemv_add", mutates_args=())
+def _gemv_add_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 residual: torch.Tensor) -> torch.Tensor:
+    return launch(x, [weight], None if bias is None else [bias], residual=residual)
+
+
+@_gemv_add_op.register_fake
+def _(x, weight, bias, residual):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 

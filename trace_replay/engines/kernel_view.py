@@ -1,0 +1,117 @@
+"""The modules of the static backend's model view that run the package's kernels.
+
+The view (:mod:`~trace_replay.engines.static_backend`) shares every weight with the model
+and replaces modules only in shallow copies, so the model itself is never modified:
+
+* each ``nn.Linear`` becomes a :class:`KernelLinear`, whose product is
+  :func:`~trace_replay.kernels.fp32_linear.fp32_linear` (float32, 3xTF32 on tensor cores)
+  or :func:`~trace_replay.kernels.gemv.gemv` (half precision, one row);
+* with the GEMV, a gated MLP (``down(act(gate(x)) * up(x))``, the MLP of every model type
+  the backend runs) becomes a :class:`GatedMLP`: at one row gate, up and the activation
+  are one launch (:func:`~trace_replay.kernels.gated_gemv.gated_gemv`).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from trace_replay.kernels.gated_gemv import gated_gemv
+from trace_replay.kernels.gated_gemv import runs as gated_runs
+from trace_replay.kernels.gemv import gemv
+
+__all__ = ["GatedMLP", "KernelLinear", "gated_activation", "kernel_modules", "shallow"]
+
+# MLP classes whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``
+GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "GemmaMLP", "Gemma2MLP",
+              "Gemma3MLP")
+# activation classes (transformers' and torch's) by the kernel's name for their function
+_ACTIVATIONS = {"SiLUActivation": "silu", "SiLU": "silu", "GELUTanh": "gelu_tanh",
+                "PytorchGELUTanh": "gelu_tanh", "NewGELUActivation": "gelu_tanh"}
+
+
+def shallow(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy sharing parameters and buffers, whose submodules can be replaced."""
+    clone = copy.copy(module)
+    clone._modules = dict(module._modules)
+    return clone
+
+
+class KernelLinear(torch.nn.Module):
+    """An ``nn.Linear`` (sharing its weights) whose product is one of the package's kernels."""
+
+    def __init__(self, linear: torch.nn.Linear, product) -> None:
+        super().__init__()
+        self.linear, self.product = linear, product
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.linear.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x, self.linear.weight, self.linear.bias)
+
+
+class GatedMLP(torch.nn.Module):
+    """A gated MLP whose gate, up and activation run as one GEMV at one row; at more rows
+    (or where the kernel does not run) the MLP's own computation on its kernel linears.
+
+    Parameters
+    ----------
+    mlp
+        The MLP (its linears may be :class:`KernelLinear`); shared, not copied.
+    act
+        The kernel's name for its activation (:func:`gated_activation`).
+    """
+
+    def __init__(self, mlp: torch.nn.Module, act: str) -> None:
+        super().__init__()
+        self.mlp, self.act = mlp, act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mlp = self.mlp
+        gate, up = mlp.gate_proj, mlp.up_proj
+        if gated_runs(x, gate.weight):
+            hidden = gated_gemv(x, gate.weight, up.weight, gate.bias, up.bias, self.act)
+        else:
+            hidden = mlp.act_fn(gate(x)) * up(x)
+        return mlp.down_proj(hidden)
+
+
+def gated_activation(module: torch.nn.Module) -> str | None:
+    """The kernel's activation name when ``module`` is a gated MLP :class:`GatedMLP` can run
+    (a class of :data:`GATED_MLPS` with linear gate/up/down, biases on both or neither of
+    gate and up, an activation the kernel has); else None."""
+    if type(module).__name__ not in GATED_MLPS:
+        return None
+    linears = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    if not all(isinstance(m, (torch.nn.Linear, KernelLinear)) for m in linears):
+        return None
+    if (linears[0].bias is None) != (linears[1].bias is None):
+        return None
+    act = getattr(module, "act_fn", None)
+    if isinstance(act, torch.nn.GELU):
+        return "gelu_tanh" if act.approximate == "tanh" else None
+    return _ACTIVATIONS.get(type(act).__name__)
+
+
+def kernel_modules(module: torch.nn.Module, product) -> torch.nn.Module:
+    """``module``, or a shallow copy of it whose ``nn.Linear`` descendants are
+    :class:`KernelLinear` of ``product`` and, where ``product`` is the GEMV, whose gated
+    MLPs are :class:`GatedMLP` (copies along the way; the model is untouched)."""
+    if isinstance(module, torch.nn.Linear):
+        return KernelLinear(module, product)
+    children = {name: kernel_modules(child, product) for name, child in module._modules.items()
+                if child is not None}
+    if all(children[name] is module._modules[name] for name in children):
+        clone = module
+    else:
+        clone = shallow(module)
+        clone._modules.update(children)
+    act = gated_activation(module) if product is gemv else None
+    return GatedMLP(clone, act) if act is not None else clone
