@@ -1,6 +1,6 @@
 """Tests for trace_replay.engines.kernel_view: the view's kernel modules share the model's
-weights and leave its modules unchanged; a gated MLP at one row is the float32 MLP to
-bfloat16 rounding, and at more rows is the model's own computation."""
+weights and leave its modules unchanged; a gated MLP and a layer's norms at one row are
+their float32 values to bfloat16 rounding, and at more rows the model's own computation."""
 
 import copy
 
@@ -11,7 +11,9 @@ from trace_replay._triton import use_triton
 from trace_replay.engines.kernel_view import (
     GatedMLP,
     KernelLinear,
+    KernelRMSNorm,
     gated_activation,
+    kernel_layer,
     kernel_modules,
 )
 from trace_replay.kernels.fp32_linear import fp32_linear
@@ -89,3 +91,33 @@ def test_which_mlps_are_gated(make_tiny_lm):
     lm = make_tiny_lm("LlamaConfig")
     assert gated_activation(lm.model.layers[0].self_attn) is None
     assert gated_activation(lm.model.layers[0]) is None
+
+
+@pytest.mark.parametrize("config, offset", [("Qwen3Config", 0.0), ("Gemma2Config", 1.0)])
+def test_a_layer_s_own_norms_run_as_one_operator_at_one_row(make_tiny_lm, config, offset):
+    """With the GEMV, the layer's own RMSNorms (not Qwen3's per-head q/k norms) become
+    KernelRMSNorm with the model's weight offset (Gemma: 1 + weight). At one bfloat16 row
+    each is the float32 norm within a bfloat16 step; at three rows it is the model's norm
+    exactly. The 3xTF32 view keeps the model's norms."""
+    if not use_triton(torch.empty(0)):
+        pytest.skip("the kernels run only with Triton (TRITON_INTERPRET=1 on CPU)")
+    lm = make_tiny_lm(config, attn_implementation="eager")
+    exact = copy.deepcopy(lm.model.layers[0])  # float32
+    layer = lm.to(torch.bfloat16).model.layers[0]
+    view = kernel_layer(layer, gemv)
+    own = [name for name, m in layer.named_children() if type(m).__name__.endswith("RMSNorm")]
+    assert own and all(isinstance(view._modules[name], KernelRMSNorm) for name in own)
+    assert all(view._modules[name].offset == offset for name in own)
+    assert not any(isinstance(m, KernelRMSNorm) for m in view.self_attn.modules())
+    assert not any(isinstance(m, KernelRMSNorm)
+                   for m in kernel_layer(exact, fp32_linear).modules())
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 1, lm.config.hidden_size, generator=gen).bfloat16()
+    many = torch.randn(3, 1, lm.config.hidden_size, generator=gen).bfloat16()
+    with torch.no_grad():
+        for name in own:
+            want = exact._modules[name](x.float())
+            got = view._modules[name](x)
+            assert got.dtype == torch.bfloat16 and got.shape == want.shape
+            assert ((got.float() - want).abs() <= want.abs() * 2**-7 + 1e-5).all()
+            assert torch.equal(view._modules[name](many), layer._modules[name](many))

@@ -270,25 +270,26 @@ def test_captured_prefill_is_replayed_for_later_waves(tiny_model, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_compiled_half_precision_at_one_row_runs_the_gemv(arch, dtype, tiny_model, monkeypatch):
     """At batch 1 a bfloat16 or float16 model's captured step multiplies with the one-row
-    GEMV: q/k/v grouped (a launch of 3 weights), gate, up and the activation in one gated
-    launch, and (Llama, Qwen2: the add follows the projection directly) the residual adds
-    inside the o and down GEMVs. Its logprobs are as close to the float32 model's as the
-    HF backend's in the same dtype (cuBLAS): within twice that largest difference plus two
-    roundings of the largest logprob in the dtype (a logit of 12 moves by 0.06 when
-    bfloat16 rounds it the other way)."""
+    GEMV: q/k/v grouped (a launch of 3 weights) with the layer's input norm inside it, the
+    MLP's norm, gate, up and activation in one gated launch, and (Llama, Qwen2: the add
+    follows the projection directly) the residual adds inside the o and down GEMVs. Its
+    logprobs are as close to the float32 model's as the HF backend's in the same dtype
+    (cuBLAS): within twice that largest difference plus two roundings of the largest
+    logprob in the dtype (a logit of 12 moves by 0.06 when bfloat16 rounds it the other
+    way)."""
     from trace_replay.kernels import gated_gemv as gated_module
     from trace_replay.kernels import gemv as gemv_module
 
     members, gated = [], []
     launch, gated_launch = gemv_module.launch, gated_module.launch
 
-    def counted(x, weights, *args, residual=None, **kwargs):
-        members.append((len(weights), residual is not None))
-        return launch(x, weights, *args, residual=residual, **kwargs)
+    def counted(x, weights, *args, residual=None, norm=None, **kwargs):
+        members.append((len(weights), residual is not None, norm is not None))
+        return launch(x, weights, *args, residual=residual, norm=norm, **kwargs)
 
-    def counted_gated(*args, **kwargs):
-        gated.append(args[-1])
-        return gated_launch(*args, **kwargs)
+    def counted_gated(*args, norm=None, **kwargs):
+        gated.append((args[-1], norm is not None))
+        return gated_launch(*args, norm=norm, **kwargs)
 
     monkeypatch.setattr(gemv_module, "launch", counted)
     monkeypatch.setattr(gated_module, "launch", counted_gated)
@@ -305,10 +306,10 @@ def test_compiled_half_precision_at_one_row_runs_the_gemv(arch, dtype, tiny_mode
     assert not members and not gated  # the HF backend multiplies with cuBLAS
     engine, ours = logprobs(half, "auto")
     assert engine.backend.name == "static+compiled"
-    assert (3, False) in members and (2, False) not in members
-    assert set(gated) == {"gelu_tanh" if arch == "gemma2" else "silu"}
+    assert (3, False, True) in members and not any(m[0] == 2 for m in members)
+    assert set(gated) == {("gelu_tanh" if arch == "gemma2" else "silu", True)}
     # Gemma-2 norms the projections' outputs before the residual add: nothing to fold
-    assert ((1, True) in members) == (arch != "gemma2")
+    assert ((1, True, False) in members) == (arch != "gemma2")
     ours_error, cublas_error = np.abs(ours - exact).max(), np.abs(cublas - exact).max()
     slack = 2 * torch.finfo(dtype).eps * np.abs(exact).max()
     assert ours_error <= 2 * cublas_error + slack, (ours_error, cublas_error, slack)

@@ -27,13 +27,30 @@ def layer_passes() -> dict:
     """Inductor options that add the package's graph passes to a decoder layer's compile.
 
     Before inductor's own post-grad passes, the linears that read one input go into one
-    launch (:class:`~trace_replay.engines.linear_groups.GroupLinears`); after them, a residual
-    add that follows a one-row GEMV goes into the GEMV
-    (:class:`~trace_replay.engines.residual_adds.FoldResidualAdds`). Both leave a graph
+    launch (:class:`~trace_replay.engines.linear_groups.GroupLinears`), then an RMSNorm that
+    only feeds one-row GEMVs goes into them (:class:`~trace_replay.engines.norm_folds.FoldNorms`);
+    after inductor's passes, a residual add that follows a one-row GEMV goes into the GEMV
+    (:class:`~trace_replay.engines.residual_adds.FoldResidualAdds`). They leave a graph
     without the package's operators as it was.
     """
-    from trace_replay.engines.linear_groups import GroupLinears  # both import inductor
+    from trace_replay.engines.linear_groups import GroupLinears  # these import inductor
+    from trace_replay.engines.norm_folds import FoldNorms
     from trace_replay.engines.residual_adds import FoldResidualAdds
 
-    return {"post_grad_custom_pre_pass": GroupLinears(),
+    return {"post_grad_custom_pre_pass": _in_order(GroupLinears(), FoldNorms()),
             "post_grad_custom_post_pass": FoldResidualAdds()}
+
+
+def _in_order(*passes):
+    """One inductor custom pass that runs ``passes`` in order."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class Passes(CustomGraphPass):
+        def __call__(self, graph) -> None:
+            for graph_pass in passes:
+                graph_pass(graph)
+
+        def uuid(self) -> bytes:
+            return b"".join(graph_pass.uuid() for graph_pass in passes)
+
+    return Passes()

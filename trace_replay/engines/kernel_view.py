@@ -8,7 +8,12 @@ and replaces modules only in shallow copies, so the model itself is never modifi
   or :func:`~trace_replay.kernels.gemv.gemv` (half precision, one row);
 * with the GEMV, a gated MLP (``down(act(gate(x)) * up(x))``, the MLP of every model type
   the backend runs) becomes a :class:`GatedMLP`: at one row gate, up and the activation
-  are one launch (:func:`~trace_replay.kernels.gated_gemv.gated_gemv`).
+  are one launch (:func:`~trace_replay.kernels.gated_gemv.gated_gemv`);
+* with the GEMV, the decoder layer's own RMSNorms become :class:`KernelRMSNorm`: at one
+  row one opaque operator (:func:`~trace_replay.kernels.rms_norm.rms_norm`), which the
+  compiler takes into the GEMVs that read it (:mod:`~trace_replay.engines.norm_folds`).
+
+:func:`kernel_layer` makes a decoder layer's view.
 """
 
 from __future__ import annotations
@@ -20,12 +25,19 @@ import torch
 from trace_replay.kernels.gated_gemv import gated_gemv
 from trace_replay.kernels.gated_gemv import runs as gated_runs
 from trace_replay.kernels.gemv import gemv
+from trace_replay.kernels.gemv import runs as gemv_runs
+from trace_replay.kernels.rms_norm import Norm, rms_norm
 
-__all__ = ["GatedMLP", "KernelLinear", "gated_activation", "kernel_modules", "shallow"]
+__all__ = ["GatedMLP", "KernelLinear", "KernelRMSNorm", "gated_activation", "kernel_layer",
+           "kernel_modules", "shallow"]
 
 # MLP classes whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``
 GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "GemmaMLP", "Gemma2MLP",
               "Gemma3MLP")
+# RMSNorm classes, by what their weight is offset by (Gemma's scale is ``1 + weight``)
+RMS_NORMS = {"LlamaRMSNorm": 0.0, "MistralRMSNorm": 0.0, "Qwen2RMSNorm": 0.0,
+             "Qwen3RMSNorm": 0.0, "GemmaRMSNorm": 1.0, "Gemma2RMSNorm": 1.0,
+             "Gemma3RMSNorm": 1.0}
 # activation classes (transformers' and torch's) by the kernel's name for their function
 _ACTIVATIONS = {"SiLUActivation": "silu", "SiLU": "silu", "GELUTanh": "gelu_tanh",
                 "PytorchGELUTanh": "gelu_tanh", "NewGELUActivation": "gelu_tanh"}
@@ -115,3 +127,38 @@ def kernel_modules(module: torch.nn.Module, product) -> torch.nn.Module:
         clone._modules.update(children)
     act = gated_activation(module) if product is gemv else None
     return GatedMLP(clone, act) if act is not None else clone
+
+
+class KernelRMSNorm(torch.nn.Module):
+    """A decoder layer's RMSNorm (:data:`RMS_NORMS`) that runs as one operator at one
+    half-precision row (:func:`~trace_replay.kernels.rms_norm.rms_norm`, float32 throughout,
+    rounded once), and as itself otherwise."""
+
+    def __init__(self, norm: torch.nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+        self.offset = RMS_NORMS[type(norm).__name__]
+        self.eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", None)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.norm.weight
+        if not gemv_runs(x, weight):
+            return self.norm(x)
+        out = rms_norm(x.reshape(-1, x.shape[-1]), Norm(weight, self.eps, self.offset))
+        return out.reshape(x.shape)
+
+
+def kernel_layer(layer: torch.nn.Module, product) -> torch.nn.Module:
+    """A decoder layer's view: :func:`kernel_modules`, and with the GEMV its own RMSNorms
+    (its direct children, not the per-head norms inside attention) as
+    :class:`KernelRMSNorm`."""
+    view = kernel_modules(layer, product)
+    norms = {name: KernelRMSNorm(child) for name, child in view._modules.items()
+             if product is gemv and type(child).__name__ in RMS_NORMS
+             and hasattr(child, "weight")
+             and (hasattr(child, "variance_epsilon") or hasattr(child, "eps"))}
+    if not norms:
+        return view
+    view = shallow(view) if view is layer else view
+    view._modules.update(norms)
+    return view

@@ -35,7 +35,7 @@ import torch
 
 from trace_replay.engines.captured_step import StepGraph, capture, capture_step
 from trace_replay.engines.compiling import allow_recompiles, layer_passes
-from trace_replay.engines.kernel_view import KernelLinear, kernel_modules, shallow
+from trace_replay.engines.kernel_view import KernelLinear, kernel_layer, shallow
 from trace_replay.engines.static_cache import ATTENTION, StaticKVCache, register_attention
 from trace_replay.kernels.fp32_linear import fp32_linear
 from trace_replay.kernels.gemv import gemv
@@ -125,7 +125,7 @@ def _model_view(lm: torch.nn.Module, backend: StaticCacheBackend) -> torch.nn.Mo
         if backend.tensor_cores:
             layer.self_attn.float32_dots = "tf32x3"  # read by grouped_attention
         if backend.product is not None:
-            layer = kernel_modules(layer, backend.product)
+            layer = kernel_layer(layer, backend.product)
         layer.forward = _LayerRunner(layer, index, backend)
         layers.append(layer)
     view.model.layers = torch.nn.ModuleList(layers)

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 
 from trace_replay._triton import tl, triton
 from trace_replay.kernels import gemv as _gemv
+from trace_replay.kernels._row_input import norm_scale, row_step
+from trace_replay.kernels.rms_norm import Norm
 
 __all__ = ["ACTIVATIONS", "blocks", "gated_gemv", "gated_gemv_reference", "launch", "runs"]
 
@@ -40,9 +42,12 @@ def _gated_gemv_kernel(
     gate_ptr, up_ptr,  # [N, K] each, last stride 1
     gate_stride_n, up_stride_n,
     gate_bias_ptr, up_bias_ptr,  # [N] each, or any pointer when not HAS_BIAS
+    norm_ptr,  # [K], the weight of the RMSNorm applied to x first, or any pointer
     out_ptr,  # [M, N] contiguous, written
     cols, depth,
+    eps, norm_offset,  # the RMSNorm's (read where NORMED)
     HAS_BIAS: tl.constexpr,
+    NORMED: tl.constexpr,
     GELU_TANH: tl.constexpr,  # else SiLU
     GELU_SCALE: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -60,24 +65,27 @@ def _gated_gemv_kernel(
     x_row = x_ptr + pid_m.to(tl.int64) * x_stride_m
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    squares = tl.zeros([BLOCK_K], tl.float32)
     for start in range(0, depth, BLOCK_K):
         k = start + offs_k
         if EVEN_K:
             g = tl.load(g_rows + k[None, :], eviction_policy="evict_first")
             u = tl.load(u_rows + k[None, :], eviction_policy="evict_first")
-            x = tl.load(x_row + k)
         else:
-            k_ok = k < depth
-            g = tl.load(g_rows + k[None, :], mask=k_ok[None, :], other=0.0,
-                        eviction_policy="evict_first")
-            u = tl.load(u_rows + k[None, :], mask=k_ok[None, :], other=0.0,
-                        eviction_policy="evict_first")
-            x = tl.load(x_row + k, mask=k_ok, other=0.0)
-        xf = x.to(tl.float32)[None, :]
-        acc_g += g.to(tl.float32) * xf
-        acc_u += u.to(tl.float32) * xf
+            k_ok = (k < depth)[None, :]
+            g = tl.load(g_rows + k[None, :], mask=k_ok, other=0.0, eviction_policy="evict_first")
+            u = tl.load(u_rows + k[None, :], mask=k_ok, other=0.0, eviction_policy="evict_first")
+        x, xg = row_step(x_row, norm_ptr, k, depth, norm_offset, EVEN_K, NORMED)
+        if NORMED:
+            squares += x * x
+        acc_g += g.to(tl.float32) * xg[None, :]
+        acc_u += u.to(tl.float32) * xg[None, :]
     gate = tl.sum(acc_g, axis=1)
     up = tl.sum(acc_u, axis=1)
+    if NORMED:
+        scale = norm_scale(squares, depth, eps)
+        gate *= scale
+        up *= scale
     if HAS_BIAS:
         gate += tl.load(gate_bias_ptr + rows_n).to(tl.float32)
         up += tl.load(up_bias_ptr + rows_n).to(tl.float32)
@@ -155,8 +163,10 @@ def blocks(cols: int, depth: int) -> tuple[int, int, int]:
 
 def launch(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
            gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
-           act: str = "silu", *, config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """The kernel on ``x`` ``[M, K]``: ``[M, N]``. ``config`` overrides :func:`blocks`
+           act: str = "silu", *, norm: Norm | None = None,
+           config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """The kernel on ``x`` ``[M, K]`` (or on its RMSNorm, where ``norm`` is given: taken into
+    the launch): ``[M, N]``. ``config`` overrides :func:`blocks`
     (``benchmarks/bench_gemv.py --sweep``)."""
     _check(gate, up, gate_bias, up_bias, act)
     rows, depth = x.shape
@@ -169,8 +179,10 @@ def launch(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
     block_n, block_k, warps = config or blocks(cols, depth)
     out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
     _gated_gemv_kernel[(rows, triton.cdiv(cols, block_n))](
-        x, x.stride(0), gate, up, gate.stride(0), up.stride(0), *biases, out, cols, depth,
-        HAS_BIAS=has_bias, GELU_TANH=act == "gelu_tanh", GELU_SCALE=_GELU_SCALE,
+        x, x.stride(0), gate, up, gate.stride(0), up.stride(0), *biases,
+        x if norm is None else norm.weight, out, cols, depth,
+        *(norm[1:] if norm else (0.0, 0.0)), HAS_BIAS=has_bias, NORMED=norm is not None,
+        GELU_TANH=act == "gelu_tanh", GELU_SCALE=_GELU_SCALE,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=depth % block_k == 0, num_warps=warps,
     )
     return out
@@ -185,4 +197,17 @@ def _gated_gemv_op(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
 
 @_gated_gemv_op.register_fake
 def _(x, gate, up, gate_bias, up_bias, act):
+    return x.new_empty((x.shape[0], gate.shape[0]))
+
+
+@torch.library.custom_op("trace_replay::gated_gemv_normed", mutates_args=())
+def _gated_gemv_normed_op(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                          gate_bias: torch.Tensor | None, up_bias: torch.Tensor | None,
+                          act: str, norm_weight: torch.Tensor, eps: float,
+                          norm_offset: float) -> torch.Tensor:
+    return launch(x, gate, up, gate_bias, up_bias, act, norm=Norm(norm_weight, eps, norm_offset))
+
+
+@_gated_gemv_normed_op.register_fake
+def _(x, gate, up, gate_bias, up_bias, act, norm_weight, eps, norm_offset):
     return x.new_empty((x.shape[0], gate.shape[0]))

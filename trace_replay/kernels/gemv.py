@@ -35,6 +35,8 @@ import torch.nn.functional as F
 
 from trace_replay._triton import tl, triton, use_triton
 from trace_replay.kernels._members import members, tile_member
+from trace_replay.kernels._row_input import norm_scale, row_step
+from trace_replay.kernels.rms_norm import Norm
 
 __all__ = ["MAX_ROWS", "blocks", "gemv", "gemv_reference", "launch", "runs"]
 
@@ -51,11 +53,14 @@ def _gemv_kernel(
     weight_stride_n,  # every member's
     bias_ptr, bias1_ptr, bias2_ptr,  # [N_i] each, or any pointer when not HAS_BIAS
     residual_ptr,  # [M, N] contiguous, added to the output, or any pointer when not HAS_RESIDUAL
+    norm_ptr,  # [K], the weight of the RMSNorm applied to x first, or any pointer
     out_ptr,  # [M, N] contiguous (N: all members side by side), written
     cols, depth,
     first1, first2,  # output columns where the second and third members start
+    eps, norm_offset,  # the RMSNorm's (read where NORMED)
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    NORMED: tl.constexpr,
     MEMBERS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -72,18 +77,21 @@ def _gemv_kernel(
     w_rows = w_base + rows_n.to(tl.int64)[:, None] * weight_stride_n
     x_row = x_ptr + pid_m.to(tl.int64) * x_stride_m
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    squares = tl.zeros([BLOCK_K], tl.float32)
     for start in range(0, depth, BLOCK_K):
         k = start + offs_k
         if EVEN_K:
             w = tl.load(w_rows + k[None, :], eviction_policy="evict_first")
-            x = tl.load(x_row + k)
         else:
-            k_ok = k < depth
-            w = tl.load(w_rows + k[None, :], mask=k_ok[None, :], other=0.0,
+            w = tl.load(w_rows + k[None, :], mask=(k < depth)[None, :], other=0.0,
                         eviction_policy="evict_first")
-            x = tl.load(x_row + k, mask=k_ok, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        x, xg = row_step(x_row, norm_ptr, k, depth, norm_offset, EVEN_K, NORMED)
+        if NORMED:
+            squares += x * x
+        acc += w.to(tl.float32) * xg[None, :]
     out = tl.sum(acc, axis=1)
+    if NORMED:
+        out *= norm_scale(squares, depth, eps)
     if HAS_BIAS:
         out += tl.load(b_base + rows_n).to(tl.float32)
     at = pid_m.to(tl.int64) * cols + offs_n
@@ -154,11 +162,12 @@ def blocks(cols: int, depth: int) -> tuple[int, int, int]:
 
 def launch(x: torch.Tensor, weights: Sequence[torch.Tensor],
            biases: Sequence[torch.Tensor] | None = None, *,
-           residual: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None, norm: Norm | None = None,
            config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """``x`` ``[M, K]`` times one to three weights side by side: ``[M, N_0 (+ N_1 (+ N_2))]``,
-    each member's product (plus its bias) in its own columns, plus ``residual`` (``[M, N]``)
-    where given, before the one rounding. The blocks are :func:`blocks`' with ``BLOCK_N``
+    """``x`` ``[M, K]`` (or its RMSNorm, where ``norm`` is given: taken into the launch) times
+    one to three weights side by side: ``[M, N_0 (+ N_1 (+ N_2))]``, each member's product
+    (plus its bias) in its own columns, plus ``residual`` (``[M, N]``) where given, before
+    the one rounding. The blocks are :func:`blocks`' with ``BLOCK_N``
     halved until it divides every member's first column; ``config`` overrides them
     (``benchmarks/bench_gemv.py --sweep``)."""
     rows, depth = x.shape
@@ -179,9 +188,10 @@ def launch(x: torch.Tensor, weights: Sequence[torch.Tensor],
             raise ValueError(f"BLOCK_N {block_n} does not divide the members' first columns")
     out = torch.empty((rows, group.cols), dtype=x.dtype, device=x.device)
     _gemv_kernel[(rows, triton.cdiv(group.cols, block_n))](
-        x, x.stride(0), *group.args, x if residual is None else residual, out, group.cols,
-        depth, *group.firsts, HAS_BIAS=biases is not None, HAS_RESIDUAL=residual is not None,
-        MEMBERS=len(weights), BLOCK_N=block_n, BLOCK_K=block_k,
+        x, x.stride(0), *group.args, x if residual is None else residual,
+        x if norm is None else norm.weight, out, group.cols, depth, *group.firsts,
+        *(norm[1:] if norm else (0.0, 0.0)), HAS_BIAS=biases is not None,
+        HAS_RESIDUAL=residual is not None, NORMED=norm is not None, MEMBERS=len(weights), BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=depth % block_k == 0, num_warps=warps,
     )
     return out
@@ -206,6 +216,17 @@ def _gemv_add_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 @_gemv_add_op.register_fake
 def _(x, weight, bias, residual):
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.custom_op("trace_replay::gemv_normed", mutates_args=())
+def _gemv_normed_op(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor],
+                    norm_weight: torch.Tensor, eps: float, norm_offset: float) -> torch.Tensor:
+    return launch(x, weights, biases or None, norm=Norm(norm_weight, eps, norm_offset))
+
+
+@_gemv_normed_op.register_fake
+def _(x, weights, biases, norm_weight, eps, norm_offset):
+    return x.new_empty((x.shape[0], sum(w.shape[0] for w in weights)))
 
 
 @torch.library.custom_op("trace_replay::gemv_group", mutates_args=())
