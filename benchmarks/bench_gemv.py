@@ -13,7 +13,9 @@ five of each layer as ``(BLOCK_N, BLOCK_K, warps) µs``.
 A second table times what the compiled layer fuses at one row: the MLP's first half
 (grouped gate/up GEMV, then the compiled SiLU·mul, against ``kernels.gated_gemv``'s one
 launch) and the down projection with its residual add (GEMV, then the compiled add, against
-the GEMV that adds it, ``gemv_add``); ``--sweep`` sweeps the gated kernel's blocks too.
+the GEMV that adds it, ``gemv_add``), and the RMSNorm before q/k/v and gate/up (the norm
+kernel, then the GEMV, against the GEMV that norms its input); ``--sweep`` sweeps the gated
+and normed kernels' blocks too (q/k/v rows print ``BLOCK_N`` halved: the sweep doubles it).
 
     python benchmarks/bench_gemv.py [--sweep] [--shape llama-3.1-8b] [--rows 1] [--fused-only]
 """
@@ -30,6 +32,7 @@ from shapes import SHAPES
 from trace_replay._triton import triton
 from trace_replay.kernels import gated_gemv
 from trace_replay.kernels.gemv import blocks, launch
+from trace_replay.kernels.rms_norm import Norm, rms_norm, rms_norm_reference
 
 L2_BYTES = 256 << 20  # cycled through per graph: well past an H200's 50 MB of L2
 
@@ -133,6 +136,12 @@ def fused(shape: str, dtype: torch.dtype, repeats: int, sweep: bool, gen) -> dic
     x = torch.randn(1, hidden, generator=gen, device="cuda").to(dtype)
     h = torch.randn(1, inter, generator=gen, device="cuda").to(dtype)
     residual = torch.randn(1, hidden, generator=gen, device="cuda").to(dtype)
+    head_dim = hidden // c["num_attention_heads"]
+    qkv = [c["num_attention_heads"] * head_dim] + [c["num_key_value_heads"] * head_dim] * 2
+    trios = [[(torch.randn(n, hidden, generator=gen, device="cuda") * hidden**-0.5).to(dtype)
+              for n in qkv] for _ in range(max(2, -(-L2_BYTES // (sum(qkv) * hidden * 2))))]
+    norm = Norm((1 + 0.1 * torch.randn(hidden, generator=gen, device="cuda")).to(dtype), 1e-5)
+    normed = rms_norm_reference(x.float(), Norm(norm.weight.float(), norm.eps))
     silu_mul = torch.compile(lambda both: F.silu(both[:, :inter]) * both[:, inter:])
     add = torch.compile(torch.add)
     rows = {
@@ -149,8 +158,21 @@ def fused(shape: str, dtype: torch.dtype, repeats: int, sweep: bool, gen) -> dic
             [lambda w=w: launch(h, [w], residual=residual) for w in downs],
             launch(h, [downs[0]], residual=residual).float(),
             F.linear(h.float(), downs[0].float()) + residual.float()),
+        "norm, q/k/v": (
+            sum(qkv) * hidden * dtype.itemsize,
+            [lambda ws=ws: launch(rms_norm(x, norm), ws) for ws in trios],
+            [lambda ws=ws: launch(x, ws, norm=norm) for ws in trios],
+            launch(x, trios[0], norm=norm).float(),
+            F.linear(normed, torch.cat(trios[0]).float())),
+        "norm, gate/up, act·mul": (
+            size,
+            [lambda ws=ws: gated_gemv.launch(rms_norm(x, norm), *ws) for ws in pairs],
+            [lambda ws=ws: gated_gemv.launch(x, *ws, norm=norm) for ws in pairs],
+            gated_gemv.launch(x, *pairs[0], norm=norm).float(),
+            F.silu(F.linear(normed, pairs[0][0].float())) * F.linear(normed,
+                                                                     pairs[0][1].float())),
     }
-    print("\n| layer, one row | GEMV + compiled pointwise (µs) | fused launch (µs) | "
+    print("\n| layer, one row | GEMV + compiled pointwise or norm kernel (µs) | fused launch (µs) | "
           "TB/s fused | unfused / fused | max Δ vs float32 |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, (nbytes, apart, together, got, want) in rows.items():
@@ -162,16 +184,25 @@ def fused(shape: str, dtype: torch.dtype, repeats: int, sweep: bool, gen) -> dic
               f"{delta:.1e} |", flush=True)
     if not sweep:
         return {}
-    times = {}
-    for config in [(n, k, w) for n in (1, 2, 4, 8, 16) for k in (256, 512, 1024)
-                   for w in (1, 2, 4, 8) if n * k <= 8192]:
-        try:
-            times[config] = time_cycle_us(
-                [lambda ws=ws, c=config: gated_gemv.launch(x, *ws, config=c) for ws in pairs],
-                max(5, repeats // 4))
-        except triton.runtime.errors.OutOfResources:
-            pass
-    return {"rows 1 gated gate/up": (times, size)}
+    configs = [(n, k, w) for n in (1, 2, 4, 8, 16) for k in (256, 512, 1024)
+               for w in (1, 2, 4, 8) if n * k <= 8192]
+    runs = {"gated gate/up": (size, lambda ws, c: gated_gemv.launch(x, *ws, config=c), pairs),
+            "norm, gated gate/up": (size, lambda ws, c: gated_gemv.launch(x, *ws, norm=norm,
+                                                                          config=c), pairs),
+            "norm, q/k/v": (sum(qkv) * hidden * dtype.itemsize,
+                            lambda ws, c: launch(x, ws, norm=norm, config=(2 * c[0], *c[1:])),
+                            trios)}
+    sweeps = {}
+    for name, (nbytes, fn, sets) in runs.items():
+        times = {}
+        for config in configs:
+            try:
+                times[config] = time_cycle_us([lambda ws=ws, c=config: fn(ws, c) for ws in sets],
+                                              max(5, repeats // 4))
+            except (triton.runtime.errors.OutOfResources, ValueError):
+                pass
+        sweeps[f"rows 1 {name}"] = (times, nbytes)
+    return sweeps
 
 
 if __name__ == "__main__":
