@@ -1,5 +1,4 @@
-"""What the one-row GEMV kernels share: a step of their weight rows and of their input row,
-normed or not.
+"""What the one-row GEMV kernels share: a step of their input row, normed or not.
 
 :mod:`~trace_replay.kernels.gemv` and :mod:`~trace_replay.kernels.gated_gemv` can take the
 RMSNorm that precedes a projection into the launch (the compiler pass of
@@ -13,7 +12,7 @@ input steps by the norm's weight ``g`` (plus ``offset``: 1 for Gemma's ``1 + g``
 
 from trace_replay._triton import tl, triton
 
-__all__ = ["norm_scale", "row_step", "weight_step"]
+__all__ = ["norm_scale", "row_step"]
 
 
 @triton.jit
@@ -46,13 +45,3 @@ def row_step(
 def norm_scale(squares, depth, eps):
     """``rsqrt(mean(x²) + eps)`` from the per-lane sums of ``x²`` (``[BLOCK_K]``)."""
     return tl.rsqrt(tl.sum(squares, axis=0) / depth + eps)
-
-
-@triton.jit
-def weight_step(rows, k, depth, EVEN_K: tl.constexpr):
-    """The ``[BLOCK_N, BLOCK_K]`` weight tile at columns ``k`` of the rows ``rows`` points at
-    (0 past ``depth``), streamed: evicted first, read once."""
-    if EVEN_K:
-        return tl.load(rows + k[None, :], eviction_policy="evict_first")
-    return tl.load(rows + k[None, :], mask=(k < depth)[None, :], other=0.0,
-                   eviction_policy="evict_first")

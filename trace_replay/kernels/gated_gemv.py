@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from trace_replay._triton import tl, triton
 from trace_replay.kernels import gemv as _gemv
-from trace_replay.kernels._row_input import norm_scale, row_step, weight_step
+from trace_replay.kernels._row_input import norm_scale, row_step
 from trace_replay.kernels.rms_norm import Norm
 
 __all__ = ["ACTIVATIONS", "blocks", "gated_gemv", "gated_gemv_reference", "launch", "runs"]
@@ -68,8 +68,13 @@ def _gated_gemv_kernel(
     squares = tl.zeros([BLOCK_K], tl.float32)
     for start in range(0, depth, BLOCK_K):
         k = start + offs_k
-        g = weight_step(g_rows, k, depth, EVEN_K)
-        u = weight_step(u_rows, k, depth, EVEN_K)
+        if EVEN_K:
+            g = tl.load(g_rows + k[None, :], eviction_policy="evict_first")
+            u = tl.load(u_rows + k[None, :], eviction_policy="evict_first")
+        else:
+            k_ok = (k < depth)[None, :]
+            g = tl.load(g_rows + k[None, :], mask=k_ok, other=0.0, eviction_policy="evict_first")
+            u = tl.load(u_rows + k[None, :], mask=k_ok, other=0.0, eviction_policy="evict_first")
         x, xg = row_step(x_row, norm_ptr, k, depth, norm_offset, EVEN_K, NORMED)
         if NORMED:
             squares += x * x

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from trace_replay._triton import tl, triton, use_triton
 from trace_replay.kernels._members import members, tile_member
-from trace_replay.kernels._row_input import norm_scale, row_step, weight_step
+from trace_replay.kernels._row_input import norm_scale, row_step
 from trace_replay.kernels.rms_norm import Norm
 
 __all__ = ["MAX_ROWS", "blocks", "gemv", "gemv_reference", "launch", "runs"]
@@ -87,7 +87,11 @@ def _gemv_kernel(
     squares = tl.zeros([BLOCK_K], tl.float32)
     for start in range(0, depth, BLOCK_K):
         k = start + offs_k
-        w = weight_step(w_rows, k, depth, EVEN_K)
+        if EVEN_K:
+            w = tl.load(w_rows + k[None, :], eviction_policy="evict_first")
+        else:
+            w = tl.load(w_rows + k[None, :], mask=(k < depth)[None, :], other=0.0,
+                        eviction_policy="evict_first")
         x, xg = row_step(x_row, norm_ptr, k, depth, norm_offset, EVEN_K, NORMED)
         if NORMED:
             squares += x * x
