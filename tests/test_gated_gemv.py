@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from trace_replay._triton import use_triton
 from trace_replay.kernels.gated_gemv import blocks, gated_gemv, gated_gemv_reference, launch, runs
 from trace_replay.kernels.gemv import blocks as gemv_blocks
+from trace_replay.kernels.rms_norm import Norm, rms_norm_reference
 
 
 def operands(device, depth, cols, dtype=torch.bfloat16, bias=False, rows=1, seed=0):
@@ -96,7 +97,25 @@ def test_bad_arguments_are_refused():
 
 def test_blocks_read_as_many_bytes_per_program_as_the_grouped_gemv():
     """A program reads ``BLOCK_N`` rows of each of two weights: twice ``BLOCK_N`` rows in
-    all, as many as the grouped GEMV's tile over both."""
+    all, as many as the grouped GEMV's tile over both; with the norm inside, the swept
+    (2, 256, 1)."""
     for cols, depth in [(14336, 4096), (18944, 3584), (1536, 576)]:
         block_n, block_k, warps = blocks(cols, depth)
         assert (2 * block_n, block_k, warps) == gemv_blocks(2 * cols, depth)
+        assert blocks(cols, depth, normed=True) == (2, 256, 1)
+
+
+# σ(z) of a very negative z: exp(-z) is inf in the interpreter's numpy, and 1 / inf the
+# exact 0 the GPU gives too
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+@pytest.mark.parametrize("depth", [1024, 200])  # the unmasked and the masked loop
+@pytest.mark.parametrize("act, offset", [("silu", 0.0), ("gelu_tanh", 1.0)])
+def test_a_normed_launch_gates_the_float32_norm(device, depth, act, offset):
+    """With ``norm`` the kernel norms x in float32 itself (Llama's weight, Gemma's
+    1 + weight) before both products; the result is the float32 value rounded once."""
+    x, gate, up, biases = operands(device, depth, 24, bias=True)
+    g = (1 + 0.3 * torch.randn(depth, generator=torch.Generator().manual_seed(1)))
+    g = g.to(device, x.dtype)
+    normed = rms_norm_reference(x.float(), Norm(g.float(), 1e-5, offset))
+    out = launch(x, gate, up, *biases, act, norm=Norm(g, 1e-5, offset))
+    assert_rounded(out, float32_value(normed, gate, up, biases, act), x.dtype)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from trace_replay._triton import use_triton
 from trace_replay.kernels.gemv import MAX_ROWS, blocks, gemv, launch, runs
+from trace_replay.kernels.rms_norm import Norm, rms_norm_reference
 
 
 def operands(device, depth, cols, dtype=torch.bfloat16, bias=True, rows=1, seed=0):
@@ -22,12 +23,13 @@ def operands(device, depth, cols, dtype=torch.bfloat16, bias=True, rows=1, seed=
 
 
 def assert_rounded_product(out, x, weights, biases):
-    """``out`` is the float32 product of the same half-precision operands, rounded once to
-    the output dtype: within 2^-7 of each value (a rounding is at most 2^-8 relative, plus
-    float32 accumulation) and 1e-3 of the largest."""
+    """``out`` is the float32 product of the same half-precision operands (``x`` may be
+    float32 already), rounded once to the output dtype: within 2^-7 of each value (a
+    rounding is at most 2^-8 relative, plus float32 accumulation) and 1e-3 of the
+    largest."""
     want = torch.cat([F.linear(x.float(), w.float(), None if biases is None else b.float())
                       for w, b in zip(weights, biases or [None] * len(weights))], dim=1)
-    assert out.dtype == x.dtype and out.shape == want.shape
+    assert out.dtype == weights[0].dtype and out.shape == want.shape
     slack = want.abs() * 2**-7 + 1e-3 * want.abs().max()
     assert ((out.float() - want).abs() <= slack).all()
 
@@ -82,3 +84,24 @@ def test_blocks_divide_the_depth_where_they_can():
     assert blocks(4096, 3584)[1] == 512  # Qwen2.5-7B's hidden size
     assert blocks(4096, 576)[1] == 1024  # no such divisor: masked
     assert blocks(28672, 4096) == (8, 256, 2)  # a wide output
+
+
+@pytest.mark.parametrize("depth", [1024, 200])  # the unmasked and the masked loop
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_a_normed_launch_is_the_product_of_the_float32_norm(device, depth, offset):
+    """With ``norm`` the launch multiplies the RMSNorm of x (Llama's weight, Gemma's
+    1 + weight), computed in float32 inside the kernel, and rounds once; ``residual`` is
+    added before that rounding."""
+    x, weights, biases = operands(device, depth, [16, 8])
+    gen = torch.Generator().manual_seed(1)
+    g = (1 + 0.3 * torch.randn(depth, generator=gen)).to(device, x.dtype)
+    norm = Norm(g, 1e-5, offset)
+    normed = rms_norm_reference(x.float(), Norm(g.float(), 1e-5, offset))
+    assert_rounded_product(launch(x, weights, biases, norm=norm), normed, weights, biases)
+    residual = torch.randn(1, 24, generator=gen).to(device, x.dtype)
+    want = torch.cat([F.linear(normed, w.float(), b.float()) for w, b in zip(weights, biases)],
+                     dim=1) + residual.float()
+    out = launch(x, weights, biases, norm=norm, residual=residual)
+    assert ((out.float() - want).abs() <= want.abs() * 2**-7 + 1e-3 * want.abs().max()).all()
+    with pytest.raises(ValueError, match="residual"):
+        launch(x, weights, biases, residual=residual[:, :8])

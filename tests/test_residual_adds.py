@@ -29,22 +29,24 @@ def compiled_code(fn, *args):
     return out, "\n".join(code)
 
 
-@pytest.mark.parametrize("order", ["residual first", "product first"])
-def test_an_add_after_the_gemv_is_folded_into_it(device, order):
+@pytest.mark.parametrize("order, bias", [("residual first", False), ("product first", True)])
+def test_an_add_after_the_gemv_is_folded_into_it(device, order, bias):
     """``r + gemv(x)`` (as a decoder layer writes it) and ``gemv(x) + r`` each compile to one
-    ``gemv_add`` and no plain GEMV; the result is the float32 sum rounded once: within one
+    ``gemv_add`` and no plain GEMV (with the projection's bias, if any); the result is the
+    float32 sum rounded once: within one
     bfloat16 step of each value (2^-7 relative: Triton's interpreter may truncate where the
     GPU rounds to nearest) plus float32 accumulation."""
     x, weight, residual = operands(device)
+    b = torch.linspace(-1, 1, 64).to(device, torch.bfloat16) if bias else None
 
     def layer(x, weight, residual):
-        product = gemv(x, weight)
+        product = gemv(x, weight, b)
         return residual + product if order == "residual first" else product + residual
 
     out, code = compiled_code(layer, x, weight, residual)
     assert code.count("trace_replay.gemv_add.default(") == 1
     assert "trace_replay.gemv.default(" not in code
-    want = F.linear(x.float(), weight.float()) + residual.float()
+    want = F.linear(x.float(), weight.float(), None if b is None else b.float()) + residual.float()
     assert out.dtype == torch.bfloat16 and out.shape == want.shape
     assert ((out.float() - want).abs() <= want.abs() * 2**-7 + 1e-4 * want.abs().max()).all()
 
