@@ -172,7 +172,8 @@ def fused(shape: str, dtype: torch.dtype, repeats: int, sweep: bool, gen) -> dic
             F.silu(F.linear(normed, pairs[0][0].float())) * F.linear(normed,
                                                                      pairs[0][1].float())),
     }
-    print("\n| layer, one row | GEMV + compiled pointwise or norm kernel (µs) | fused launch (µs) | "
+    print("\n| layer, one row | GEMV + compiled pointwise or norm kernel (µs) | "
+          "fused launch (µs) | "
           "TB/s fused | unfused / fused | max Δ vs float32 |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, (nbytes, apart, together, got, want) in rows.items():

@@ -18,7 +18,6 @@ from trace_replay.engines import make_engine
 from trace_replay.engines.base import ReplayRequest
 from trace_replay.engines.hf_backend import HFBackend
 from trace_replay.engines.static_backend import StaticCacheBackend, supports
-from trace_replay.kernels.fp32_linear import fp32_linear
 from trace_replay.replay import replay
 
 PROMPTS = [[50, 35, 28, 46], [1], [95, 30, 21], [50, 35]]

@@ -72,7 +72,8 @@ def _foldable(add: torch.fx.Node, gemv: torch.fx.Node, other) -> bool:
 def _fold(graph: torch.fx.Graph, add: torch.fx.Node, chain: list, other: torch.fx.Node) -> None:
     gemv = chain[-1]
     args = list(gemv.args) + [None] * (3 - len(gemv.args))
-    x, weight, bias = (gemv.kwargs.get(name, arg) for name, arg in zip(("x", "weight", "bias"), args))
+    names = ("x", "weight", "bias")
+    x, weight, bias = (gemv.kwargs.get(name, arg) for name, arg in zip(names, args))
     product = gemv.meta["val"]
     fake_mode = product.fake_mode
     with graph.inserting_before(add):

@@ -32,7 +32,8 @@ from trace_replay.kernels.rms_norm import Norm
 __all__ = ["ACTIVATIONS", "blocks", "gated_gemv", "gated_gemv_reference", "launch", "runs"]
 
 ACTIVATIONS = ("silu", "gelu_tanh")
-_GELU_SCALE = 2 * (2 / torch.pi) ** 0.5  # 2·√(2/π): gelu_tanh(g) = g·σ(_GELU_SCALE·(g + c·g³))
+# 2·√(2/π): gelu_tanh(g) = g·σ(_GELU_SCALE·(g + 0.044715·g³))
+_GELU_SCALE = 2 * (2 / torch.pi) ** 0.5
 
 
 @triton.jit
