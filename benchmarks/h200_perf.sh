@@ -37,7 +37,7 @@ tests)
     -k "${TESTS:-.}" 2>&1 | grep -E "PASS|FAIL|Error|error|passed|failed" | tee "$out/gpu_tests.txt"
   # the kernels' and the state's CUDA cases are not gpu-marked (a device parameter instead)
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_top_k.py tests/test_kernels.py tests/test_state.py tests/test_cache_attention.py tests/test_fp32_linear.py tests/test_linear_groups.py \
-    tests/test_gemv.py tests/test_gated_gemv.py tests/test_residual_adds.py -k cuda 2>&1 | tail -5 | tee -a "$out/gpu_tests.txt"
+    tests/test_gemv.py tests/test_gated_gemv.py tests/test_residual_adds.py tests/test_norm_folds.py -k cuda 2>&1 | tail -5 | tee -a "$out/gpu_tests.txt"
   ;;
 vllm)
   # paired ratios over 11 rounds of 256-token traces (~6 min: a call of its own); PROFILE=1
