@@ -130,15 +130,14 @@ def kernel_modules(module: torch.nn.Module, product) -> torch.nn.Module:
 
 
 class KernelRMSNorm(torch.nn.Module):
-    """A decoder layer's RMSNorm (:data:`RMS_NORMS`) that runs as one operator at one
-    half-precision row (:func:`~trace_replay.kernels.rms_norm.rms_norm`, float32 throughout,
+    """A decoder layer's RMSNorm (:data:`RMS_NORMS`, its epsilon ``eps``) that runs as one
+    operator at one half-precision row (:func:`~trace_replay.kernels.rms_norm.rms_norm`, float32 throughout,
     rounded once), and as itself otherwise."""
 
-    def __init__(self, norm: torch.nn.Module) -> None:
+    def __init__(self, norm: torch.nn.Module, eps: float) -> None:
         super().__init__()
-        self.norm = norm
+        self.norm, self.eps = norm, eps
         self.offset = RMS_NORMS[type(norm).__name__]
-        self.eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", None)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.norm.weight
@@ -153,12 +152,20 @@ def kernel_layer(layer: torch.nn.Module, product) -> torch.nn.Module:
     (its direct children, not the per-head norms inside attention) as
     :class:`KernelRMSNorm`."""
     view = kernel_modules(layer, product)
-    norms = {name: KernelRMSNorm(child) for name, child in view._modules.items()
-             if product is gemv and type(child).__name__ in RMS_NORMS
-             and hasattr(child, "weight")
-             and (hasattr(child, "variance_epsilon") or hasattr(child, "eps"))}
+    eps = {name: _norm_eps(child) for name, child in view._modules.items()}
+    norms = {name: KernelRMSNorm(view._modules[name], value) for name, value in eps.items()
+             if product is gemv and value is not None}
     if not norms:
         return view
     view = shallow(view) if view is layer else view
     view._modules.update(norms)
     return view
+
+
+def _norm_eps(module: torch.nn.Module | None) -> float | None:
+    """The epsilon of an RMSNorm of :data:`RMS_NORMS` with a weight (transformers names it
+    ``variance_epsilon`` in Llama-like models, ``eps`` in Gemma's); else None."""
+    if type(module).__name__ not in RMS_NORMS or not hasattr(module, "weight"):
+        return None
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    return None if eps is None else float(eps)

@@ -32,14 +32,13 @@ from typing import NamedTuple
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from trace_replay.engines.graph_nodes import VIEWS, arguments
 from trace_replay.kernels import fp32_linear as _fp32_linear
 from trace_replay.kernels import gemv as _gemv
 
 __all__ = ["GroupLinears"]
 
 _MOST = 3  # members a launch takes
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
-          torch.ops.aten.reshape.default)
 
 
 class _Kind(NamedTuple):
@@ -91,11 +90,11 @@ class GroupLinears(CustomGraphPass):
         candidates = collections.defaultdict(list)
         for node in graph.nodes:
             if node.target in _KINDS:
-                x, weight, bias = _arguments(node)
+                x, weight, bias = arguments(node, "x", "weight", "bias")
                 kind = _KINDS[node.target]
                 candidates[(node.target, *_source(x), bias is None, kind.key(node))].append(node)
         for (target, _, _, _, no_bias, key), members in candidates.items():
-            x = _arguments(members[0])[0]
+            x = arguments(members[0], "x")[0]
             for start in range(0, len(members) - 1, _MOST):
                 chunk = members[start:start + _MOST]
                 if len(chunk) > 1:
@@ -110,21 +109,15 @@ def _source(x: torch.fx.Node) -> tuple:
     ``[rows, tokens, hidden]`` input to ``[rows × tokens, hidden]`` itself, and the graph
     may keep one view node per call."""
     val = x.meta["val"]
-    while x.target in _VIEWS and isinstance(x.args[0], torch.fx.Node):
+    while x.target in VIEWS and isinstance(x.args[0], torch.fx.Node):
         x = x.args[0]
     return x, tuple(val.shape), tuple(val.stride())
 
 
-def _arguments(node: torch.fx.Node) -> tuple:
-    args = list(node.args) + [None] * (3 - len(node.args))
-    names = ("x", "weight", "bias")
-    return tuple(node.kwargs.get(name, arg) for name, arg in zip(names, args))
-
-
 def _group(graph: torch.fx.Graph, order: dict, kind: _Kind, x: torch.fx.Node, members: list,
            key: tuple, no_bias: bool) -> None:
-    weights = [_arguments(node)[1] for node in members]
-    biases = [] if no_bias else [_arguments(node)[2] for node in members]
+    weights = [arguments(node, "x", "weight", "bias")[1] for node in members]
+    biases = [] if no_bias else [arguments(node, "x", "weight", "bias")[2] for node in members]
     first = members[0]
     if any(order.get(arg, len(order)) > order[first] for arg in weights + biases):
         return  # an input computed after the first member: leave them as they are

@@ -21,30 +21,29 @@ from __future__ import annotations
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from trace_replay.engines.graph_nodes import VIEWS, arguments
 from trace_replay.kernels import gated_gemv as _gated_gemv
 from trace_replay.kernels import gemv as _gemv
 from trace_replay.kernels import rms_norm as _rms_norm
 
 __all__ = ["FoldNorms"]
 
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
-          torch.ops.aten.reshape.default)
 _NORM = torch.ops.trace_replay.rms_norm.default
 _ops = torch.ops.trace_replay
 
 
 def _from_gemv(node: torch.fx.Node, x, norm: tuple) -> tuple:
-    weight, bias = _arg(node, 1, "weight"), _arg(node, 2, "bias")
+    weight, bias = arguments(node, "x", "weight", "bias")[1:]
     return _ops.gemv_normed.default, (x, [weight], [] if bias is None else [bias], *norm)
 
 
 def _from_group(node: torch.fx.Node, x, norm: tuple) -> tuple:
-    return _ops.gemv_normed.default, (x, _arg(node, 1, "weights"), _arg(node, 2, "biases"), *norm)
+    weights, biases = arguments(node, "x", "weights", "biases")[1:]
+    return _ops.gemv_normed.default, (x, weights, biases, *norm)
 
 
 def _from_gated(node: torch.fx.Node, x, norm: tuple) -> tuple:
-    rest = [_arg(node, i, name) for i, name in
-            enumerate(("gate", "up", "gate_bias", "up_bias", "act"), start=1)]
+    rest = arguments(node, "x", "gate", "up", "gate_bias", "up_bias", "act")[1:]
     return _ops.gated_gemv_normed.default, (x, *rest, *norm)
 
 
@@ -69,10 +68,6 @@ class FoldNorms(CustomGraphPass):
                                    _rms_norm.__file__))
 
 
-def _arg(node: torch.fx.Node, index: int, name: str):
-    return node.args[index] if len(node.args) > index else node.kwargs.get(name)
-
-
 def _uses(norm: torch.fx.Node) -> list[torch.fx.Node] | None:
     """The GEMV nodes that read ``norm``'s output (as their input row, through views), when
     they are all its uses and each reads it in the norm input's shape; else None."""
@@ -81,9 +76,9 @@ def _uses(norm: torch.fx.Node) -> list[torch.fx.Node] | None:
     while frontier:
         node = frontier.pop()
         for user in node.users:
-            if user.target in _VIEWS:
+            if user.target in VIEWS:
                 frontier.append(user)
-            elif (user.target in _FOLDS and _arg(user, 0, "x") is node
+            elif (user.target in _FOLDS and arguments(user, "x")[0] is node
                   and node.meta["val"].shape == shape
                   and not any(a is node for a in list(user.args[1:]) + list(user.kwargs.values()))):
                 found.append(user)
@@ -93,8 +88,7 @@ def _uses(norm: torch.fx.Node) -> list[torch.fx.Node] | None:
 
 
 def _fold(graph: torch.fx.Graph, norm: torch.fx.Node, uses: list) -> None:
-    x, weight, eps, offset = (_arg(norm, i, name) for i, name in
-                              enumerate(("x", "weight", "eps", "offset")))
+    x, weight, eps, offset = arguments(norm, "x", "weight", "eps", "offset")
     for use in uses:
         target, args = _FOLDS[use.target](use, x, (weight, eps, offset))
         with graph.inserting_before(use):

@@ -20,12 +20,11 @@ from __future__ import annotations
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from trace_replay.engines.graph_nodes import VIEWS, arguments
 from trace_replay.kernels import gemv as _gemv
 
 __all__ = ["FoldResidualAdds"]
 
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
-          torch.ops.aten.reshape.default)
 _GEMV = torch.ops.trace_replay.gemv.default
 _ADD = torch.ops.aten.add.Tensor
 
@@ -55,7 +54,7 @@ def _gemv_chain(node) -> list[torch.fx.Node] | None:
         chain.append(node)
         if node.target is _GEMV:
             return chain
-        if node.target not in _VIEWS:
+        if node.target not in VIEWS:
             return None
         node = node.args[0]
     return None
@@ -71,9 +70,7 @@ def _foldable(add: torch.fx.Node, gemv: torch.fx.Node, other) -> bool:
 
 def _fold(graph: torch.fx.Graph, add: torch.fx.Node, chain: list, other: torch.fx.Node) -> None:
     gemv = chain[-1]
-    args = list(gemv.args) + [None] * (3 - len(gemv.args))
-    names = ("x", "weight", "bias")
-    x, weight, bias = (gemv.kwargs.get(name, arg) for name, arg in zip(names, args))
+    x, weight, bias = arguments(gemv, "x", "weight", "bias")
     product = gemv.meta["val"]
     fake_mode = product.fake_mode
     with graph.inserting_before(add):
