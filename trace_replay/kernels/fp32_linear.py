@@ -40,6 +40,16 @@ tile's weight and bias pointers from its column. At decode's few rows each call 
 latency-bound whatever its size, so one launch for three costs little more than one;
 :mod:`trace_replay.engines.linear_groups` is the compiler pass that makes the groups.
 
+Why the split stays inside ``tl.dot``. ``benchmarks/bench_tf32_split.py`` timed two
+hand-written splits on an H200 (576 and 1,024 rows). Splitting each weight once on the host
+(TF32 ``hi`` and ``lo``; ``x`` split in the kernel) was as accurate and 9-16% faster per
+launch, for a second copy of every weight: not taken. Chaining the three products into
+one accumulator across all of K was 16-37× less accurate (4e-6 to 1.3e-5). A tensor core reads a
+float32 operand's TF32 *truncation*. Small products added into a large accumulator lose
+their low bits. So a split must start each K step's products from zero and add that step
+to the accumulator after. Triton does this; it also folds ``acc + tl.dot(a, b)`` into the
+dot's own accumulator unless something stands between them.
+
 The result is not cuBLAS's float32 result bit for bit (no two GEMM kernels agree in the last
 bits: their reduction orders differ), but it is as close to the float64 product:
 ``benchmarks/bench_fp32_linear.py`` measures both, ``tests/test_fp32_linear.py`` holds the
