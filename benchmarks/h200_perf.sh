@@ -29,7 +29,7 @@ fp32)
     --backends static,static:ieee
   ;;
 big)
-  LIMIT=150 bench qwen7b --shape qwen2.5-7b --dtype bfloat16 --batch 1,64 --k 0 --repeats 2
+  LIMIT=400 bench qwen7b --shape qwen2.5-7b --dtype bfloat16 --batch 1,16,64 --k 0 --repeats 2
   ;;
 tests)
   # the GPU paths: captured steps (both backends, forced steps), CUDA scoring and top-k, the kernels
