@@ -31,6 +31,7 @@ import argparse
 import itertools
 
 import torch
+from bench_fp32_linear import relative_error, time_or_inf
 from bench_kernels import time_graph_us
 
 from trace_replay._triton import tl, triton
@@ -115,18 +116,6 @@ def run(variant, x, weight, weight_lo, out, config):
                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                           num_warps=warps, num_stages=3)
     return out
-
-
-def time_or_inf(fn, repeats: int) -> float:
-    """µs per call, or infinity for blocks the GPU cannot run (shared memory)."""
-    try:
-        return time_graph_us(fn, repeats, 20)
-    except triton.runtime.errors.OutOfResources:
-        return float("inf")
-
-
-def relative_error(out: torch.Tensor, exact: torch.Tensor) -> float:
-    return ((out.double() - exact).abs().max() / exact.abs().max()).item()
 
 
 def main() -> None:
