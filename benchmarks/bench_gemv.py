@@ -53,9 +53,11 @@ def time_cycle_us(fns, repeats: int) -> float:
     return time_graph_us(lambda: [fn() for fn in fns], repeats, 1) / len(fns)
 
 
-def sweep_configs() -> list[tuple[int, int, int]]:
-    return [(n, k, w) for n in (4, 8, 16, 32) for k in (256, 512, 1024) for w in (2, 4, 8)
-            if n * k <= 16384]
+def sweep_configs(block_ns=(4, 8, 16, 32), warps=(2, 4, 8),
+                  most=16384) -> list[tuple[int, int, int]]:
+    """``(BLOCK_N, BLOCK_K, warps)`` with ``BLOCK_N × BLOCK_K`` at most ``most``."""
+    return [(n, k, w) for n in block_ns for k in (256, 512, 1024) for w in warps
+            if n * k <= most]
 
 
 def main() -> None:
@@ -185,8 +187,7 @@ def fused(shape: str, dtype: torch.dtype, repeats: int, sweep: bool, gen) -> dic
               f"{delta:.1e} |", flush=True)
     if not sweep:
         return {}
-    configs = [(n, k, w) for n in (1, 2, 4, 8, 16) for k in (256, 512, 1024)
-               for w in (1, 2, 4, 8) if n * k <= 8192]
+    configs = sweep_configs((1, 2, 4, 8, 16), (1, 2, 4, 8), 8192)
     runs = {"gated gate/up": (size, lambda ws, c: gated_gemv.launch(x, *ws, config=c), pairs),
             "norm, gated gate/up": (size, lambda ws, c: gated_gemv.launch(x, *ws, norm=norm,
                                                                           config=c), pairs),

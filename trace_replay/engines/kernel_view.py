@@ -131,8 +131,8 @@ def kernel_modules(module: torch.nn.Module, product) -> torch.nn.Module:
 
 class KernelRMSNorm(torch.nn.Module):
     """A decoder layer's RMSNorm (:data:`RMS_NORMS`, its epsilon ``eps``) that runs as one
-    operator at one half-precision row (:func:`~trace_replay.kernels.rms_norm.rms_norm`, float32 throughout,
-    rounded once), and as itself otherwise."""
+    operator at one half-precision row (:func:`~trace_replay.kernels.rms_norm.rms_norm`,
+    float32 throughout, rounded once), and as itself otherwise."""
 
     def __init__(self, norm: torch.nn.Module, eps: float) -> None:
         super().__init__()
@@ -152,9 +152,11 @@ def kernel_layer(layer: torch.nn.Module, product) -> torch.nn.Module:
     (its direct children, not the per-head norms inside attention) as
     :class:`KernelRMSNorm`."""
     view = kernel_modules(layer, product)
+    if product is not gemv:
+        return view
     eps = {name: _norm_eps(child) for name, child in view._modules.items()}
     norms = {name: KernelRMSNorm(view._modules[name], value) for name, value in eps.items()
-             if product is gemv and value is not None}
+             if value is not None}
     if not norms:
         return view
     view = shallow(view) if view is layer else view

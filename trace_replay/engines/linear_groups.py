@@ -116,8 +116,8 @@ def _source(x: torch.fx.Node) -> tuple:
 
 def _group(graph: torch.fx.Graph, order: dict, kind: _Kind, x: torch.fx.Node, members: list,
            key: tuple, no_bias: bool) -> None:
-    weights = [arguments(node, "x", "weight", "bias")[1] for node in members]
-    biases = [] if no_bias else [arguments(node, "x", "weight", "bias")[2] for node in members]
+    _, weights, biases = zip(*(arguments(node, "x", "weight", "bias") for node in members))
+    weights, biases = list(weights), [] if no_bias else list(biases)
     first = members[0]
     if any(order.get(arg, len(order)) > order[first] for arg in weights + biases):
         return  # an input computed after the first member: leave them as they are

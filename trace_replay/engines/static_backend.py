@@ -19,7 +19,8 @@ faster than cuBLAS's GEMVs, with each gated MLP's gate, up and activation in one
 (:func:`~trace_replay.kernels.gated_gemv.gated_gemv`). The view's modules that run these
 kernels are in :mod:`~trace_replay.engines.kernel_view`. The compiler then puts the linears
 that read the same input (q/k/v, gate/up) in one launch each
-(:mod:`~trace_replay.engines.linear_groups`) and folds a residual add into the one-row GEMV
+(:mod:`~trace_replay.engines.linear_groups`), folds an RMSNorm into the one-row GEMVs that
+read it (:mod:`~trace_replay.engines.norm_folds`) and a residual add into the one-row GEMV
 before it (:mod:`~trace_replay.engines.residual_adds`). On CPU everything runs eagerly.
 """
 
@@ -152,9 +153,9 @@ class StaticCacheBackend:
     * A bfloat16 or float16 model on CUDA multiplies one-row inputs (batch-1 decode steps,
       a batch-1 prefill's last position) with :func:`~trace_replay.kernels.gemv.gemv` and
       everything else with cuBLAS; both accumulate in float32 and round once, in different
-      orders, so they agree to the dtype's rounding. At one row the gated MLP's activation
-      and product and the residual adds after a GEMV are computed in float32 inside the
-      GEMV and rounded once, where the model rounds each step: closer to the float32
+      orders, so they agree to the dtype's rounding. At one row the layer's RMSNorms, the
+      gated MLP's activation and product and the residual adds after a GEMV are computed
+      in float32 inside the GEMV launches and rounded once, where the model rounds each step: closer to the float32
       result, equal to the model's to the dtype's rounding. ``name`` does not change
       with it.
 

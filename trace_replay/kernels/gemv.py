@@ -202,8 +202,8 @@ def launch(x: torch.Tensor, weights: Sequence[torch.Tensor],
         x, x.stride(0), *group.args, x if residual is None else residual,
         x if norm is None else norm.weight, out, group.cols, depth, *group.firsts,
         *(norm[1:] if norm else (0.0, 0.0)), HAS_BIAS=biases is not None,
-        HAS_RESIDUAL=residual is not None, NORMED=norm is not None, MEMBERS=len(weights), BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=depth % block_k == 0, num_warps=warps,
+        HAS_RESIDUAL=residual is not None, NORMED=norm is not None, MEMBERS=len(weights),
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=depth % block_k == 0, num_warps=warps,
     )
     return out
 
