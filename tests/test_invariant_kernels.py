@@ -95,14 +95,23 @@ def test_linear_triton_matches_reference(dtype):
 
 @needs_triton
 def test_linear_triton_row_invariant():
-    """A row's bits do not depend on the number of rows, its neighbours or its position."""
+    """A row's bits do not depend on the number of rows, its neighbours or its position.
+
+    Bitwise on CUDA, where the kernel fixes each element's arithmetic. Triton's interpreter
+    runs ``tl.dot`` as a numpy matmul of the whole tile, and numpy's BLAS may round a row by
+    where it sits in the tile (OpenBLAS's Haswell kernels do): there the kernel cannot
+    promise bits, so the rows agree to float32 rounding."""
     w, row = torch.randn(50, 40, device=DEVICE), torch.randn(40, device=DEVICE)
     outs = []
     for rows, position in ((1, 0), (3, 2), (64, 10), (130, 129)):
         x = torch.randn(rows, 40, device=DEVICE)
         x[position] = row
         outs.append(linear_rows_triton(x, w)[position])
-    assert all(torch.equal(o, outs[0]) for o in outs)
+    for out in outs[1:]:
+        if DEVICE == "cuda":
+            assert torch.equal(out, outs[0])
+        else:
+            torch.testing.assert_close(out, outs[0], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("rows_per_call", [1, 4])
