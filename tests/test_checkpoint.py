@@ -121,3 +121,79 @@ def test_temporaries_of_dead_runs_are_cleaned(engine, records, tmp_path):
         replay(records[:1], engine=engine, progress=False, checkpoint=tmp_path)
     assert not leftover.exists()
     assert json.loads((tmp_path / "settings.json").read_text())["top_k"] == 3
+
+
+def chat_record(tokenizer, role: str) -> dict:
+    """A tokenized chat trace whose labels are given, so that only they can be edited."""
+    ids = tokenizer.encode(" Rome, of course.")
+    return {"id": "chat", "messages": [{"role": "user", "content": "Capital of Italy?"},
+                                       {"role": "assistant", "content": " Rome, of course."}],
+            "trace_token_ids": ids, "trace_turns": [1] * len(ids), "trace_roles": [role] * len(ids)}
+
+
+def test_edited_chat_labels_are_recomputed(engine, records, tokenizer, tmp_path):
+    """A rerun after editing only a chat trace's roles serves the new roles, not the old."""
+    replay([chat_record(tokenizer, "assistant"), records[1]], engine=engine, progress=False,
+           checkpoint=tmp_path)
+    resumed = replay([chat_record(tokenizer, "tool"), records[1]], engine=engine,
+                     progress=False, checkpoint=tmp_path)
+    assert set(resumed.loc[resumed["trace_id"] == "chat", "role"]) == {"tool"}
+    assert resumed.attrs["resumed_traces"] == 1  # the plain trace alone is unchanged
+
+
+def test_plain_run_gets_no_chat_columns_from_a_chat_runs_parts(engine, records, tokenizer,
+                                                              tmp_path):
+    """Rows served from a part that a chat run wrote have the columns of a run without the
+    checkpoint: no ``turn``/``role`` when none of this run's traces is a chat trace."""
+    replay([chat_record(tokenizer, "assistant"), records[1]], engine=engine, progress=False,
+           checkpoint=tmp_path)
+    resumed = replay([records[1]], engine=engine, progress=False, checkpoint=tmp_path)
+    assert resumed.attrs["resumed_traces"] == 1
+    assert list(resumed.columns) == list(replay([records[1]], engine=engine,
+                                                progress=False).columns)
+
+
+def test_digest_covers_every_trace_field_its_rows_copy(tokenizer):
+    """Editing any Trace field that changes the trace's rows (``to_frame``) changes its
+    digest: no edit can be served stale."""
+    from dataclasses import replace
+
+    from trace_replay.checkpoint import trace_digest
+    from trace_replay.engines.base import ReplayRequest, TraceResult
+    from trace_replay.frame import TokenDecoder, to_frame
+    from trace_replay.trace_record import FIELDS, Trace, TraceError
+
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+    common = {"prompt_token_ids": (1, 2), "trace_token_ids": (3, 4), "ref_logprobs": (-1.0, -2.0),
+              "meta": {"k": 1}}
+    bases = [Trace("a", prompt="Hi", completion="Yo", **common),
+             Trace("a", completion="Yo", messages=messages, tools=[{"type": "function"}],
+                   turns="all", trace_turns=(1, 1), trace_roles=("assistant", "assistant"),
+                   **common)]
+    edits = {"id": "b", "prompt": "Ho", "prompt_token_ids": (1, 5), "completion": "Ya",
+             "trace_token_ids": (3, 6), "ref_logprobs": (-1.0, -2.5), "meta": {"k": 2},
+             "messages": messages[:1] + [{"role": "assistant", "content": "Ye"}],
+             "tools": [], "turns": "last", "trace_turns": (1, 2),
+             "trace_roles": ("assistant", "tool")}
+    decode = TokenDecoder(tokenizer)
+
+    def rows_and_digest(trace):
+        request = ReplayRequest(trace.id, trace.prompt_token_ids, trace.trace_token_ids)
+        result = TraceResult(trace.id, 2, np.array(trace.trace_token_ids), np.full(2, -1.0),
+                             np.ones(2, int), np.zeros((2, 1), int), np.full((2, 1), -0.5),
+                             np.ones(2))
+        return to_frame([result], {trace.id: trace}, decode), trace_digest("k", request, trace)
+
+    edited = set()
+    for base in bases:
+        rows, digest = rows_and_digest(base)
+        for name, value in edits.items():
+            try:
+                trace = replace(base, **{name: value})
+            except TraceError:  # e.g. messages beside prompt text
+                continue
+            edited.add(name)
+            edited_rows, edited_digest = rows_and_digest(trace)
+            if not edited_rows.equals(rows):
+                assert edited_digest != digest, f"{name} changes the rows, not the digest"
+    assert edited == set(FIELDS)  # a new Trace field needs an edit here

@@ -26,8 +26,9 @@ from trace_replay._io import remove_stale_temporaries, write_atomic
 from trace_replay.claims import Claims
 from trace_replay.engines.base import ReplayRequest
 from trace_replay.parts import PART_NAME, CorruptPart, read_part, write_part
+from trace_replay.trace_record import Trace
 
-__all__ = ["Checkpoint", "settings_key", "trace_digest"]
+__all__ = ["ROW_FIELDS", "Checkpoint", "settings_key", "trace_digest"]
 
 
 def settings_key(settings: dict) -> str:
@@ -36,16 +37,22 @@ def settings_key(settings: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def trace_digest(key: str, request: ReplayRequest,
-                 ref_logprobs: Sequence[float] | None = None) -> str:
+# the Trace fields that to_frame copies into a trace's rows (ref_logprob, turn, role columns)
+ROW_FIELDS = ("ref_logprobs", "trace_turns", "trace_roles")
+
+
+def trace_digest(key: str, request: ReplayRequest, trace: Trace | None = None) -> str:
     """What a finished trace's rows depend on: the settings' ``key``, the trace id, the exact
-    prompt and trace tokens, and the trace's ``ref_logprobs`` (copied into its rows)."""
+    prompt and trace tokens of ``request``, and the ``ROW_FIELDS`` of ``trace`` (``None``:
+    a trace without them), the values its rows copy."""
     digest = hashlib.sha256(key.encode())
     digest.update(json.dumps(request.trace_id).encode())
-    for values, dtype in ((request.prompt_token_ids, "<i8"), (request.trace_token_ids, "<i8"),
-                          (ref_logprobs or (), "<f8")):
+    for values in (request.prompt_token_ids, request.trace_token_ids):
         digest.update(len(values).to_bytes(8, "little"))
-        digest.update(np.asarray(values, dtype=dtype).tobytes())
+        digest.update(np.asarray(values, dtype="<i8").tobytes())
+    for name in ROW_FIELDS:  # one JSON line each; floats as repr, so exact
+        values = getattr(trace, name, None)
+        digest.update(json.dumps(None if values is None else list(values)).encode() + b"\n")
     return digest.hexdigest()[:32]
 
 
@@ -54,8 +61,9 @@ class Checkpoint:
 
     Invariants, whatever kills a run and when:
 
-    * Every row carries ``trace_digest`` (settings, trace id, prompt and trace ids,
-      ``ref_logprobs``). A trace is served from the folder only when its digest matches, so
+    * Every row carries ``trace_digest`` (settings, trace id, prompt and trace ids, and
+      what the rows copy from the trace: ``ref_logprobs``, ``trace_turns``,
+      ``trace_roles``). A trace is served from the folder only when its digest matches, so
       an edited trace is recomputed, never served stale. A folder written with other
       settings is refused.
     * A part appears whole (temporary, then rename); its name carries the SHA-256 of its
@@ -79,8 +87,8 @@ class Checkpoint:
         The engine's ``settings()``.
     requests
         What this run replays; trace ids are unique.
-    ref_logprobs
-        Each trace's ``ref_logprobs`` by trace id, where it has them.
+    traces
+        The tokenized traces by trace id, whose ``ROW_FIELDS`` the rows copy (missing: none).
     batch_size
         Engine calls take whole batches of this many traces where they can.
     max_traces, every_s
@@ -91,7 +99,7 @@ class Checkpoint:
 
     def __init__(self, path: str | os.PathLike, settings: dict,
                  requests: Sequence[ReplayRequest],
-                 ref_logprobs: Mapping[str, Sequence[float] | None] | None = None, *,
+                 traces: Mapping[str, Trace] | None = None, *,
                  batch_size: int = 1,
                  max_traces: int = 32, every_s: float = 10.0) -> None:
         self.path = Path(path)
@@ -101,8 +109,9 @@ class Checkpoint:
         self.key = settings_key(settings)
         self.top_k = settings.get("top_k")
         self.batch_size, self.max_traces, self.every_s = batch_size, max_traces, every_s
-        refs = ref_logprobs or {}
-        self._requests = {trace_digest(self.key, r, refs.get(r.trace_id)): r for r in requests}
+        traces = traces or {}
+        self._labelled = any(t.trace_roles is not None for t in traces.values())
+        self._requests = {trace_digest(self.key, r, traces.get(r.trace_id)): r for r in requests}
         self._digest_of = {r.trace_id: d for d, r in self._requests.items()}
         self._todo = dict.fromkeys(self._requests)  # ordered: digests not known to be done
         self._held: Counter[str] = Counter()  # digest -> verified parts holding it
@@ -180,7 +189,8 @@ class Checkpoint:
         return True
 
     def read(self) -> pd.DataFrame | None:
-        """Every requested trace, one copy each, in request order, from verified parts.
+        """Every requested trace, one copy each, in request order, from verified parts; the
+        ``turn`` and ``role`` columns only when a trace of this run has chat labels.
 
         Returns ``None`` when a part failed verification since it was first read: its
         traces are unfinished again and the run loop goes on.
@@ -207,7 +217,9 @@ class Checkpoint:
                 self._claims.set(self._claims.mine - missing)
             self._todo.update(dict.fromkeys(d for d in self._requests if d in missing))
             return None
-        frame = pd.concat(frames, ignore_index=True) if frames else None
+        frame = pd.concat(frames, ignore_index=True)
+        if not self._labelled:  # a chat run's part gives its plain traces null labels
+            frame = frame.drop(columns=["turn", "role"], errors="ignore")
         return _in_request_order(frame, list(self._requests))
 
     # -- parts ----------------------------------------------------------------------------
@@ -297,9 +309,7 @@ class Checkpoint:
                              f"({', '.join(changed)}); use a new folder")
 
 
-def _in_request_order(frame: pd.DataFrame | None, digests: list[str]) -> pd.DataFrame | None:
-    if frame is None:
-        return None
+def _in_request_order(frame: pd.DataFrame, digests: list[str]) -> pd.DataFrame:
     order = {digest: i for i, digest in enumerate(digests)}
     frame = frame.drop_duplicates(subset=["trace_digest", "step"], keep="first")
     frame = frame.assign(_order=frame["trace_digest"].map(order))

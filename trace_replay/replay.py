@@ -116,9 +116,9 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
         Show a tqdm bar counting trace tokens as they are scored.
     checkpoint
         Folder for resumable runs: finished traces are written there as checksummed Parquet
-        parts, and a rerun skips the traces whose tokens, ``ref_logprobs`` and engine
-        settings are unchanged (and says how many). Runs sharing a folder split the traces
-        between them.
+        parts, and a rerun skips the traces whose tokens, ``ref_logprobs``, chat labels
+        and engine settings are unchanged (and says how many). Runs sharing a folder split
+        the traces between them.
     shard
         ``(index, count)``: replay only this deterministic slice (by hash of the trace id).
         A shard holding no trace gives an empty result, with a warning.
@@ -258,8 +258,7 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
                       for start in range(0, len(requests), chunk)]
             result = pd.concat(frames, ignore_index=True) if frames else None
         else:
-            refs = {t.id: t.ref_logprobs for t in traceset}
-            with Checkpoint(checkpoint, settings, requests, refs, batch_size=batch,
+            with Checkpoint(checkpoint, settings, requests, by_id, batch_size=batch,
                             max_traces=chunk, every_s=checkpoint_every) as store:
                 resumed = store.resumed
                 advance(store.resumed_tokens)
