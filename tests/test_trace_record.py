@@ -19,12 +19,22 @@ def test_ref_logprobs_must_be_log_probabilities(value, problem):
         load_traces([{**BASE, "ref_logprobs": [-0.5, value]}])
 
 
-def test_ref_logprobs_of_certainty_and_impossibility_are_kept():
-    """0.0 (p = 1), rounding just above it, and -inf (p = 0) are valid log-probabilities."""
-    trace = load_traces([{**BASE, "ref_logprobs": [0.0, 1e-9]},
-                         {**BASE, "id": "u", "ref_logprobs": [-1.0, float("-inf")]}])
+def test_ref_logprobs_of_certainty_are_kept():
+    """0.0 (p = 1) and rounding just above it are valid log-probabilities."""
+    trace = load_traces([{**BASE, "ref_logprobs": [0.0, 1e-9]}])
     assert trace[0].ref_logprobs == (0.0, 1e-9)
-    assert trace[1].ref_logprobs == (-1.0, float("-inf"))
+
+
+def test_minus_infinity_ref_logprob_is_refused_by_file_line_trace_and_field(tmp_path):
+    """-Infinity (JSON's spelling, p = 0: no recorded token has it) is refused like NaN and
+    +inf, the error naming the file, the line, the trace id and the field with its index."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(BASE) + "\n"
+                    + '{"id": "m", "prompt_token_ids": [1], "trace_token_ids": [2, 3], '
+                      '"ref_logprobs": [-0.5, -Infinity]}\n')
+    with pytest.raises(TraceError, match=rf"^{path}:2: trace 'm': ref_logprobs\[1\] = -inf "
+                                         r"is infinite"):
+        load_traces(path)
 
 
 def test_lone_surrogate_is_named(tmp_path):

@@ -138,10 +138,14 @@ class Trace:
         for i, value in enumerate(values):
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 self._fail(f"ref_logprobs[{i}] = {value!r} is not a number")
-            # NaN reads as "no reference" downstream; -inf is a log-probability (p = 0)
+            # NaN reads as "no reference" downstream; -inf (p = 0) cannot be a recorded
+            # token's logprob (its producer emitted it) and would make every delta infinite
             if math.isnan(value):
                 self._fail(f"ref_logprobs[{i}] is NaN (leave out ref_logprobs when a trace "
                            "has none)")
+            if value == -math.inf:
+                self._fail(f"ref_logprobs[{i}] = -inf is infinite; a recorded token's "
+                           "logprob is finite")
             if value > _LOGPROB_SLACK:
                 self._fail(f"ref_logprobs[{i}] = {value} is positive; a log-probability is <= 0")
         return tuple(float(value) for value in values)
