@@ -297,7 +297,8 @@ def trace_sets(draw) -> TraceSet:
             completion=draw(texts.filter(bool) if token_ids is None else st.none() | texts),
             trace_token_ids=token_ids,
             ref_logprobs=None if token_ids is None else draw(st.none() | st.lists(
-                st.floats(max_value=0.0), min_size=len(token_ids), max_size=len(token_ids))),
+                st.floats(max_value=0.0, allow_infinity=False), min_size=len(token_ids),
+                max_size=len(token_ids))),
             meta=draw(st.dictionaries(texts, json_values, max_size=3)),
         ))
     return TraceSet(traces)
@@ -566,3 +567,64 @@ def test_chat_reply_keeps_its_text_beside_its_ids():
     trace = load_traces([record])[0]
     assert trace.is_chat and trace.completion == "Hello<|im_end|>"
     assert trace.trace_token_ids == (19556, 2)
+
+
+TYPO_SOURCES = {
+    "jsonl": (lambda tmp_path, rows: write_jsonl(tmp_path / "x.jsonl", rows), "{path}:1"),
+    **{kind: (make, location.replace("1", "0")) for kind, (make, location) in BAD_SOURCES.items()},
+}
+
+
+@pytest.mark.parametrize("kind", TYPO_SOURCES)
+def test_unknown_field_warns_once_naming_field_location_and_closest_name(kind, tmp_path):
+    """A key that is no trace field (a typo) is ignored with one UnknownFieldWarning per source
+    naming it, where it first appears (file line, JSON index or row), and the field it is
+    closest to; every source kind goes through the same check."""
+    from trace_replay.trace_sources import UnknownFieldWarning
+
+    make, location = TYPO_SOURCES[kind]
+    rows = [{**GOOD, "id": "typo", "trace_tokens_ids": [5]},
+            {**GOOD, "id": "again", "trace_tokens_ids": [6]}]
+    source = make(tmp_path, rows)
+    with pytest.warns(UnknownFieldWarning) as caught:
+        traces = load_traces(source)
+    assert len(caught) == 1 and traces.ids == ["typo", "again"]
+    assert str(caught[0].message).startswith(
+        f"{location.format(path=source)}: trace 'typo': unknown field 'trace_tokens_ids' is "
+        "ignored (did you mean 'trace_token_ids'?)")
+
+
+def test_unknown_field_warning_names_the_jsonl_line_before_the_error_it_causes(tmp_path):
+    """A misspelt trace field leaves the record without a trace: the warning naming the typo's
+    line comes before the TraceError, so the cause is shown with the error."""
+    from trace_replay.trace_sources import UnknownFieldWarning
+
+    path = write_jsonl(tmp_path / "t.jsonl", [GOOD, {"id": "x", "prompt_token_ids": [1],
+                                                     "trace_tokens_ids": [2]}])
+    with pytest.warns(UnknownFieldWarning, match=rf"{path}:2: trace 'x': unknown field "
+                                                 r"'trace_tokens_ids' .*'trace_token_ids'"):
+        with pytest.raises(TraceError, match=rf"{path}:2: trace 'x': missing trace"):
+            load_traces(path)
+
+
+def test_known_fields_never_warn(tmp_path):
+    """Every trace field (meta, messages, tools, turns, ref_logprobs, trace_turns, trace_roles,
+    text and ids), and the token counts to_pandas adds, loads without an UnknownFieldWarning
+    from every source kind and through the writers' round trips."""
+    import warnings
+
+    from trace_replay.trace_sources import UnknownFieldWarning
+
+    records = [*RECORDS,
+               {"id": "c", "messages": CHAT, "tools": [{"type": "function"}], "turns": "all"},
+               {"id": "r", "messages": CHAT[:1], "prompt_token_ids": [1], "trace_token_ids": [2, 3],
+                "completion": "Hello!", "trace_turns": [1, 1], "trace_roles": ["assistant"] * 2}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnknownFieldWarning)
+        traces = load_traces(records)
+        for make in SOURCES.values():
+            load_traces(make(tmp_path))
+        traces.to_parquet(tmp_path / "all.parquet")
+        traces.to_jsonl(tmp_path / "all.jsonl")
+        for source in (traces.to_pandas(), tmp_path / "all.parquet", tmp_path / "all.jsonl"):
+            assert load_traces(source) == traces

@@ -2,17 +2,20 @@
 
 Every reader yields ``(location, record)`` pairs, the location naming the record for errors:
 ``path:LINE`` (JSONL, 1-based, blank lines counted), ``path[INDEX]`` (JSON) or
-``SOURCE row INDEX`` (Parquet, DataFrames, datasets, iterables).
+``SOURCE row INDEX`` (Parquet, DataFrames, datasets, iterables). A key or column that is no
+`Trace` field is ignored with an `UnknownFieldWarning`, whatever the source.
 """
 
 from __future__ import annotations
 
 import codecs
+import difflib
 import gzip
 import json
 import numbers
 import os
 import sys
+import warnings
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -23,7 +26,15 @@ from trace_replay.trace_record import FIELDS, JSON_FIELDS, Trace, TraceError
 if TYPE_CHECKING:
     import pandas
 
-__all__ = ["open_text", "parse_record", "read_records"]
+__all__ = ["UnknownFieldWarning", "open_text", "parse_record", "read_records"]
+
+# keys that are no Trace field but are expected: TraceSet.to_pandas's counts, pandas' index
+_IGNORED = ("n_prompt_tokens", "n_trace_tokens")
+_PANDAS_INDEX = "__index_level_"
+
+
+class UnknownFieldWarning(UserWarning):
+    """A trace record has a key that is no trace field (a typo, or data the replay ignores)."""
 
 
 def read_records(source: Any) -> tuple[str, Iterable[tuple[str, Any]]]:
@@ -52,10 +63,16 @@ def read_records(source: Any) -> tuple[str, Iterable[tuple[str, Any]]]:
     return name, ((f"{name} row {i}", record) for i, record in enumerate(source))
 
 
-def parse_record(record: Any, location: str) -> Trace:
-    """Validate one raw record as a `Trace`; errors name ``location`` and the trace id."""
+def parse_record(record: Any, location: str, *, reported: set[str] | None = None) -> Trace:
+    """Validate one raw record as a `Trace`; errors name ``location`` and the trace id.
+
+    Keys that are no trace field are ignored with an `UnknownFieldWarning` naming the key,
+    ``location`` and the closest field name; a key already in ``reported`` (a set the caller
+    keeps across the records of one source) is not named again, and is added to it.
+    """
     if not isinstance(record, Mapping):
         raise TraceError(f"expected a record, got {type(record).__name__}", location=location)
+    _warn_unknown(record, location, set() if reported is None else reported)
     trace_id = record.get("id")
     if trace_id is None:
         raise TraceError("missing 'id'", location=location)
@@ -78,6 +95,22 @@ def parse_record(record: Any, location: str) -> Trace:
         return Trace(trace_id, **fields)
     except TraceError as error:
         raise error.at(location) from None
+
+
+def _warn_unknown(record: Mapping, location: str, reported: set[str]) -> None:
+    for key in record:
+        name = str(key)
+        if name in FIELDS or name in _IGNORED or name.startswith(_PANDAS_INDEX):
+            continue
+        if name in reported:
+            continue
+        reported.add(name)
+        close = difflib.get_close_matches(name, FIELDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        trace = f" trace {record['id']!r}:" if isinstance(record.get("id"), (str, int)) else ""
+        warnings.warn(f"{location}:{trace} unknown field {name!r} is ignored{hint}; known "
+                      f"fields: {', '.join(FIELDS)} (later records with it are not reported)",
+                      UnknownFieldWarning, stacklevel=4)
 
 
 def open_text(path: str | os.PathLike, mode: str, *, gzipped: bool) -> IO[str]:
@@ -170,7 +203,8 @@ def _frame_rows(name: str, frame: pandas.DataFrame) -> Iterator[tuple[str, Any]]
     import pandas as pd
 
     for i, record in enumerate(frame.to_dict("records")):
-        # Tabular sources mark a missing field with a null scalar (None, NaN, NA).
-        present = {key: value for key, value in record.items()
-                   if not (pd.api.types.is_scalar(value) and pd.isna(value))}
+        # Tabular sources mark a missing field with a null scalar (None, NaN, NA); an unknown
+        # column is kept, null or not, to be reported as it is for the other sources
+        present = {key: value for key, value in record.items() if key not in FIELDS
+                   or not (pd.api.types.is_scalar(value) and pd.isna(value))}
         yield f"{name} row {i}", present

@@ -273,8 +273,10 @@ def load_traces(
       ``turns`` (``"last"``, the default, or ``"all"``): rendered with the model's chat
       template, its last assistant turn (or all of them) is the trace;
 
-    and optionally ``ref_logprobs`` (one per trace token) and ``meta`` (a JSON object, or that
-    object as a JSON string, as Parquet stores it). Other keys are ignored.
+    and optionally ``ref_logprobs`` (one per trace token, finite and <= 0) and ``meta`` (a
+    JSON object, or that object as a JSON string, as Parquet stores it). Other keys are
+    ignored, each named once per source with an ``UnknownFieldWarning`` (its first location
+    and the closest field name, e.g. ``trace_tokens_ids``: did you mean ``trace_token_ids``?).
 
     Parameters
     ----------
@@ -333,9 +335,9 @@ def load_traces(
 
 
 def _build(name: str, rows: Iterable[tuple[str, Any]], turns: str | None) -> TraceSet:
-    traces, locations = [], []
+    traces, locations, reported = [], [], set()
     for location, record in rows:
-        trace = parse_record(record, location)
+        trace = parse_record(record, location, reported=reported)
         if turns is not None and trace.is_chat:
             trace = replace(trace, turns=turns)
         traces.append(trace)
