@@ -11,7 +11,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trace_replay.analysis import compare, dataset_summary, run_labels, summarize
+from trace_replay.analysis import (
+    NegativeEstimateWarning,
+    compare,
+    dataset_summary,
+    run_labels,
+    summarize,
+)
+from trace_replay.mismatch import trainer_metrics
+from trace_replay.ranks import rank_bucket_transitions
+
+# hand-made pairs below are fixed traces, not samples of side a: their k1/chi2 may be negative
+pytestmark = pytest.mark.filterwarnings("ignore::trace_replay.mismatch.NegativeEstimateWarning")
 
 
 def frame(logprob, rank=None, *, trace_id="t", step=None, token_id=None, **extra) -> pd.DataFrame:
@@ -236,8 +247,8 @@ def test_dataset_summary_hand_values():
     assert metric(table, "mean_k3") == pytest.approx(np.mean([np.expm1(d) - d for d in deltas]))
     assert metric(table, "frac_ratio_outside_0.5_2") == 0.5
     assert metric(table, "frac_top1_agree") == 0.75
-    assert metric(table, "frac_top10_a") == 0.75 and metric(table, "frac_top100_a") == 0.25
-    assert metric(table, "frac_top10_b") == 0.75 and metric(table, "frac_rest_b") == 0.25
+    assert metric(table, "frac_rank_le_10_a") == 0.75 and metric(table, "frac_rank_le_100_a") == 1
+    assert metric(table, "frac_rank_le_10_b") == 0.75 and metric(table, "frac_rank_gt_1000_b") == 0.25
 
 
 LN2 = math.log(2.0)
@@ -318,8 +329,9 @@ def test_summary_names_follow_one_scheme(power_of_two_cmp):
 def test_dataset_summary_ref_side_buckets_unknown():
     """The "ref" side has no ranks: its bucket fractions and top-1 agreement are NaN."""
     table = dataset_summary(compare(frame([-1.0], ref_logprob=[-1.0]), "ref"))
-    assert np.isnan(metric(table, "frac_top10_a")) and np.isnan(metric(table, "frac_top1_agree"))
-    assert metric(table, "frac_top10_b") == 1.0
+    assert np.isnan(metric(table, "frac_rank_le_10_a"))
+    assert np.isnan(metric(table, "frac_top1_agree"))
+    assert metric(table, "frac_rank_le_10_b") == 1.0
 
 
 @settings(max_examples=40, deadline=None)
@@ -332,3 +344,61 @@ def test_swapping_sides_negates_delta(pairs):
     assert ab["bit_mismatch"].tolist() == ba["bit_mismatch"].tolist()
     assert ab["ulp_distance"].tolist() == ba["ulp_distance"].tolist()
     assert (ab["ulp_distance"][~ab["bit_mismatch"]] == 0).all()
+
+
+@pytest.mark.parametrize("reduce", [summarize, dataset_summary, trainer_metrics,
+                                    rank_bucket_transitions])
+def test_comparison_reductions_refuse_a_replay_frame_by_name(reduce):
+    """A replay frame given where a comparison frame is needed: a ValueError naming the
+    function, compare(a, b), the missing columns and what to do instead, not KeyError 'delta'."""
+    name = reduce.__name__
+    with pytest.raises(ValueError, match=rf"{name} needs a comparison frame from compare\(a, b\)"
+                                         r".*lacking \['logprob_a', 'logprob_b', 'delta'\], got a "
+                                         r"replay frame .*trace_summary\(df\)"):
+        reduce(frame([-1.0, -2.0]))
+    with pytest.raises(ValueError, match=r"got a frame with columns \['x'\]"):
+        reduce(pd.DataFrame({"x": [1]}))
+
+
+def fixed_trace_pair() -> pd.DataFrame:
+    """Fixed (not sampled) tokens that side b finds likelier than side a: delta > 0 at every
+    step, so mean(-delta) < 0 and mean(ratio**2) - 1 > 0; side a's own samples could not give
+    that on average."""
+    return compare(frame([-2.0, -3.0, -1.5]), frame([-1.0, -2.5, -1.5]))
+
+
+def test_negative_k1_on_fixed_traces_warns_once_with_the_assumption():
+    """A negative k1 estimate (impossible for KL in expectation) warns once, naming the metric
+    and its value and saying the estimator assumes tokens sampled from side a; the values
+    themselves are unchanged and k3 stays >= 0."""
+    cmp = fixed_trace_pair()
+    with pytest.warns(NegativeEstimateWarning) as caught:
+        table = dataset_summary(cmp)
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert metric(table, "mean_k1") == pytest.approx(-0.5) and "mean_k1 = -0.5" in message
+    assert "samples of side a's distribution (on-policy)" in message
+    assert "evidently are not such samples" in message
+    assert "chi2_token" not in message  # positive here: only negative estimates are named
+    assert metric(table, "mean_k3") > 0
+    with pytest.warns(NegativeEstimateWarning, match=r"mean_k1 of 1 of 1 traces \(lowest: "
+                                                     r"trace 't'\) = -0.5\. .*on-policy"):
+        assert summarize(cmp)["mean_k1"].iloc[0] == pytest.approx(-0.5)
+
+
+def test_negative_chi2_warns_naming_it():
+    """chi2_token = mean(ratio**2) - 1 below zero (b less likely on every fixed token) is named."""
+    cmp = compare(frame([-1.0, -1.0]), frame([-1.5, -2.0]))
+    with pytest.warns(NegativeEstimateWarning, match=r"chi2_token = -0\.\d+, chi2_seq = -0\.\d+"):
+        trainer_metrics(cmp)
+
+
+def test_nonnegative_estimates_do_not_warn():
+    """Identical runs (k1 = chi2 = 0) raise no NegativeEstimateWarning."""
+    import warnings
+
+    a = frame([-0.3, -2.0, -7.5])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NegativeEstimateWarning)
+        dataset_summary(compare(a, a.copy()))
+        summarize(compare(a, a.copy()))

@@ -103,7 +103,7 @@ def test_rank_buckets_single_bar_sums_to_one(replay_df):
     _, ax = plt.subplots()
     assert plot_rank_buckets(replay_df, ax=ax) is ax
     bars = [c for c in ax.containers if isinstance(c, BarContainer)]
-    assert [b.get_label() for b in bars] == ["top-10", "top-100", "top-1000", "rest"]
+    assert [b.get_label() for b in bars] == ["1-10", "11-100", "101-1000", ">1000"]
     assert sum(b.patches[0].get_height() for b in bars) == pytest.approx(1.0)
 
 
@@ -208,3 +208,25 @@ def test_hue_gives_one_artist_per_level(replay_pair):
     buckets = plot_rank_buckets(pd.concat(replay_pair, keys=["x", "y"], names=["run", None])
                                 .reset_index("run"), hue="run")  # fmt: skip
     assert [t.get_text() for t in buckets.get_xticklabels()] == ["x", "y"]
+
+
+def test_first_divergence_hue_on_concatenated_comparison_frames(replay_pair):
+    """hue= on comparison frames (not summaries): one CDF per pair, each pair summarized on its
+    own, so equal trace ids in different pairs do not merge."""
+    a, b = replay_pair
+    pairs = pd.concat([compare(a, b), compare(a, a.copy())], keys=["drift", "same"],
+                      names=["pair", None]).reset_index("pair")  # fmt: skip
+    ax = plot_first_divergence(pairs, hue="pair")
+    assert line_labels(ax)[::2] == ["drift", "same"]
+    assert ax.get_lines()[0].get_ydata()[-1] == pytest.approx(2 / 3)  # t1 and t2 diverge
+    assert ax.get_lines()[2].get_ydata()[-1] == 0.0  # "same" never diverges
+
+
+@pytest.mark.parametrize("plot", [plot_first_divergence, plot_delta_hist, plot_logprob_scatter,
+                                  plot_rank_buckets])
+def test_unknown_hue_names_the_valid_columns(cmp, replay_df, plot):
+    """A hue that is no column is a ValueError naming it and listing the columns to choose from."""
+    data = replay_df if plot is plot_rank_buckets else cmp
+    with pytest.raises(ValueError, match=r"hue='pairs' is not a column of data; valid hue "
+                                         r"columns: trace_id, step, .*token_id"):
+        plot(data, hue="pairs")

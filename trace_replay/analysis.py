@@ -13,14 +13,16 @@ the *target* run: in RL the trainer's forward pass. Every difference is b − a
 importance weight ρ = π_train / π_rollout), every KL estimate is of KL(a ‖ b), and a pair
 is named "b vs a". So ``compare(rollout, trainer)`` gives the numbers a trainer logs. The
 KL estimates are unbiased only when the trace tokens were sampled from a; for other traces
-(human-written text, a third model's output) they are mismatch statistics, not KLs.
+(human-written text, a third model's output) they are mismatch statistics, not KLs, and k1
+and chi-squared can come out negative (a `NegativeEstimateWarning` says so; k3 cannot).
 
 Names
 -----
 - ``n_<what>``: a count (``n_tokens``, ``n_bit_mismatch``).
 - ``frac_<predicate>``: the fraction of tokens for which a per-token predicate holds;
-  ``frac_top1_agree`` is the mean of the boolean ``top1_agree`` column, ``frac_top10`` the
-  fraction with rank <= 10.
+  ``frac_top1_agree`` is the mean of the boolean ``top1_agree`` column, ``frac_rank_le_10``
+  the fraction with rank <= 10 (rank fractions are cumulative, ``frac_rank_le_K``, plus
+  ``frac_rank_gt_1000``; GLTR buckets are labelled by their rank ranges, ``"11-100"``).
 - ``<stat>_<quantity>``: a statistic of a per-token column (``mean_abs_delta``,
   ``p99_abs_delta``, ``std_ratio``, ``max_ulp_distance``, ``mean_k3``).
 - ``first_<event>_step``: the first step at which the event happens, ``<NA>`` when it never
@@ -57,21 +59,29 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from trace_replay.mismatch import bit_mismatch, trainer_metrics, ulp_distance
+from trace_replay.mismatch import (
+    NegativeEstimateWarning,
+    bit_mismatch,
+    require_comparison,
+    trainer_metrics,
+    ulp_distance,
+    warn_negative,
+)
 from trace_replay.ranks import (
     RANK_BUCKETS,
     as_float64,
-    bucket_fractions,
     engine_table,
     first_step,
     rank_bucket,
     rank_bucket_transitions,
+    rank_fractions,
     trace_summary,
 )
 
 # the rank-bucket and single-run names live in trace_replay.ranks; re-exported here, where
 # they have always been imported from
 __all__ = [
+    "NegativeEstimateWarning",
     "RANK_BUCKETS",
     "rank_bucket",
     "run_labels",
@@ -310,6 +320,17 @@ def summarize(cmp: pd.DataFrame, *, tol: float = 1e-3) -> pd.DataFrame:
         (per-trace KL(a ‖ b) estimates), ``max_ulp_distance`` (Int64) and ``ppl_a, ppl_b``
         (exp of minus the mean logprob). Delta statistics use finite deltas.
 
+    Raises
+    ------
+    ValueError
+        If ``cmp`` is not a comparison frame (a replay frame needs ``compare`` first).
+
+    Warns
+    -----
+    NegativeEstimateWarning
+        Once, when some trace's ``mean_k1`` is negative: k1 is unbiased only on tokens
+        sampled from side a, so these traces are not such samples (``mean_k3`` is >= 0).
+
     Examples
     --------
     >>> a = pd.DataFrame({"trace_id": "t", "step": [0, 1, 2], "token_id": [11, 12, 13],
@@ -320,6 +341,7 @@ def summarize(cmp: pd.DataFrame, *, tol: float = 1e-3) -> pd.DataFrame:
       trace_id  n_tokens  first_divergence_step  max_abs_delta
     0        t         3                      1           0.25
     """
+    require_comparison(cmp, "summarize")
     delta = cmp["delta"].astype("float64")
     finite = delta.where(np.isfinite(delta))
     by_trace = cmp["trace_id"]
@@ -338,7 +360,16 @@ def summarize(cmp: pd.DataFrame, *, tol: float = 1e-3) -> pd.DataFrame:
     out["max_ulp_distance"] = cmp["ulp_distance"].groupby(by_trace, sort=False).max()
     for side in ("a", "b"):
         out[f"ppl_{side}"] = np.exp(-g[f"logprob_{side}"].mean().astype("float64"))
+    _warn_negative_traces(out["mean_k1"])
     return out.reset_index()
+
+
+def _warn_negative_traces(mean_k1: pd.Series) -> None:
+    negative = mean_k1[mean_k1 < 0]
+    if len(negative):
+        lowest = negative.idxmin()
+        name = f"mean_k1 of {len(negative)} of {len(mean_k1)} traces (lowest: trace {lowest!r})"
+        warn_negative({name: negative[lowest]}, stacklevel=4)
 
 
 def dataset_summary(cmp: pd.DataFrame) -> pd.DataFrame:
@@ -346,7 +377,7 @@ def dataset_summary(cmp: pd.DataFrame) -> pd.DataFrame:
 
     Long form reads top to bottom in a notebook and concatenates across runs
     (``pd.concat(..., keys=runs)``). Statistics of delta use finite deltas; ``max_abs_delta``
-    is inf when a delta is not finite. Bucket fractions and top-1 agreement of a side with
+    is inf when a delta is not finite. Rank fractions and top-1 agreement of a side with
     unknown ranks (``"ref"``) are NaN.
 
     Parameters
@@ -364,8 +395,21 @@ def dataset_summary(cmp: pd.DataFrame) -> pd.DataFrame:
         chi2_seq, mean_ratio, std_ratio, min_ratio, max_ratio, ess,
         frac_ratio_outside_0.5_2, mean_abs_delta_prob, std_abs_delta_prob,
         max_abs_delta_prob, n_bit_mismatch, frac_bit_mismatch, mean_ulp_distance,
-        max_ulp_distance``), then ``frac_top1_agree, n_nonfinite, frac_nonfinite`` and the
-        GLTR bucket fractions ``frac_top10_a ... frac_rest_b``.
+        max_ulp_distance``), then ``frac_top1_agree, n_nonfinite, frac_nonfinite`` and each
+        side's cumulative rank fractions (:func:`~trace_replay.ranks.rank_fractions`)
+        ``frac_rank_le_1_a, frac_rank_le_10_a, frac_rank_le_100_a, frac_rank_le_1000_a,
+        frac_rank_gt_1000_a``, then the same for ``_b``.
+
+    Raises
+    ------
+    ValueError
+        If ``cmp`` is not a comparison frame.
+
+    Warns
+    -----
+    NegativeEstimateWarning
+        When ``mean_k1``, ``chi2_token`` or ``chi2_seq`` is negative (see
+        :func:`~trace_replay.mismatch.trainer_metrics`).
 
     Examples
     --------
@@ -376,6 +420,7 @@ def dataset_summary(cmp: pd.DataFrame) -> pd.DataFrame:
     >>> metrics[["n_tokens", "max_abs_delta", "frac_top1_agree", "n_bit_mismatch"]].tolist()
     [3.0, 0.25, 1.0, 1.0]
     """
+    require_comparison(cmp, "dataset_summary")
     delta = cmp["delta"].astype("float64")
     abs_finite = delta[np.isfinite(delta)].abs()
     metrics = {
@@ -391,8 +436,7 @@ def dataset_summary(cmp: pd.DataFrame) -> pd.DataFrame:
         "frac_nonfinite": cmp["nonfinite"].mean(),
     }
     for side in ("a", "b"):
-        fractions = bucket_fractions(cmp[f"rank_{side}"])
-        for bucket, value in fractions.items():
-            metrics[f"frac_{bucket.replace('-', '')}_{side}"] = value
+        for name, value in rank_fractions(cmp[f"rank_{side}"]).items():
+            metrics[f"{name}_{side}"] = value
     values = [float(v) if pd.notna(v) else np.nan for v in metrics.values()]
     return pd.DataFrame({"metric": list(metrics), "value": np.array(values, dtype="float64")})

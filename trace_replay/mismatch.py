@@ -9,10 +9,57 @@ dataset-level numbers that verl, slime and prime-rl log.
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping
+
 import numpy as np
 import pandas as pd
 
-__all__ = ["bit_mismatch", "ulp_distance", "trainer_metrics"]
+__all__ = ["NegativeEstimateWarning", "bit_mismatch", "ulp_distance", "trainer_metrics",
+           "require_comparison", "warn_negative"]
+
+_COMPARISON = ("trace_id", "step", "logprob_a", "logprob_b", "delta")
+_ASSUMPTION = (
+    "k1 and chi-squared estimate KL(a || b) and chi2 without bias only when the trace tokens "
+    "are samples of side a's distribution (on-policy); their true values are >= 0, so these "
+    "traces evidently are not such samples (fixed, human-written or another model's traces) "
+    "or are too few: read the value as a mismatch statistic, not a divergence (mean_k3 is "
+    ">= 0 on any traces)"
+)
+
+
+class NegativeEstimateWarning(UserWarning):
+    """A k1 or chi-squared estimate came out negative: the traces are not samples of side a."""
+
+
+def require_comparison(cmp: pd.DataFrame, caller: str) -> None:
+    """Raise a `ValueError` unless ``cmp`` is a comparison frame from ``compare(a, b)``."""
+    missing = [c for c in _COMPARISON if c not in getattr(cmp, "columns", ())]
+    if not missing:
+        return
+    if not isinstance(cmp, pd.DataFrame):
+        got = f"a {type(cmp).__name__}"
+    elif "logprob" in cmp.columns:
+        got = ("a replay frame (per-run column 'logprob'); compare it with another run, "
+               'compare(df, other), or with its ref_logprob column, compare(df, "ref"), or '
+               "summarize one run with trace_summary(df)")
+    else:
+        got = f"a frame with columns {list(cmp.columns)}"
+    raise ValueError(f"{caller} needs a comparison frame from compare(a, b) (columns "
+                     f"{', '.join(_COMPARISON)}); lacking {missing}, got {got}")
+
+
+def warn_negative(estimates: Mapping[str, float], *, stacklevel: int = 3) -> None:
+    """Warn once (`NegativeEstimateWarning`) naming every estimate below zero and its value.
+
+    ``estimates`` maps a name (``mean_k1``, ``chi2_token``, a per-trace description) to a
+    k1 or chi-squared estimate; NaN is no estimate and never warns.
+    """
+    negative = {name: value for name, value in estimates.items() if value < 0}
+    if negative:
+        listed = ", ".join(f"{name} = {value:.4g}" for name, value in negative.items())
+        warnings.warn(f"negative estimate: {listed}. {_ASSUMPTION}", NegativeEstimateWarning,
+                      stacklevel=stacklevel)
 
 _SIGN = np.int64(0x7FFFFFFF)
 
@@ -91,6 +138,12 @@ def trainer_metrics(cmp: pd.DataFrame) -> dict[str, float]:
     - ``chi2_token`` = mean(w²) - 1 (verl ``rollout_corr/chi2_token``).
     - ``chi2_seq`` = mean over traces of exp(2 Σ d) - 1, Σ over a trace's finite deltas
       (verl ``rollout_corr/chi2_seq``).
+
+    k1 and the chi-squared estimates are unbiased only when the trace tokens are samples of
+    side a's distribution (on-policy: a rollout's own tokens, with a the rollout engine);
+    their true values are >= 0, but on fixed traces (human-written text, another model's
+    output) they can come out negative. A negative one raises a `NegativeEstimateWarning`
+    naming it and its value; k3 is >= 0 on any traces.
     - ``mean_ratio, std_ratio, min_ratio, max_ratio``: of w, population std (verl
       ``rollout_corr/rollout_is_mean``, ``_std``, ``_min``, ``_max``).
     - ``ess`` = (Σ w)² / (N Σ w²) = 1 / mean((w / mean w)²), in (0, 1]; 1 when every
@@ -120,6 +173,11 @@ def trainer_metrics(cmp: pd.DataFrame) -> dict[str, float]:
     dict of str to float
         In the order listed above; NaN where no token qualifies.
 
+    Raises
+    ------
+    ValueError
+        If ``cmp`` is not a comparison frame (e.g. a replay frame).
+
     Examples
     --------
     >>> from trace_replay.analysis import compare
@@ -130,6 +188,7 @@ def trainer_metrics(cmp: pd.DataFrame) -> dict[str, float]:
     >>> round(metrics["mean_k1"], 4), metrics["n_bit_mismatch"], round(metrics["min_ratio"], 4)
     (0.0833, 1.0, 0.7788)
     """
+    require_comparison(cmp, "trainer_metrics")
     delta = cmp["delta"].to_numpy(dtype="float64", na_value=np.nan)
     finite = np.isfinite(delta)
     d = delta[finite]
@@ -145,7 +204,7 @@ def trainer_metrics(cmp: pd.DataFrame) -> dict[str, float]:
     def stat(fn, values: np.ndarray) -> float:
         return float(fn(values)) if values.size else np.nan
 
-    return {
+    metrics = {
         "mean_k1": stat(np.mean, -d),
         "mean_k3": stat(np.mean, np.expm1(d) - d),
         "chi2_token": stat(np.mean, w**2) - 1.0,
@@ -164,6 +223,8 @@ def trainer_metrics(cmp: pd.DataFrame) -> dict[str, float]:
         "mean_ulp_distance": stat(np.mean, ulps),
         "max_ulp_distance": stat(np.max, ulps),
     }
+    warn_negative({name: metrics[name] for name in ("mean_k1", "chi2_token", "chi2_seq")})
+    return metrics
 
 
 def _values(cmp: pd.DataFrame, column: str) -> np.ndarray:

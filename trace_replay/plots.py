@@ -13,6 +13,7 @@ which :func:`~trace_replay.compare` fills from the runs' engine, dtype and devic
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pandas as pd
@@ -28,7 +29,7 @@ from trace_replay._figures import (
     run_label,
     side_labels,
 )
-from trace_replay.analysis import summarize
+from trace_replay.analysis import NegativeEstimateWarning, summarize
 from trace_replay.ranks import RANK_BUCKETS, rank_bucket
 from trace_replay.trace_plot import plot_trace
 
@@ -47,10 +48,32 @@ def _is_comparison(df: pd.DataFrame) -> bool:
     return "logprob_a" in df.columns and "logprob_b" in df.columns
 
 
+def _check_hue(data: pd.DataFrame, hue: str | None) -> None:
+    if hue is not None and hue not in data.columns:
+        raise ValueError(f"hue={hue!r} is not a column of data; valid hue columns: "
+                         f"{', '.join(map(str, data.columns))}")
+
+
 def _groups(data: pd.DataFrame, hue: str | None) -> list[tuple[str | None, pd.DataFrame]]:
+    _check_hue(data, hue)
     if hue is None:
         return [(None, data)]
     return [(str(level), part) for level, part in data.groupby(hue, sort=False)]
+
+
+def _summary(data: pd.DataFrame, tol: float, hue: str | None = None) -> pd.DataFrame:
+    """`summarize` of a comparison frame, per value of ``hue`` (kept as a column) when given.
+
+    Concatenated comparisons share trace ids, so each ``hue`` level is summarized on its own.
+    A figure draws no KL estimate, so summarize's `NegativeEstimateWarning` is not raised.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NegativeEstimateWarning)
+        if hue is None:
+            return summarize(data, tol=tol)
+        parts = [summarize(part, tol=tol).assign(**{hue: level})
+                 for level, part in _groups(data, hue)]
+    return pd.concat(parts, ignore_index=True)
 
 
 def plot_divergence_heatmap(
@@ -112,7 +135,7 @@ def plot_divergence_heatmap(
     """
     n_traces = data["trace_id"].nunique()
     ax = own_axes(ax, (11.0, min(2.2 + 0.22 * n_traces, 14.0)))
-    summary = summarize(data, tol=tol)
+    summary = _summary(data, tol)
     order = summary.sort_values("first_divergence_step", na_position="last", kind="stable")
     cells = data[["trace_id", "step"]].assign(value=data[value].astype("float64"))
     if value in ("abs_delta", "k3"):
@@ -259,6 +282,7 @@ def plot_logprob_scatter(
         divergent = np.abs(ys - xs) > tol
         sets = [(~divergent, "C0", f"|Δ| ≤ {tol:g}"), (divergent, "#e8615a", f"|Δ| > {tol:g}")]
     else:
+        _check_hue(data, hue)
         levels = data[hue].astype(str).to_numpy()
         sets = [(levels == lv, f"C{i}", lv) for i, lv in enumerate(pd.unique(levels))]
     for mask, color, label in sets:
@@ -289,9 +313,10 @@ def plot_first_divergence(
     ----------
     data : DataFrame
         Output of :func:`~trace_replay.summarize`, or a comparison frame (summarized here
-        with ``tol``); with ``hue``, several summaries concatenated with a column naming each.
+        with ``tol``); with ``hue``, several summaries or comparison frames concatenated
+        with a column naming each.
     hue : str, optional
-        One CDF per value of this column.
+        One CDF per value of this column (a comparison frame is summarized per value).
     tol : float
         Divergence threshold, used only when ``data`` is a comparison frame.
     ax : Axes, optional
@@ -300,6 +325,11 @@ def plot_first_divergence(
     Returns
     -------
     Axes
+
+    Raises
+    ------
+    ValueError
+        If ``hue`` is not a column of ``data`` (the message lists the columns).
 
     Examples
     --------
@@ -311,9 +341,9 @@ def plot_first_divergence(
     >>> [text.get_text() for text in ax.get_legend().get_texts()]
     ['diverged by step', 'never diverged: 0/1 traces']
     """
-    ax = own_axes(ax, (6.0, 4.0))
     if "first_divergence_step" not in data.columns:
-        data = summarize(data, tol=tol)
+        data = _summary(data, tol, hue)
+    ax = own_axes(ax, (6.0, 4.0))
     end = max(int(data["n_tokens"].max()), 1)
     for i, (level, part) in enumerate(_groups(data, hue)):
         first = part["first_divergence_step"].astype("float64")
@@ -380,7 +410,7 @@ def plot_rank_buckets(
     elif hue is None:
         groups = [(run_label(data.attrs) or "all", data["rank"])]
     else:
-        groups = [(str(key), part["rank"]) for key, part in data.groupby(hue, sort=False)]
+        groups = [(key, part["rank"]) for key, part in _groups(data, hue)]
     ax = own_axes(ax, (max(4.0, 1.1 * len(groups) + 2.5), 4.0))
     fractions = pd.DataFrame(
         {name: rank_bucket(rank).value_counts(normalize=True) for name, rank in groups}

@@ -20,8 +20,8 @@ from trace_replay.analysis import compare, rank_bucket
 __all__ = ["TokenHTML", "render_tokens", "visible_token"]
 
 _MARKS = {" ": "·", "\n": "↵", "\t": "→", "\r": "␍"}
-_BUCKET_BG = {"top-10": "#b8e6b8", "top-100": "#fbe99a", "top-1000": "#f7b3ae",
-              "rest": "#dcc6f2"}  # fmt: skip
+_BUCKET_BG = {"1-10": "#b8e6b8", "11-100": "#fbe99a", "101-1000": "#f7b3ae",
+              ">1000": "#dcc6f2"}  # fmt: skip
 _UNKNOWN_BG = "#e6e6e6"
 _NONFINITE_BG = "#555555"
 _LOGPROB_FLOOR = -10.0
@@ -94,7 +94,7 @@ def _mix(stops: list[str], t: float) -> str:
     return f"#{r:02x}{g:02x}{b:02x}"
 
 
-_LOGPROB_STOPS = [_BUCKET_BG["top-10"], _BUCKET_BG["top-100"], _BUCKET_BG["top-1000"]]
+_LOGPROB_STOPS = [_BUCKET_BG["1-10"], _BUCKET_BG["11-100"], _BUCKET_BG["101-1000"]]
 _DELTA_STOPS = ["#e06666", "#ffffff", "#6fa8dc"]
 
 
@@ -115,7 +115,7 @@ def _background(value: float, color_by: str, tol: float) -> str:
 def _legend(color_by: str, tol: float, labels: tuple[str, str] | None) -> str:
     if color_by == "rank":
         swatches = "".join(
-            f'<span class="tr-swatch" style="background:{bg}">{name}</span>'
+            f'<span class="tr-swatch" style="background:{bg}">{html.escape(name)}</span>'
             for name, bg in _BUCKET_BG.items()
         )
         return f"rank bucket: {swatches}"
@@ -191,8 +191,8 @@ def render_tokens(
     trace_id : str
         Trace to render.
     color_by : {"rank", "delta", "logprob"}
-        GLTR rank buckets (green top-10, yellow top-100, red top-1000, purple rest), Δlogprob
-        on a log scale from ``tol`` (white) to 1 nat (red below, blue above; needs a
+        GLTR rank buckets (green ranks 1-10, yellow 11-100, red 101-1000, purple >1000),
+        Δlogprob on a log scale from ``tol`` (white) to 1 nat (red below, blue above; needs a
         comparison frame or a ``ref_logprob`` column), or logprob from 0 (green) to -10 (red).
     highlight_step : int, optional
         Step whose token gets an outline and the CSS class ``tr-highlight``.
