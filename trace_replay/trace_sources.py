@@ -110,7 +110,7 @@ def _warn_unknown(record: Mapping, location: str, reported: set[str]) -> None:
         trace = f" trace {record['id']!r}:" if isinstance(record.get("id"), (str, int)) else ""
         warnings.warn(f"{location}:{trace} unknown field {name!r} is ignored{hint}; known "
                       f"fields: {', '.join(FIELDS)} (later records with it are not reported)",
-                      UnknownFieldWarning, stacklevel=4)
+                      UnknownFieldWarning, stacklevel=5)  # load_traces's caller
 
 
 def open_text(path: str | os.PathLike, mode: str, *, gzipped: bool) -> IO[str]:
