@@ -110,6 +110,17 @@ def test_unsupported_settings_are_refused_before_loading():
         locate_divergence([], {}, {}, sites=["attn"])
 
 
+def test_setting_typos_name_the_key_and_the_valid_settings():
+    """A misspelt setting of run a or b is refused before loading, naming the run, the key,
+    the closest valid name and every setting that engine takes (not only its own options)."""
+    with pytest.raises(ValueError, match=r"^locate_divergence a: unknown setting 'dtyp' "
+                       r"\(did you mean 'dtype'\?\); engine 'torch' takes engine, model, dtype,"):
+        locate_divergence([], {"dtyp": "float32"}, {})
+    with pytest.raises(ValueError, match=r"^locate_divergence b: unknown setting 'batch_sise' "
+                       r"\(did you mean 'batch_size'\?\); engine 'prefill' takes .*batch_size"):
+        locate_divergence([], {}, {"engine": "prefill", "batch_sise": 2})
+
+
 def _frame(rows: list[tuple]) -> pd.DataFrame:
     frame = pd.DataFrame(rows, columns=["trace_id", "step", "layer", "site", "max_abs_diff"])
     frame["site"] = pd.Categorical(frame["site"], categories=SITES, ordered=True)

@@ -7,7 +7,9 @@ import gzip
 import inspect
 import json
 import os
+import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -226,7 +228,7 @@ def test_empty_input_empty_shard_and_overflow(tmp_path):
     _assert_one_line_error(results[0], f"{blank}: no traces")
     shard = results[1]
     assert shard.returncode == 0, shard.stderr
-    assert f"warning: shard {empty_shard}/2 holds none of the 1 traces" in shard.stderr
+    assert f"warning: shard {empty_shard}/2 holds none of the 1 trace of" in shard.stderr
     assert "empty on purpose" in shard.stderr and "Traceback" not in shard.stderr
     empty = pd.read_parquet(tmp_path / "s.parquet")
     assert len(empty) == 0 and {"trace_id", "step", "logprob", "rank"} <= set(empty.columns)
@@ -236,7 +238,7 @@ def test_empty_input_empty_shard_and_overflow(tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_and_sigterm_keep_finished_traces(tmp_path):
     """SIGINT / SIGTERM mid-run: one line, exit 130 / 143, finished traces saved; a rerun
-    resumes from them."""
+    resumes from them. Three SIGTERMs in a row stop it as one does: no traceback, 143."""
     traces = _write_traces(tmp_path / "t.jsonl", [
         {"id": f"t{i}", "prompt": "Count:", "completion": " one two three four five six"}
         for i in range(200)])
@@ -259,7 +261,9 @@ def test_ctrl_c_and_sigterm_keep_finished_traces(tmp_path):
         assert time.monotonic() < deadline
         for signum, (ckpt, _, child) in list(waiting.items()):
             if list(ckpt.glob("part-*.parquet")) or child.poll() is not None:
-                child.send_signal(signum)
+                for _ in range(3 if signum == signal.SIGTERM else 1):
+                    child.send_signal(signum)  # later ones land while it saves and exits
+                    time.sleep(0.01)
                 del waiting[signum]
         time.sleep(0.02)
     for signum, status in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
@@ -358,3 +362,160 @@ def test_replay_reads_openai_logs_and_chat_turns(tmp_path):
         assert main(["replay", str(chat), "--turns", turns, "--engine", "prefill",
                      "--out", str(out), "--quiet"]) == 0
         assert set(pd.read_parquet(out)["role"]) == roles
+
+
+def _bad_traces(tmp_path):
+    """A traces file whose second line is not JSON: a run that got past the --out check fails
+    on it at once (so these tests stay fast on code that would not refuse)."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(HELLO) + "\n{not json\n")
+    return path
+
+
+@pytest.mark.parametrize("command", ["replay", "record", "merge", "report"])
+def test_out_that_is_a_fifo_or_a_link_to_one_is_refused(tmp_path, command, capsys):
+    """--out a FIFO, or a symlink to one, is refused before any work with one line naming it;
+    the FIFO and the link are left as they were."""
+    source = _bad_traces(tmp_path)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "link").symlink_to("fifo")
+    extra = ["--max-tokens", "1"] if command == "record" else []
+    for out in (fifo, tmp_path / "link"):
+        assert main([command, str(source), "--out", str(out), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"trace-replay: error: --out {out}") and err.count("\n") == 1
+        assert "is a FIFO, not a regular file" in err
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and (tmp_path / "link").is_symlink()
+
+
+@pytest.mark.parametrize("command", ["replay", "record", "merge", "report"])
+def test_out_that_is_the_input_is_refused(tmp_path, command, capsys, monkeypatch):
+    """--out naming an input file, however spelled (relative, ./, a symlink, a hard link), is
+    refused before any work; the input is unchanged."""
+    monkeypatch.chdir(tmp_path)
+    source = _bad_traces(tmp_path)
+    before = source.read_bytes()
+    (tmp_path / "link.jsonl").symlink_to(source.name)
+    os.link(source, tmp_path / "hard.jsonl")
+    extra = ["--max-tokens", "1"] if command == "record" else []
+    for out in ("t.jsonl", "./t.jsonl", "link.jsonl", "hard.jsonl"):
+        assert main([command, "t.jsonl", "--out", out, *extra]) == 2
+        err = capsys.readouterr().err
+        assert "is the input file t.jsonl" in err and err.count("\n") == 1, err
+    assert source.read_bytes() == before
+
+
+def test_out_through_a_symlink_writes_its_target(tmp_path, make_replay):
+    """--out a symlink to a regular file writes through it: the link stays, the target holds
+    the result."""
+    results = tmp_path / "r.parquet"
+    make_replay(n_traces=1, n_steps=4, seed=0).to_parquet(results)
+    target = tmp_path / "target.parquet"
+    target.write_text("old")
+    link = tmp_path / "link.parquet"
+    link.symlink_to(target.name)
+    assert main(["merge", str(results), "--out", str(link)]) == 0
+    assert link.is_symlink() and len(pd.read_parquet(target)) == 4
+
+
+@pytest.mark.slow
+def test_sigterm_during_start_up_names_no_folder_and_leaves_none(tmp_path):
+    """SIGTERM while the engine starts: exit 143 with 'interrupted' alone (no checkpoint holds
+    anything yet, so none is named), and the folders the run created are gone."""
+    traces = _write_traces(tmp_path / "t.jsonl", [HELLO])
+    out_folder, ckpt = tmp_path / "new" / "out", tmp_path / "ckpt"
+    child = subprocess.Popen(
+        [sys.executable, "-m", "trace_replay.cli", "replay", str(traces), "--engine", "prefill",
+         "--quiet", "--checkpoint", str(ckpt), "--out", str(out_folder / "r.parquet")],
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 120
+    while not out_folder.exists():  # made by the --out check, after the handlers are set
+        assert child.poll() is None and time.monotonic() < deadline
+        time.sleep(0.005)
+    child.send_signal(signal.SIGTERM)
+    _, stderr = child.communicate(timeout=120)
+    assert child.returncode == 143, stderr
+    assert stderr.splitlines()[-1] == "trace-replay: interrupted", stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]
+
+
+def test_failed_run_removes_only_the_empty_folders_it_made(tmp_path, capsys):
+    """A run that fails removes the --out and --checkpoint folders it created and left empty;
+    a folder that was there before stays, even empty."""
+    before = tmp_path / "before"
+    before.mkdir()
+    out = before / "made" / "deeper" / "r.parquet"
+    assert main(["replay", str(_bad_traces(tmp_path)), "--out", str(out),
+                 "--checkpoint", str(tmp_path / "ckpt" / "run")]) == 2
+    assert "malformed JSON" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["before", "t.jsonl"]
+    assert list(before.iterdir()) == []
+
+
+def test_report_says_which_folder_it_created(tmp_path, make_replay, capsys):
+    """--out in a missing folder: the folder is created and the command says so."""
+    results = tmp_path / "r.parquet"
+    make_replay(n_traces=1, n_steps=4, seed=0).to_parquet(results)
+    out = tmp_path / "new" / "pages" / "r.html"
+    assert main(["report", str(results), "--out", str(out)]) == 0
+    assert out.is_file()
+    assert f"created folder {out.parent}" in capsys.readouterr().out.splitlines()
+
+
+def test_argument_errors_are_one_line_with_the_usage_hint(capsys):
+    """A missing or bad argument prints one line: the command, what is wrong, and where its
+    usage is; exit 2."""
+    for argv, problem in ((["replay"], "the following arguments are required: traces, --out"),
+                          (["replay", "t.jsonl", "--out", "r.parquet", "--top-k", "x"],
+                           "argument --top-k: invalid int value: 'x'"),
+                          (["nonsense"], "argument <command>: invalid choice: 'nonsense'")):
+        with pytest.raises(SystemExit) as done:
+            main(argv)
+        assert done.value.code == 2
+        err = capsys.readouterr().err
+        command = "trace-replay replay" if argv[0] == "replay" else "trace-replay"
+        assert err == f"{command}: error: {problem}{err.split(problem, 1)[1]}", err
+        assert err.count("\n") == 1 and err.endswith(f"(see {command} --help)\n"), err
+
+
+def test_replay_help_examples_name_inputs_that_exist():
+    """Each replay example's input is a bundled dataset name or a placeholder file name (never
+    a path in the source tree that does not exist), and the help says a file wins."""
+    from trace_replay.datasets import DATASETS
+
+    page = _subparsers()["replay"].format_help()
+    inputs = re.findall(r"^  trace-replay replay (\S+)", page, re.M)
+    assert inputs and inputs[0] in DATASETS
+    assert all(name in DATASETS or "/" not in name for name in inputs), inputs
+    assert "a file of that name wins" in " ".join(page.split())
+
+
+def test_replay_takes_a_bundled_dataset_name_and_a_limit(tmp_path, monkeypatch, capsys):
+    """A bundled dataset's name is read as that dataset (a file of that name wins) and
+    --limit N keeps the first N traces."""
+    from trace_replay import datasets
+
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "r.parquet"
+    assert main(["replay", "humaneval", "--limit", "2", "--engine", "prefill", "--quiet",
+                 "--top-k", "1", "--out", str(out)]) == 0
+    assert pd.read_parquet(out)["trace_id"].unique().tolist() == datasets.load("humaneval").ids[:2]
+    assert capsys.readouterr().out.startswith("2 traces, ")
+    _write_traces(tmp_path / "t.jsonl", [HELLO, {**HELLO, "id": "b"}])
+    assert main(["replay", "t.jsonl", "--limit", "1", "--engine", "prefill", "--quiet",
+                 "--out", str(out)]) == 0
+    assert pd.read_parquet(out)["trace_id"].tolist() == ["a"]
+    assert capsys.readouterr().out.startswith("1 trace, 1 token (")
+    (tmp_path / "humaneval").write_text("")  # a file of the dataset's name is read instead
+    assert main(["replay", "humaneval", "--engine", "prefill", "--out", str(out)]) == 2
+    assert "humaneval: unknown trace file type" in capsys.readouterr().err
+
+
+def test_limit_must_be_at_least_one(capsys):
+    """--limit 0, a negative or a non-number stops the parser naming the flag (exit 2)."""
+    for bad in ("0", "-3", "two"):
+        with pytest.raises(SystemExit) as done:
+            _parser().parse_args(["replay", "t.jsonl", "--out", "r.parquet", "--limit", bad])
+        assert done.value.code == 2
+        assert f"argument --limit: expected an integer >= 1, got '{bad}'" in capsys.readouterr().err

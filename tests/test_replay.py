@@ -147,3 +147,23 @@ def test_empty_input_is_an_error(engine):
     """No traces to replay is an error naming the source, not an empty success."""
     with pytest.raises(TraceError, match="<list>: no traces"):
         replay([], engine=engine, progress=False)
+
+
+def test_top_k_above_the_vocabulary_is_named(lm):
+    """top_k larger than the vocabulary is refused before any trace is scored, saying so with
+    both numbers, whether replay builds the engine or is given one."""
+    hello = [{"id": "t", "prompt": "Hi", "completion": " there"}]
+    message = r"^top_k 60000 exceeds the model's vocabulary size 49152"
+    with pytest.raises(ValueError, match=message):
+        replay(hello, lm, engine="prefill", top_k=60000, progress=False)
+    with pytest.raises(ValueError, match=message):
+        replay(hello, engine=make_engine("prefill", lm, top_k=60000), progress=False)
+
+
+def test_engine_settings_beside_an_engine_object_are_named_in_english(engine):
+    """Settings given with an engine object are refused naming them, the verb agreeing."""
+    hello = [{"id": "t", "prompt": "Hi", "completion": " there"}]
+    with pytest.raises(ValueError, match=r"^dtype configures an engine; .* give it to make_eng"):
+        replay(hello, engine=engine, dtype="float32")
+    with pytest.raises(ValueError, match=r"^dtype and top_k configure an engine; .* give them"):
+        replay(hello, engine=engine, dtype="float32", top_k=3)

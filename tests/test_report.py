@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import html
+import json
 import re
+import shutil
+import subprocess
 
+import pandas as pd
 import pytest
 
 from trace_replay.report import write_report
@@ -80,3 +85,55 @@ def test_report_reads_parquet_paths(tmp_path, frames):
     path = write_report(tmp_path / "fp32.parquet", str(tmp_path / "bf16.parquet"),
                         out=tmp_path / "r.html", n_traces=1)  # fmt: skip
     assert "trace replay: bf16 vs fp32" in path.read_text(encoding="utf-8")
+
+
+def test_report_refuses_a_parquet_that_is_not_a_result(tmp_path, frames):
+    """A Parquet file without the replay columns is refused naming the side, the file and the
+    columns it lacks (not a bare KeyError)."""
+    pytest.importorskip("pyarrow")
+    other = tmp_path / "other.parquet"
+    pd.DataFrame({"trace_id": ["t"], "score": [0.5]}).to_parquet(other)
+    frames[0].to_parquet(tmp_path / "a.parquet")
+    lacks = r"lacks replay columns \['step', 'token_id', 'logprob', 'rank'\]"
+    with pytest.raises(ValueError, match=rf"^a: {re.escape(str(other))} is not a replay result "
+                       rf"file: it {lacks}"):
+        write_report(other, out=tmp_path / "r.html")
+    with pytest.raises(ValueError, match=rf"^b: {re.escape(str(other))} .*{lacks}"):
+        write_report(tmp_path / "a.parquet", other, out=tmp_path / "r.html")
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_report_tables_wrap_their_headers_and_scroll_in_their_box(comparison_page):
+    """Every table sits in a box as wide as the page at most that scrolls what still does not
+    fit, and header names wrap, so no table widens the page."""
+    css = re.search(r"<style>(.*?)</style>", comparison_page, re.S).group(1)
+    assert re.search(r"\.tr-wide\{max-width:100%;overflow-x:auto\}", css)
+    assert re.search(r"table\.tr-table th\{[^}]*overflow-wrap:anywhere", css)
+    tables = comparison_page.count("<table")
+    assert tables >= 4 and comparison_page.count('<div class="tr-wide"><table') == tables
+
+
+_MEASURE = """<script>window.onload = () => {
+  const body = document.body, style = getComputedStyle(body);
+  const right = body.getBoundingClientRect().right - parseFloat(style.paddingRight);
+  const tables = [...document.querySelectorAll("table")].map(t => t.getBoundingClientRect().right);
+  document.title = JSON.stringify({right, tables, page: document.documentElement.scrollWidth,
+                                   window: window.innerWidth});
+};</script>"""
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium")
+@pytest.mark.parametrize("width", [1280, 700])
+def test_report_tables_fit_the_page_in_a_browser(comparison_page, tmp_path, width):
+    """Rendered by Chromium at a desktop and a narrow width, no table reaches past the page's
+    text column and the page itself never scrolls sideways."""
+    page = tmp_path / "measured.html"
+    page.write_text(comparison_page.replace("</body>", _MEASURE + "</body>"), encoding="utf-8")
+    dom = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu",
+                          "--no-first-run", "--disable-background-networking",
+                          f"--window-size={width},900", "--dump-dom", page.as_uri()],
+                         capture_output=True, text=True, timeout=120).stdout
+    found = json.loads(html.unescape(re.search(r"<title>(.*?)</title>", dom).group(1)))
+    assert found["page"] <= found["window"], found
+    if width >= 1280:  # wide enough for every table once its headers wrap
+        assert max(found["tables"]) <= found["right"] + 0.5, found

@@ -26,6 +26,18 @@ def test_grid_values_must_be_lists():
         grid_settings({}, {"batch_size": []})
 
 
+def test_setting_typos_name_the_key_and_the_valid_settings():
+    """A misspelt setting in base or grid is refused before any run, naming where it is, the
+    key, the closest valid name and every setting the engine takes."""
+    traces = [{"id": "t", "prompt": "Hi", "completion": " there"}]
+    with pytest.raises(ValueError, match=r"^sweep base: unknown setting 'dtyp' \(did you mean "
+                       r"'dtype'\?\); engine 'prefill' takes engine, model, dtype,"):
+        sweep(traces, {"engine": "prefill", "dtyp": "float32"}, {"top_k": [1]}, progress=False)
+    with pytest.raises(ValueError, match=r"^sweep grid: unknown setting 'batch_sise' \(did you "
+                       r"mean 'batch_size'\?\); engine 'prefill' takes .*batch_size"):
+        sweep(traces, {"engine": "prefill"}, {"batch_sise": [1, 2]}, progress=False)
+
+
 @pytest.mark.slow
 def test_sweep_rows_hold_dataset_summary_metrics(lm, real_traces, replay_df):
     """One row per configuration with the grid keys and every dataset_summary metric; the

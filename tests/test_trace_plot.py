@@ -99,3 +99,17 @@ def test_plot_trace_unknown_trace(replay_df):
     """An unknown trace id is a KeyError naming it."""
     with pytest.raises(KeyError, match="nope"):
         plot_trace(replay_df, "nope", ax=plt.gca())
+
+
+@pytest.mark.parametrize("size", [(11.0, 4.0), (5.0, 3.0)])
+def test_plot_trace_legend_hides_no_data(cmp, size):
+    """The legend lies outside the axes, right of the rank axis's tick labels and label, and
+    inside its figure: it covers no line, mark or label, whatever the figure's size."""
+    fig, ax = plt.subplots(figsize=size, layout="constrained")
+    plot_trace(cmp, "t2", ax=ax)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    legend = ax.get_legend().get_window_extent(renderer)
+    assert legend.x0 >= ax.get_window_extent(renderer).x1
+    assert legend.x0 >= ax.rank_ax.get_tightbbox(renderer).x1
+    assert fig.bbox.x0 <= legend.x0 and legend.x1 <= fig.bbox.x1

@@ -11,11 +11,12 @@ from __future__ import annotations
 import os
 import re
 import socket
+import stat
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
-__all__ = ["write_atomic", "remove_stale_temporaries", "pid_alive", "HOST"]
+__all__ = ["write_atomic", "write_target", "remove_stale_temporaries", "pid_alive", "HOST"]
 
 # host names may hold dots and other characters; temporaries are parsed on dots
 HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:40] or "host"
@@ -61,13 +62,46 @@ def remove_stale_temporaries(folder: str | os.PathLike, target: str | None = Non
     return removed
 
 
+def write_target(path: str | os.PathLike,
+                 inputs: Iterable[str | os.PathLike] = ()) -> Path:
+    """The file a write to ``path`` replaces: ``path``, or the final target of a symlink.
+
+    Renaming a new file onto anything but a regular file would destroy it (a device such as
+    ``/dev/full``, a FIFO, a socket, a folder), and renaming onto a symlink would replace the
+    link, so those are refused with a ``ValueError`` naming ``path``; a link is written
+    through. So is the file of one of ``inputs``, however either path is spelled (relative,
+    through a link, a hard link). A path that does not exist yet (or a dangling link's
+    target) is returned as is.
+    """
+    target = Path(os.path.realpath(path))
+    try:
+        mode = target.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):  # a new path (its folder: the writer's)
+        return target
+    via = f" (a link to {target})" if os.path.islink(path) else ""
+    if not stat.S_ISREG(mode):
+        kind = "a folder" if stat.S_ISDIR(mode) else _KINDS.get(stat.S_IFMT(mode), "not a file")
+        raise ValueError(f"{path}{via} is {kind}, not a regular file: refusing to replace it")
+    for source in inputs:
+        if os.path.exists(source) and os.path.samefile(target, source):
+            raise ValueError(f"{path}{via} is the input file {source}: writing it would "
+                             "destroy the input; choose another path")
+    return target
+
+
+_KINDS = {stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+          stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}
+
+
 def write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
     """Call ``write(temporary)`` on a file beside ``path``, then rename it onto ``path``.
 
-    Dead writers' temporaries of ``path`` are removed first. An ``OSError`` (no space,
-    no permission…) is raised again naming ``path``, not the temporary.
+    ``path`` is checked by :func:`write_target` first: a symlink is written through (the
+    link stays), anything but a regular file or a new path is refused. Dead writers'
+    temporaries of it are removed first. An ``OSError`` (no space, no permission…) is raised
+    again naming ``path``, not the temporary.
     """
-    path = Path(path)
+    path = write_target(path)
     remove_stale_temporaries(path.parent, path.name)
     temporary = path.with_name(f".{path.name}.{HOST}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:

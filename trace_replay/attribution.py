@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from trace_replay.capture import SITES, Site, SiteCapture, model_sites
 from trace_replay.capture_rows import RowCapture
 from trace_replay.engines.base import ReplayRequest
-from trace_replay.model_cache import ModelCache
+from trace_replay.model_cache import ModelCache, check_settings
 from trace_replay.pairing import METRICS, Comparer, HeldActivations
 from trace_replay.replay import TraceInput, prepare_requests
 from trace_replay.traces import TraceSet, load_traces
@@ -149,6 +149,7 @@ def _locate(traceset, engines, wanted: tuple[str, ...], *, progress: bool,
 
 
 def _check_settings(name: str, settings: Mapping[str, Any]) -> None:
+    check_settings(settings, f"locate_divergence {name}")
     engine = settings.get("engine", "torch")
     if engine not in ("torch", "prefill"):
         raise ValueError(f"{name}: layer attribution runs the torch and prefill engines "

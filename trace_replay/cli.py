@@ -2,7 +2,9 @@
 
 Errors print one line (``trace-replay: error: …``) and exit with status 2 (1 for an
 internal error); Ctrl-C exits with 130 and SIGTERM with 143, after saving the finished
-traces of a ``--checkpoint`` run. ``--debug`` shows tracebacks instead.
+traces of a ``--checkpoint`` run; further signals are ignored from the first one on, so
+saving is not cut short and the status stays. A run that fails removes the folders it
+created that are still empty. ``--debug`` shows tracebacks instead.
 
 The parser is plain :mod:`argparse`: the command is a thin shell over
 :func:`trace_replay.replay` and friends, so a CLI library (click, typer) would add a
@@ -21,6 +23,9 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
+from typing import NoReturn
+
+from trace_replay._text import plural
 
 __all__ = ["main"]
 
@@ -54,6 +59,17 @@ def _seconds(text: str) -> float:
     return seconds
 
 
+def _positive_int(text: str) -> int:
+    """An integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
 def _speculative(text: str) -> dict:
     method, _, k = text.partition(":")
     return {"method": method, "num_tokens": int(k or 4)}
@@ -62,7 +78,6 @@ def _speculative(text: str) -> dict:
 def _write_frame(df, out: str) -> None:
     from trace_replay._io import write_atomic
 
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, lambda tmp: df.to_parquet(tmp, index=False))
 
 
@@ -75,10 +90,26 @@ def _input_file(path: str, what: str) -> str:
     return path
 
 
+def _traces_input(name: str):
+    """A traces file, else a bundled dataset of that name (a file that exists wins)."""
+    from trace_replay import datasets
+
+    if Path(name).exists() or name not in datasets.DATASETS:
+        try:
+            return _input_file(name, "traces file")
+        except FileNotFoundError as error:
+            bundled = ", ".join(datasets.DATASETS)
+            raise FileNotFoundError(f"{error}, nor is it a bundled dataset ({bundled})") from None
+    return datasets.load(name)
+
+
 def _cmd_replay(args) -> None:
     from trace_replay.replay import replay
 
-    traces = _input_file(args.traces, "traces file")
+    traces = _traces_input(args.traces)
+    if not isinstance(traces, str) and args.format != "traces":
+        raise ValueError(f"{args.traces} is a bundled dataset of traces; --format "
+                         f"{args.format} reads a log file")
     if args.format != "traces" or args.turns is not None:
         from trace_replay.traces import load_traces
 
@@ -88,6 +119,10 @@ def _cmd_replay(args) -> None:
 
             tokenizer = load_tokenizer(args.model)
         traces = load_traces(traces, format=args.format, turns=args.turns, tokenizer=tokenizer)
+    if args.limit is not None:
+        from trace_replay.traces import load_traces
+
+        traces = load_traces(traces)[:args.limit]
     df = replay(traces, args.model, engine=args.engine,
                 top_k=args.top_k, dtype=args.dtype, device=args.device,
                 batch_size=args.batch_size, speculative=args.speculative,
@@ -97,7 +132,7 @@ def _cmd_replay(args) -> None:
                 deterministic=args.deterministic,
                 verbose=args.verbose)
     _write_frame(df, args.out)
-    print(f"{df['trace_id'].nunique()} traces, {len(df)} tokens "
+    print(f"{plural(df['trace_id'].nunique(), 'trace')}, {plural(len(df), 'token')} "
           f"({df.attrs.get('engine_path')}) -> {args.out}")
 
 
@@ -122,7 +157,7 @@ def _cmd_record(args) -> None:
                     batch_size=args.batch_size, engine_args=dict(args.engine_arg) or None,
                     verbose=args.verbose)
     (traces.to_parquet if args.out.endswith(".parquet") else traces.to_jsonl)(args.out)
-    print(f"{len(traces)} traces -> {args.out}")
+    print(f"{plural(len(traces), 'trace')} -> {args.out}")
 
 
 def _cmd_merge(args) -> None:
@@ -130,7 +165,8 @@ def _cmd_merge(args) -> None:
 
     merged = merge_results(args.parts)
     _write_frame(merged, args.out)
-    print(f"{len(args.parts)} parts, {merged.attrs['num_traces']} traces -> {args.out}")
+    print(f"{plural(len(args.parts), 'part')}, {plural(merged.attrs['num_traces'], 'trace')} "
+          f"-> {args.out}")
 
 
 def _cmd_report(args) -> None:
@@ -149,6 +185,13 @@ def _cmd_demo(args) -> None:
     from trace_replay.demo import run_demo
 
     run_demo(out=args.out, engines=args.engines, limit=args.limit, verbose=args.verbose)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument error is one line naming the command, with where to read its usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -190,13 +233,14 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     from trace_replay import __version__
+    from trace_replay.datasets import DATASETS
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="trace-replay", formatter_class=_HelpFormatter,
         description="Replay token traces through a language model's real decode path and "
                     "score every trace token (logprob, rank, top-k); compare runs.",
         epilog="examples:\n"
-               "  trace-replay replay traces.jsonl --engine torch --out r.parquet\n"
+               "  trace-replay replay humaneval --engine torch --out r.parquet\n"
                "  trace-replay report r.parquet --out r.html\n"
                "  trace-replay <command> --help    every option of a command")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -205,14 +249,17 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="<command>")
 
     p = _command(sub, "replay", "replay traces through an engine and write a Parquet result",
-                 "  trace-replay replay data/gsm8k_cot_model.jsonl --engine torch "
+                 "  trace-replay replay gsm8k_cot --engine torch --limit 4 "
                  "--out out/torch.parquet\n"
                  "  trace-replay replay traces.jsonl --engine vllm --dtype bfloat16 "
                  "--engine-arg max_model_len=4096 --out bf16.parquet\n"
                  "  trace-replay replay traces.jsonl --shard 0/4 --checkpoint run0/ "
                  "--out part0.parquet", _cmd_replay)
-    p.add_argument("traces", help="traces file: JSONL, JSON or Parquet")
+    p.add_argument("traces", help="traces file (JSONL, JSON or Parquet), or the name of a "
+                   f"bundled dataset ({', '.join(DATASETS)}; a file of that name wins)")
     p.add_argument("--out", required=True, help="result file (.parquet) to write")
+    p.add_argument("--limit", type=_positive_int, default=None, metavar="N",
+                   help="replay only the first N traces (default: all)")
     p.add_argument("--format", default="traces", choices=["traces", "openai"],
                    help="openai: logs of an OpenAI-compatible server, their logprobs as "
                         "ref_logprob (token texts are mapped with --model's tokenizer)")
@@ -289,7 +336,7 @@ def _parser() -> argparse.ArgumentParser:
                  _cmd_demo)
     p.add_argument("--out", default="out", help="folder for results_*.parquet and demo.png")
     p.add_argument("--engines", default="vllm,prefill", help="comma-separated engines")
-    p.add_argument("--limit", type=int, default=None,
+    p.add_argument("--limit", type=_positive_int, default=None, metavar="N",
                    help="traces per bundled file (default: all)")
     p.add_argument("--verbose", action="store_true",
                    help="show vLLM's start-up logging (default: errors only)")
@@ -359,42 +406,112 @@ def _cmd_serve(args) -> None:
     os.execv(command[0], command)  # vLLM takes over this process: Ctrl-C stops it
 
 
-# commands whose --out is one file, checked before any work
-_FILE_OUTPUTS = ("replay", "record", "merge", "report")
+# commands whose --out is one file, checked before any work: the arguments naming their inputs
+_FILE_OUTPUTS = {"replay": ("traces",), "record": ("prompts",), "merge": ("parts",),
+                 "report": ("results", "results_b")}
 # what a user can cause (bad input, paths, arguments, missing packages, memory): one line
 _USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError, KeyError, EOFError, ImportError,
                 MemoryError)
 
 
-_KEEP = object()
+_SIGNALLED = (130, 143)  # exit statuses of a run stopped by SIGINT, SIGTERM
 
 
 class _Terminated(KeyboardInterrupt):
     """SIGTERM, handled as Ctrl-C is: the finished traces of the run are saved first."""
 
 
-def _terminate(signum: int, frame: object) -> None:
-    raise _Terminated
+def _interrupt(signum: int, frame: object) -> None:
+    """Stop the run; later SIGINTs and SIGTERMs are ignored while it saves and exits."""
+    for each in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(each) is _interrupt:
+            signal.signal(each, signal.SIG_IGN)
+    raise _Terminated if signum == signal.SIGTERM else KeyboardInterrupt
 
 
-def check_output(path: str) -> None:
+def _catch_signals() -> dict[int, object]:
+    """Route SIGTERM, and SIGINT unless it is ignored or handled elsewhere, to _interrupt.
+
+    Returns the handlers replaced, by signal (none off the main thread).
+    """
+    replaced = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        if signum == signal.SIGINT and signal.getsignal(signum) is not signal.default_int_handler:
+            continue
+        try:
+            replaced[signum] = signal.signal(signum, _interrupt)
+        except ValueError:  # not the main thread: the signal keeps its handler
+            pass
+    return replaced
+
+
+def _missing_folders(folder: Path) -> list[Path]:
+    """``folder`` and those of its parents that do not exist yet, outermost first."""
+    return [path for path in reversed([folder, *folder.parents]) if not path.exists()]
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove those of ``folders`` (ones this run created) still empty, innermost first."""
+    for folder in reversed(folders):
+        try:
+            folder.rmdir()
+        except OSError:  # holds something, or is gone: left as it is
+            pass
+
+
+def check_output(path: str, inputs: list[str] = ()) -> list[Path]:
     """Refuse an output file that cannot be written, before any work is done.
 
-    Its folder is created when missing; a probe file created and removed in that folder
-    proves it writable.
+    Refused: anything but a regular file or a new path, and one of ``inputs`` however it is
+    spelled (:func:`~trace_replay._io.write_target`; a symlink is written through), a path
+    under a file, a folder where a probe file cannot be created. Missing folders are
+    created and returned, outermost first.
     """
+    from trace_replay._io import write_target
+
     out = Path(path)
-    if out.is_dir():
-        raise ValueError(f"--out {out} is a folder; give a file path")
-    existing = next(parent for parent in out.parents if parent.exists())
+    try:
+        target = write_target(out, inputs)
+    except ValueError as error:
+        raise ValueError(f"--out {error}") from None
+    existing = next(parent for parent in target.parents if parent.exists())
     if not existing.is_dir():
         raise ValueError(f"--out {out}: {existing} is a file, not a folder")
+    created = _missing_folders(target.parent if out.is_symlink() else out.parent)
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.", suffix=".probe"):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{target.name}.",
+                                         suffix=".probe"):
             pass
     except OSError as error:
+        _remove_empty(created)
         raise OSError(f"--out {out} cannot be written ({error.strerror or error})") from None
+    return created
+
+
+def _prepare_outputs(args) -> tuple[list[Path], list[Path]]:
+    """Check --out before any work; (folders made for --out, all folders the run may make)."""
+    made = []
+    if args.command == "demo":
+        made = _missing_folders(Path(args.out))
+    if args.command in _FILE_OUTPUTS:
+        names = [getattr(args, name) for name in _FILE_OUTPUTS[args.command]]
+        inputs = [n for name in names if name for n in ([name] if isinstance(name, str) else name)]
+        made = check_output(args.out, inputs)
+    checkpoint = getattr(args, "checkpoint", None)
+    return made, made + (_missing_folders(Path(checkpoint)) if checkpoint else [])
+
+
+def _saved(args) -> str:
+    """Where an interrupted run's finished traces are, when its checkpoint holds any."""
+    checkpoint = getattr(args, "checkpoint", None)
+    if not checkpoint or not Path(checkpoint).is_dir() or not any(Path(checkpoint).iterdir()):
+        return ""
+    from trace_replay.parts import PART_NAME
+
+    if not any(PART_NAME.match(path.name) for path in Path(checkpoint).iterdir()):
+        return ""
+    return f"; finished traces are saved in {checkpoint}, rerun to resume"
 
 
 def _message(error: BaseException) -> str:
@@ -409,40 +526,40 @@ def _warn(message, category, filename, lineno, file=None, line=None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    made, created, status = [], [], None
     with warnings.catch_warnings():
         if not args.debug:
             warnings.showwarning = _warn
+        replaced = _catch_signals()
         try:
-            previous = signal.signal(signal.SIGTERM, _terminate)
-        except ValueError:  # not the main thread: SIGTERM keeps its handler
-            previous = _KEEP
-        try:
-            if args.command in _FILE_OUTPUTS:
-                check_output(args.out)
+            made, created = _prepare_outputs(args)
             args.func(args)
+            status = 0
         except KeyboardInterrupt as interrupt:
             if args.debug:
                 raise
-            checkpoint = getattr(args, "checkpoint", None)
-            kept = (f"; finished traces are saved in {checkpoint}, rerun to resume"
-                    if checkpoint else "")
-            print(f"trace-replay: interrupted{kept}", file=sys.stderr)
-            return 143 if isinstance(interrupt, _Terminated) else 130
+            print(f"trace-replay: interrupted{_saved(args)}", file=sys.stderr)
+            status = 143 if isinstance(interrupt, _Terminated) else 130
         except _USER_ERRORS as error:
             if args.debug:
                 raise
             print(f"trace-replay: error: {_message(error)}", file=sys.stderr)
-            return 2
+            status = 2
         except Exception as error:  # noqa: BLE001 - a bug: still one line, --debug shows it
             if args.debug:
                 raise
             print(f"trace-replay: internal error: {type(error).__name__}: {error} "
                   "(rerun with --debug for the traceback)", file=sys.stderr)
-            return 1
+            status = 1
         finally:
-            if previous is not _KEEP:
-                signal.signal(signal.SIGTERM, previous)
-    return 0
+            if status != 0:  # a failed run leaves none of the folders it made empty
+                _remove_empty(created)
+            if status not in _SIGNALLED:  # else later signals stay ignored while it exits
+                for signum, handler in replaced.items():
+                    signal.signal(signum, handler)
+    if status == 0 and made:
+        print(f"created folder {made[-1]}")
+    return status
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ from pathlib import Path
 import pandas as pd
 
 from trace_replay import datasets
+from trace_replay._io import write_atomic, write_target
+from trace_replay._text import plural
 from trace_replay.analysis import engine_table
 
 __all__ = ["run_demo"]
@@ -21,6 +23,8 @@ def run_demo(out: str | Path = "out", engines: str = "vllm,prefill",
     ----------
     out : path
         Folder for ``results_{engine}.parquet`` and ``demo.png``; created when missing.
+        Each file must be new or a regular file (a link is written through): checked
+        before any replay.
     engines : str
         Comma-separated engine names, replayed in order; the first two are compared.
     limit : int, optional
@@ -40,15 +44,21 @@ def run_demo(out: str | Path = "out", engines: str = "vllm,prefill",
     from trace_replay.replay import replay
 
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out {out} is not a folder")
+    names = [e.strip() for e in engines.split(",") if e.strip()]
+    files = {name: out / f"results_{name}.parquet" for name in names}
+    for path in [*files.values(), out / "demo.png"]:
+        write_target(path)
     out.mkdir(parents=True, exist_ok=True)
     traces = datasets.load(limit=limit)
-    print(f"{len(traces)} bundled traces from {traces.source}")
+    print(f"{plural(len(traces), 'bundled trace')} from {traces.source}")
     results = {}
-    for name in [e.strip() for e in engines.split(",") if e.strip()]:
+    for name in names:
         start = time.perf_counter()
         df = replay(traces, engine=name, verbose=verbose)
         df.attrs["wall_s"] = round(time.perf_counter() - start, 1)
-        df.to_parquet(out / f"results_{name}.parquet", index=False)
+        write_atomic(files[name], lambda temporary: df.to_parquet(temporary, index=False))
         results[name] = df
     with pd.option_context("display.width", 120, "display.precision", 4):
         print("\nPer engine:")
@@ -73,7 +83,8 @@ def run_demo(out: str | Path = "out", engines: str = "vllm,prefill",
             fig, top = plt.subplots(figsize=(14, 5))
             plot_trace(first, worst, ax=top)
     fig.tight_layout()
-    fig.savefig(out / "demo.png", dpi=110)
+    write_atomic(out / "demo.png", lambda temporary: fig.savefig(temporary, dpi=110,
+                                                                  format="png"))
     plt.close(fig)
     print(f"\nresults and figure in {out}/")
     return results

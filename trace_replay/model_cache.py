@@ -8,16 +8,18 @@ loading the same weights twice.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import difflib
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from trace_replay.engines import make_engine
-from trace_replay.engines.base import Engine
+from trace_replay.engines import ENGINE_OPTIONS, ENGINES, make_engine
+from trace_replay.engines.base import Engine, EngineConfig
 from trace_replay.models import load_model, resolve_dtype
 
-__all__ = ["ModelCache", "split_settings"]
+__all__ = ["ModelCache", "check_settings", "split_settings"]
 
 # engines that load their own model from a path (no in-memory module)
 _PATH_ENGINES = ("vllm", "auto")
@@ -27,6 +29,28 @@ def split_settings(settings: Mapping[str, Any]) -> tuple[str, Any, dict[str, Any
     """``(engine name, model, the rest)`` of a settings dict; the engine defaults to torch."""
     rest = dict(settings)
     return rest.pop("engine", "torch"), rest.pop("model", None), rest
+
+
+def check_settings(settings: Mapping[str, Any], where: str) -> None:
+    """Refuse a settings dict naming an unknown engine or a setting its engine does not take.
+
+    The error starts with ``where`` (which dict), names the bad key, the closest valid one,
+    and every setting the engine takes: ``engine``, ``model``, the
+    :class:`~trace_replay.engines.base.EngineConfig` fields, ``verbose`` and its own options.
+    """
+    name = settings.get("engine", "torch")
+    if name not in ENGINES:
+        raise ValueError(f"{where}: unknown engine {name!r}; choose one of {', '.join(ENGINES)}")
+    # "auto" passes on the options of whichever engine it builds: it takes every engine's
+    own = ENGINE_OPTIONS.get(name, [o for options in ENGINE_OPTIONS.values() for o in options])
+    common = [field.name for field in dataclasses.fields(EngineConfig)]
+    valid = list(dict.fromkeys(["engine", *common, "verbose", *own]))
+    for key in settings:
+        if key not in valid:
+            close = difflib.get_close_matches(str(key), valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"{where}: unknown setting {key!r}{hint}; engine {name!r} takes "
+                             f"{', '.join(valid)}")
 
 
 def _device(device: str | torch.device | None) -> torch.device:

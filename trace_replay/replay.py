@@ -15,6 +15,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from trace_replay._text import plural
 from trace_replay.checkpoint import Checkpoint
 from trace_replay.engines import ENGINES, make_engine
 from trace_replay.engines.base import Engine, ReplayRequest
@@ -169,7 +170,8 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
     if shard is not None:
         total, traceset = len(traceset), traceset.shard(*shard)
         if not len(traceset):
-            warnings.warn(f"shard {shard[0]}/{shard[1]} holds none of the {total} traces of "
+            warnings.warn(f"shard {shard[0]}/{shard[1]} holds none of the "
+                          f"{plural(total, 'trace')} of "
                           f"{traceset.source}: its result is empty on purpose", stacklevel=2)
     if isinstance(engine, str):
         engine_obj = make_engine(engine, model, dtype=dtype, device=device,
@@ -191,8 +193,10 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
     if verbose:
         given.append("verbose")
     if given:
-        raise ValueError(f"{', '.join(given)} configure an engine; an engine object was passed, "
-                         "so give them to make_engine instead")
+        names = given[0] if len(given) == 1 else f"{', '.join(given[:-1])} and {given[-1]}"
+        verb, them = ("configures", "it") if len(given) == 1 else ("configure", "them")
+        raise ValueError(f"{names} {verb} an engine; an engine object was passed, so give "
+                         f"{them} to make_engine instead")
     if deterministic and not engine.settings().get("deterministic"):
         raise ValueError("deterministic=True, but the engine passed was built without it; "
                          "build it with make_engine(..., deterministic=True)")
@@ -229,6 +233,10 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
             truncate: bool, chunk_size: int | None, checkpoint_every: float,
             started: str) -> pd.DataFrame:
     settings = engine.settings()
+    vocab_size = getattr(engine, "vocab_size", None)
+    if vocab_size is not None and settings.get("top_k", 0) > vocab_size:
+        raise ValueError(f"top_k {settings['top_k']} exceeds the model's vocabulary size "
+                         f"{vocab_size}: a step has only {vocab_size} alternatives to record")
     tokenizer = engine.tokenizer
     traceset = traceset.tokenize(tokenizer)
     requests, cut_notes = prepare_requests(traceset, engine.max_model_len, truncate=truncate)
@@ -263,8 +271,9 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
                 resumed = store.resumed
                 advance(store.resumed_tokens)
                 if resumed and progress:
-                    bar.write(f"replay: resuming {checkpoint}: {resumed} of {len(requests)} "
-                              f"traces ({store.resumed_tokens} tokens) already done, "
+                    bar.write(f"replay: resuming {checkpoint}: {resumed} of "
+                              f"{plural(len(requests), 'trace')} "
+                              f"({plural(store.resumed_tokens, 'token')}) already done, "
                               f"{len(requests) - resumed} to replay", file=sys.stderr)
                 result = None
                 while result is None:

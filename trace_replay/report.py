@@ -20,7 +20,9 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from trace_replay._figures import run_label
+from trace_replay._io import write_atomic, write_target
 from trace_replay.analysis import (
+    _check_frame,
     compare,
     dataset_summary,
     rank_bucket_transitions,
@@ -45,24 +47,35 @@ body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:24px auto;ma
  color:#222;padding:0 16px}
 h1{font-size:22px}
 h2{font-size:18px;border-bottom:1px solid #ddd;padding-bottom:4px;margin-top:32px}
+.tr-wide{max-width:100%;overflow-x:auto}
 table.tr-table{border-collapse:collapse;font-size:12px;margin:8px 0}
-table.tr-table td,table.tr-table th{padding:2px 8px;border-bottom:1px solid #eee;text-align:right}
-table.tr-table th{background:#f5f5f5}
-.tr-figs{display:flex;flex-wrap:wrap;gap:12px} .tr-figs img{max-width:100%}
+table.tr-table td,table.tr-table th{padding:2px 6px;border-bottom:1px solid #eee;text-align:right}
+table.tr-table th{background:#f5f5f5;overflow-wrap:anywhere;vertical-align:bottom}
+.tr-figs{display:flex;flex-wrap:wrap;gap:12px} img{max-width:100%;height:auto}
 .tr-note{color:#666;font-size:12px}
 </style>"""
 
 
-def _load(x: pd.DataFrame | str | os.PathLike) -> tuple[pd.DataFrame, str | None]:
-    """The frame and, for a file, its stem (the name the user gave the run)."""
+def _load(x: pd.DataFrame | str | os.PathLike, side: str) -> tuple[pd.DataFrame, str | None]:
+    """The frame and, for a file, its stem (the name the user gave the run).
+
+    A frame or file without the replay columns is refused naming the file (or the side)
+    and the columns it lacks.
+    """
     if isinstance(x, pd.DataFrame):
+        _check_frame(x, side)
         return x, None
-    return pd.read_parquet(x), Path(x).stem
+    frame = pd.read_parquet(x)
+    _check_frame(frame, f"{side}: {x} is not a replay result file: it")
+    return frame, Path(x).stem
 
 
 def _table(df: pd.DataFrame, *, index: bool = False) -> str:
-    return df.to_html(index=index, escape=True, border=0, classes="tr-table", na_rep="—",
-                      float_format=lambda v: f"{v:.4g}")  # fmt: skip
+    """The frame as an HTML table that fits the page: long headers wrap, and a table still
+    wider than the page scrolls inside its own box."""
+    table = df.to_html(index=index, escape=True, border=0, classes="tr-table", na_rep="—",
+                       float_format=lambda v: f"{v:.4g}")  # fmt: skip
+    return f'<div class="tr-wide">{table}</div>'
 
 
 def _head(df: pd.DataFrame) -> str:
@@ -150,7 +163,8 @@ def write_report(
         (rollout), b the target (trainer). Each side is named by its file's stem, else by
         the attrs that tell the runs apart (:func:`~trace_replay.compare`).
     out : path
-        Where to write the page.
+        Where to write the page: a new path or a regular file (a link is written through),
+        not one of the inputs; checked before any work.
     tol : float
         Divergence threshold on ``abs_delta``.
     n_traces : int
@@ -174,10 +188,11 @@ def write_report(
     >>> "<h2>Provenance</h2>" in out.read_text()
     True
     """
-    df_a, name_a = _load(a)
+    write_target(out, [x for x in (a, b) if isinstance(x, (str, os.PathLike))])
+    df_a, name_a = _load(a, "a")
     parts: list[str] = []
     if b is not None:
-        df_b, name_b = _load(b)
+        df_b, name_b = _load(b, "b")
         named = name_a is not None and name_b is not None and name_a != name_b
         cmp = compare(df_a, df_b, labels=(name_a, name_b) if named else None)
         labels = cmp.attrs["labels"]
@@ -213,5 +228,5 @@ def write_report(
         "</body></html>",
     ])  # fmt: skip
     path = Path(out)
-    path.write_text(page, encoding="utf-8")
+    write_atomic(path, lambda temporary: temporary.write_text(page, encoding="utf-8"))
     return path

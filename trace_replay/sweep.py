@@ -11,7 +11,7 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from trace_replay.analysis import compare, dataset_summary
-from trace_replay.model_cache import ModelCache
+from trace_replay.model_cache import ModelCache, check_settings
 from trace_replay.replay import TraceInput, replay
 from trace_replay.traces import load_traces
 
@@ -75,6 +75,9 @@ def sweep(traces: TraceInput, base: Mapping[str, Any], grid: Mapping[str, Sequen
     >>> ax = tr.plot_sweep(table, metric="max_abs_delta", x="dtype")
     """
     configurations = grid_settings(base, grid)
+    check_settings(base, "sweep base")
+    for config in configurations:  # a typo in the grid fails before the base run, too
+        check_settings(config, "sweep grid")
     traceset = load_traces(traces)
     models = ModelCache() if models is None else models
     base_run, _ = _run(traceset, base, models)

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pandas as pd
 from matplotlib.axes import Axes
+from matplotlib.transforms import offset_copy
 
 from trace_replay._figures import finish, own_axes, run_label, side_labels
 from trace_replay.analysis import compare
@@ -15,6 +16,7 @@ from trace_replay.tokens_html import visible_token
 __all__ = ["plot_trace"]
 
 _SHADE = "#e8615a"
+_LEGEND_GAP_IN = 0.75  # room right of the axes for the rank axis's tick labels and label
 
 
 def _one_trace(df: pd.DataFrame, trace_id: str) -> pd.DataFrame:
@@ -168,8 +170,10 @@ def plot_trace(
     ax.set_title(" · ".join(str(p) for p in parts if p), fontsize=10)
     handles, names = ax.get_legend_handles_labels()
     rank_handles, rank_names = rank_ax.get_legend_handles_labels()
-    ax.legend(handles + rank_handles, names + rank_names, fontsize=7, loc="lower left",
-              ncols=2, framealpha=0.85, title=hue)  # fmt: skip
+    # outside the axes, right of the rank axis's labels: inside, it would hide lines
+    beside = offset_copy(ax.transAxes, fig=ax.figure, x=_LEGEND_GAP_IN, units="inches")
+    ax.legend(handles + rank_handles, names + rank_names, fontsize=7, loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), bbox_transform=beside, title=hue)  # fmt: skip
     ax.set_zorder(rank_ax.get_zorder() + 1)  # logprob lines and legend above the rank marks
     ax.patch.set_visible(False)
     ax.rank_ax = rank_ax
