@@ -57,11 +57,64 @@ def test_provenance_survives_parquet(write_part, tmp_path):
     assert back.attrs["num_traces"] == 2 and back.attrs["shard"] is None
 
 
-def test_partial_shards_are_listed(write_part):
-    """Shards 0 and 2 of 4 are not the whole run: attrs list which shards were merged."""
-    merged = merge_results([write_part("s0.parquet", ["a"], (0, 4)),
-                            write_part("s2.parquet", ["c"], (2, 4))])
+def test_an_incomplete_set_is_refused_naming_the_missing_shards(write_part):
+    """Shards 0 and 2 of 4 are not the whole run: refused by default, naming shards 1 and 3."""
+    parts = [write_part("s0.parquet", ["a"], (0, 4)), write_part("s2.parquet", ["c"], (2, 4))]
+    with pytest.raises(ValueError, match="incomplete set: shard 1/4, 3/4 missing"):
+        merge_results(parts)
+
+
+def test_an_incomplete_set_merged_on_request_is_marked(write_part):
+    """allow_incomplete: a warning, and attrs that say so (complete False, which shards are
+    missing, which merged)."""
+    parts = [write_part("s0.parquet", ["a"], (0, 4)), write_part("s2.parquet", ["c"], (2, 4))]
+    with pytest.warns(UserWarning, match="marked incomplete"):
+        merged = merge_results(parts, allow_incomplete=True)
+    assert merged.attrs["complete"] is False
+    assert merged.attrs["missing_shards"] == [[1, 4], [3, 4]]
     assert merged.attrs["shard"] == [[0, 4], [2, 4]]
+
+
+def test_shards_of_different_trace_sets_are_refused(write_part):
+    """Shards 0/2 and 1/2 of two different trace sets: refused, naming both files."""
+    a = write_part("s0.parquet", ["a"], (0, 2), traces_digest="1" * 32)
+    b = write_part("s1.parquet", ["b"], (1, 2), traces_digest="2" * 32)
+    with pytest.raises(ValueError, match="different trace sets: traces_digest differs") as error:
+        merge_results([a, b])
+    assert a in str(error.value) and b in str(error.value)
+    c = write_part("s2.parquet", ["c"], (1, 2), source="other.jsonl")  # records no digest
+    with pytest.raises(ValueError, match="different trace sets: source differs"):
+        merge_results([write_part("s3.parquet", ["a"], (0, 2)), c])
+
+
+def test_a_shard_given_twice_is_refused(write_part):
+    """The same shard twice: refused as such, naming the files."""
+    with pytest.raises(ValueError, match="shard 1/3 is given twice"):
+        merge_results([write_part("s0.parquet", ["a"], (0, 3)),
+                       write_part("s1.parquet", ["b"], (1, 3)),
+                       write_part("s1b.parquet", ["b"], (1, 3)),
+                       write_part("s2.parquet", ["c"], (2, 3))])
+
+
+def test_replayed_shards_of_two_datasets_are_refused(lm, tmp_path):
+    """Real results: shard 0/2 of one trace set and 1/2 of another are refused; the two
+    shards of one set merge complete."""
+    from trace_replay.engines import make_engine
+    from trace_replay.replay import replay
+
+    engine = make_engine("prefill", lm, top_k=2)
+    sets = {name: [{"id": f"t{i}", "prompt": "Hi", "completion": f" {name} {i}"}
+                   for i in (0, 1, 4, 5)] for name in ("red", "blue")}  # shards 0, 0, 1, 1
+    paths = {}
+    for name, traces in sets.items():
+        for index in (0, 1):
+            paths[name, index] = tmp_path / f"{name}{index}.parquet"
+            replay(traces, engine=engine, shard=(index, 2), progress=False).to_parquet(
+                paths[name, index])
+    with pytest.raises(ValueError, match="different trace sets"):
+        merge_results([paths["red", 0], paths["blue", 1]])
+    merged = merge_results([paths["red", 0], paths["red", 1]])
+    assert merged.attrs["complete"] and merged.attrs["num_traces"] == 4
 
 
 @pytest.mark.parametrize("setting, value", [("dtype", "bfloat16"), ("engine", "vllm"),
@@ -103,3 +156,27 @@ def test_missing_part_names_the_file(tmp_path):
     """A part that does not exist is a FileNotFoundError naming it."""
     with pytest.raises(FileNotFoundError, match="missing.parquet does not exist"):
         merge_results([tmp_path / "missing.parquet"])
+
+
+def test_an_incomplete_merge_is_completed_by_its_missing_shards(write_part, tmp_path):
+    """An incomplete merge, merged with the shards it missed, is the complete run."""
+    with pytest.warns(UserWarning, match="marked incomplete"):
+        first = merge_results([write_part("s0.parquet", ["a"], (0, 3))], allow_incomplete=True)
+    first.to_parquet(tmp_path / "first.parquet", index=False)
+    merged = merge_results([tmp_path / "first.parquet", write_part("s1.parquet", ["b"], (1, 3)),
+                            write_part("s2.parquet", ["c"], (2, 3))])
+    assert merged.attrs["complete"] and merged.attrs["shard"] is None
+    assert merged.attrs["missing_shards"] == [] and merged.attrs["num_traces"] == 3
+
+
+def test_cli_refuses_an_incomplete_set_unless_allowed(write_part, tmp_path, capsys):
+    """``trace-replay merge``: exit 2 naming the missing shard; ``--allow-incomplete`` writes
+    the result marked incomplete."""
+    from trace_replay.cli import main
+
+    parts = [write_part("s0.parquet", ["a"], (0, 3)), write_part("s2.parquet", ["c"], (2, 3))]
+    out = tmp_path / "all.parquet"
+    assert main(["merge", *parts, "--out", str(out)]) == 2
+    assert "shard 1/3 missing" in capsys.readouterr().err and not out.exists()
+    assert main(["merge", *parts, "--out", str(out), "--allow-incomplete"]) == 0
+    assert pd.read_parquet(out).attrs["complete"] is False

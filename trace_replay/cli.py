@@ -163,7 +163,7 @@ def _cmd_record(args) -> None:
 def _cmd_merge(args) -> None:
     from trace_replay.merge import merge_results
 
-    merged = merge_results(args.parts)
+    merged = merge_results(args.parts, allow_incomplete=args.allow_incomplete)
     _write_frame(merged, args.out)
     print(f"{plural(len(args.parts), 'part')}, {plural(merged.attrs['num_traces'], 'trace')} "
           f"-> {args.out}")
@@ -318,6 +318,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("parts", nargs="+", help="result files of one run (same engine, model, "
                    "dtype, top-k…; refused otherwise)")
     p.add_argument("--out", required=True, help="merged result file (.parquet) to write")
+    p.add_argument("--allow-incomplete", action="store_true", help="merge although shards of "
+                   "the split are missing; the result is marked incomplete (attrs)")
 
     p = _command(sub, "report", "write a self-contained HTML report of one result, or of two "
                  "compared", "  trace-replay report fp32.parquet --out fp32.html\n"

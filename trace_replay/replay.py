@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import importlib.metadata
+import json
 import os
 import platform
 import sys
@@ -20,6 +22,7 @@ from trace_replay.checkpoint import Checkpoint
 from trace_replay.engines import ENGINES, make_engine
 from trace_replay.engines.base import Engine, ReplayRequest
 from trace_replay.frame import TokenDecoder, to_frame
+from trace_replay.trace_record import FIELDS
 from trace_replay.traces import TraceError, TraceSet, load_traces
 
 # what load_traces reads: a path, a TraceSet, a DataFrame, a Dataset, or records
@@ -28,6 +31,14 @@ TraceInput = str | os.PathLike | TraceSet | pd.DataFrame | Iterable[Mapping[str,
 ModelArg = str | os.PathLike | torch.nn.Module | None
 
 __all__ = ["replay", "prepare_requests", "package_versions"]
+
+
+def _traces_digest(traces: TraceSet) -> str:
+    """A digest of every field of every trace, whatever their order."""
+    each = sorted(hashlib.sha256(json.dumps([getattr(trace, name) for name in FIELDS],
+                                            sort_keys=True).encode()).digest()
+                  for trace in traces)
+    return hashlib.sha256(b"".join(each)).hexdigest()[:32]
 
 
 def package_versions() -> dict[str, str]:
@@ -165,6 +176,7 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
                      truncate=truncate, progress=progress, checkpoint=checkpoint)
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     traceset = load_traces(traces)
+    digest = _traces_digest(traceset)  # before sharding: every shard of the set shares it
     if not len(traceset):
         raise TraceError("no traces to replay", location=traceset.source)
     if shard is not None:
@@ -181,7 +193,7 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
         with engine_obj:
             return _replay(traceset, engine_obj, progress=progress, checkpoint=checkpoint,
                            shard=shard, truncate=truncate, chunk_size=chunk_size,
-                           checkpoint_every=checkpoint_every, started=started)
+                           checkpoint_every=checkpoint_every, started=started, digest=digest)
     if not all(callable(getattr(engine, m, None)) for m in ("run", "settings", "stats")):
         raise TypeError(f"engine must be a name ({', '.join(ENGINES)}) or an Engine, "
                         f"got {type(engine).__name__}")
@@ -202,7 +214,7 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
                          "build it with make_engine(..., deterministic=True)")
     return _replay(traceset, engine, progress=progress, checkpoint=checkpoint, shard=shard,
                    truncate=truncate, chunk_size=chunk_size, checkpoint_every=checkpoint_every,
-                   started=started)
+                   started=started, digest=digest)
 
 
 def _check_arguments(*, shard: Any, chunk_size: Any, checkpoint_every: Any, truncate: Any,
@@ -231,7 +243,7 @@ def _is_int(value: Any) -> bool:
 def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
             checkpoint: str | os.PathLike | None, shard: tuple[int, int] | None,
             truncate: bool, chunk_size: int | None, checkpoint_every: float,
-            started: str) -> pd.DataFrame:
+            started: str, digest: str) -> pd.DataFrame:
     settings = engine.settings()
     vocab_size = getattr(engine, "vocab_size", None)
     if vocab_size is not None and settings.get("top_k", 0) > vocab_size:
@@ -296,6 +308,7 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
         "truncated": cut_notes,
         "shard": list(shard) if shard is not None else None,
         "source": traceset.source,
+        "traces_digest": digest,  # of the whole trace set, so merge refuses shards of others
         "versions": package_versions(),
         "started_at": started,
         "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
