@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import stat
+
 import matplotlib
 import pandas as pd
 import pytest
@@ -26,3 +29,16 @@ def test_demo_writes_results_and_figure(tmp_path, capsys):
     assert df["trace_id"].nunique() == 4 and df.attrs["engine"] == "prefill"
     assert (tmp_path / "out" / "demo.png").stat().st_size > 0
     assert "Per engine:" in capsys.readouterr().out
+
+
+def test_demo_refuses_a_fifo_among_its_files_before_any_replay(tmp_path, capsys):
+    """A FIFO where the demo would write a result is refused before the first replay (nothing
+    printed, nothing written) and stays a FIFO."""
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / "results_prefill.parquet")
+    with pytest.raises(ValueError, match="results_prefill.parquet is a FIFO"):
+        run_demo(out=out, engines="torch,prefill", limit=1)
+    assert capsys.readouterr().out == ""
+    assert stat.S_ISFIFO(os.lstat(out / "results_prefill.parquet").st_mode)
+    assert sorted(p.name for p in out.iterdir()) == ["results_prefill.parquet"]
