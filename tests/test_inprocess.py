@@ -46,6 +46,9 @@ def test_vllm_runs_an_unguarded_script_once_and_quietly(tmp_path):
     assert "HOST True torch" in out.stdout
     for noise in ("Triton", "LD_PRELOAD", "NUMA", "Loading safetensors", "EngineCore"):
         assert noise not in out.stderr, (noise, out.stderr[-3000:])
+    # what start-up is doing is said, once, in the package's own words
+    assert out.stderr.count("trace_replay: starting vLLM") == 1, out.stderr[-3000:]
+    assert "trace_replay: vLLM ready in" in out.stderr
 
 
 def test_auto_runs_an_unguarded_script_once_and_verbose_shows_vllm_logs(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
+import torch
 import pytest
 
 pytest.importorskip("vllm", reason="vllm is not installed (pip install 'trace-replay[cpu]')")
@@ -134,3 +135,38 @@ def test_progress_counts_tokens_as_they_are_decoded(engine, real_traces, tokeniz
     engine.run(requests, on_tokens=reported.append)
     assert sum(reported) == sum(r.trace_len for r in requests)
     assert len(reported) >= max(r.trace_len for r in requests)  # at least one per step
+
+
+def test_runner_and_why_not_native_are_recorded(result):
+    """attrs name the model runner and why the native path was not taken (CPU: no CUDA)."""
+    assert result.attrs["model_runner"] == "v1"
+    assert "no CUDA device" in result.attrs["native_unavailable"]
+
+
+def test_a_trace_past_max_model_len_is_refused_naming_it(engine):
+    """An engine given a request longer than its context refuses it by the trace's id
+    (vLLM would reject it without naming it, or silently cut a native trace)."""
+    from trace_replay.engines.base import ReplayRequest
+    from trace_replay.trace_record import TraceError
+
+    trace = (7,) * engine.max_model_len
+    with pytest.raises(TraceError, match="'too-long'.*max_model_len"):
+        engine.run([ReplayRequest("too-long", (1, 2), trace)])
+
+
+def test_a_second_engine_starts_beside_the_first(engine, real_traces):
+    """A second vLLM engine in the same process starts and replays while the first is
+    alive: each KV cache is sized to its work (max_num_seqs x max_model_len), not to a
+    share of the machine's memory."""
+    from trace_replay.engines.vllm_engine import kv_cache_bytes
+
+    second = make_engine("vllm", None, batch_size=2, top_k=5,
+                         engine_args={"max_model_len": 512, "max_num_batched_tokens": 512})
+    try:
+        df = replay(real_traces, engine=second, progress=False)
+        cache = second.llm.llm_engine.vllm_config.cache_config
+        assert cache.kv_cache_memory_bytes == kv_cache_bytes(second.llm_args["model"],
+                                                             torch.float32, 2, 512)
+    finally:
+        second.close()
+    assert len(df) == sum(len(t.trace_token_ids) for t in real_traces)

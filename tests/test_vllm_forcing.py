@@ -136,3 +136,71 @@ def test_a_trace_token_outside_the_vocabulary_leaves_its_row_alone():
                                 added(1, [7, 8], 1, outputs[1])])
     assert step(proc, outputs, update) == [None, 7]
     assert step(proc, outputs) == [4, 8]  # the row's step still advanced
+
+
+# Model Runner V2 (the GPU default) builds processors with (vllm_config, req_states) and
+# keeps the lengths itself: prompt_len behind a pool of buffers, total_len advanced by it.
+
+def runner_states(max_num_reqs: int = 4):
+    """What MRV2 hands a processor: per-slot lengths whose ``.gpu`` it may swap."""
+    return SimpleNamespace(device=torch.device("cpu"), max_num_reqs=max_num_reqs,
+                           vocab_size=VOCAB,
+                           prompt_len=SimpleNamespace(gpu=torch.zeros(max_num_reqs, dtype=torch.int32)),
+                           total_len=SimpleNamespace(gpu=torch.zeros(max_num_reqs, dtype=torch.int32)))
+
+
+def v2_step(proc, states, slots: list[int]) -> list[int]:
+    """One MRV2 step over batch rows holding ``slots``: apply, greedy-sample, commit."""
+    ctx = SimpleNamespace(expanded_idx_mapping=torch.tensor(slots, dtype=torch.int32))
+    logits = proc.apply(torch.randn(len(slots), VOCAB), ctx)
+    sampled = logits.argmax(-1).tolist()
+    states.total_len.gpu[slots] += 1  # the runner commits the tokens
+    return sampled
+
+
+def test_one_name_loads_under_both_model_runners():
+    """vLLM's V1 and V2 loaders both accept the processor's name (V2's refused it: the
+    forcing path failed to start on the default GPU runner), and each runner's arguments
+    build that runner's processor."""
+    from vllm.v1.sample.logits_processor import _load_logitsprocs_by_fqcns
+    from vllm.v1.worker.gpu.sample.logits_processor.loader import _load_v2_logitsprocs_by_fqcns
+
+    from trace_replay.engines.vllm_forcing import V1TraceForcing, V2TraceForcing
+    from trace_replay.serve import FORCING_PROCESSOR
+
+    assert _load_logitsprocs_by_fqcns([FORCING_PROCESSOR]) == [TraceForcingProcessor]
+    assert _load_v2_logitsprocs_by_fqcns([FORCING_PROCESSOR]) == [TraceForcingProcessor]
+    assert isinstance(processor(), V1TraceForcing)
+    config = SimpleNamespace(speculative_config=None)
+    assert isinstance(TraceForcingProcessor(config, runner_states()), V2TraceForcing)
+
+
+def test_v2_forces_traces_from_the_runner_lengths():
+    """Under MRV2 the step is the runner's total_len - prompt_len, read at each apply (its
+    prompt_len buffer is swapped between steps); rows come in any order; an untraced
+    request is declined and left alone; a slot reused without a trace is not forced."""
+    states = runner_states()
+    proc = TraceForcingProcessor(SimpleNamespace(speculative_config=None), states)
+    assert proc.add_request(0, params([5, 6, 7])) is True
+    assert proc.add_request(1, params()) is False
+    assert proc.add_request(2, params([9, 8, 7])) is True
+    proc.apply_staged_writes()
+    states.prompt_len.gpu = torch.tensor([3, 2, 1, 0], dtype=torch.int32)
+    states.total_len.gpu[:] = states.prompt_len.gpu
+    assert v2_step(proc, states, [2, 0]) == [9, 5]
+    states.prompt_len.gpu = states.prompt_len.gpu.clone()  # MRV2 rotates the buffer
+    assert v2_step(proc, states, [0, 2]) == [6, 8]
+    assert v2_step(proc, states, [2, 0]) == [7, 7]
+    proc.add_request(0, params())  # the slot's next request has no trace
+    proc.apply_staged_writes()
+    states.total_len.gpu[0] = states.prompt_len.gpu[0]
+    logits = torch.full((1, VOCAB), 0.5)
+    ctx = SimpleNamespace(expanded_idx_mapping=torch.tensor([0], dtype=torch.int32))
+    assert (proc.apply(logits, ctx) == 0.5).all()
+
+
+def test_v2_refuses_speculative_decoding():
+    """Several logits rows per request would force the wrong steps: refused at start."""
+    config = SimpleNamespace(speculative_config=object())
+    with pytest.raises(ValueError, match="speculative decoding"):
+        TraceForcingProcessor(config, runner_states())

@@ -1,17 +1,22 @@
-"""vLLM replay: the only module that imports vllm.
+"""vLLM replay: the only module that imports vllm (with its forcing half, vllm_forcing).
 
 Two paths, chosen at start-up and recorded in ``settings()["engine_path"]``:
 
 * **native** — vLLM builds with Model Runner V2 and ``enable_trace_replay`` (GPU): the
   sampler itself overwrites each sampled token with ``trace_decode_token_ids[step]``.
-* **forcing** — everything else (the CPU build, older vLLM, configs MRV2 rejects): the V1
-  logits processor :class:`TraceForcingProcessor` raises the trace token's logit to 1e30.
-  ``logprobs_mode="raw_logprobs"`` makes vLLM compute the reported logprobs *before* logits
-  processors run, so logprob, rank and top-k are those of the unmodified distribution.
+* **forcing** — everything else (the CPU build, older vLLM, configs MRV2's trace replay
+  rejects, ``native=False``): the logits processor
+  :class:`~trace_replay.engines.vllm_forcing.TraceForcingProcessor`, for whichever model
+  runner vLLM uses, raises the trace token's logit to 1e30. ``logprobs_mode="raw_logprobs"``
+  makes vLLM compute the reported logprobs *before* logits processors run, so logprob,
+  rank and top-k are those of the unmodified distribution. ``settings()`` says why native
+  was not used (``native_unavailable``) and which runner ran (``model_runner``).
 
 The engine core runs in this process, started quietly and leaving the process as it was
-(:mod:`~trace_replay.engines.inprocess`). Entropy is not reported by vLLM; the column is NaN
-for this engine.
+(:mod:`~trace_replay.engines.inprocess`); a line on stderr says an engine is starting and
+when it is ready. On the CPU its KV cache is sized to the work it can be given
+(``max_num_seqs x max_model_len``, at most 30% of memory), so engines coexist. Entropy is
+not reported by vLLM; the column is NaN for this engine.
 
 ``deterministic=True`` turns on vLLM's own batch-invariant mode (``VLLM_BATCH_INVARIANT=1``
 for the engine's processes) where vLLM supports it — NVIDIA GPUs of compute capability
@@ -24,8 +29,13 @@ from __future__ import annotations
 import gc
 import inspect
 import itertools
+import json
+import os
+import sys
+import time
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -33,20 +43,20 @@ from vllm import LLM, SamplingParams
 from vllm import envs as vllm_envs
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from trace_replay.engines.base import EngineBase, EngineConfig, ReplayRequest, TraceResult
 from trace_replay.engines.inprocess import QuietLogs, engine_core_mode, hosted_startup
 from trace_replay.engines.threads import engine_threads, intra_op_threads
+from trace_replay.engines.vllm_forcing import (
+    FORCED_LOGIT, WORKER_EXTENSION, ForcingWorkerExtension, TraceForcingProcessor, model_runner,
+    read_lengths_only)
 from trace_replay.engines.vllm_invariance import batch_invariance_unavailable, batch_invariant_env
 from trace_replay.models import hf_folder, model_label, resolve_dtype
 from trace_replay.serve import TRACE_KEY
-from trace_replay.state import RequestState, TraceReplayState
+from trace_replay.trace_record import TraceError
 
-__all__ = ["VLLMEngine", "TraceForcingProcessor", "ForcingWorkerExtension", "WORKER_EXTENSION",
-           "read_lengths_only", "supports_native_trace_replay"]
-
-_NO_OUTPUT: tuple = ()
+__all__ = ["FORCED_LOGIT", "VLLMEngine", "TraceForcingProcessor", "ForcingWorkerExtension",
+           "WORKER_EXTENSION", "read_lengths_only", "supports_native_trace_replay"]
 
 
 def _has_param(name: str) -> bool:
@@ -63,159 +73,53 @@ def supports_native_trace_replay() -> bool:
     return _has_param("trace_decode_token_ids")
 
 
-# what a forced token's logit becomes (see TraceForcingProcessor)
-FORCED_LOGIT = 1e30
+def native_unavailable(native: bool | None) -> str | None:
+    """Why the native path is not tried here (None when it is)."""
+    if native is False:
+        return "native=False"
+    if not supports_native_trace_replay():
+        import vllm
+
+        return (f"vLLM {vllm.__version__} has no SamplingParams.trace_decode_token_ids "
+                "(native trace replay needs vLLM >= 0.29 with Model Runner V2)")
+    if native is None and not torch.cuda.is_available():
+        return "no CUDA device: native trace replay needs Model Runner V2, which vLLM runs on GPUs"
+    return None
 
 
-class ForcingWorkerExtension:
-    """Mixed into vLLM's worker class (``worker_extension_cls``): what the forcing path
-    asks of a worker, by name through ``collective_rpc``, whether the engine core runs in
-    this process or its own."""
-
-    def trace_replay_read_lengths_only(self) -> bool:
-        """Custom logits processors need no output tokens (see :func:`read_lengths_only`)."""
-        batch = getattr(getattr(self, "model_runner", None), "input_batch", None)
-        if batch is None or not hasattr(batch, "logitsprocs_need_output_token_ids"):
-            return False
-        batch.logitsprocs_need_output_token_ids = False
-        return True
+# vLLM's KV cache block, in tokens: a request holds whole blocks
+_BLOCK = 16
 
 
-WORKER_EXTENSION = f"{__name__}.{ForcingWorkerExtension.__qualname__}"
+def kv_cache_bytes(folder: str | os.PathLike, dtype: torch.dtype, max_num_seqs: int,
+                   max_model_len: int | None) -> int:
+    """KV cache bytes for ``max_num_seqs`` requests of ``max_model_len`` tokens each.
 
-
-def read_lengths_only(llm: LLM) -> bool:
-    """Tell ``llm``'s workers that its custom logits processors never read output tokens.
-
-    vLLM V1 hands logits processors each request's output-token list and, not knowing what
-    a custom processor reads, fills those lists in before every sampling step; under async
-    scheduling that means waiting for the previous step's token copy and a Python loop
-    over the batch, every step. :class:`TraceForcingProcessor` reads only their lengths,
-    which vLLM keeps right either way (a placeholder per step under async scheduling).
-    ``llm`` must have been started with ``worker_extension_cls=WORKER_EXTENSION``; call
-    this only where the forcing processor is the sole custom one (the flag is global to
-    the batch). Returns whether every worker took it (False where the extension is
-    missing or this vLLM has no such flag).
+    Reads the layer, key-value head and head sizes from the folder's ``config.json``;
+    ``max_model_len`` None means the model's ``max_position_embeddings``.
     """
-    try:
-        return all(llm.collective_rpc("trace_replay_read_lengths_only"))
-    except (AttributeError, NotImplementedError, RuntimeError):
-        return False
+    config = json.loads((Path(folder) / "config.json").read_text())
+    config = config.get("text_config", config)
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_token = 2 * config["num_hidden_layers"] * heads * head_dim * dtype.itemsize
+    tokens = max_model_len or config["max_position_embeddings"]
+    blocks = -(-tokens // _BLOCK) + 1  # a block of slack per request
+    return max_num_seqs * blocks * _BLOCK * per_token
 
 
-class TraceForcingProcessor(LogitsProcessor):
-    """Force each request's trace through vLLM's V1 sampler by raising its token's logit.
+def _cpu_kv_cache_bytes(args: dict, dtype: torch.dtype) -> int:
+    """The CPU build's KV cache: the work the engine can be given, at most 30% of memory
+    (vLLM's own default there is 30% of memory, whatever the work: a second engine in the
+    same process then finds too little left)."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    work = kv_cache_bytes(args["model"], dtype, args.get("max_num_seqs", _CPU_MAX_NUM_SEQS),
+                          args.get("max_model_len"))
+    return min(work, int(0.3 * memory))
 
-    Requests carry their trace in ``SamplingParams.extra_args["trace_replay_token_ids"]``;
-    others pass through untouched. Slots are vLLM's persistent-batch indices, which are also
-    the logits rows. The replay step of a row is ``total_len - prompt_len``, where
-    ``total_len`` (prompt plus committed tokens) lives on the device and advances by one
-    after every step.
 
-    Design contract (the per-step work is device-side; nothing waits for the GPU):
-
-    * Each step the host checks, with one C-level pass over the live output lists vLLM
-      hands to logits processors, that every row committed exactly one token since the
-      last step. Only when that fails (the batch changed, a chunked prefill discarded its
-      sample, a preemption) are the lengths sent again, from pinned memory, asynchronously.
-      With speculative decoding they are sent every step.
-    * On the device, one kernel (:func:`~trace_replay.kernels.force_trace_logits`, through
-      the package's ``TraceReplayState``) reads every row's trace token at its step, sets
-      that token's logit to ``FORCED_LOGIT`` (1e30) and advances the step. The token is
-      then the argmax, and under any temperature vLLM allows (≥ 1e-5) softmax gives it
-      probability 1 in float32 (every other logit is ~1e30 below; 1e30 / 1e-5 stays
-      finite), so sampling, top-k/top-p and min-p keep it too. The row is otherwise left
-      as it is: one write per row, no pass over the vocabulary. Logprobs are vLLM's raw
-      ones, taken before logits processors run, so forcing never changes them. A row
-      whose logits hold NaN, or whose trace token is outside the vocabulary, could still
-      emit another token; the engine checks every emitted token against the trace and
-      names the trace if one differs.
-    * Only the *lengths* of the output lists are read, never their tokens. vLLM cannot know
-      that of a custom processor, and by default completes every list from the GPU before
-      each sampling step (under async scheduling: a wait on the previous step's copy and a
-      Python loop over the batch); :func:`read_lengths_only` tells it, where this processor
-      is the only custom one.
-    """
-
-    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
-        max_num_reqs = vllm_config.scheduler_config.max_num_seqs
-        self.req_states = RequestState(max_num_reqs, device)
-        self.trace_state = TraceReplayState(self.req_states)
-        self.device = device
-        self.pin_memory = is_pin_memory
-        self.traces: list[list[int] | None] = [None] * max_num_reqs
-        self.outputs: list = [_NO_OUTPUT] * max_num_reqs
-        self.prompt_lens = [0] * max_num_reqs
-        self.num_traced = 0
-        self.num_length_uploads = 0  # for tests and benchmarks
-        self._rows = torch.arange(max_num_reqs, device=device)  # idx_mapping: row b is slot b
-        # several tokens per step per row would defeat the one-token-per-step check
-        self._check_lengths = getattr(vllm_config, "speculative_config", None) is None
-        self._committed: tuple[int, int] | None = None  # (rows, sum of output lengths)
-
-    @classmethod
-    def validate_params(cls, params: SamplingParams) -> None:
-        trace = (params.extra_args or {}).get(TRACE_KEY)
-        if trace is None:
-            return
-        if not trace or not all(isinstance(t, int) and t >= 0 for t in trace):
-            raise ValueError(f"{TRACE_KEY} must be a non-empty list of non-negative token ids")
-
-    def is_argmax_invariant(self) -> bool:
-        return False
-
-    def _place(self, index: int, trace, prompt_len: int, output) -> None:
-        if (self.traces[index] is not None) != (trace is not None):
-            self.num_traced += 1 if trace is not None else -1
-        self.traces[index] = trace
-        self.prompt_lens[index] = prompt_len
-        self.outputs[index] = output
-        self.trace_state.add_request(index, trace)
-
-    def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if batch_update is None:
-            return
-        for index in batch_update.removed:
-            self._place(index, None, 0, _NO_OUTPUT)
-        for index, params, prompt_ids, output_ids in batch_update.added:
-            trace = (params.extra_args or {}).get(TRACE_KEY)
-            self._place(index, trace, len(prompt_ids or ()), output_ids)
-        for a, b, direction in batch_update.moved:
-            moved_a = (self.traces[a], self.prompt_lens[a], self.outputs[a])
-            moved_b = (self.traces[b], self.prompt_lens[b], self.outputs[b])
-            self._place(b, *moved_a)
-            if direction == MoveDirectionality.SWAP:
-                self._place(a, *moved_b)
-            else:
-                self._place(a, None, 0, _NO_OUTPUT)
-        self.trace_state.apply_staged_writes()
-        self.req_states.prompt_len.copy_(self._to_device(self.prompt_lens), non_blocking=True)
-        self._committed = None
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.num_traced == 0:
-            return logits
-        rows = logits.shape[0]
-        outputs = self.outputs[:rows]
-        committed = (rows, sum(map(len, outputs)))
-        expected = None if self._committed is None else (rows, self._committed[1] + rows)
-        if committed != expected or not self._check_lengths:
-            total_len = self.req_states.total_len[:rows]
-            total_len.copy_(self._to_device(list(map(len, outputs))), non_blocking=True)
-            total_len += self.req_states.prompt_len[:rows]
-            self.num_length_uploads += 1
-        self._committed = committed
-        # one launch: each traced row's trace-token logit becomes FORCED_LOGIT (no pass over
-        # the vocabulary), and every row moves a step (the token sampled now is committed
-        # before the next call)
-        self.trace_state.force_logits(logits, self._rows[:rows], value=FORCED_LOGIT,
-                                      advance=True)
-        return logits
-
-    def _to_device(self, values: list[int]) -> torch.Tensor:
-        """``values`` as int32 on the device, sent from pinned memory without waiting."""
-        host = torch.tensor(values, dtype=torch.int32, pin_memory=self.pin_memory)
-        return host.to(self.device, non_blocking=True)
+# vLLM's max_num_seqs on the CPU when none is given (its LLM-class default there)
+_CPU_MAX_NUM_SEQS = 256
 
 
 class VLLMEngine(EngineBase):
@@ -260,10 +164,13 @@ class VLLMEngine(EngineBase):
                 "enable_prefix_caching": False, "use_tqdm_on_load": verbose}
         if config.batch_size:
             args["max_num_seqs"] = config.batch_size
+        args.update(engine_args or {})
         if not torch.cuda.is_available():
             # the CPU build compiles the model with inductor at start-up (minutes on 2 cores)
-            args.update(gpu_memory_utilization=0.3, enforce_eager=True)
-        args.update(engine_args or {})
+            args.setdefault("enforce_eager", True)
+            if "kv_cache_memory_bytes" not in args and "gpu_memory_utilization" not in args:
+                args["kv_cache_memory_bytes"] = _cpu_kv_cache_bytes(args, resolve_dtype(config.dtype))
+        self.llm_args = dict(args)  # what vllm.LLM is given (besides the path's own)
         self.deterministic = config.deterministic
         self.batch_invariant_note = (batch_invariance_unavailable(config.device)
                                      if self.deterministic else None)
@@ -275,6 +182,10 @@ class VLLMEngine(EngineBase):
         self._logs = QuietLogs(verbose)
         self.engine_core = engine_core_mode()
         self._request_ids = itertools.count()
+        started = time.monotonic()
+        print(f"trace_replay: starting vLLM on {self.model_label} (loading and warming up the "
+              "model takes a while; make_engine once and reuse the engine)", file=sys.stderr,
+              flush=True)
         try:
             # VLLM_BATCH_INVARIANT is read as LLM(...) starts
             with batch_invariant_env(self.batch_invariant), hosted_startup(verbose):
@@ -284,6 +195,9 @@ class VLLMEngine(EngineBase):
         except BaseException:
             self._logs.restore()
             raise
+        print(f"trace_replay: vLLM ready in {time.monotonic() - started:.0f} s "
+              f"({self.engine_path}, model runner {self.model_runner})", file=sys.stderr,
+              flush=True)
         config = self.llm.llm_engine.model_config
         self.max_model_len = config.max_model_len
         self.batch_size = self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
@@ -296,22 +210,19 @@ class VLLMEngine(EngineBase):
         return {"threads": self.threads} if self.threads is not None else {}
 
     def _start(self, args: dict, native: bool | None) -> None:
-        self.native_error = None
-        if native is None:
-            native = torch.cuda.is_available() and supports_native_trace_replay()
-            required = False
-        else:
-            required = native
+        self.native_error = native_unavailable(native)
         self.llm = None
         self.lengths_only = False
-        if native:
+        if self.native_error is None:
             try:
                 self.llm = LLM(**args, enable_trace_replay=True)
                 self.engine_path = "vllm-native-trace-replay"
             except (ValueError, TypeError) as exc:
-                if required:
+                if native:
                     raise
                 self.native_error = f"{type(exc).__name__}: {exc}"
+        elif native:
+            raise ValueError(f"native=True, but {self.native_error}")
         if self.llm is None:
             processors = list(args.pop("logits_processors", None) or [])
             processors.append(f"{__name__}:TraceForcingProcessor")
@@ -322,17 +233,21 @@ class VLLMEngine(EngineBase):
             self.llm = LLM(**args, logits_processors=processors)
             self.engine_path = "vllm-logits-processor-forcing"
             self.lengths_only = alone and read_lengths_only(self.llm)
+        self.model_runner = model_runner(self.llm)
 
     def settings(self) -> dict:
         import vllm
 
         settings = {**super().settings(), "vllm_version": vllm.__version__,
                     "logprobs_mode": "raw_logprobs", "engine_core": self.engine_core}
+        settings["model_runner"] = self.model_runner
         if self.native_error:
             settings["native_unavailable"] = self.native_error
         if self.engine_path == "vllm-logits-processor-forcing":
-            # whether vLLM still completes output-token lists each step (read_lengths_only)
-            settings["output_tokens_to_processors"] = not self.lengths_only
+            # whether vLLM still completes output-token lists each step (read_lengths_only);
+            # Model Runner V2 never builds them
+            settings["output_tokens_to_processors"] = (self.model_runner == "v1"
+                                                       and not self.lengths_only)
         if self.deterministic:
             settings["batch_invariant"] = self.batch_invariant
             if self.batch_invariant_note:
@@ -395,7 +310,16 @@ class VLLMEngine(EngineBase):
 
     def run(self, requests: Sequence[ReplayRequest], *,
             on_tokens: Callable[[int], None] | None = None) -> list[TraceResult]:
-        """Replay ``requests`` in one batch; results in the order given."""
+        """Replay ``requests`` in one batch; results in the order given.
+
+        A request whose prompt and trace exceed ``max_model_len`` is refused, naming its
+        trace, before any is started (vLLM would silently cut a native trace).
+        """
+        for r in requests:
+            if r.prompt_len + r.trace_len > self.max_model_len:
+                raise TraceError(f"prompt ({r.prompt_len}) + trace ({r.trace_len}) tokens "
+                                 f"exceed the engine's max_model_len {self.max_model_len}",
+                                 trace_id=r.trace_id)
         outputs = self._generate([r.prompt_token_ids for r in requests],
                                  [self._params(r) for r in requests], on_tokens)
         return [self._result(r, *out) for r, out in zip(requests, outputs)]
