@@ -66,6 +66,9 @@ def _has_param(name: str) -> bool:
 
 # vLLM deep-copies every request's SamplingParams unless told not to (older releases cannot)
 _NO_COPY = {"skip_clone": True} if _has_param("skip_clone") else {}
+# logprobs as a few flat lists per request instead of a dict and a Logprob object per entry
+# (older releases cannot): fewer objects for vLLM to build and the garbage collector to scan
+_FLAT = {"flat_logprobs": True} if _has_param("flat_logprobs") else {}
 
 
 def supports_native_trace_replay() -> bool:
@@ -120,6 +123,51 @@ def _cpu_kv_cache_bytes(args: dict, dtype: torch.dtype) -> int:
 
 # vLLM's max_num_seqs on the CPU when none is given (its LLM-class default there)
 _CPU_MAX_NUM_SEQS = 256
+
+
+class _Logprobs:
+    """One request's logprobs as vLLM reports them, kept flat: for each position, the
+    emitted token's entry (its own rank) first, then the top-k in rank order."""
+
+    __slots__ = ("token_ids", "logprobs", "ranks", "counts")
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.ranks: list[int] = []
+        self.counts: list[int] = []  # entries per position
+
+    def extend(self, positions) -> None:
+        """Append vLLM's ``CompletionOutput.logprobs``: a ``FlatLogprobs`` or, from vLLM
+        releases without it, one ``{token_id: Logprob}`` per position (emitted token first)."""
+        if hasattr(positions, "start_indices"):
+            self.token_ids += positions.token_ids
+            self.logprobs += positions.logprobs
+            self.ranks += positions.ranks
+            self.counts += map(int.__sub__, positions.end_indices, positions.start_indices)
+            return
+        for entries in positions:
+            token, first = next(iter(entries.items()))
+            top = sorted((e.rank, t, e.logprob) for t, e in entries.items() if e.rank is not None)
+            flat = [(first.rank, token, first.logprob), *top]
+            for rank, token_id, logprob in flat:
+                self.token_ids.append(token_id)
+                self.logprobs.append(logprob)
+                self.ranks.append(rank)
+            self.counts.append(len(flat))
+
+    def arrays(self, top_k: int) -> tuple[np.ndarray, ...]:
+        """``(emitted, logprob, rank, top_ids, top_logprobs)`` per position; top-k slots
+        vLLM did not fill hold id 0 and NaN."""
+        counts = np.asarray(self.counts, dtype=np.int64)
+        first = np.cumsum(counts) - counts
+        token_ids = np.asarray(self.token_ids, dtype=np.int64)
+        logprobs = np.asarray(self.logprobs, dtype=np.float64)
+        slot = np.arange(1, top_k + 1)
+        filled = slot < counts[:, None]
+        at = np.where(filled, first[:, None] + slot, 0)
+        return (token_ids[first], logprobs[first], np.asarray(self.ranks, dtype=np.int64)[first],
+                np.where(filled, token_ids[at], 0), np.where(filled, logprobs[at], np.nan))
 
 
 class VLLMEngine(EngineBase):
@@ -271,13 +319,13 @@ class VLLMEngine(EngineBase):
         # defensive deep copy (of the whole trace, per request) is not needed
         common = dict(temperature=0.0, max_tokens=len(trace),
                       logprobs=self.top_k, ignore_eos=True, stop=[], stop_token_ids=[],
-                      detokenize=False, output_kind=RequestOutputKind.DELTA, **_NO_COPY)
+                      detokenize=False, output_kind=RequestOutputKind.DELTA, **_NO_COPY, **_FLAT)
         if self.engine_path == "vllm-native-trace-replay":
             return SamplingParams(**common, trace_decode_token_ids=trace)
         return SamplingParams(**common, extra_args={TRACE_KEY: trace})
 
     def _generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
-                  on_tokens: Callable[[int], None] | None) -> list[tuple[list[int], list]]:
+                  on_tokens: Callable[[int], None] | None) -> list[tuple[list[int], _Logprobs]]:
         """Step the engine until every prompt is done: ``(token ids, logprobs)`` per prompt.
 
         ``LLM.generate`` reports only finished requests; stepping ``llm_engine`` (the loop it
@@ -289,7 +337,7 @@ class VLLMEngine(EngineBase):
             request_id = str(next(self._request_ids))
             engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)), param)
             slots[request_id] = index
-        outputs: list[tuple[list[int], list]] = [([], []) for _ in prompts]
+        outputs = [([], _Logprobs()) for _ in prompts]
         try:
             with intra_op_threads(self.threads):
                 while engine.has_unfinished_requests():
@@ -330,32 +378,20 @@ class VLLMEngine(EngineBase):
         """Free generation for recording: ``(token_ids, raw logprobs)`` per prompt."""
         params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
                                 logprobs=0, detokenize=False,
-                                output_kind=RequestOutputKind.DELTA)
+                                output_kind=RequestOutputKind.DELTA, **_FLAT)
         outputs = self._generate(prompts, [params] * len(prompts), None)
-        return [(ids, [entries[t].logprob for t, entries in zip(ids, logprobs)])
-                for ids, logprobs in outputs]
+        return [(ids, logprobs.arrays(0)[1].tolist()) for ids, logprobs in outputs]
 
-    def _result(self, request: ReplayRequest, emitted: list[int], logprobs: list) -> TraceResult:
+    def _result(self, request: ReplayRequest, emitted: list[int],
+                logprobs: _Logprobs) -> TraceResult:
         if emitted != list(request.trace_token_ids):
             first = next((i for i, (a, b) in enumerate(zip(emitted, request.trace_token_ids))
                           if a != b), min(len(emitted), request.trace_len))
             raise RuntimeError(
                 f"trace {request.trace_id!r}: vLLM ({self.engine_path}) emitted {len(emitted)} tokens "
                 f"that leave the trace at step {first}; replay cannot be trusted")
-        steps = request.trace_len
-        logprob = np.empty(steps)
-        rank = np.empty(steps, dtype=np.int64)
-        top_ids = np.zeros((steps, self.top_k), dtype=np.int64)
-        top_lps = np.full((steps, self.top_k), np.nan)
-        for step, token in enumerate(emitted):
-            entries = logprobs[step]
-            logprob[step] = entries[token].logprob
-            rank[step] = entries[token].rank
-            ordered = sorted(((e.rank, tid, e.logprob) for tid, e in entries.items()
-                              if e.rank is not None and e.rank <= self.top_k))
-            for j, (_, tid, lp) in enumerate(ordered[: self.top_k]):
-                top_ids[step, j], top_lps[step, j] = tid, lp
+        token_ids, logprob, rank, top_ids, top_lps = logprobs.arrays(self.top_k)
         return TraceResult(trace_id=request.trace_id, prompt_len=request.prompt_len,
-                           token_ids=np.asarray(emitted, dtype=np.int64), logprob=logprob,
-                           rank=rank, top_token_ids=top_ids, top_logprobs=top_lps,
-                           entropy=np.full(steps, np.nan))
+                           token_ids=token_ids, logprob=logprob, rank=rank,
+                           top_token_ids=top_ids, top_logprobs=top_lps,
+                           entropy=np.full(request.trace_len, np.nan))
