@@ -382,7 +382,7 @@ def test_negative_k1_on_fixed_traces_warns_once_with_the_assumption():
     assert "evidently are not such samples" in message
     assert "chi2_token" not in message  # positive here: only negative estimates are named
     assert metric(table, "mean_k3") > 0
-    with pytest.warns(NegativeEstimateWarning, match=r"mean_k1 of 1 of 1 traces \(lowest: "
+    with pytest.warns(NegativeEstimateWarning, match=r"mean_k1 of 1 of 1 trace \(lowest: "
                                                      r"trace 't'\) = -0.5\. .*on-policy"):
         assert summarize(cmp)["mean_k1"].iloc[0] == pytest.approx(-0.5)
 

@@ -418,7 +418,7 @@ def test_indexing_gives_traces_and_slicing_gives_tracesets():
     traces = load_traces(RECORDS)
     assert traces[-1].id == "7"
     assert isinstance(traces[1:], TraceSet) and traces[1:].ids == ["he/1", "7"]
-    assert repr(traces[:1]) == "TraceSet(1 traces, tokenized, source='<list>')"
+    assert repr(traces[:1]) == "TraceSet(1 trace, tokenized, source='<list>')"
 
 
 def test_derived_sets_keep_the_original_error_locations(tmp_path):

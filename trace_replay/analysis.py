@@ -59,6 +59,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
+from trace_replay._text import plural
 from trace_replay.mismatch import (
     NegativeEstimateWarning,
     bit_mismatch,
@@ -368,7 +369,8 @@ def _warn_negative_traces(mean_k1: pd.Series) -> None:
     negative = mean_k1[mean_k1 < 0]
     if len(negative):
         lowest = negative.idxmin()
-        name = f"mean_k1 of {len(negative)} of {len(mean_k1)} traces (lowest: trace {lowest!r})"
+        name = (f"mean_k1 of {len(negative)} of {plural(len(mean_k1), 'trace')} "
+                f"(lowest: trace {lowest!r})")
         warn_negative({name: negative[lowest]}, stacklevel=4)
 
 

@@ -29,6 +29,7 @@ from trace_replay._figures import (
     run_label,
     side_labels,
 )
+from trace_replay._text import plural
 from trace_replay.analysis import NegativeEstimateWarning, summarize
 from trace_replay.ranks import RANK_BUCKETS, rank_bucket
 from trace_replay.trace_plot import plot_trace
@@ -229,7 +230,7 @@ def plot_delta_hist(
     ax.set_ylabel("tokens (log)")
     hidden = values.size - finite.size
     note = f" · {hidden} non-finite not shown" if hidden else ""
-    ax.set_title(f"{name} over {values.size} tokens{note}")
+    ax.set_title(f"{name} over {plural(values.size, 'token')}{note}")
     return finish(ax)
 
 

@@ -74,7 +74,7 @@ def prepare_requests(traces: TraceSet, max_model_len: int | None, *,
                 raise TraceError(problem + hint, trace_id=trace.id,
                                  location=traces.location(trace.id))
             tokens = tokens[:room]
-            notes.append(f"trace {trace.id!r}: {problem}; cut to {room} tokens")
+            notes.append(f"trace {trace.id!r}: {problem}; cut to {plural(room, 'token')}")
             warnings.warn(notes[-1], stacklevel=3)
         requests.append(ReplayRequest(trace.id, tuple(prompt), tuple(tokens)))
     return requests, notes

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from trace_replay._text import plural
 from trace_replay.analysis import compare, rank_bucket
 
 __all__ = ["TokenHTML", "render_tokens", "visible_token"]
@@ -251,7 +252,7 @@ def render_tokens(
             f'title="{title}">{text}</span>'
         )
     header = (
-        f"trace <b>{html.escape(str(trace_id))}</b> · {len(rows)} tokens · "
+        f"trace <b>{html.escape(str(trace_id))}</b> · {plural(len(rows), 'token')} · "
         f"{_legend(color_by, tol, labels)}"
     )
     body = "<wbr>".join(spans)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trace_replay._io import write_atomic
+from trace_replay._text import plural
 from trace_replay.chat import tokenize_chat_trace
 from trace_replay.importers import FORMATS, import_records
 from trace_replay.tokenization import tokenize_text_trace
@@ -79,7 +80,7 @@ class TraceSet(collections.abc.Sequence):
 
     def __repr__(self) -> str:
         tokenized = ", tokenized" if all(trace.is_tokenized for trace in self) else ""
-        return f"TraceSet({len(self)} traces{tokenized}, source={self.source!r})"
+        return f"TraceSet({plural(len(self), 'trace')}{tokenized}, source={self.source!r})"
 
     def tokenize(self, tokenizer: Any, *, vocab_size: int | None = None) -> TraceSet:
         """Return a copy whose every trace has ``prompt_token_ids`` and ``trace_token_ids``.
@@ -310,7 +311,7 @@ def load_traces(
     --------
     >>> traces = load_traces([{"id": "a", "prompt_token_ids": [1, 2], "trace_token_ids": [3]}])
     >>> traces
-    TraceSet(1 traces, tokenized, source='<list>')
+    TraceSet(1 trace, tokenized, source='<list>')
     >>> traces[0].trace_token_ids
     (3,)
     >>> chat = load_traces([{"id": "c", "messages": [{"role": "user", "content": "Hi"},
