@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import stat
-
 import matplotlib
 import pandas as pd
 import pytest
@@ -31,14 +28,13 @@ def test_demo_writes_results_and_figure(tmp_path, capsys):
     assert "Per engine:" in capsys.readouterr().out
 
 
-def test_demo_refuses_a_fifo_among_its_files_before_any_replay(tmp_path, capsys):
-    """A FIFO where the demo would write a result is refused before the first replay (nothing
-    printed, nothing written) and stays a FIFO."""
+def test_demo_refuses_a_folder_among_its_files_before_any_replay(tmp_path, capsys):
+    """A folder (like a device or a FIFO) where the demo would write a result is refused
+    before the first replay (nothing printed, nothing written) and left as it is."""
     out = tmp_path / "out"
-    out.mkdir()
-    os.mkfifo(out / "results_prefill.parquet")
-    with pytest.raises(ValueError, match="results_prefill.parquet is a FIFO"):
+    (out / "results_prefill.parquet").mkdir(parents=True)
+    with pytest.raises(ValueError, match="results_prefill.parquet is a folder, not a regular"):
         run_demo(out=out, engines="torch,prefill", limit=1)
     assert capsys.readouterr().out == ""
-    assert stat.S_ISFIFO(os.lstat(out / "results_prefill.parquet").st_mode)
-    assert sorted(p.name for p in out.iterdir()) == ["results_prefill.parquet"]
+    assert [p.name for p in out.iterdir()] == ["results_prefill.parquet"]
+    assert list((out / "results_prefill.parquet").iterdir()) == []
