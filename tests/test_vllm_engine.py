@@ -170,3 +170,25 @@ def test_a_second_engine_starts_beside_the_first(engine, real_traces):
     finally:
         second.close()
     assert len(df) == sum(len(t.trace_token_ids) for t in real_traces)
+
+
+def test_logprobs_keep_vllm_ranks_and_top_k_order():
+    """The result arrays hold, per position, the emitted token's rank as vLLM's logprobs give
+    it (its top-k place where vLLM listed it there, so a token tied with a better one stays
+    rank 1, as vLLM's greedy output says) and the top-k in vLLM's order; slots vLLM did not
+    fill are id 0 and NaN."""
+    from vllm.logprobs import Logprob
+
+    from trace_replay.engines.vllm_engine import _Logprobs
+
+    tied = {5: Logprob(-0.2, 1, None), 8: Logprob(-0.2, 2, None), 1: Logprob(-3.0, 3, None)}
+    off = {7: Logprob(-9.0, 40, None), 3: Logprob(-0.1, 1, None), 9: Logprob(-2.0, 2, None),
+           4: Logprob(-2.5, 3, None)}
+    logprobs = _Logprobs()
+    logprobs.extend([tied])
+    logprobs.extend([off])
+    emitted, logprob, rank, top_ids, top_lps = logprobs.arrays(4)
+    assert emitted.tolist() == [5, 7] and logprob.tolist() == [-0.2, -9.0]
+    assert rank.tolist() == [1, 40]
+    assert top_ids.tolist() == [[5, 8, 1, 0], [3, 9, 4, 0]]
+    assert np.isnan(top_lps[:, 3]).all() and top_lps[1, :3].tolist() == [-0.1, -2.0, -2.5]

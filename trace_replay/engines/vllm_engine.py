@@ -66,9 +66,6 @@ def _has_param(name: str) -> bool:
 
 # vLLM deep-copies every request's SamplingParams unless told not to (older releases cannot)
 _NO_COPY = {"skip_clone": True} if _has_param("skip_clone") else {}
-# logprobs as a few flat lists per request instead of a dict and a Logprob object per entry
-# (older releases cannot): fewer objects for vLLM to build and the garbage collector to scan
-_FLAT = {"flat_logprobs": True} if _has_param("flat_logprobs") else {}
 
 
 def supports_native_trace_replay() -> bool:
@@ -126,8 +123,15 @@ _CPU_MAX_NUM_SEQS = 256
 
 
 class _Logprobs:
-    """One request's logprobs as vLLM reports them, kept flat: for each position, the
-    emitted token's entry (its own rank) first, then the top-k in rank order."""
+    """One request's logprobs, kept flat: for each position, the emitted token's entry
+    first, then the top-k in rank order.
+
+    vLLM reports a ``{token_id: Logprob}`` per position, the emitted token first; where it is
+    also among the top-k, its entry carries its top-k place (a token tied with a better one
+    is still rank 1 when vLLM listed it first). vLLM's ``flat_logprobs`` would spare those
+    objects but reports such a token's own rank instead (2 for a tie, measured on the
+    H200), so it is not asked for.
+    """
 
     __slots__ = ("token_ids", "logprobs", "ranks", "counts")
 
@@ -138,14 +142,7 @@ class _Logprobs:
         self.counts: list[int] = []  # entries per position
 
     def extend(self, positions) -> None:
-        """Append vLLM's ``CompletionOutput.logprobs``: a ``FlatLogprobs`` or, from vLLM
-        releases without it, one ``{token_id: Logprob}`` per position (emitted token first)."""
-        if hasattr(positions, "start_indices"):
-            self.token_ids += positions.token_ids
-            self.logprobs += positions.logprobs
-            self.ranks += positions.ranks
-            self.counts += map(int.__sub__, positions.end_indices, positions.start_indices)
-            return
+        """Append vLLM's ``CompletionOutput.logprobs``: one dict per position."""
         for entries in positions:
             token, first = next(iter(entries.items()))
             top = sorted((e.rank, t, e.logprob) for t, e in entries.items() if e.rank is not None)
@@ -157,16 +154,17 @@ class _Logprobs:
             self.counts.append(len(flat))
 
     def arrays(self, top_k: int) -> tuple[np.ndarray, ...]:
-        """``(emitted, logprob, rank, top_ids, top_logprobs)`` per position; top-k slots
-        vLLM did not fill hold id 0 and NaN."""
+        """``(emitted, logprob, rank, top_ids, top_logprobs)`` per position; the top-k are
+        the entries of rank <= ``top_k``, and slots left empty hold id 0 and NaN."""
         counts = np.asarray(self.counts, dtype=np.int64)
         first = np.cumsum(counts) - counts
         token_ids = np.asarray(self.token_ids, dtype=np.int64)
         logprobs = np.asarray(self.logprobs, dtype=np.float64)
+        ranks = np.asarray(self.ranks, dtype=np.int64)
         slot = np.arange(1, top_k + 1)
-        filled = slot < counts[:, None]
-        at = np.where(filled, first[:, None] + slot, 0)
-        return (token_ids[first], logprobs[first], np.asarray(self.ranks, dtype=np.int64)[first],
+        at = np.where(slot < counts[:, None], first[:, None] + slot, 0)
+        filled = (slot < counts[:, None]) & (ranks[at] <= top_k)  # entries come in rank order
+        return (token_ids[first], logprobs[first], ranks[first],
                 np.where(filled, token_ids[at], 0), np.where(filled, logprobs[at], np.nan))
 
 
@@ -319,7 +317,7 @@ class VLLMEngine(EngineBase):
         # defensive deep copy (of the whole trace, per request) is not needed
         common = dict(temperature=0.0, max_tokens=len(trace),
                       logprobs=self.top_k, ignore_eos=True, stop=[], stop_token_ids=[],
-                      detokenize=False, output_kind=RequestOutputKind.DELTA, **_NO_COPY, **_FLAT)
+                      detokenize=False, output_kind=RequestOutputKind.DELTA, **_NO_COPY)
         if self.engine_path == "vllm-native-trace-replay":
             return SamplingParams(**common, trace_decode_token_ids=trace)
         return SamplingParams(**common, extra_args={TRACE_KEY: trace})
@@ -378,7 +376,7 @@ class VLLMEngine(EngineBase):
         """Free generation for recording: ``(token_ids, raw logprobs)`` per prompt."""
         params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
                                 logprobs=0, detokenize=False,
-                                output_kind=RequestOutputKind.DELTA, **_FLAT)
+                                output_kind=RequestOutputKind.DELTA)
         outputs = self._generate(prompts, [params] * len(prompts), None)
         return [(ids, logprobs.arrays(0)[1].tolist()) for ids, logprobs in outputs]
 
