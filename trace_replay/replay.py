@@ -21,6 +21,7 @@ from trace_replay._text import plural
 from trace_replay.checkpoint import Checkpoint
 from trace_replay.engines import ENGINES, make_engine
 from trace_replay.engines.base import Engine, ReplayRequest
+from trace_replay.engines.validate import check_results
 from trace_replay.frame import TokenDecoder, to_frame
 from trace_replay.trace_record import FIELDS
 from trace_replay.traces import TraceError, TraceSet, load_traces
@@ -269,7 +270,11 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
 
         def run(group: list[ReplayRequest]) -> pd.DataFrame:
             target = counted + sum(r.trace_len for r in group)
-            frame = to_frame(engine.run(group, on_tokens=advance), by_id, decode)
+            results = engine.run(group, on_tokens=advance)
+            # the one check every engine's output passes before it is stored or returned
+            check_results(group, results, top_k=settings.get("top_k"),
+                          vocab_size=getattr(engine, "vocab_size", None))
+            frame = to_frame(results, by_id, decode)
             advance(max(target - counted, 0))  # an engine that reported fewer catches up
             return frame
 

@@ -177,6 +177,16 @@ class EngineBase:
     def tokenizer(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
 
+    @property
+    def vocab_size(self) -> int | None:
+        """Logits per step, the bound of ``rank``: a loaded model's (``lm`` or vLLM's
+        ``llm``) output size; ``None`` where the engine does not know it."""
+        head = getattr(getattr(self, "lm", None), "get_output_embeddings", lambda: None)()
+        if getattr(head, "weight", None) is not None:
+            return int(head.weight.shape[0])
+        llm = getattr(self, "llm", None)
+        return None if llm is None else int(llm.llm_engine.model_config.get_vocab_size())
+
     def settings(self) -> dict[str, Any]:
         settings = {"engine": self.name, "engine_path": self.engine_path,
                     "model": self.model_label, "dtype": self.dtype, "device": self.device,

@@ -1,0 +1,159 @@
+"""The one definition of an impossible score, which every engine result must pass.
+
+:func:`trace_replay.replay` checks each batch an engine returns (:func:`check_results`)
+before anything is stored or returned, whatever the engine; a checkpoint part's rows are
+checked again by the same rules when read back (:mod:`trace_replay.parts`).
+
+A possible score: ``logprob`` is not NaN and at most 0 (``-inf`` is probability 0, which a
+server writes as -9999.0); ``rank`` is an integer from 1 to the vocabulary size; the top-k
+logprobs are not NaN, at most 0 and in descending order; the rank agrees with them (rank
+``r <= k``: the r-th listed logprob is the token's own, ties included; ``r > k``: every
+listed one is at least the token's); ``entropy`` is at least 0 or NaN (not computed).
+Comparisons allow :data:`ROUNDING` relative to ``max(1, |logprob|)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from trace_replay.engines.base import ReplayRequest, TraceResult
+
+__all__ = ["ROUNDING", "ImpossibleResult", "check_results", "impossible"]
+
+# float32 log-softmax rounds at ~1e-7 relative; the CUDA scorer's top-k logprobs (the token's
+# logprob plus a logit difference) at a few times that. 1e-5 is far above both and far below
+# any real disagreement, so a logprob may exceed 0 by 1e-5 at most.
+ROUNDING = 1e-5
+
+
+class ImpossibleResult(RuntimeError):
+    """An engine returned a score no distribution gives; names the trace, step and field."""
+
+    def __init__(self, message: str, *, trace_id: str | None, step: int | None = None,
+                 field: str | None = None) -> None:
+        super().__init__(message)
+        self.trace_id, self.step, self.field = trace_id, step, field
+
+
+def impossible(logprob: np.ndarray, rank: np.ndarray, top_logprobs: np.ndarray,
+               entropy: np.ndarray, *,
+               vocab_size: int | None = None) -> list[tuple[str, str, np.ndarray]]:
+    """The rules of a possible score, each as ``(field, problem, rows breaking it)``.
+
+    Parameters
+    ----------
+    logprob, rank, entropy
+        ``[N]`` arrays, one entry per scored step.
+    top_logprobs
+        ``[N, k]``, best first.
+    vocab_size
+        Bound of ``rank`` (``None``: not checked).
+
+    Returns
+    -------
+    list of (str, str, numpy.ndarray)
+        The field a rule is about, the rule in words, and a boolean ``[N]`` mask of the rows
+        breaking it.
+    """
+    logprob = np.asarray(logprob, dtype=np.float64)
+    rank = np.asarray(rank)
+    top = np.asarray(top_logprobs, dtype=np.float64).reshape(len(logprob), -1)
+    entropy = np.asarray(entropy, dtype=np.float64)
+    with np.errstate(invalid="ignore"):  # -inf - -inf: NaN compares False, as it should
+        slack = ROUNDING * np.maximum(1.0, np.abs(logprob))
+        whole = np.isfinite(rank) & (rank == np.round(rank))
+        highest = np.inf if vocab_size is None else vocab_size
+        bound = "" if vocab_size is None else f" and <= the vocabulary size {vocab_size}"
+        rules = [
+            ("logprob", "a logprob is a number <= 0", np.isnan(logprob) | (logprob > slack)),
+            ("rank", f"a rank is an integer >= 1{bound}",
+             ~whole | (rank < 1) | (rank > highest)),
+            ("entropy", "an entropy is >= 0 (NaN: not computed)", entropy < -ROUNDING),
+        ]
+        if top.shape[1]:
+            k = top.shape[1]
+            rules.append(("top_logprobs", "top-k logprobs are numbers <= 0",
+                          (np.isnan(top) | (top > slack[:, None])).any(axis=1)))
+            rules.append(("top_logprobs", "top-k logprobs are in descending order",
+                          (np.diff(top, axis=1) > slack[:, None]).any(axis=1)))
+            within = whole & (rank >= 1) & (rank <= k)
+            at_rank = top[np.arange(len(top)), np.clip(np.nan_to_num(rank), 1, k).astype(int) - 1]
+            # rank r <= k: r - 1 listed logprobs are greater (or tied), so the r-th is the token's
+            rules.append(("rank", "a rank agrees with the top-k logprobs (rank r <= k: the r-th "
+                          "is the token's logprob; r > k: each is at least the token's)",
+                          (within & (np.abs(at_rank - logprob) > slack))
+                          | (~within & (rank > k) & (top[:, -1] < logprob - slack))))
+    return rules
+
+
+def check_results(requests: Sequence[ReplayRequest], results: Sequence[TraceResult], *,
+                  top_k: int | None = None, vocab_size: int | None = None) -> None:
+    """Raise :class:`ImpossibleResult` unless ``results`` are possible scores of ``requests``.
+
+    One result per request, in order, with the request's prompt length, one step per trace
+    token (its own tokens), top-k lists of ``top_k`` entries (``None``: not checked), and
+    every step passing :func:`impossible`. The error names the trace, the step, the field
+    and the value.
+    """
+    if len(results) != len(requests):
+        first = requests[0].trace_id if requests else None
+        raise ImpossibleResult(f"the engine returned {len(results)} results for "
+                               f"{len(requests)} traces (the first {first!r})", trace_id=first)
+    for request, result in zip(requests, results):
+        _check_shape(request, result, top_k)
+        _check_scores(result, vocab_size)
+
+
+def _check_scores(result: TraceResult, vocab_size: int | None) -> None:
+    """Raise at the first rule of :func:`impossible` that a step of ``result`` breaks."""
+    values = {"logprob": result.logprob, "rank": result.rank,
+              "top_logprobs": result.top_logprobs, "entropy": result.entropy}
+    for field, rule, rows in impossible(*values.values(), vocab_size=vocab_size):
+        if rows.any():
+            step = int(np.argmax(rows))
+            shown = f"{field} = {_show(values[field][step])}"
+            if field == "rank" and "top-k" in rule:
+                shown += (f" with logprob {_show(result.logprob[step])} and top_logprobs "
+                          f"{_show(result.top_logprobs[step])}")
+            raise ImpossibleResult(f"trace {result.trace_id!r}, step {step}: the engine "
+                                   f"returned {shown}, which is impossible: {rule}",
+                                   trace_id=result.trace_id, step=step, field=field)
+
+
+def _check_shape(request: ReplayRequest, result: TraceResult, top_k: int | None) -> None:
+    """The request's prompt length, one step per trace token, the trace's own tokens,
+    ``[T, top_k]`` top-k arrays."""
+    steps = request.trace_len
+    if result.trace_id != request.trace_id:
+        raise ImpossibleResult(f"trace {request.trace_id!r}: the engine returned trace "
+                               f"{result.trace_id!r} in its place", trace_id=request.trace_id)
+    if result.prompt_len != request.prompt_len:
+        raise ImpossibleResult(f"trace {request.trace_id!r}: the engine returned prompt_len "
+                               f"{result.prompt_len} for a prompt of {request.prompt_len} "
+                               "tokens (positions would be off)", trace_id=request.trace_id,
+                               field="prompt_len")
+    for field in ("token_ids", "logprob", "rank", "top_token_ids", "top_logprobs", "entropy"):
+        got = len(getattr(result, field))
+        if got != steps:
+            raise ImpossibleResult(f"trace {request.trace_id!r}: the engine returned {got} "
+                                   f"{field} for a trace of {steps} tokens",
+                                   trace_id=request.trace_id, field=field)
+    if not np.array_equal(result.token_ids, request.trace_token_ids):
+        step = int(np.argmax(np.asarray(result.token_ids) != request.trace_token_ids))
+        raise ImpossibleResult(f"trace {request.trace_id!r}, step {step}: the engine scored "
+                               f"token {result.token_ids[step]} where the trace has "
+                               f"{request.trace_token_ids[step]}", trace_id=request.trace_id,
+                               step=step, field="token_ids")
+    for field in ("top_token_ids", "top_logprobs"):
+        width = np.shape(getattr(result, field))[1:]
+        if top_k is not None and width != (top_k,):
+            raise ImpossibleResult(f"trace {request.trace_id!r}: the engine returned {field} "
+                                   f"of shape {np.shape(getattr(result, field))} for top_k "
+                                   f"{top_k}", trace_id=request.trace_id, field=field)
+
+
+def _show(value: object) -> str:
+    """A value as a short readable text (arrays as lists)."""
+    return repr(np.asarray(value).tolist())
