@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -31,6 +32,9 @@ class Handler(BaseHTTPRequestHandler):
         if status is None:  # hang up without answering
             self.close_connection = True
             return
+        if isinstance(payload, Trickle):
+            payload.send(self)
+            return
         data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
         self.send_response(status)
         self.send_header("Content-Length", str(len(data)))
@@ -39,6 +43,27 @@ class Handler(BaseHTTPRequestHandler):
 
     def log_message(self, *args) -> None:  # keep the test output clean
         pass
+
+
+class Trickle:
+    """A JSON answer sent in ``pieces`` pieces, ``gap_s`` apart."""
+
+    def __init__(self, pieces: int, gap_s: float) -> None:
+        self.pieces, self.gap_s = pieces, gap_s
+
+    def send(self, handler: BaseHTTPRequestHandler) -> None:
+        data = json.dumps({"n": list(range(100))}).encode()
+        size = -(-len(data) // self.pieces)
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(len(data)))
+        handler.end_headers()
+        try:
+            for start in range(0, len(data), size):
+                handler.wfile.write(data[start:start + size])
+                handler.wfile.flush()
+                time.sleep(self.gap_s)
+        except OSError:  # the client hung up: what the test expects
+            pass
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +148,32 @@ def test_no_server_is_an_error_after_every_retry():
                                           r"after 3 attempts \(last: URLError: .*refused"):
         client.get("/v1/models")
     assert (client.requests, client.retries) == (0, 2)
+
+
+def test_timeout_is_for_the_whole_answer(server):
+    """timeout_s bounds an attempt from connecting to the answer's last byte: an answer
+    trickled in pieces that each come well within timeout_s, but take longer in all, is cut
+    off and counts as no answer (it was accepted when the timeout was per read)."""
+    client = client_for(server, {"/v1/slow": [(200, Trickle(pieces=12, gap_s=0.25))]},
+                        timeout_s=1.0, max_retries=0)
+    with pytest.raises(ServerError, match=r"no answer .* after 1 attempt \(last: TimeoutError"):
+        client.get("/v1/slow")
+
+
+@pytest.mark.parametrize("options, problem", [
+    ({"max_retries": -1}, "max_retries must be an integer >= 0, got -1"),
+    ({"timeout_s": float("nan")}, "timeout_s must be a finite number of seconds > 0"),
+    ({"backoff_s": -1}, "backoff_s must be a finite number of seconds >= 0"),
+])  # fmt: skip
+def test_bad_options_are_refused(options, problem):
+    """A negative retry count (an UnboundLocalError before), a NaN timeout or a negative
+    backoff is refused when the client is built."""
+    with pytest.raises(ValueError, match=problem):
+        JsonClient("http://127.0.0.1:9", **options)
+
+
+@pytest.mark.parametrize("root", ["ftp://127.0.0.1:21", "file:///etc", "localhost:8000"])
+def test_only_http_addresses_are_taken(root):
+    """An ftp:// (which hung), file:// or scheme-less address is refused, quoted."""
+    with pytest.raises(ValueError, match=f"must start with http:// or https://, got '{root}'"):
+        JsonClient(root)

@@ -113,3 +113,22 @@ def test_text_tokens_are_refused():
     choice = {"token_ids": None, "logprobs": {"tokens": [" Paris"]}}
     with pytest.raises(ValueError, match="logprobs.tokens holds text .* Paris.*return_tokens_as_token_ids"):
         emitted_ids(choice)
+
+
+@pytest.mark.parametrize("read, problem", [
+    (lambda: completion_steps(COMPLETION["choices"][0]["logprobs"], top_k=2, steps=3),
+     "logprobs.token_logprobs lists 2 steps where 3 were expected"),
+    (lambda: completion_steps({**COMPLETION["choices"][0]["logprobs"],
+                               "top_logprobs": [{"token_id:1": -0.1}]}, top_k=2),
+     "logprobs.top_logprobs lists 1 step where 2 were expected"),
+    (lambda: generate_steps(GENERATE["choices"][0]["logprobs"]["content"], top_k=2, steps=3),
+     "logprobs.content lists 2 steps where 3 were expected"),
+    (lambda: generate_steps([{**GENERATE["choices"][0]["logprobs"]["content"][0],
+                              "rank": float("nan")}], top_k=2),
+     "step 0: rank nan is not an integer"),
+])  # fmt: skip
+def test_lists_of_the_wrong_length_say_both_counts(read, problem):
+    """A logprob list of another length than the trace, or a rank that is not an integer,
+    is an error saying what was expected and what came (the engine adds the trace)."""
+    with pytest.raises(ValueError, match=problem):
+        read()

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ import pytest
 from trace_replay import datasets
 from trace_replay.engines import make_engine
 from trace_replay.engines.http_client import ServerError
+from trace_replay.engines.validate import ImpossibleResult
 from trace_replay.replay import replay
 from trace_replay.serve import (FORCING_PROCESSOR, TRACE_KEY, serve_command, start_server,
                                 stop_server, wait_for_server)
@@ -346,3 +348,144 @@ def test_client_does_not_import_vllm():
     code = ("import sys, trace_replay.engines.server_engine, trace_replay.serve; "
             "sys.exit('vllm' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+# --- a local server giving crafted answers ----------------------------------------------------
+
+class CraftedHandler(BaseHTTPRequestHandler):
+    """A vLLM server's generate API, forcing the trace it is sent; ``server.craft(step, entry)``
+    may change the answer of each step of traces longer than one token (the engine's start-up
+    probes are one-token traces, and get honest answers)."""
+
+    def do_GET(self) -> None:
+        if self.path == "/v1/models":
+            self._json(200, {"data": [{"id": "SmolLM2-135M-Instruct", "max_model_len": 1024}]})
+        else:
+            self._json(200, {"version": "crafted"})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path != "/inference/v1/generate":
+            self._json(404, {"error": "no such route"})
+        elif not body:
+            self._json(400, {"error": "invalid request"})  # the engine's API probe
+        else:
+            trace = body["sampling_params"]["extra_args"][TRACE_KEY]
+            content = [self.server.craft(step, _honest_entry(token)) if len(trace) > 1
+                       else _honest_entry(token) for step, token in enumerate(trace)]
+            self._json(200, {"choices": [{"token_ids": trace,
+                                          "logprobs": {"content": [c for c in content if c]}}]})
+
+    def _json(self, status: int, payload: dict) -> None:
+        data = json.dumps(payload).encode()  # allow_nan: a crafted NaN goes out as NaN
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def _honest_entry(token: int) -> dict:
+    """A possible step: the token second of three alternatives (top_k=2 asks for 3)."""
+    alternatives = [(900, -0.5, 1), (token, -1.0, 2), (901, -2.0, 3)]
+    return {"token_id": token, "logprob": -1.0, "rank": 2,
+            "top_logprobs": [{"token_id": t, "logprob": lp, "rank": r}
+                             for t, lp, r in alternatives]}
+
+
+@pytest.fixture(scope="module")
+def crafted():
+    """The crafted server on a free port of 127.0.0.1; tests set ``craft``."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), CraftedHandler)
+    httpd.craft = lambda step, entry: entry
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield httpd
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def _replay_crafted(server, craft, **options):
+    """Replay one 3-token trace 'crafted' through ``server`` answering by ``craft``."""
+    server.craft = craft
+    trace = [{"id": "crafted", "prompt_token_ids": [504, 3575], "trace_token_ids": [282, 4649, 314]}]
+    return replay(trace, engine="vllm-server", top_k=2, progress=False,
+                  engine_args={"base_url": f"http://127.0.0.1:{server.server_port}/v1",
+                               "max_retries": 0}, **options)
+
+
+def test_crafted_server_honest_answers_replay(crafted):
+    """The crafted server's honest answers replay as given: the other tests' errors come from
+    the crafted values alone. Its label names the engine only (dtype and device are the
+    server's, unknown to the client), not 'vllm-server server server'."""
+    from trace_replay.analysis import run_labels
+
+    df = _replay_crafted(crafted, lambda step, entry: entry)
+    assert df["logprob"].tolist() == [-1.0] * 3 and df["rank"].tolist() == [2] * 3
+    assert df["top_logprobs"].map(list).tolist() == [[-0.5, -1.0]] * 3
+    assert run_labels([df.attrs]) == ["vllm-server"]
+    assert df.attrs["dtype"] is None and df.attrs["device"] is None
+
+
+@pytest.mark.parametrize("change, field, shown", [
+    ({"logprob": 0.5}, "logprob", "0.5"),
+    ({"logprob": float("nan")}, "logprob", "nan"),
+    ({"rank": 0}, "rank", "= 0"),
+    ({"rank": 1}, "rank", "rank = 1 with logprob -1.0"),  # an alternative is more likely
+    ({"logprob": -0.2, "rank": 3}, "rank", "rank = 3"),  # beats both listed, ranked below them
+    ({"top_logprobs": [{"token_id": 900, "logprob": 0.25, "rank": 1},
+                       {"token_id": 282, "logprob": -1.0, "rank": 2}]}, "top_logprobs", "0.25"),
+])  # fmt: skip
+def test_impossible_server_answers_are_errors(crafted, change, field, shown):
+    """A server answering a positive or NaN logprob, rank 0, a rank the listed alternatives
+    contradict, or a positive alternative is an error naming the trace, the step, the field
+    and the value."""
+    with pytest.raises(ImpossibleResult, match=r"trace 'crafted', step 1: ") as error:
+        _replay_crafted(crafted, lambda step, entry: {**entry, **change} if step == 1 else entry)
+    assert (error.value.trace_id, error.value.step, error.value.field) == ("crafted", 1, field)
+    assert shown in str(error.value)
+
+
+def test_no_part_holds_an_impossible_answer(crafted, tmp_path):
+    """With a checkpoint, an impossible answer is an error before it is written: no part
+    holds it (before, the part failed its read-back and was recomputed forever)."""
+    with pytest.raises(ImpossibleResult, match=r"trace 'crafted', step 1: .*logprob = 0.5"):
+        _replay_crafted(crafted, lambda step, entry: {**entry, "logprob": 0.5} if step == 1
+                        else entry, checkpoint=tmp_path / "run")
+    assert not list((tmp_path / "run").glob("**/*.parquet"))
+
+
+@pytest.mark.parametrize("craft, problem", [
+    (lambda step, entry: entry if step < 2 else None,
+     r"trace 'crafted': .*logprobs.content lists 2 steps where 3 were expected"),
+    (lambda step, entry: {**entry, "rank": 1.5} if step == 1 else entry,
+     r"trace 'crafted': .*step 1: rank 1.5 is not an integer"),
+])  # fmt: skip
+def test_malformed_server_answers_name_the_trace(crafted, craft, problem):
+    """A logprob list shorter than the trace, or a fractional rank, is an error naming the
+    trace and what was expected."""
+    with pytest.raises(ServerError, match=problem):
+        _replay_crafted(crafted, craft)
+
+
+@pytest.mark.parametrize("options, problem", [
+    ({"max_retries": -1}, "max_retries must be an integer >= 0, got -1"),
+    ({"max_retries": 1.5}, "max_retries must be an integer >= 0, got 1.5"),
+    ({"timeout_s": 0}, "timeout_s must be a finite number of seconds > 0, got 0"),
+    ({"timeout_s": "soon"}, "timeout_s must be a finite number of seconds > 0, got 'soon'"),
+])  # fmt: skip
+def test_bad_retry_and_timeout_options_are_refused(options, problem):
+    """max_retries below 0 (was an UnboundLocalError) or not an integer, and a timeout that
+    is not a positive number of seconds, are refused when the engine is built."""
+    with pytest.raises(ValueError, match=problem):
+        make_engine("vllm-server", engine_args={"base_url": "http://127.0.0.1:9/v1", **options})
+
+
+@pytest.mark.parametrize("base_url", ["ftp://127.0.0.1:21/v1", "file:///etc/v1",
+                                      "127.0.0.1:8000/v1"])
+def test_a_base_url_that_is_not_http_is_refused(base_url):
+    """Only http:// and https:// addresses are taken (an ftp:// one hung): refused at once,
+    quoting the address."""
+    with pytest.raises(ValueError, match="must start with http:// or https://"):
+        make_engine("vllm-server", engine_args={"base_url": base_url})

@@ -3,13 +3,14 @@
 Standard library only (``urllib``), so the server engine adds no dependency. A request is
 sent again only when no answer came back: the connection was refused, reset or timed out,
 or a proxy answered 502/503/504. Any other HTTP error is the server's answer and is raised
-with its message.
+with its message. Only ``http://`` and ``https://`` addresses are taken.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import math
 import threading
 import time
 import urllib.error
@@ -20,6 +21,7 @@ __all__ = ["JsonClient", "ServerError"]
 
 _RETRY_STATUS = {502, 503, 504}  # a gateway or a server still starting: nothing was done
 _MAX_BACKOFF_S = 30.0
+_CHUNK = 1 << 16  # bytes asked per read of an answer
 
 
 class ServerError(RuntimeError):
@@ -36,18 +38,37 @@ class JsonClient:
     Parameters
     ----------
     root
-        The server's address, without a path.
+        The server's address, ``http://`` or ``https://``, without a path.
     api_key
         Sent as ``Authorization: Bearer …`` (``vllm serve --api-key``).
     timeout_s
-        Per attempt; a long trace on a busy server needs minutes.
+        The most one attempt may take, from connecting to the last byte of the answer (a
+        server sending its answer slowly is cut off too, then retried); a long trace on a busy
+        server needs minutes.
     max_retries
-        Attempts after the first one for requests that got no answer; waits double from
-        ``backoff_s`` up to 30 s.
+        Attempts after the first one (an integer >= 0) for requests that got no answer;
+        waits double from ``backoff_s`` up to 30 s.
+
+    Raises
+    ------
+    ValueError
+        For an address that is not http(s), or a bad ``timeout_s``, ``max_retries`` or
+        ``backoff_s``, before anything is sent.
     """
 
     def __init__(self, root: str, *, api_key: str | None = None, timeout_s: float = 600.0,
                  max_retries: int = 5, backoff_s: float = 0.5) -> None:
+        if not isinstance(root, str) or not root.lower().startswith(("http://", "https://")):
+            raise ValueError(f"the server's address must start with http:// or https://, "
+                             f"got {root!r}")
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+            raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
+        for name, value in (("timeout_s", timeout_s), ("backoff_s", backoff_s)):
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value < 0 or (name == "timeout_s"
+                                                                 and value == 0)):
+                raise ValueError(f"{name} must be a finite number of seconds "
+                                 f"{'> 0' if name == 'timeout_s' else '>= 0'}, got {value!r}")
         self.root = root.rstrip("/")
         self.headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if api_key:
@@ -70,9 +91,10 @@ class JsonClient:
         for attempt in range(self.max_retries + 1):
             request = urllib.request.Request(url, data=data, headers=self.headers,
                                              method="GET" if data is None else "POST")
+            deadline = time.monotonic() + self.timeout_s
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    payload = response.read()
+                    payload = _read_until(response, deadline)
             except urllib.error.HTTPError as error:
                 lost = error.code in _RETRY_STATUS
                 problem = f"HTTP {error.code}: {_error_message(error)}"
@@ -80,7 +102,10 @@ class JsonClient:
                     raise ServerError(f"{url} answered {problem}", error.code) from None
             except (urllib.error.URLError, ConnectionError, TimeoutError,
                     http.client.HTTPException) as error:
-                problem = f"{type(error).__name__}: {getattr(error, 'reason', error)}"
+                reason = getattr(error, "reason", error)
+                problem = f"{type(error).__name__}: {reason}"
+                if isinstance(reason, TimeoutError):
+                    problem += f" (timeout_s={self.timeout_s} for the whole answer)"
             else:
                 with self._lock:
                     self.requests += 1
@@ -94,8 +119,29 @@ class JsonClient:
             with self._lock:
                 self.retries += 1
             time.sleep(min(self.backoff_s * 2 ** attempt, _MAX_BACKOFF_S))
-        raise ServerError(f"no answer from {url} after {self.max_retries + 1} attempts "
-                          f"(last: {problem})")
+        attempts = self.max_retries + 1
+        raise ServerError(f"no answer from {url} after {attempts} attempt"
+                          f"{'s' if attempts > 1 else ''} (last: {problem})")
+
+
+def _read_until(response: http.client.HTTPResponse, deadline: float) -> bytes:
+    """The whole body of ``response``, or :class:`TimeoutError` once ``deadline`` passes.
+
+    Each read waits at most the time left (the socket's timeout is set to it), so a server
+    trickling its answer cannot stretch an attempt past its deadline.
+    """
+    sock = getattr(getattr(response.fp, "raw", None), "_sock", None)  # the answer's socket
+    chunks = []
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the whole answer did not come within timeout_s")
+        if sock is not None:
+            sock.settimeout(left)
+        chunk = response.read1(_CHUNK)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
 
 
 def _error_message(error: urllib.error.HTTPError) -> str:

@@ -28,17 +28,40 @@ def emitted_ids(choice: dict) -> list[int]:
 
 
 def _logprob(value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"logprob {value!r} is not a number")
     return -math.inf if value <= _FLOOR else float(value)
 
 
-def generate_steps(content: list[dict], top_k: int) -> Steps:
-    """Per-step arrays from /inference/v1/generate logprobs, which carry exact ranks."""
-    steps = len(content)
+def _rank(value: object, step: int) -> int:
+    """A server's rank as an int; a fraction, NaN or non-number is an error naming the step."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or value != int(value)):
+        raise ValueError(f"step {step}: rank {value!r} is not an integer")
+    return int(value)
+
+
+def _listed(values: list, name: str, steps: int | None) -> list:
+    """``values``, one per step: a list of another length is an error saying both counts."""
+    if not isinstance(values, list):
+        raise ValueError(f"{name} is {type(values).__name__}, not a list")
+    if steps is not None and len(values) != steps:
+        raise ValueError(f"{name} lists {len(values)} step{'s' * (len(values) != 1)} where "
+                         f"{steps} were expected (one per trace token)")
+    return values
+
+
+def generate_steps(content: list[dict], top_k: int, steps: int | None = None) -> Steps:
+    """Per-step arrays from /inference/v1/generate logprobs, which carry exact ranks.
+
+    ``steps``: how many entries ``content`` must hold (the trace's length; ``None``: any).
+    """
+    steps = len(_listed(content, "logprobs.content", steps))
     logprob, rank = np.empty(steps), np.empty(steps, dtype=np.int64)
     top_ids = np.zeros((steps, top_k), dtype=np.int64)
     top_lps = np.full((steps, top_k), np.nan)
     for step, entry in enumerate(content):
-        logprob[step], rank[step] = _logprob(entry["logprob"]), entry["rank"]
+        logprob[step], rank[step] = _logprob(entry["logprob"]), _rank(entry["rank"], step)
         ordered = sorted((alt["rank"], alt["token_id"], _logprob(alt["logprob"]))
                          for alt in entry["top_logprobs"] if alt.get("rank") is not None)
         for j, (_, token_id, value) in enumerate(ordered[:top_k]):
@@ -46,14 +69,17 @@ def generate_steps(content: list[dict], top_k: int) -> Steps:
     return logprob, rank, top_ids, top_lps, np.ones(steps, dtype=bool)
 
 
-def completion_steps(logprobs: dict, top_k: int) -> Steps:
+def completion_steps(logprobs: dict, top_k: int, steps: int | None = None) -> Steps:
     """Per-step arrays from /v1/completions logprobs (``token_id:N`` keys, no ranks).
 
     Each step's map holds the emitted token and the top ``depth`` alternatives; rank is
     1 + the alternatives with a strictly greater logprob, exact when fewer than ``depth``
     are (every better token is then among them), else the lower bound ``depth + 1``.
+    ``steps``: how many entries each list must hold (``None``: as many as
+    ``token_logprobs``).
     """
-    steps = len(logprobs["token_logprobs"])
+    steps = len(_listed(logprobs["token_logprobs"], "logprobs.token_logprobs", steps))
+    _listed(logprobs["top_logprobs"], "logprobs.top_logprobs", steps)
     logprob = np.array([_logprob(v) for v in logprobs["token_logprobs"]], dtype=np.float64)
     rank = np.empty(steps, dtype=np.int64)
     exact = np.empty(steps, dtype=bool)

@@ -19,6 +19,7 @@ cannot both be likely). This module never imports vllm.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -32,6 +33,7 @@ from trace_replay.engines.base import EngineBase, EngineConfig, ReplayRequest, T
 from trace_replay.engines.http_client import JsonClient, ServerError
 from trace_replay.engines.server_answers import (RANK_DEPTH, completion_steps, emitted_ids,
                                                  generate_steps)
+from trace_replay.engines.validate import check_results
 from trace_replay.models import EMBEDDED_MODEL, ModelNotFoundError, hf_folder
 from trace_replay.serve import FORCING_PROCESSOR, TRACE_KEY
 
@@ -58,11 +60,17 @@ class ServerEngine(EngineBase):
         ``None`` takes the server's model folder when it is on this machine, or the embedded
         model's tokenizer when the server serves it. ``batch_size`` is the number of requests
         in flight (default 32); ``top_k`` the alternatives recorded. ``dtype``, ``device``
-        and ``deterministic`` are the server's and cannot be set here.
+        and ``deterministic`` are the server's and cannot be set here (``settings()`` gives
+        ``None`` for dtype and device: the client does not know them).
     engine_args
-        ``base_url`` (``"http://host:port/v1"``, required), ``api`` (``"auto"``,
+        ``base_url`` (``"http://host:port/v1"`` or https, required), ``api`` (``"auto"``,
         ``"generate"``, ``"completions"``), ``api_key`` (default ``$VLLM_API_KEY``),
-        ``timeout_s`` per request (600), ``max_retries`` for requests that got no answer (5).
+        ``timeout_s`` the most one attempt of a request may take, answer included (600),
+        ``max_retries`` for requests that got no answer (an integer >= 0, default 5).
+
+    Every answer is checked before it is returned: a short logprob list, a malformed rank or
+    an impossible score (:func:`~trace_replay.engines.validate.check_results`) is an error
+    naming the trace.
     """
 
     name = "vllm-server"
@@ -94,14 +102,15 @@ class ServerEngine(EngineBase):
         self.engine_path = "vllm-server-forcing"
         self.client = JsonClient(self.base_url.removesuffix("/v1"),
                                  api_key=options.get("api_key") or os.environ.get("VLLM_API_KEY"),
-                                 timeout_s=float(options.get("timeout_s", 600.0)),
-                                 max_retries=int(options.get("max_retries", 5)))
+                                 timeout_s=options.get("timeout_s", 600.0),
+                                 max_retries=options.get("max_retries", 5))
         card = self._model_card()
         self.served_model = card["id"]
         self.model_label = self.served_model
         self.max_model_len = card.get("max_model_len")
         self.tokenizer_source = _tokenizer_source(config.model, card)
-        self.dtype = self.device = "server"
+        self._vocab_size = _config_vocab_size(self.tokenizer_source)
+        self.dtype = self.device = None  # the server's, which it does not report
         self.top_k = config.top_k
         self.batch_size = config.batch_size or 32
         self.api = self._choose_api(options.get("api", "auto"))
@@ -124,6 +133,11 @@ class ServerEngine(EngineBase):
         return {**super().settings(), "server_api": self.api, "vllm_version": self.vllm_version,
                 "logprobs_mode": "raw_logprobs", "rank": rank}
 
+    @property
+    def vocab_size(self) -> int | None:
+        """The vocabulary of the local model folder named for the tokenizer (``None``: none)."""
+        return self._vocab_size
+
     def stats(self) -> dict[str, Any]:
         return {"server_url": self.base_url, "server_requests": self.client.requests,
                 "server_retries": self.client.retries}
@@ -134,14 +148,17 @@ class ServerEngine(EngineBase):
 
         Each request is sent until it gets an answer, and each answer fills its own slot, so
         a retried request yields exactly one result. ``on_tokens`` hears of each answered
-        trace, from this thread.
+        trace, from this thread. Results that are not possible scores raise
+        :class:`~trace_replay.engines.validate.ImpossibleResult`.
         """
         futures = [self._pool.submit(self._replay_one, r) for r in requests]
         try:
             for future in as_completed(futures):
                 if on_tokens is not None:
                     on_tokens(len(future.result().token_ids))
-            return [future.result() for future in futures]
+            results = [future.result() for future in futures]
+            check_results(requests, results, top_k=self.top_k, vocab_size=self.vocab_size)
+            return results
         except BaseException:
             for future in futures:
                 future.cancel()
@@ -176,14 +193,15 @@ class ServerEngine(EngineBase):
                     "return_tokens_as_token_ids": True, "vllm_xargs": {TRACE_KEY: trace}})
             choice = answer["choices"][0]
             emitted = emitted_ids(choice)
-        except (ServerError, KeyError, IndexError, TypeError, ValueError) as error:
+            self._check_emitted(request, emitted)
+            if self.api == "generate":
+                steps = generate_steps(choice["logprobs"]["content"], self.top_k, len(trace))
+            else:
+                steps = completion_steps(choice["logprobs"], self.top_k, len(trace))
+        except (ServerError, AttributeError, KeyError, IndexError, TypeError,
+                ValueError) as error:
             raise ServerError(f"trace {request.trace_id!r}: {type(error).__name__}: {error}",
                               getattr(error, "status", None)) from None
-        self._check_emitted(request, emitted)
-        if self.api == "generate":
-            steps = generate_steps(choice["logprobs"]["content"], self.top_k)
-        else:
-            steps = completion_steps(choice["logprobs"], self.top_k)
         logprob, rank, top_ids, top_lps, exact = steps
         extra = {} if self.api == "generate" else {"rank_exact": exact}
         return TraceResult(trace_id=request.trace_id, prompt_len=request.prompt_len,
@@ -266,6 +284,16 @@ class ServerEngine(EngineBase):
                 f"the server at {self.base_url} reports logprobs after the forcing processor "
                 "(two different forced tokens both came back with probability > 0.5): "
                 "start it with --logprobs-mode raw_logprobs")
+
+
+def _config_vocab_size(source: Any) -> int | None:
+    """``vocab_size`` in the config of the model folder ``source`` names, when there is one."""
+    try:
+        config = json.loads((hf_folder(source) / "config.json").read_text())
+    except (ModelNotFoundError, OSError, ValueError):
+        return None
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return size if isinstance(size, int) and size > 0 else None
 
 
 def _tokenizer_source(model: Any, card: dict) -> Any:
