@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from trace_replay.engines import make_engine
+from trace_replay.engines.validate import ImpossibleResult
 from trace_replay.replay import replay
 
 TOL = 1e-4  # batch composition moves float32 results by ~1e-6; a stale trace moves them by >0.1
@@ -81,7 +82,7 @@ def test_implausible_values_are_refused(engine, records, tmp_path):
     bad.loc[bad.index[bad["rank"] == 1][0], "rank"] = 2**60
     part.unlink()
     write_part(tmp_path, bad)
-    with pytest.warns(RuntimeWarning, match="rank disagrees with top-k"):
+    with pytest.warns(RuntimeWarning, match="rank 1152921504606846976 is impossible"):
         got = replay(records, engine=engine, progress=False, checkpoint=tmp_path)
     assert_same_replay(got, want)
     assert got["rank"].max() < 49152
@@ -197,3 +198,130 @@ def test_digest_covers_every_trace_field_its_rows_copy(tokenizer):
             if not edited_rows.equals(rows):
                 assert edited_digest != digest, f"{name} changes the rows, not the digest"
     assert edited == set(FIELDS)  # a new Trace field needs an edit here
+
+
+class ShiftedPrompt:
+    """A real engine whose results claim a prompt one token longer than the request's (rows a
+    read-back refuses), counting its calls so that a loop fails the test instead of hanging."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, 0
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def run(self, requests, on_tokens=None):
+        from dataclasses import replace
+
+        self.calls += 1
+        assert self.calls <= 10, "the checkpoint computes the same traces over and over"
+        return [replace(result, prompt_len=result.prompt_len + 1)
+                for result in self.engine.run(requests, on_tokens=on_tokens)]
+
+
+def test_results_a_read_back_refuses_are_an_error_not_a_loop(engine, records, tmp_path):
+    """Rows that the read-back check would refuse are never written: the run stops with an
+    error naming the trace and the problem, after computing each trace once."""
+    shifted = ShiftedPrompt(engine)
+    with pytest.raises(ImpossibleResult, match="trace 'paris'.*(position|prompt)"):
+        replay(records[:1], engine=shifted, progress=False, checkpoint=tmp_path)
+    assert shifted.calls == 1
+    assert not list(tmp_path.glob("part-*"))
+
+
+def _requests_and_rows(engine, records):
+    """Tokenized requests of ``records`` and their real replay rows."""
+    from trace_replay.replay import prepare_requests
+    from trace_replay.traces import load_traces
+
+    traces = load_traces(records).tokenize(engine.tokenizer)
+    return prepare_requests(traces, None)[0], replay(traces, engine=engine, progress=False)
+
+
+def test_impossible_rows_are_named_and_the_rest_saved(engine, records, tmp_path):
+    """A NaN logprob in a batch: an error names its trace, step and problem; the batch's
+    other traces are saved, and a rerun resumes them."""
+    from trace_replay.checkpoint import Checkpoint
+
+    requests, rows = _requests_and_rows(engine, records[:2])
+    rows.loc[rows.index[rows["trace_id"] == "code"][1], "logprob"] = np.nan
+    with Checkpoint(tmp_path, engine.settings(), requests, batch_size=2) as store:
+        assert [r.trace_id for r in store.claim()] == ["paris", "code"]
+        store.add(rows)
+        with pytest.raises(ImpossibleResult, match="trace 'code', step 1: logprob nan is "
+                                                   "impossible"):
+            store.waiting()
+    with Checkpoint(tmp_path, engine.settings(), requests) as store:
+        assert store.resumed == 1
+    assert not list(tmp_path.glob("*.corrupt"))
+
+
+def test_rows_lost_again_and_again_are_an_error_not_a_loop(engine, records, tmp_path):
+    """A trace whose rows never reach a part (here: left out of every frame added) is
+    computed at most ``max_computations`` times, then an error names it."""
+    from trace_replay.checkpoint import Checkpoint
+
+    requests, rows = _requests_and_rows(engine, records[:2])
+    with Checkpoint(tmp_path, engine.settings(), requests, batch_size=2) as store:
+        with pytest.raises(RuntimeError, match="trace 'code' was computed 2 times"):
+            for _ in range(10):
+                if group := store.claim():
+                    ids = [r.trace_id for r in group if r.trace_id != "code"]
+                    store.add(rows[rows["trace_id"].isin(ids)])
+                elif not store.waiting():
+                    assert store.read() is None, "a result without trace 'code'"
+
+
+def test_a_folder_named_like_a_part_is_skipped(engine, records, tmp_path):
+    """A folder (or FIFO) named like a part: a warning saying what it is; the run goes on."""
+    import os
+
+    want = replay(records, engine=engine, progress=False, checkpoint=tmp_path)
+    (tmp_path / f"part-{0:020d}-{'0' * 16}.parquet").mkdir()
+    (tmp_path / "part-1.parquet").mkdir()
+    os.mkfifo(tmp_path / f"part-{1:020d}-{'0' * 16}.parquet")  # reading it would block
+    with pytest.warns(RuntimeWarning) as caught:
+        got = replay(records, engine=engine, progress=False, checkpoint=tmp_path)
+    said = sorted(str(w.message).split(" is named like a part but is ")[1] for w in caught)
+    assert said == ["a folder; ignored, nothing is read from it"] * 2 + [
+        "not a regular file; ignored, nothing is read from it"]
+    assert_same_replay(got, want)
+    assert got.attrs["resumed_traces"] == len(records)
+
+
+def test_a_stray_file_named_like_a_part_is_said_to_be_ignored(engine, records, tmp_path):
+    """A file named part-*.parquet without a content digest: the warning says what is true
+    (it is not a part this version wrote, and nothing is read from it)."""
+    replay(records[:1], engine=engine, progress=False, checkpoint=tmp_path)
+    pd.DataFrame({"x": [1]}).to_parquet(tmp_path / "part-mine.parquet")
+    with pytest.warns(RuntimeWarning) as caught:
+        replay(records[:1], engine=engine, progress=False, checkpoint=tmp_path)
+    [message] = [str(w.message) for w in caught if "part-mine" in str(w.message)]
+    assert "not a part written by this version" in message
+    assert "nothing is read from it" in message
+
+
+def test_a_deleted_settings_file_is_written_again_for_its_own_parts(engine, records, tmp_path):
+    """settings.json deleted, same settings: a warning says so, the file is written again and
+    every part is served (none called corrupt)."""
+    replay(records, engine=engine, progress=False, checkpoint=tmp_path)
+    (tmp_path / "settings.json").unlink()
+    with pytest.warns(RuntimeWarning, match="settings.json was missing; written again"):
+        got = replay(records, engine=engine, progress=False, checkpoint=tmp_path)
+    assert got.attrs["resumed_traces"] == len(records)
+    assert json.loads((tmp_path / "settings.json").read_text())["top_k"] == 3
+    assert not list(tmp_path.glob("*.corrupt"))
+
+
+def test_a_deleted_settings_file_with_other_settings_is_refused(lm, engine, records, tmp_path):
+    """settings.json deleted, other settings: an error saying settings.json is missing; the
+    parts stay as they are (valid parts are never called corrupt)."""
+    replay(records, engine=engine, progress=False, checkpoint=tmp_path)
+    (tmp_path / "settings.json").unlink()
+    parts = sorted(tmp_path.glob("part-*.parquet"))
+    other = make_engine("prefill", lm, batch_size=2, top_k=4)
+    with pytest.raises(ValueError, match="settings.json is missing, and its parts were "
+                                         "computed with other settings"):
+        replay(records, engine=other, progress=False, checkpoint=tmp_path)
+    assert sorted(tmp_path.glob("part-*.parquet")) == parts
+    assert not list(tmp_path.glob("*.corrupt"))

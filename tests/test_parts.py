@@ -87,13 +87,17 @@ def test_a_damaged_page_is_caught_by_its_crc(frame, tmp_path):
     (lambda f: f.drop(columns="entropy"), r"columns \['entropy'\] missing"),
     (lambda f: f.assign(step=[0, 2, 3, 0]), "steps are not 0, 1, 2"),
     (lambda f: f.assign(position=[3, 4, 6, 1]), "positions are not prompt_len \\+ step"),
-    (lambda f: f.assign(logprob=[-0.5, np.nan, -2.0, -0.01]), "logprob is NaN or positive"),
-    (lambda f: f.assign(logprob=[-0.5, -1.0, 0.5, -0.01]), "logprob is NaN or positive"),
-    (lambda f: f.assign(rank=[1, 2, 4, 0]), "rank below 1"),
-    (lambda f: f.assign(entropy=[1.2, 0.9, -0.5, 0.05]), "negative entropy"),
+    (lambda f: f.assign(logprob=[-0.5, np.nan, -2.0, -0.01]),
+     "trace 'a', step 1: logprob nan is impossible"),
+    (lambda f: f.assign(logprob=[-0.5, -1.0, 0.5, -0.01]),
+     "trace 'a', step 2: logprob 0.5 is impossible"),
+    (lambda f: f.assign(rank=[1, 2, 4, 0]), "trace 'b', step 0: rank 0 is impossible"),
+    (lambda f: f.assign(entropy=[1.2, 0.9, -0.5, 0.05]),
+     "trace 'a', step 2: entropy -0.5 is impossible"),
 ])  # fmt: skip
 def test_implausible_values_are_named(frame, tmp_path, edit, problem):
-    """A part with a valid checksum but impossible values is refused, naming what is wrong."""
+    """A part with a valid checksum but impossible values is refused, naming the trace, the
+    step, the field and its value."""
     with pytest.raises(CorruptPart, match=problem):
         read_part(write_part(tmp_path, edit(frame)))
 
@@ -114,7 +118,8 @@ def test_top_k_lists_must_have_top_k_entries(frame, tmp_path):
 def test_unsorted_top_k_is_refused(frame, tmp_path):
     """top_logprobs must descend (within the tolerance)."""
     frame.at[1, "top_logprobs"] = [-1.0, -0.2, -3.0]
-    with pytest.raises(CorruptPart, match="top-k logprobs not sorted"):
+    with pytest.raises(CorruptPart, match=r"step 1: top_logprobs \[-1.0, -0.2, -3.0\] is "
+                                          "impossible: top-k logprobs are in descending order"):
         read_part(write_part(tmp_path, frame), top_k=TOP_K)
 
 
@@ -123,7 +128,8 @@ def test_rank_must_agree_with_top_k(frame, tmp_path, row, rank):
     """Rank r <= top_k: the r-th top logprob is the token's own; beyond: the last top logprob
     is at least the token's."""
     frame.at[row, "rank"] = rank
-    with pytest.raises(CorruptPart, match="rank disagrees with top-k"):
+    with pytest.raises(CorruptPart, match=f"step {row}: rank {rank} is impossible: a rank "
+                                          "agrees with the top-k logprobs"):
         read_part(write_part(tmp_path, frame), top_k=TOP_K)
 
 
@@ -131,7 +137,7 @@ def test_tokens_must_be_the_digests_trace(frame, tmp_path):
     """Rows under a digest must carry that request's trace tokens from its prompt length."""
     other = {**REQUESTS, "da": ReplayRequest("a", (1, 2, 3), (5, 6, 8))}
     path = write_part(tmp_path, frame)
-    with pytest.raises(CorruptPart, match="trace 'a': tokens differ from its digest's"):
+    with pytest.raises(CorruptPart, match="trace 'a', step 2: tokens differ from its digest's"):
         read_part(path, requests=other)
     longer_prompt = {**REQUESTS, "db": ReplayRequest("b", (4, 4), (9,))}
     with pytest.raises(CorruptPart, match="trace 'b'"):
@@ -139,7 +145,8 @@ def test_tokens_must_be_the_digests_trace(frame, tmp_path):
 
 
 def test_every_problem_is_named_at_once(frame, tmp_path):
-    """Several problems: one error naming each of them."""
+    """Several problems: one error naming each of them, with its trace and first step."""
     bad = frame.assign(rank=[1, 2, 4, 0], entropy=[1.2, 0.9, -0.5, 0.05])
-    with pytest.raises(CorruptPart, match="rank below 1; negative entropy"):
+    with pytest.raises(CorruptPart, match="trace 'b', step 0: rank 0 is impossible: .*; "
+                                          "trace 'a', step 2: entropy -0.5 is impossible"):
         read_part(write_part(tmp_path, bad))

@@ -25,7 +25,9 @@ import pandas as pd
 from trace_replay._io import remove_stale_temporaries, write_atomic
 from trace_replay.claims import Claims
 from trace_replay.engines.base import ReplayRequest
-from trace_replay.parts import PART_NAME, CorruptPart, read_part, write_part
+from trace_replay.engines.validate import ImpossibleResult
+from trace_replay.parts import (PART_NAME, CorruptPart, check_rows, describe, part_settings_key,
+                                read_part, write_part)
 from trace_replay.trace_record import Trace
 
 __all__ = ["ROW_FIELDS", "Checkpoint", "settings_key", "trace_digest"]
@@ -65,10 +67,16 @@ class Checkpoint:
       what the rows copy from the trace: ``ref_logprobs``, ``trace_turns``,
       ``trace_roles``). A trace is served from the folder only when its digest matches, so
       an edited trace is recomputed, never served stale. A folder written with other
-      settings is refused.
+      settings is refused; without its ``settings.json``, it is written again when every
+      part records this run's settings key, else the folder is refused.
     * A part appears whole (temporary, then rename); its name carries the SHA-256 of its
       bytes, its pages carry CRCs, and its values are checked on read. A part failing any
-      check is renamed ``*.corrupt`` with a warning, and its traces are recomputed.
+      check is renamed ``*.corrupt`` with a warning, and its traces are recomputed. A
+      folder or file named like a part but not one is skipped with a warning.
+    * Rows are checked as a read would check them before they are written: impossible ones
+      (a NaN logprob) are an :class:`ImpossibleResult` naming the trace, step and problem,
+      the batch's other traces saved. A run computes a trace at most ``max_computations``
+      times (its rows lost again: an error), so nothing loops.
     * Runs claim traces before computing them (:class:`~trace_replay.claims.Claims`): two
       runs on one folder split the work; a dead run's claims are taken over.
     * A part is written every ``max_traces`` traces and every ``every_s`` seconds of
@@ -96,6 +104,7 @@ class Checkpoint:
     """
 
     poll_s = 0.5  # how often a run waiting on other runs' claims looks again
+    max_computations = 2  # a trace whose rows are lost again is an error, not a loop
 
     def __init__(self, path: str | os.PathLike, settings: dict,
                  requests: Sequence[ReplayRequest],
@@ -120,6 +129,8 @@ class Checkpoint:
         self._last_write = time.monotonic()
         self._group = min(batch_size, max_traces)
         self._claimed_at = time.monotonic()
+        self._computed: Counter[str] = Counter()  # digest -> times this run claimed it
+        self._lost: dict[str, str] = {}  # digest -> why its rows were last lost
         self._claims = Claims(self.path)
         try:
             with self._claims.locked():
@@ -160,6 +171,7 @@ class Checkpoint:
                 if self._held[digest]:
                     finished.append(digest)
                 elif digest not in taken:
+                    self._count_computation(digest)
                     group.append(digest)
                     if len(group) == size:
                         break
@@ -168,6 +180,17 @@ class Checkpoint:
             del self._todo[digest]
         self._claimed_at = time.monotonic()
         return [self._requests[d] for d in group]
+
+    def _count_computation(self, digest: str) -> None:
+        """Count one more computation of ``digest``; refuse one beyond ``max_computations``."""
+        self._computed[digest] += 1
+        if self._computed[digest] > self.max_computations:
+            trace_id = self._requests[digest].trace_id
+            raise RuntimeError(
+                f"checkpoint {self.path}: trace {trace_id!r} was computed "
+                f"{self.max_computations} times and its rows were lost each time (last: "
+                f"{self._lost.get(digest, 'not written')}); stopped instead of computing it "
+                "again (the finished traces are kept)")
 
     def add(self, frame: pd.DataFrame) -> None:
         """Keep the frame of the last claimed traces; a part is written when one is due."""
@@ -215,6 +238,7 @@ class Checkpoint:
         if missing:  # claimed but never written (an engine that dropped a trace): claim again
             with self._claims.locked():
                 self._claims.set(self._claims.mine - missing)
+            self._lost.update(dict.fromkeys(missing, "no rows were written for it"))
             self._todo.update(dict.fromkeys(d for d in self._requests if d in missing))
             return None
         frame = pd.concat(frames, ignore_index=True)
@@ -230,8 +254,12 @@ class Checkpoint:
         waited = time.monotonic() - self._last_write
         due = self._buffered() >= self.max_traces or waited >= self.every_s
         if force or due:
-            self._write(pd.concat(self._buffer, ignore_index=True))
+            failed = self._write(pd.concat(self._buffer, ignore_index=True))
             self._buffer = []
+            if failed:
+                raise ImpossibleResult(f"checkpoint {self.path}: impossible results, not "
+                                       f"saved (the other traces are): {describe(failed)}",
+                                       trace_id=next(iter(failed)))
 
     def _buffered(self) -> int:
         """Traces computed and not yet written (each frame holds whole traces)."""
@@ -244,26 +272,31 @@ class Checkpoint:
             warnings.warn(f"checkpoint {self.path}: finished traces not saved ({error})",
                           RuntimeWarning, stacklevel=3)
 
-    def _write(self, frame: pd.DataFrame) -> None:
+    def _write(self, frame: pd.DataFrame) -> dict[str, list[str]]:
+        """Write the traces of ``frame`` that pass a read's checks as a part; return what is
+        wrong with the others (:func:`~trace_replay.parts.check_rows`)."""
         frame = frame.assign(trace_digest=frame["trace_id"].map(self._digest_of))
-        name = write_part(self.path, frame).name
+        # what a read would refuse is never written, so no trace comes back to compute
+        failed = check_rows(frame, top_k=self.top_k, requests=self._requests)
+        frame = frame[~frame["trace_id"].isin(failed)]
+        if frame.empty:
+            return failed
+        name = write_part(self.path, frame, self.key).name
         digests = frozenset(frame["trace_digest"])
         self._parts[name] = digests
         self._held.update(digests)
         self._last_write = time.monotonic()
         with self._claims.locked():
             self._claims.set(self._claims.mine - digests)
+        return failed
 
     def _scan(self) -> None:
         """Verify parts not seen before (other runs', earlier runs'). Call under the lock."""
         for path in sorted(self.path.glob("part-*.parquet")):
-            if path.name in self._parts:
-                continue
-            if PART_NAME.match(path.name) is None:
-                warnings.warn(f"checkpoint part {path} has no content digest (written by an "
-                              "older trace_replay); ignored, its traces are recomputed",
-                              RuntimeWarning, stacklevel=4)
-                self._parts[path.name] = frozenset()
+            if path.name in self._parts or not os.path.lexists(path):
+                continue  # seen, or moved aside by another run meanwhile
+            if not path.is_file() or PART_NAME.match(path.name) is None:
+                self._ignore(path)
                 continue
             try:
                 digests = frozenset(self._load(path)["trace_digest"])
@@ -275,6 +308,16 @@ class Checkpoint:
             self._parts[path.name] = digests
             self._held.update(digests)
 
+    def _ignore(self, path: Path) -> None:
+        """Warn once about a folder or file named like a part that is none of this version's
+        (no content digest in its name); nothing is read from it."""
+        what = ("a folder" if path.is_dir() else "not a regular file" if not path.is_file()
+                else "not a part written by this version of trace_replay (its name has no "
+                     "content digest: part-<ns>-<sha256>.parquet)")
+        warnings.warn(f"checkpoint {path} is named like a part but is {what}; ignored, "
+                      "nothing is read from it", RuntimeWarning, stacklevel=5)
+        self._parts[path.name] = frozenset()
+
     def _discard(self, name: str, error: Exception) -> None:
         """Move a failed part aside; its traces count as unfinished. Call under the lock."""
         warnings.warn(f"checkpoint part {self.path / name} is corrupt ({error}); moved to "
@@ -284,6 +327,7 @@ class Checkpoint:
             os.replace(with_error, self.path / f"{name}.corrupt")
         digests = self._parts.pop(name, frozenset())
         self._held.subtract(digests)
+        self._lost.update(dict.fromkeys(digests, f"part {name}: {error}"))
         self._todo.update(dict.fromkeys(d for d in digests
                                         if d in self._requests and not self._held[d]))
 
@@ -294,12 +338,13 @@ class Checkpoint:
         """Store ``settings`` on first use, else refuse other ones. Call under the lock."""
         file = self.path / "settings.json"
         settings = json.loads(json.dumps(settings, default=str))
-        if not file.exists():
+        if not os.path.lexists(file):
+            self._check_parts_settings()
             write_atomic(file, lambda p: p.write_text(json.dumps(settings, indent=1)))
             return
         try:
             stored = json.loads(file.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError) as error:
             raise ValueError(f"checkpoint {file} is unreadable ({error}); use a new folder"
                              ) from None
         if stored != settings:
@@ -307,6 +352,30 @@ class Checkpoint:
                              if stored.get(k) != settings.get(k))
             raise ValueError(f"checkpoint {self.path} was written with other settings "
                              f"({', '.join(changed)}); use a new folder")
+
+
+    def _check_parts_settings(self) -> None:
+        """With ``settings.json`` missing, refuse parts computed with other or unknown
+        settings; warn when there are parts (all of this run's settings). Call under the lock."""
+        parts = [p for p in self.path.glob("part-*.parquet")
+                 if p.is_file() and PART_NAME.match(p.name)]
+        other = []
+        for part in parts:
+            try:
+                if part_settings_key(part) != self.key:
+                    other.append(part.name)
+            except (CorruptPart, FileNotFoundError):
+                continue  # not a part to keep: the scan moves it aside
+        if other:
+            raise ValueError(
+                f"checkpoint {self.path}: settings.json is missing, and its parts were computed "
+                f"with other settings or do not record theirs ({len(other)} of {len(parts)}: "
+                f"{other[0]}{', …' if len(other) > 1 else ''}); restore settings.json or use a "
+                "new folder")
+        if parts:
+            warnings.warn(f"checkpoint {self.path}: settings.json was missing; written again "
+                          "from this run's settings, with which its parts were computed",
+                          RuntimeWarning, stacklevel=5)
 
 
 def _in_request_order(frame: pd.DataFrame, digests: list[str]) -> pd.DataFrame:

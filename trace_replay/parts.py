@@ -1,8 +1,9 @@
 """Checkpoint parts: Parquet files that prove their own integrity.
 
 A part's pages carry CRC checksums (``write_page_checksum``), its name carries the start of the
-SHA-256 of its bytes, and its values are checked for plausibility on read, so a flipped bit, a
-torn write or a buggy writer is detected rather than served.
+SHA-256 of its bytes, and its values are checked on read (complete traces, and scores by the
+rules every engine result passes, :func:`trace_replay.engines.validate.impossible`), so a
+flipped bit, a torn write or a buggy writer is detected rather than served.
 """
 
 from __future__ import annotations
@@ -18,32 +19,57 @@ import pandas as pd
 
 from trace_replay._io import write_atomic
 from trace_replay.engines.base import ReplayRequest
+from trace_replay.engines.validate import impossible
 
-__all__ = ["PART_NAME", "CorruptPart", "read_part", "write_part"]
+__all__ = ["PART_NAME", "CorruptPart", "check_rows", "describe", "part_settings_key",
+           "read_part", "write_part"]
 
 PART_NAME = re.compile(r"^part-\d{20}-(?P<sha>[0-9a-f]{16})\.parquet$")
-_TOLERANCE = 1e-3  # float32 scores round-tripped through float64: far above rounding
+_SETTINGS_KEY = b"trace_replay.settings_key"  # Parquet metadata: the run's settings key
 
 
 class CorruptPart(ValueError):
     """A part whose bytes, pages or values fail verification."""
 
 
-def write_part(folder: Path, frame: pd.DataFrame) -> Path:
+def write_part(folder: Path, frame: pd.DataFrame, settings_key: str | None = None) -> Path:
     """Write ``frame`` (with its ``trace_digest`` column) as a part; return its path.
 
-    The part's pages carry CRC checksums and its name the start of its bytes' SHA-256.
+    The part's pages carry CRC checksums, its name the start of its bytes' SHA-256, and its
+    metadata the ``settings_key`` of the run that computed it (:func:`part_settings_key`).
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    table = pa.Table.from_pandas(frame, preserve_index=False)
+    if settings_key is not None:
+        table = table.replace_schema_metadata(
+            {**table.schema.metadata, _SETTINGS_KEY: settings_key.encode()})
     sink = pa.BufferOutputStream()
-    pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), sink,
-                   write_page_checksum=True)
+    pq.write_table(table, sink, write_page_checksum=True)
     data = sink.getvalue().to_pybytes()
     path = folder / f"part-{time.time_ns():020d}-{hashlib.sha256(data).hexdigest()[:16]}.parquet"
     write_atomic(path, lambda temporary: temporary.write_bytes(data))
     return path
+
+
+def part_settings_key(path: Path) -> str | None:
+    """The settings key a part was written with; ``None`` when it records none.
+
+    Raises
+    ------
+    CorruptPart
+        When its metadata cannot be read.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        metadata = pq.read_schema(path).metadata or {}
+    except (pa.ArrowException, ValueError) as error:
+        raise CorruptPart(f"unreadable: {error}") from None
+    key = metadata.get(_SETTINGS_KEY)
+    return None if key is None else key.decode()
 
 
 def read_part(path: Path, *, top_k: int | None = None,
@@ -75,49 +101,101 @@ def read_part(path: Path, *, top_k: int | None = None,
         frame = pq.read_table(pa.BufferReader(data), page_checksum_verification=True).to_pandas()
     except (pa.ArrowException, OSError, ValueError) as error:
         raise CorruptPart(f"unreadable: {error}") from None
-    _check_values(frame, top_k, requests or {})
+    failed = check_rows(frame, top_k=top_k, requests=requests)
+    if failed:
+        raise CorruptPart(describe(failed))
     return frame
 
 
-def _check_values(frame: pd.DataFrame, top_k: int | None,
-                  requests: Mapping[str, ReplayRequest]) -> None:
-    """Raise :class:`CorruptPart` unless every trace's rows are complete and plausible."""
+def check_rows(frame: pd.DataFrame, *, top_k: int | None = None,
+               requests: Mapping[str, ReplayRequest] | None = None) -> dict[str, list[str]]:
+    """What is wrong with each trace's rows: complete, plausible, and its request's tokens.
+
+    Parameters
+    ----------
+    frame
+        Rows of whole traces, with ``trace_digest``, in any order.
+    top_k, requests
+        As for :func:`read_part`.
+
+    Returns
+    -------
+    dict
+        By trace id, the traces failing a check, each with what failed and at which step
+        (``"step 3: logprob nan is impossible: a logprob is a number <= 0"``); empty when
+        every row passes.
+
+    Raises
+    ------
+    CorruptPart
+        When a column is missing.
+    """
     need = {"trace_id", "trace_digest", "step", "position", "token_id", "logprob", "rank",
             "top_token_ids", "top_logprobs", "entropy"}
     if not need <= set(frame.columns):
         raise CorruptPart(f"columns {sorted(need - set(frame.columns))} missing")
-    frame = frame.sort_values(["trace_digest", "step"], kind="stable")
-    groups = frame.groupby("trace_digest", sort=False)
-    logprob, rank = frame["logprob"].to_numpy(), frame["rank"].to_numpy()
-    entropy, step = frame["entropy"].to_numpy(), frame["step"].to_numpy()
-    offsets = (frame["position"] - frame["step"]).groupby(frame["trace_digest"])
-    problems = {
-        "steps are not 0, 1, 2…": (groups.cumcount().to_numpy() != step).any(),
-        "positions are not prompt_len + step": offsets.nunique().gt(1).any(),
-        "logprob is NaN or positive": (np.isnan(logprob) | (logprob > _TOLERANCE)).any(),
-        "rank below 1": (rank < 1).any(),
-        "negative entropy": (entropy < -_TOLERANCE).any(),
-    }
-    if top_k is not None:
-        lengths = frame["top_logprobs"].map(len).to_numpy()
-        problems["top-k lists of the wrong length"] = (
-            (lengths != top_k).any() or (frame["top_token_ids"].map(len).to_numpy() != top_k).any())
-        if top_k > 0 and not problems["top-k lists of the wrong length"]:
-            top = np.stack(frame["top_logprobs"].to_numpy()).astype(np.float64)
-            within = rank <= top_k
-            at_rank = top[np.arange(len(top)), np.minimum(rank, top_k) - 1]
-            slack = _TOLERANCE * np.maximum(1.0, np.abs(logprob))
-            problems["top-k logprobs not sorted"] = (np.diff(top, axis=1) > slack[:, None]).any()
-            # rank r: r - 1 logprobs are greater, so the r-th largest is the token's own
-            problems["rank disagrees with top-k"] = (
-                (within & (np.abs(at_rank - logprob) > slack))
-                | (~within & (top[:, -1] < logprob - slack))).any()
-    for digest, rows in groups:
+    if frame.empty:
+        return {}
+    frame = frame.sort_values(["trace_digest", "step"], kind="stable").reset_index(drop=True)
+    digests = frame["trace_digest"]
+    step = frame["step"].to_numpy()
+    offsets = (frame["position"] - frame["step"]).groupby(digests)
+    problems = [  # (what is wrong, the rows showing it, the column whose value it shows)
+        ("steps are not 0, 1, 2…",
+         frame.groupby("trace_digest").cumcount().to_numpy() != step, None),
+        ("positions are not prompt_len + step",
+         (offsets.transform("first") != frame["position"] - frame["step"]).to_numpy(), None),
+        *_impossible_scores(frame, top_k),
+        *_other_tokens(frame, requests or {}),
+    ]
+    failed: dict[str, list[str]] = {}
+    for problem, bad, field in problems:
+        for row in frame.index[bad].to_series().groupby(digests[bad]).first():
+            if field is not None:
+                value = np.asarray(frame.at[row, field]).tolist()
+                problem = f"{field} {value} is impossible: {problem}"
+            failed.setdefault(frame.at[row, "trace_id"], []).append(
+                f"step {frame.at[row, 'step']}: {problem}")
+    return failed
+
+
+def _other_tokens(frame: pd.DataFrame, requests: Mapping[str, ReplayRequest]) -> list[tuple]:
+    """Each trace's first row not at its request's prompt length or not its request's token."""
+    moved, other = np.zeros(len(frame), bool), np.zeros(len(frame), bool)
+    for digest, rows in frame.groupby("trace_digest", sort=False).groups.items():
         request = requests.get(digest)
-        if request is not None and (
-                not np.array_equal(rows["token_id"].to_numpy(), request.trace_token_ids)
-                or rows["position"].iloc[0] != request.prompt_len):
-            problems[f"trace {request.trace_id!r}: tokens differ from its digest's"] = True
-    failed = [problem for problem, bad in problems.items() if bad]
-    if failed:
-        raise CorruptPart("; ".join(failed))
+        if request is None:
+            continue
+        want = np.asarray(request.trace_token_ids, dtype=np.int64)
+        got = frame.loc[rows, "token_id"].to_numpy()
+        length = min(len(got), len(want))
+        differs = np.flatnonzero(got[:length] != want[:length])
+        moved[rows[0]] = frame.at[rows[0], "position"] != request.prompt_len
+        if len(differs) or len(got) != len(want):
+            other[rows[min(differs[0] if len(differs) else length, len(rows) - 1)]] = True
+    return [("first position is not its prompt's length", moved, None),
+            ("tokens differ from its digest's", other, None)]
+
+
+def _impossible_scores(frame: pd.DataFrame, top_k: int | None) -> list[tuple]:
+    """The rows whose top-k lists are not ``top_k`` long (``None``: all of one length), or
+    whose scores an engine's result could not hold (:func:`~trace_replay.engines.validate.
+    impossible`: the same rules)."""
+    lengths = (frame["top_logprobs"].map(len).to_numpy(),
+               frame["top_token_ids"].map(len).to_numpy())
+    width = lengths[0][0] if top_k is None else top_k
+    wrong = (lengths[0] != width) | (lengths[1] != width)
+    top = (np.stack(frame["top_logprobs"].to_numpy()).astype(np.float64)
+           if width and not wrong.any() else np.zeros((len(frame), 0)))
+    rules = impossible(frame["logprob"].to_numpy(), frame["rank"].to_numpy(), top,
+                       frame["entropy"].to_numpy())
+    return [("top-k lists of the wrong length", wrong, None),
+            *((rule, rows, field) for field, rule, rows in rules)]
+
+
+def describe(failed: Mapping[str, list[str]], most: int = 5) -> str:
+    """``check_rows``'s failures as one line: the first ``most`` traces, then a count."""
+    named = [f"trace {trace_id!r}, {'; '.join(what)}"
+             for trace_id, what in list(failed.items())[:most]]
+    more = f"; and {len(failed) - most} more traces" if len(failed) > most else ""
+    return "; ".join(named) + more
