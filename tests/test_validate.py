@@ -78,6 +78,15 @@ def test_results_that_do_not_fit_the_requests_are_named(broken, problem):
         check_results([REQUEST], broken(result()), top_k=2)
 
 
+def test_an_infinite_logprob_excuses_nothing_else():
+    """A -inf logprob (probability 0) is possible, but its slack is that of 0: a positive
+    top-k logprob beside it is still impossible."""
+    rules = impossible(np.array([-math.inf]), np.array([40]), np.array([[0.5, -1.0]]),
+                       np.array([1.0]))
+    assert [(field, rows.tolist()) for field, _, rows in rules if rows.any()] == \
+        [("top_logprobs", [True])]
+
+
 def test_rules_are_masks_over_rows():
     """impossible() gives each rule's rows, so a frame of many traces is checked at once
     (checkpoint parts are read back with it)."""

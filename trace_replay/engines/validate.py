@@ -9,7 +9,8 @@ server writes as -9999.0); ``rank`` is an integer from 1 to the vocabulary size;
 logprobs are not NaN, at most 0 and in descending order; the rank agrees with them (rank
 ``r <= k``: the r-th listed logprob is the token's own, ties included; ``r > k``: every
 listed one is at least the token's); ``entropy`` is at least 0 or NaN (not computed).
-Comparisons allow :data:`ROUNDING` relative to ``max(1, |logprob|)``.
+Comparisons allow :data:`ROUNDING` relative to ``max(1, |logprob|)`` (an infinite or NaN
+logprob counting as 0).
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def impossible(logprob: np.ndarray, rank: np.ndarray, top_logprobs: np.ndarray,
     top = np.asarray(top_logprobs, dtype=np.float64).reshape(len(logprob), -1)
     entropy = np.asarray(entropy, dtype=np.float64)
     with np.errstate(invalid="ignore"):  # -inf - -inf: NaN compares False, as it should
-        slack = ROUNDING * np.maximum(1.0, np.abs(logprob))
+        # a NaN or -inf logprob gets the slack of 0, so it cannot excuse its other fields
+        slack = ROUNDING * np.maximum(1.0, np.where(np.isfinite(logprob), np.abs(logprob), 0))
         whole = np.isfinite(rank) & (rank == np.round(rank))
         highest = np.inf if vocab_size is None else vocab_size
         bound = "" if vocab_size is None else f" and <= the vocabulary size {vocab_size}"
