@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from html.parser import HTMLParser
 
 import pandas as pd
@@ -165,3 +167,23 @@ def test_token_html_displays_and_saves(tmp_path, replay_df):
     page = path.read_text(encoding="utf-8")
     assert page.startswith("<!doctype html>") and out.html in page and 'charset="utf-8"' in page
     assert "<script" not in page and "http" not in page
+
+
+def test_save_refuses_a_fifo_and_writes_through_a_link(tmp_path, replay_df):
+    """save never replaces what its path names: a FIFO is refused (not opened, so nothing
+    blocks) and stays a FIFO; a symlink stays a link and its target gets the page."""
+    out = render_tokens(replay_df, "t2")
+    fifo = tmp_path / "pipe.html"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a plain write would not block then
+    try:
+        with pytest.raises(ValueError, match="FIFO"):
+            out.save(fifo)
+    finally:
+        os.close(reader)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    target, link = tmp_path / "page.html", tmp_path / "link.html"
+    target.write_text("old")
+    link.symlink_to(target)
+    out.save(link)
+    assert link.is_symlink() and out.html in target.read_text(encoding="utf-8")

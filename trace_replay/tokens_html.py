@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from trace_replay._io import write_atomic
 from trace_replay._text import plural
 from trace_replay.analysis import compare, rank_bucket
 
@@ -65,11 +66,15 @@ class TokenHTML:
         return self.html
 
     def save(self, path: str | Path) -> Path:
-        """Write a standalone UTF-8 page holding the fragment and return its path."""
+        """Write a standalone UTF-8 page holding the fragment and return its path.
+
+        Written atomically through :func:`~trace_replay._io.write_atomic`: a symlink is
+        written through, a device, FIFO or folder is refused and left as it was.
+        """
         path = Path(path)
         head = '<!doctype html>\n<html><head><meta charset="utf-8"></head><body>'
         page = f"{head}{self.html}</body></html>\n"
-        path.write_text(page, encoding="utf-8")
+        write_atomic(path, lambda temporary: temporary.write_text(page, encoding="utf-8"))
         return path
 
 
