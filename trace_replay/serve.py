@@ -10,6 +10,10 @@ numbers those of ``engine="vllm"`` in process: float32, seed 0, no prefix cachin
 The processor is named on the command line rather than registered as a ``vllm.logits_processors``
 entry point: vLLM loads entry points into every server in the environment.
 
+Parallelism is vLLM's own (``--tensor-parallel-size 2`` among the extra options); a server of
+more than one rank starts with NVLink multicast off (:data:`MULTICAST_OFF`, where the user has
+not set those variables), see :func:`serve_environment`.
+
 This module imports only the standard library; the model is resolved when a command is built.
 """
 
@@ -26,13 +30,20 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["FORCING_PROCESSOR", "TRACE_KEY", "serve_args", "serve_command", "start_server",
-           "stop_server", "wait_for_server"]
+__all__ = ["FORCING_PROCESSOR", "MULTICAST_OFF", "TRACE_KEY", "serve_args", "serve_command",
+           "serve_environment", "server_ranks", "start_server", "stop_server", "wait_for_server"]
 
 FORCING_PROCESSOR = "trace_replay.engines.vllm_engine:TraceForcingProcessor"
 TRACE_KEY = "trace_replay_token_ids"  # the SamplingParams.extra_args key the processor reads
 _CPU_ARGS = ("--enforce-eager", "--gpu-memory-utilization", "0.3")  # as engine="vllm" on CPU
 _ENTRY = "vllm.entrypoints.launchers.api_server.entry"  # what `vllm serve` runs, as a module
+# NVLink multicast off in NCCL, PyTorch's symmetric memory and NVSHMEM: on a shared multi-GPU
+# host a program that uses it can put the host's GPUs out of service
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                 "NVSHMEM_DISABLE_NVLS": "1"}
+# vllm serve's parallelism options, long and short spellings
+_RANK_OPTIONS = (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp"),
+                 ("--data-parallel-size", "-dp"))
 
 
 def serve_args(served_model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
@@ -86,14 +97,49 @@ def serve_command(model: str | os.PathLike | None = None, *, host: str = "127.0.
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", folder, *args]
 
 
+def server_ranks(command: Sequence[str]) -> int:
+    """The processes (devices) ``command``'s server runs: tensor x pipeline x data parallel
+    sizes as its options give them (the last of each wins, as in vLLM)."""
+    sizes = {long: 1 for long, _ in _RANK_OPTIONS}
+    for i, arg in enumerate(command):
+        for long, short in _RANK_OPTIONS:
+            if arg in (long, short) and i + 1 < len(command):
+                sizes[long] = _size(long, command[i + 1])
+            elif arg.startswith((long + "=", short + "=")):
+                sizes[long] = _size(long, arg.split("=", 1)[1])
+    ranks = 1
+    for size in sizes.values():
+        ranks *= size
+    return ranks
+
+
+def _size(option: str, value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{option} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def serve_environment(command: Sequence[str],
+                      environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment to run ``command`` in: ``environ`` (default ``os.environ``), plus,
+    when its server runs more than one rank, each of :data:`MULTICAST_OFF` not set there."""
+    env = dict(os.environ if environ is None else environ)
+    if server_ranks(command) > 1:
+        for key, value in MULTICAST_OFF.items():
+            env.setdefault(key, value)
+    return env
+
+
 def start_server(command: Sequence[str], log_path: str | os.PathLike) -> subprocess.Popen:
-    """Start ``command`` in its own process group, output to ``log_path``.
+    """Start ``command`` in its own process group (environment: :func:`serve_environment`),
+    output to ``log_path``.
 
     Stop it with :func:`stop_server`, which ends vLLM's engine and worker processes too.
     """
+    env = serve_environment(command)
     with open(log_path, "wb") as log:
         return subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True, env=env)
 
 
 def wait_for_server(base_url: str, process: subprocess.Popen | None = None, *,

@@ -18,7 +18,14 @@ interpreter instead, and :func:`hosted_startup` undoes what it leaves behind:
 
 Start-up is quiet unless ``verbose``: vLLM's logger is held at ERROR for the engine's life
 (:class:`QuietLogs`), Python warnings raised during start-up are dropped, and lines printed
-by C++ code to the process's stderr are held back and shown only if start-up fails.
+by C++ code to the process's stderr are held back and shown only if start-up fails. Where
+start-up leaves processes running (tensor or pipeline parallelism: vLLM's executor starts one
+worker process per device, with the engine core here or in its own process), stderr is not
+held: those processes inherit it, and what they print later (a worker's traceback) must reach
+the terminal, not a deleted file.
+
+With several GPUs, :func:`multicast_off` keeps NVLink multicast off in the engine's processes
+(NCCL, PyTorch symmetric memory, NVSHMEM) unless the user chose otherwise.
 
 No vllm import here: this module also wraps the import of vllm itself.
 """
@@ -38,7 +45,10 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-__all__ = ["IN_PROCESS_ENV", "QuietLogs", "engine_core_mode", "hosted_startup", "quiet_startup"]
+from trace_replay.serve import MULTICAST_OFF
+
+__all__ = ["IN_PROCESS_ENV", "MULTICAST_OFF", "QuietLogs", "engine_core_mode", "hosted_startup",
+           "multicast_off", "quiet_startup"]
 
 IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 _LOGGER = "vllm"
@@ -95,15 +105,16 @@ def _held_stderr() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def quiet_startup(verbose: bool) -> Iterator[None]:
-    """Drop vLLM's log records below ERROR and Python warnings, hold back C-level stderr,
-    while vLLM imports or starts."""
+def quiet_startup(verbose: bool, *, hold_stderr: bool = True) -> Iterator[None]:
+    """Drop vLLM's log records below ERROR and Python warnings, hold back C-level stderr
+    (unless ``hold_stderr`` is False), while vLLM imports or starts."""
     if verbose:
         yield
         return
     logs = QuietLogs(verbose)
     try:
-        with warnings.catch_warnings(), _held_stderr():
+        with warnings.catch_warnings(), \
+                _held_stderr() if hold_stderr else contextlib.nullcontext():
             warnings.simplefilter("ignore")
             yield
     finally:
@@ -111,8 +122,25 @@ def quiet_startup(verbose: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def hosted_startup(verbose: bool) -> Iterator[None]:
-    """Start vLLM in this process, then put back what its start-up changed (module doc)."""
+def multicast_off(enabled: bool) -> Iterator[None]:
+    """While the block runs (an engine starts its processes), set each of
+    :data:`MULTICAST_OFF` the user has not set; then remove exactly those again."""
+    added = {k: v for k, v in MULTICAST_OFF.items() if k not in os.environ} if enabled else {}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
+@contextlib.contextmanager
+def hosted_startup(verbose: bool, *, workers: bool = False) -> Iterator[None]:
+    """Start vLLM in this process, then put back what its start-up changed (module doc).
+
+    ``workers``: start-up leaves processes running (tensor or pipeline parallelism), so
+    stderr is not held back (they inherit it).
+    """
     environ = dict(os.environ)
     set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
     rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
@@ -121,7 +149,7 @@ def hosted_startup(verbose: bool) -> Iterator[None]:
         # vLLM's own logging set-up would put its logger back to INFO
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     try:
-        with quiet_startup(verbose):
+        with quiet_startup(verbose, hold_stderr=not workers):
             yield
     finally:
         torch.set_num_threads = set_num_threads

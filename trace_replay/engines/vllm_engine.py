@@ -18,6 +18,17 @@ when it is ready. On the CPU its KV cache is sized to the work it can be given
 (``max_num_seqs x max_model_len``, at most 30% of memory), so engines coexist. Entropy is
 not reported by vLLM; the column is NaN for this engine.
 
+Tensor and pipeline parallelism (``engine_args={"tensor_parallel_size": 2}``) are vLLM's:
+its executor starts one worker process per device (forked, or spawned where the caller has
+already initialized CUDA, and a spawned worker re-imports ``__main__``, so such scripts need
+the ``if __name__ == "__main__":`` guard), also with the engine core in this process. Every
+rank samples from the gathered logits with its own copy of the sampler state, so the native
+path and the forcing processor (one instance per rank, fed the same requests) force the same
+token on every rank. Sizes are checked before vLLM starts (positive integers; on CUDA no more
+devices than are visible; vLLM's CPU build runs them over gloo) and recorded in
+``settings()``; with several GPUs, NVLink multicast is kept off for the engine's processes
+(:func:`~trace_replay.engines.inprocess.multicast_off`).
+
 ``deterministic=True`` turns on vLLM's own batch-invariant mode (``VLLM_BATCH_INVARIANT=1``
 for the engine's processes) where vLLM supports it — NVIDIA GPUs of compute capability
 >= 8.0, AMD Instinct, Intel XPU. Elsewhere (the CPU build) vLLM has no such mode: the run
@@ -30,6 +41,7 @@ import gc
 import inspect
 import itertools
 import json
+import math
 import os
 import sys
 import time
@@ -45,7 +57,8 @@ from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 
 from trace_replay.engines.base import EngineBase, EngineConfig, ReplayRequest, TraceResult
-from trace_replay.engines.inprocess import QuietLogs, engine_core_mode, hosted_startup
+from trace_replay.engines.inprocess import (QuietLogs, engine_core_mode, hosted_startup,
+                                            multicast_off)
 from trace_replay.engines.threads import engine_threads, intra_op_threads
 from trace_replay.engines.vllm_forcing import (
     FORCED_LOGIT, WORKER_EXTENSION, ForcingWorkerExtension, TraceForcingProcessor, model_runner,
@@ -55,8 +68,9 @@ from trace_replay.models import hf_folder, model_label, resolve_dtype
 from trace_replay.serve import TRACE_KEY
 from trace_replay.trace_record import TraceError
 
-__all__ = ["FORCED_LOGIT", "VLLMEngine", "TraceForcingProcessor", "ForcingWorkerExtension",
-           "WORKER_EXTENSION", "read_lengths_only", "supports_native_trace_replay"]
+__all__ = ["FORCED_LOGIT", "PARALLEL_OPTIONS", "VLLMEngine", "TraceForcingProcessor",
+           "ForcingWorkerExtension", "WORKER_EXTENSION", "parallel_sizes", "read_lengths_only",
+           "supports_native_trace_replay"]
 
 
 def _has_param(name: str) -> bool:
@@ -87,35 +101,71 @@ def native_unavailable(native: bool | None) -> str | None:
     return None
 
 
+PARALLEL_OPTIONS = ("tensor_parallel_size", "pipeline_parallel_size")
+
+
+def parallel_sizes(args: dict, cuda_devices: int | None) -> dict[str, int]:
+    """The tensor and pipeline parallel sizes of vLLM arguments ``args``, checked.
+
+    Each must be a positive integer (absent: 1). ``cuda_devices`` is the number of CUDA
+    devices visible (None without CUDA: vLLM's CPU build runs ranks as processes over gloo,
+    so any size is taken); their product, one device per rank, must not exceed it.
+    Returns ``{"tensor_parallel_size": ..., "pipeline_parallel_size": ...}``.
+    """
+    sizes = {}
+    for option in PARALLEL_OPTIONS:
+        value = args.get(option, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"engine_args[{option!r}] must be a positive integer, "
+                             f"got {value!r}")
+        sizes[option] = value
+    ranks = sizes["tensor_parallel_size"] * sizes["pipeline_parallel_size"]
+    if cuda_devices is not None and ranks > cuda_devices:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise ValueError(
+            f"tensor_parallel_size {sizes['tensor_parallel_size']} x pipeline_parallel_size "
+            f"{sizes['pipeline_parallel_size']} needs {ranks} CUDA devices, one per rank, but "
+            f"{cuda_devices} {'is' if cuda_devices == 1 else 'are'} visible"
+            + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""))
+    return sizes
+
+
 # vLLM's KV cache block, in tokens: a request holds whole blocks
 _BLOCK = 16
 
 
 def kv_cache_bytes(folder: str | os.PathLike, dtype: torch.dtype, max_num_seqs: int,
-                   max_model_len: int | None) -> int:
-    """KV cache bytes for ``max_num_seqs`` requests of ``max_model_len`` tokens each.
+                   max_model_len: int | None, *, tensor_parallel_size: int = 1,
+                   pipeline_parallel_size: int = 1) -> int:
+    """KV cache bytes one rank holds for ``max_num_seqs`` requests of ``max_model_len``
+    tokens each.
 
     Reads the layer, key-value head and head sizes from the folder's ``config.json``;
-    ``max_model_len`` None means the model's ``max_position_embeddings``.
+    ``max_model_len`` None means the model's ``max_position_embeddings``. A rank holds its
+    share of the key-value heads (at least one: vLLM replicates heads when there are fewer
+    than ``tensor_parallel_size``) and of the layers.
     """
     config = json.loads((Path(folder) / "config.json").read_text())
     config = config.get("text_config", config)
     heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    heads = max(1, heads // tensor_parallel_size)
+    layers = -(-config["num_hidden_layers"] // pipeline_parallel_size)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    per_token = 2 * config["num_hidden_layers"] * heads * head_dim * dtype.itemsize
+    per_token = 2 * layers * heads * head_dim * dtype.itemsize
     tokens = max_model_len or config["max_position_embeddings"]
     blocks = -(-tokens // _BLOCK) + 1  # a block of slack per request
     return max_num_seqs * blocks * _BLOCK * per_token
 
 
-def _cpu_kv_cache_bytes(args: dict, dtype: torch.dtype) -> int:
-    """The CPU build's KV cache: the work the engine can be given, at most 30% of memory
-    (vLLM's own default there is 30% of memory, whatever the work: a second engine in the
-    same process then finds too little left)."""
+def _cpu_kv_cache_bytes(args: dict, dtype: torch.dtype, sizes: dict[str, int]) -> int:
+    """The CPU build's KV cache per rank (vLLM's ``kv_cache_memory_bytes`` is per worker):
+    the work the engine can be given, all ranks together at most 30% of memory (vLLM's own
+    default there is 30% of memory, whatever the work: a second engine in the same process
+    then finds too little left)."""
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     work = kv_cache_bytes(args["model"], dtype, args.get("max_num_seqs", _CPU_MAX_NUM_SEQS),
-                          args.get("max_model_len"))
-    return min(work, int(0.3 * memory))
+                          args.get("max_model_len"), **sizes)
+    return min(work, int(0.3 * memory) // math.prod(sizes.values()))
 
 
 # vLLM's max_num_seqs on the CPU when none is given (its LLM-class default there)
@@ -185,7 +235,9 @@ class VLLMEngine(EngineBase):
         (``max_num_seqs``) and ``top_k`` (``SamplingParams.logprobs``).
     engine_args
         Passed to ``vllm.LLM`` as they are (``tensor_parallel_size``, ``gpu_memory_utilization``,
-        ``max_model_len``…); they override the defaults chosen here.
+        ``max_model_len``…); they override the defaults chosen here. ``tensor_parallel_size``
+        and ``pipeline_parallel_size`` are checked first (:func:`parallel_sizes`) and recorded
+        in ``settings()``.
     native
         ``None`` tries the native path first where the platform can run it; ``False`` forces
         the logits-processor path; ``True`` requires the native path.
@@ -211,11 +263,15 @@ class VLLMEngine(EngineBase):
         if config.batch_size:
             args["max_num_seqs"] = config.batch_size
         args.update(engine_args or {})
-        if not torch.cuda.is_available():
+        cuda = torch.cuda.is_available()
+        self.parallel = parallel_sizes(args, torch.cuda.device_count() if cuda else None)
+        ranks = math.prod(self.parallel.values())
+        if not cuda:
             # the CPU build compiles the model with inductor at start-up (minutes on 2 cores)
             args.setdefault("enforce_eager", True)
             if "kv_cache_memory_bytes" not in args and "gpu_memory_utilization" not in args:
-                args["kv_cache_memory_bytes"] = _cpu_kv_cache_bytes(args, resolve_dtype(config.dtype))
+                args["kv_cache_memory_bytes"] = _cpu_kv_cache_bytes(
+                    args, resolve_dtype(config.dtype), self.parallel)
         self.llm_args = dict(args)  # what vllm.LLM is given (besides the path's own)
         self.deterministic = config.deterministic
         self.batch_invariant_note = (batch_invariance_unavailable(config.device)
@@ -233,8 +289,11 @@ class VLLMEngine(EngineBase):
               "model takes a while; make_engine once and reuse the engine)", file=sys.stderr,
               flush=True)
         try:
-            # VLLM_BATCH_INVARIANT is read as LLM(...) starts
-            with batch_invariant_env(self.batch_invariant), hosted_startup(verbose):
+            # VLLM_BATCH_INVARIANT is read as LLM(...) starts; worker processes (ranks > 1)
+            # and an engine core of its own outlive start-up with its environment
+            workers = ranks > 1 or self.engine_core != "in-process"
+            with batch_invariant_env(self.batch_invariant), multicast_off(cuda and ranks > 1), \
+                    hosted_startup(verbose, workers=workers):
                 # an earlier engine's start-up cached the environment this one reads
                 getattr(vllm_envs, "disable_envs_cache", lambda: None)()
                 self._start(args, native)
@@ -248,8 +307,8 @@ class VLLMEngine(EngineBase):
         self.max_model_len = config.max_model_len
         self.batch_size = self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        # in-process on CPU, vLLM's forward runs on this process's threads
-        self.threads = (engine_threads() if self.device == "cpu"
+        # in-process on CPU with one rank, vLLM's forward runs on this process's threads
+        self.threads = (engine_threads() if self.device == "cpu" and ranks == 1
                         and self.engine_core == "in-process" else None)
 
     def stats(self) -> dict:
@@ -285,7 +344,8 @@ class VLLMEngine(EngineBase):
         import vllm
 
         settings = {**super().settings(), "vllm_version": vllm.__version__,
-                    "logprobs_mode": "raw_logprobs", "engine_core": self.engine_core}
+                    "logprobs_mode": "raw_logprobs", "engine_core": self.engine_core,
+                    **self.parallel}
         settings["model_runner"] = self.model_runner
         if self.native_error:
             settings["native_unavailable"] = self.native_error
