@@ -56,15 +56,31 @@ def test_more_ranks_than_cuda_devices_are_refused_naming_both(vllm_engine, monke
         vllm_engine.parallel_sizes({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, 2)
 
 
-def test_sizes_are_taken_as_given(vllm_engine):
-    """Absent sizes are 1; sizes that fit the devices (or any, on vLLM's CPU build, which runs
-    ranks as processes over gloo) come back as the settings record them."""
+def test_sizes_are_taken_as_given(vllm_engine, monkeypatch):
+    """Absent sizes are 1; sizes that fit the devices (on vLLM's CPU build, ranks whose
+    threads are bound by VLLM_CPU_OMP_THREADS_BIND) come back as the settings record them."""
     assert vllm_engine.parallel_sizes({}, None) == {"tensor_parallel_size": 1,
                                                     "pipeline_parallel_size": 1}
     assert vllm_engine.parallel_sizes({"tensor_parallel_size": 2}, 2) == {
         "tensor_parallel_size": 2, "pipeline_parallel_size": 1}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1|0|1")
     assert vllm_engine.parallel_sizes({"tensor_parallel_size": 4}, None)[
         "tensor_parallel_size"] == 4
+
+
+def test_cpu_ranks_without_numa_nodes_or_a_binding_are_refused(vllm_engine, monkeypatch):
+    """On vLLM's CPU build, more ranks than NUMA nodes with automatic thread binding: a clear
+    error naming the sizes, the nodes and VLLM_CPU_OMP_THREADS_BIND with an example (vLLM
+    itself fails later with an assertion in its worker start-up)."""
+    from vllm.utils.cpu_resource_utils import get_visible_memory_node
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("VLLM_CPU_SIM_MULTI_NUMA", raising=False)
+    ranks = len(get_visible_memory_node()) + 1
+    with pytest.raises(ValueError, match=rf"binds each of the {ranks} ranks to a NUMA node.*"
+                                         r"set VLLM_CPU_OMP_THREADS_BIND to one CPU list per "
+                                         r"rank, e\.g\. '0\|1"):
+        vllm_engine.parallel_sizes({"tensor_parallel_size": ranks}, None)
 
 
 def test_a_cpu_rank_sizes_its_kv_cache_to_its_share(vllm_engine, tmp_path):

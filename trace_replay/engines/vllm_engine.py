@@ -25,7 +25,8 @@ the ``if __name__ == "__main__":`` guard), also with the engine core in this pro
 rank samples from the gathered logits with its own copy of the sampler state, so the native
 path and the forcing processor (one instance per rank, fed the same requests) force the same
 token on every rank. Sizes are checked before vLLM starts (positive integers; on CUDA no more
-devices than are visible; vLLM's CPU build runs them over gloo) and recorded in
+devices than are visible; vLLM's CPU build runs them over gloo, one NUMA node or
+``VLLM_CPU_OMP_THREADS_BIND`` CPU list per rank) and recorded in
 ``settings()``; with several GPUs, NVLink multicast is kept off for the engine's processes
 (:func:`~trace_replay.engines.inprocess.multicast_off`).
 
@@ -102,14 +103,17 @@ def native_unavailable(native: bool | None) -> str | None:
 
 
 PARALLEL_OPTIONS = ("tensor_parallel_size", "pipeline_parallel_size")
+_CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM CPU: "auto" binds each rank to a NUMA node
 
 
 def parallel_sizes(args: dict, cuda_devices: int | None) -> dict[str, int]:
     """The tensor and pipeline parallel sizes of vLLM arguments ``args``, checked.
 
     Each must be a positive integer (absent: 1). ``cuda_devices`` is the number of CUDA
-    devices visible (None without CUDA: vLLM's CPU build runs ranks as processes over gloo,
-    so any size is taken); their product, one device per rank, must not exceed it.
+    devices visible; their product, one device per rank, must not exceed it. ``None``: no
+    CUDA, vLLM's CPU build, which runs ranks as processes over gloo, each bound to a NUMA node
+    of its own unless ``VLLM_CPU_OMP_THREADS_BIND`` gives each rank its CPUs: too few nodes
+    are refused here, not deep in vLLM's start-up.
     Returns ``{"tensor_parallel_size": ..., "pipeline_parallel_size": ...}``.
     """
     sizes = {}
@@ -127,6 +131,17 @@ def parallel_sizes(args: dict, cuda_devices: int | None) -> dict[str, int]:
             f"{sizes['pipeline_parallel_size']} needs {ranks} CUDA devices, one per rank, but "
             f"{cuda_devices} {'is' if cuda_devices == 1 else 'are'} visible"
             + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""))
+    if cuda_devices is None and ranks > 1 and os.environ.get(_CPU_BIND, "auto") == "auto":
+        from vllm.utils.cpu_resource_utils import get_visible_memory_node
+
+        nodes = len(get_visible_memory_node())
+        if nodes < ranks and os.environ.get("VLLM_CPU_SIM_MULTI_NUMA", "0") == "0":
+            raise ValueError(
+                f"tensor_parallel_size {sizes['tensor_parallel_size']} x pipeline_parallel_size "
+                f"{sizes['pipeline_parallel_size']} on vLLM's CPU build binds each of the {ranks} "
+                f"ranks to a NUMA node of its own, and {nodes} {'is' if nodes == 1 else 'are'} "
+                f"visible: set {_CPU_BIND} to one CPU list per rank, e.g. "
+                f"{'|'.join(str(i) for i in range(ranks))!r}")
     return sizes
 
 
