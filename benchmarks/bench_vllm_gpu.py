@@ -11,9 +11,26 @@ range printed. Greedy is timed as a user runs it (``LLM.generate``, top-5 raw lo
 ``ignore_eos``); replay as ``engine.run`` (the package's requests and result arrays
 included). Weights are random (``shapes.py``); speed does not depend on their values.
 
+Tensor parallelism (``--tp 2``, issue 33): the three engines run at that size, and the
+``agreement`` part replays the same on- and off-policy traces (every 7th token replaced)
+through native and forcing at TP=1 and at ``--tp``, one engine at a time, eager, and prints
+the bf16 statistics: median and max |Δ logprob|, rank agreement, tokens followed exactly;
+the ``served`` part adds ``trace-replay serve``'s server at ``--tp`` (``vllm serve`` with the
+forcing processor, ``--tensor-parallel-size``) replayed through ``engine="vllm-server"``,
+against TP=1 forcing (the model folder gets a byte-level tokenizer for the server's checks).
+``--layers`` builds a model of a shape's widths with fewer layers (``llama-3.1-70b
+--layers 40``: 72.6 GB of bf16 weights, 36.3 GB per GPU at TP=2; the full 80 layers, 141 GB,
+exceed the two-GPU machine's 128 GiB disk and three TP=2 engines side by side, and the
+agreement part needs the model on one GPU too). ``--model-dir`` keeps the saved model for the
+next command (speed and agreement in separate commands fit the 10-minute limit).
+
 Usage (on the H200 with ../shared/tools/vllm-h200, see benchmarks/h200_vllm.sh)::
 
     python3 benchmarks/bench_vllm_gpu.py --shape llama-3.1-8b --batches 1,16,64,256 --rounds 5
+    python3 benchmarks/bench_vllm_gpu.py --tp 2 --shape llama-3.1-70b --layers 40 \
+        --model-dir /tmp/m70 --parts speed --batches 1,16,64 --memory 0.3
+    python3 benchmarks/bench_vllm_gpu.py --tp 2 --shape llama-3.1-70b --layers 40 \
+        --model-dir /tmp/m70 --parts agreement,served
 """
 
 from __future__ import annotations
@@ -24,6 +41,7 @@ import os
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -42,26 +60,76 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--memory", type=float, default=0.28,
                         help="gpu_memory_utilization of each of the three engines")
+    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="layers of the random model (default: the shape's own)")
+    parser.add_argument("--model-dir", default=None,
+                        help="save the random model here, or reuse the one saved there")
+    parser.add_argument("--parts", default=None,
+                        help="speed, agreement, served, comma-separated (default: speed; "
+                        "all three with --tp > 1)")
+    parser.add_argument("--check-batch", type=int, default=32,
+                        help="traces of the agreement part (as many off-policy)")
     args = parser.parse_args()
+    parts = (args.parts or ("speed,agreement,served" if args.tp > 1 else "speed")).split(",")
     # each engine core in its own process: vLLM captures CUDA graphs for one LLM per process
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    folder, vocab = model_folder(args)
+    if "speed" in parts:
+        speed(folder, vocab, args)
+    if "agreement" in parts or "served" in parts:
+        agreement(folder, vocab, args, "agreement" in parts, "served" in parts)
 
-    import vllm
+
+def model_folder(args) -> tuple[str, int]:
+    """The random model's folder (saved now, or found in ``--model-dir``) and vocabulary."""
+    import transformers
+
+    if args.model_dir and (Path(args.model_dir) / "config.json").is_file():
+        return args.model_dir, transformers.AutoConfig.from_pretrained(args.model_dir).vocab_size
+    folder = args.model_dir or tempfile.mkdtemp()
+    lm = random_model(args.shape, getattr(torch, args.dtype), torch.device("cuda"), args.layers)
+    lm.save_pretrained(folder)
+    vocab = lm.config.vocab_size
+    del lm
+    torch.cuda.empty_cache()
+    add_byte_tokenizer(folder)
+    return folder, vocab
+
+
+def add_byte_tokenizer(folder: str) -> None:
+    """Save a byte-level tokenizer (256 ids, no merges) in ``folder``: a server needs one, and
+    the vllm-server engine checks the server encodes text as it does."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))},
+                                     merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(folder)
+
+
+def random_prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
+    """``batch`` token-id prompts, seeded by the batch size."""
+    gen = torch.Generator().manual_seed(batch)
+    return [torch.randint(3, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+
+
+def speed(folder: str, vocab: int, args) -> None:
+    """Greedy, native and forcing side by side at ``--tp``: interleaved rounds, ratio table."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     from trace_replay.engines import make_engine
     from trace_replay.engines.base import ReplayRequest
+    from trace_replay.engines.inprocess import multicast_off
 
-    folder = tempfile.mkdtemp()
-    lm = random_model(args.shape, getattr(torch, args.dtype), torch.device("cuda"))
-    lm.save_pretrained(folder)
-    vocab = lm.config.vocab_size
-    del lm
-    torch.cuda.empty_cache()
     batches = [int(b) for b in args.batches.split(",")]
     engine_args = {"skip_tokenizer_init": True, "gpu_memory_utilization": args.memory,
-                   "max_model_len": args.prompt_len + args.new_tokens + 16}
+                   "max_model_len": args.prompt_len + args.new_tokens + 16,
+                   "tensor_parallel_size": args.tp}
 
     startup = {}
     engines = {}
@@ -71,7 +139,8 @@ def main() -> None:
                                     top_k=5, engine_args=engine_args, native=native)
         startup[path] = time.perf_counter() - start
     start = time.perf_counter()
-    plain = LLM(**engines["native"].llm_args)
+    with multicast_off(args.tp > 1):  # as the package's engines start
+        plain = LLM(**engines["native"].llm_args)
     startup["greedy"] = time.perf_counter() - start
     settings = {p: engines[p].settings() for p in engines}
     greedy_params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, logprobs=5,
@@ -87,9 +156,7 @@ def main() -> None:
 
     rows = []
     for batch in batches:
-        gen = torch.Generator().manual_seed(batch)
-        ids = [torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist()
-               for _ in range(batch)]
+        ids = random_prompts(batch, args.prompt_len, vocab)
         prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
         _, greedy = timed("greedy", prompts, None)  # warm-up; its outputs are the traces
         greedy = [o.outputs[0] for o in greedy]
@@ -115,14 +182,12 @@ def main() -> None:
     for engine in engines.values():
         engine.close()
 
-    name = torch.cuda.get_device_name()
-    print(f"\n{dt.date.today()} · {name} · vLLM {vllm.__version__} · torch {torch.__version__} · "
-          f"{args.shape} random weights · {args.dtype} · {args.prompt_len}-token prompts · "
-          f"{args.new_tokens} tokens/row · {args.rounds} interleaved rounds · start-up s: "
+    print(f"\n{header(args)} · {args.rounds} interleaved rounds · start-up s: "
           + ", ".join(f"{p} {startup[p]:.0f}" for p in PATHS))
     for path in engines:
         print(f"{path}: {settings[path]['engine_path']}, model runner "
-              f"{settings[path]['model_runner']}, engine core {settings[path]['engine_core']}")
+              f"{settings[path]['model_runner']}, engine core {settings[path]['engine_core']}, "
+              f"tensor_parallel_size {settings[path]['tensor_parallel_size']}")
     print("\nRatios: replay speed / greedy speed, the median over rounds of each round's "
           "ratio (min–max in brackets). >= 0.97 is the target.")
     print("\n| batch | greedy tok/s | native tok/s | forcing tok/s | native / greedy | "
@@ -132,6 +197,115 @@ def main() -> None:
         print(f"| {batch} | {speed['greedy']:,.0f} | {speed['native']:,.0f} | "
               f"{speed['forcing']:,.0f} | {spread(ratios['native'])} | "
               f"{spread(ratios['forcing'])} | {delta['native']:.1e}, {delta['forcing']:.1e} |")
+
+
+def header(args) -> str:
+    """The run's date, devices, versions, model and sizes, on one line."""
+    import vllm
+
+    layers = f" ({args.layers} layers)" if args.layers else ""
+    return (f"{dt.date.today()} · {torch.cuda.device_count()}x {torch.cuda.get_device_name()} · "
+            f"vLLM {vllm.__version__} · torch {torch.__version__} · {args.shape}{layers} random "
+            f"weights · {args.dtype} · TP={args.tp} · {args.prompt_len}-token prompts · "
+            f"{args.new_tokens} tokens/row")
+
+
+def agreement(folder: str, vocab: int, args, in_process: bool = True,
+              served: bool = False) -> None:
+    """Native and forcing at TP=1 and (``in_process``) at ``--tp``, and (``served``) a
+    server at ``--tp``, on the same traces, one engine at a time: the table of differences
+    of each against its TP=1 run (the server's against TP=1 forcing)."""
+    from trace_replay.engines import make_engine
+    from trace_replay.engines.base import ReplayRequest
+
+    engine_args = {"skip_tokenizer_init": True, "enforce_eager": True,
+                   "max_model_len": args.prompt_len + args.new_tokens + 16}
+    if torch.cuda.is_available():  # one engine at a time
+        engine_args["gpu_memory_utilization"] = 0.7
+    prompts = random_prompts(args.check_batch, args.prompt_len, vocab)
+    results, requests = {}, None
+    for tp in (1, args.tp) if in_process else (1,):
+        for path, native in (("native", None), ("forcing", False)):
+            engine = make_engine("vllm", folder, dtype=args.dtype, batch_size=2 * len(prompts),
+                                 top_k=5, native=native,
+                                 engine_args={**engine_args, "tensor_parallel_size": tp})
+            try:
+                if requests is None:  # TP=1 native's greedy output, then every 7th replaced
+                    traces = [ids for ids, _ in engine.generate(prompts,
+                                                                max_tokens=args.new_tokens)]
+                    requests = on_and_off_policy(prompts, traces, vocab, ReplayRequest)
+                results[tp, path] = (engine.settings()["engine_path"], engine.run(requests))
+            except RuntimeError as exc:  # a trace not followed: the finding, said below
+                results[tp, path] = (str(exc), None)
+            finally:
+                engine.close()
+    rows = [(path, path) for path in ("native", "forcing") if (args.tp, path) in results]
+    if served:
+        results[args.tp, "served"] = replay_served(folder, requests, args)
+        rows.append(("served", "forcing"))
+    print(f"\n{header(args)} · {len(requests)} traces ({len(prompts)} greedy, "
+          f"{len(prompts)} with every 7th token replaced) · eager")
+    print("\n| path | engine path at TP | median |Δ logprob| | max |Δ logprob| | "
+          "rank agreement | tokens followed exactly |")
+    print("|---|---|---:|---:|---:|---:|")
+    for path, reference in rows:
+        base, other = results[1, reference][1], results[args.tp, path][1]
+        if base is None or other is None:
+            print(f"| {path} | failed: {results[1, reference][0]} / "
+                  f"{results[args.tp, path][0]} |")
+            continue
+        delta = np.abs(np.concatenate([a.logprob - b.logprob for a, b in zip(base, other)]))
+        ranks = np.concatenate([a.rank == b.rank for a, b in zip(base, other)])
+        followed = sum(int((r.token_ids == q.trace_token_ids).sum())
+                       for r, q in zip(other, requests))
+        total = sum(q.trace_len for q in requests)
+        print(f"| {path} | {results[args.tp, path][0]} | {np.median(delta):.2e} | "
+              f"{delta.max():.2e} | {ranks.mean():.4f} | {followed}/{total} |")
+
+
+def replay_served(folder: str, requests: list, args) -> tuple[str, list | None]:
+    """Start ``trace-replay serve``'s command at ``--tp`` (in ``--dtype``, eager), replay
+    ``requests`` through ``engine="vllm-server"``, stop it: (what ran, results or None)."""
+    from trace_replay.engines import make_engine
+    from trace_replay.serve import serve_command, start_server, stop_server, wait_for_server
+
+    port = 8321
+    extra = ["--tensor-parallel-size", str(args.tp), "--dtype", args.dtype, "--enforce-eager",
+             "--max-model-len", str(args.prompt_len + args.new_tokens + 16),
+             "--max-num-seqs", str(len(requests))]
+    if torch.cuda.is_available():
+        extra += ["--gpu-memory-utilization", "0.7"]
+    command = serve_command(folder, port=port, extra_args=extra)
+    log = Path(tempfile.mkdtemp()) / "server.log"
+    process = start_server(command, log)
+    try:
+        base_url = f"http://127.0.0.1:{port}/v1"
+        wait_for_server(base_url, process, timeout_s=500, log_path=log)
+        with make_engine("vllm-server", folder, batch_size=len(requests), top_k=5,
+                         engine_args={"base_url": base_url}) as engine:
+            label = (f"vllm serve --tensor-parallel-size {args.tp}, "
+                     f"{engine.settings()['engine_path']}")
+            try:
+                return label, engine.run(requests)
+            except RuntimeError as exc:  # a trace not followed: the finding
+                return f"{label}: {exc}", None
+    finally:
+        stop_server(process)
+
+
+def on_and_off_policy(prompts, traces, vocab, request_type) -> list:
+    """Requests of ``traces`` as given, then again with every 7th token (from step 3)
+    replaced by a seeded random one."""
+    gen = torch.Generator().manual_seed(7)
+    off = []
+    for trace in traces:
+        trace = list(trace)
+        for step in range(3, len(trace), 7):
+            trace[step] = int(torch.randint(3, vocab, (1,), generator=gen))
+        off.append(trace)
+    return [request_type(f"{kind}{i}", tuple(p), tuple(t))
+            for kind, group in (("on", traces), ("off", off))
+            for i, (p, t) in enumerate(zip(prompts, group))]
 
 
 def spread(ratios: list[float]) -> str:

@@ -23,6 +23,13 @@ SHAPES = {
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 8192})),
+    "llama-3.1-70b": ("LlamaConfig", dict(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192})),
     "qwen2.5-7b": ("Qwen2Config", dict(
         vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
         num_attention_heads=28, num_key_value_heads=4, rope_theta=1000000.0,
@@ -31,11 +38,15 @@ SHAPES = {
 }  # fmt: skip
 
 
-def random_model(shape: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """A causal LM of ``shape`` with seeded random weights, initialized on ``device``."""
+def random_model(shape: str, dtype: torch.dtype, device: torch.device,
+                 layers: int | None = None) -> torch.nn.Module:
+    """A causal LM of ``shape`` with seeded random weights, initialized on ``device``;
+    ``layers`` replaces the shape's layer count (a model of its widths that fits)."""
     import transformers
 
     name, values = SHAPES[shape]
+    if layers is not None:
+        values = {**values, "num_hidden_layers": layers}
     config = getattr(transformers, name)(**values, pad_token_id=0)
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
