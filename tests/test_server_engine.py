@@ -436,11 +436,14 @@ def test_crafted_server_honest_answers_replay(crafted):
     ({"logprob": -0.2, "rank": 3}, "rank", "rank = 3"),  # beats both listed, ranked below them
     ({"top_logprobs": [{"token_id": 900, "logprob": 0.25, "rank": 1},
                        {"token_id": 282, "logprob": -1.0, "rank": 2}]}, "top_logprobs", "0.25"),
+    ({"top_logprobs": [{"token_id": 900, "logprob": -0.5, "rank": 1},
+                       {"token_id": 900, "logprob": -1.0, "rank": 2}]}, "top_token_ids",
+     "[900, 900]"),  # one alternative listed twice
 ])  # fmt: skip
 def test_impossible_server_answers_are_errors(crafted, change, field, shown):
     """A server answering a positive or NaN logprob, rank 0, a rank the listed alternatives
-    contradict, or a positive alternative is an error naming the trace, the step, the field
-    and the value."""
+    contradict, a positive alternative or one listed twice is an error naming the trace, the
+    step, the field and the value."""
     with pytest.raises(ImpossibleResult, match=r"trace 'crafted', step 1: ") as error:
         _replay_crafted(crafted, lambda step, entry: {**entry, **change} if step == 1 else entry)
     assert (error.value.trace_id, error.value.step, error.value.field) == ("crafted", 1, field)
@@ -461,10 +464,12 @@ def test_no_part_holds_an_impossible_answer(crafted, tmp_path):
      r"trace 'crafted': .*logprobs.content lists 2 steps where 3 were expected"),
     (lambda step, entry: {**entry, "rank": 1.5} if step == 1 else entry,
      r"trace 'crafted': .*step 1: rank 1.5 is not an integer"),
+    (lambda step, entry: {**entry, "logprob": -3.0, "rank": 10**30} if step == 1 else entry,
+     r"trace 'crafted': OverflowError"),
 ])  # fmt: skip
 def test_malformed_server_answers_name_the_trace(crafted, craft, problem):
-    """A logprob list shorter than the trace, or a fractional rank, is an error naming the
-    trace and what was expected."""
+    """A logprob list shorter than the trace, a fractional rank, or a rank too large for an
+    integer column, is an error naming the trace and what was wrong."""
     with pytest.raises(ServerError, match=problem):
         _replay_crafted(crafted, craft)
 

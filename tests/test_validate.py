@@ -20,13 +20,13 @@ REQUEST = ReplayRequest("t", (1, 2), (7, 8, 9))
 def result(**change) -> TraceResult:
     """A possible 3-step result of REQUEST (top_k=2), with ``change`` applied to step 1."""
     fields = {"logprob": np.array([-0.5, -1.0, -math.inf]), "rank": np.array([1, 2, 40]),
-              "top_logprobs": np.array([[-0.5, -1.5], [-0.25, -1.0], [-0.1, -3.0]]),
+              "top_logprobs": np.array([[-0.5, -1.5], [-0.5, -1.0], [-0.1, -3.0]]),
+              "top_token_ids": np.array([[7, 100], [100, 8], [100, 101]]),
               "entropy": np.array([1.0, 0.5, np.nan])}
     for name, value in change.items():
         fields[name] = fields[name].astype(np.asarray(value).dtype, copy=True)
         fields[name][1] = value
-    return TraceResult(trace_id="t", prompt_len=2, token_ids=np.array([7, 8, 9]),
-                       top_token_ids=np.zeros((3, 2), dtype=np.int64), **fields)
+    return TraceResult(trace_id="t", prompt_len=2, token_ids=np.array([7, 8, 9]), **fields)
 
 
 def test_possible_scores_pass():
@@ -34,8 +34,8 @@ def test_possible_scores_pass():
     entropy (not computed), a rank shared by a tie, and rounding within ROUNDING."""
     check_results([REQUEST], [result()], top_k=2, vocab_size=49152)
     check_results([REQUEST], [result(top_logprobs=[-1.0, -1.0])], top_k=2)  # tie: rank 2
-    check_results([REQUEST], [result(logprob=ROUNDING / 2, rank=1,
-                                     top_logprobs=[ROUNDING / 2, -1.0])], top_k=2)
+    check_results([REQUEST], [result(logprob=ROUNDING / 2, rank=1, top_token_ids=[8, 100],
+                                     top_logprobs=[ROUNDING / 2, -20.0])], top_k=2)
 
 
 @pytest.mark.parametrize("change, field", [
@@ -44,12 +44,20 @@ def test_possible_scores_pass():
     ({"rank": 0}, "rank"),
     ({"rank": 2.5}, "rank"),
     ({"rank": 49153}, "rank"),  # beyond the vocabulary
-    ({"rank": 1}, "rank"),  # -0.25 is listed above the token's -1.0
+    ({"rank": 1}, "rank"),  # -0.5 is listed above the token's -1.0
     ({"logprob": -0.1, "rank": 3}, "rank"),  # ranked past the top 2, yet above both
-    ({"top_logprobs": [-1.0, -0.25]}, "top_logprobs"),  # not best first
+    ({"top_logprobs": [-1.0, -0.5]}, "top_logprobs"),  # not best first
     ({"top_logprobs": [np.nan, -1.0]}, "top_logprobs"),
     ({"top_logprobs": [0.5, -1.0]}, "top_logprobs"),
     ({"entropy": -0.1}, "entropy"),
+    ({"logprob": -0.1, "top_logprobs": [-0.1, -0.1]}, "top_logprobs"),  # 0.90 + 0.90 > 1
+    ({"logprob": -0.1, "rank": 3, "top_token_ids": [100, 101], "top_logprobs": [-0.05, -0.1]},
+     "top_logprobs"),  # the token ranked past two listed ones: 0.95 + 0.90 + 0.90 > 1
+    ({"top_token_ids": [8, 100], "top_logprobs": [-0.5, -1.0]},
+     "top_logprobs"),  # token 8 listed first at -0.5, its own logprob -1.0
+    ({"top_token_ids": [100, 100]}, "top_token_ids"),  # a token listed twice
+    ({"top_token_ids": [-5, 8]}, "top_token_ids"),
+    ({"top_token_ids": [49152, 8]}, "top_token_ids"),  # beyond the vocabulary
 ])  # fmt: skip
 def test_impossible_scores_are_named(change, field):
     """Each impossible value is an ImpossibleResult naming the trace, the step, the field and
@@ -83,8 +91,8 @@ def test_an_infinite_logprob_excuses_nothing_else():
     top-k logprob beside it is still impossible."""
     rules = impossible(np.array([-math.inf]), np.array([40]), np.array([[0.5, -1.0]]),
                        np.array([1.0]))
-    assert [(field, rows.tolist()) for field, _, rows in rules if rows.any()] == \
-        [("top_logprobs", [True])]
+    assert {(field, tuple(rows)) for field, _, rows in rules if rows.any()} == \
+        {("top_logprobs", (True,))}
 
 
 def test_rules_are_masks_over_rows():

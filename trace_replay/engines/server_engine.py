@@ -198,7 +198,7 @@ class ServerEngine(EngineBase):
                 steps = generate_steps(choice["logprobs"]["content"], self.top_k, len(trace))
             else:
                 steps = completion_steps(choice["logprobs"], self.top_k, len(trace))
-        except (ServerError, AttributeError, KeyError, IndexError, TypeError,
+        except (ServerError, AttributeError, KeyError, IndexError, OverflowError, TypeError,
                 ValueError) as error:
             raise ServerError(f"trace {request.trace_id!r}: {type(error).__name__}: {error}",
                               getattr(error, "status", None)) from None

@@ -8,7 +8,9 @@ A possible score: ``logprob`` is not NaN and at most 0 (``-inf`` is probability 
 server writes as -9999.0); ``rank`` is an integer from 1 to the vocabulary size; the top-k
 logprobs are not NaN, at most 0 and in descending order; the rank agrees with them (rank
 ``r <= k``: the r-th listed logprob is the token's own, ties included; ``r > k``: every
-listed one is at least the token's); ``entropy`` is at least 0 or NaN (not computed).
+listed one is at least the token's); a listed token has its own logprob there; the top-k
+probabilities (with the token's when it is ranked past them) sum to at most 1; the top-k token
+ids are distinct ids of the vocabulary; ``entropy`` is at least 0 or NaN (not computed).
 Comparisons allow :data:`ROUNDING` relative to ``max(1, |logprob|)`` (an infinite or NaN
 logprob counting as 0).
 """
@@ -39,8 +41,9 @@ class ImpossibleResult(RuntimeError):
 
 
 def impossible(logprob: np.ndarray, rank: np.ndarray, top_logprobs: np.ndarray,
-               entropy: np.ndarray, *,
-               vocab_size: int | None = None) -> list[tuple[str, str, np.ndarray]]:
+               entropy: np.ndarray, *, vocab_size: int | None = None,
+               token_ids: np.ndarray | None = None,
+               top_token_ids: np.ndarray | None = None) -> list[tuple[str, str, np.ndarray]]:
     """The rules of a possible score, each as ``(field, problem, rows breaking it)``.
 
     Parameters
@@ -50,7 +53,10 @@ def impossible(logprob: np.ndarray, rank: np.ndarray, top_logprobs: np.ndarray,
     top_logprobs
         ``[N, k]``, best first.
     vocab_size
-        Bound of ``rank`` (``None``: not checked).
+        Bound of ``rank`` and of the top-k token ids (``None``: not checked).
+    token_ids, top_token_ids
+        ``[N]`` and ``[N, k]``: the scored tokens and the listed ones (``None``: the rules
+        about ids are not checked).
 
     Returns
     -------
@@ -62,7 +68,7 @@ def impossible(logprob: np.ndarray, rank: np.ndarray, top_logprobs: np.ndarray,
     rank = np.asarray(rank)
     top = np.asarray(top_logprobs, dtype=np.float64).reshape(len(logprob), -1)
     entropy = np.asarray(entropy, dtype=np.float64)
-    with np.errstate(invalid="ignore"):  # -inf - -inf: NaN compares False, as it should
+    with np.errstate(invalid="ignore", over="ignore"):  # -inf - -inf: NaN compares False
         # a NaN or -inf logprob gets the slack of 0, so it cannot excuse its other fields
         slack = ROUNDING * np.maximum(1.0, np.where(np.isfinite(logprob), np.abs(logprob), 0))
         whole = np.isfinite(rank) & (rank == np.round(rank))
@@ -87,6 +93,24 @@ def impossible(logprob: np.ndarray, rank: np.ndarray, top_logprobs: np.ndarray,
                           "is the token's logprob; r > k: each is at least the token's)",
                           (within & (np.abs(at_rank - logprob) > slack))
                           | (~within & (rank > k) & (top[:, -1] < logprob - slack))))
+            listed = (np.zeros(top.shape, dtype=bool) if token_ids is None or top_token_ids is None
+                      else np.asarray(top_token_ids).reshape(top.shape)
+                      == np.asarray(token_ids).reshape(-1, 1))
+            rules.append(("top_logprobs", "a token listed among the top-k has its own logprob "
+                          "there", (listed & (np.abs(top - logprob[:, None]) > slack[:, None]))
+                          .any(axis=1)))
+            # the token's own probability counts once: listed, or ranked past the list
+            own = np.where((rank > k) & ~listed.any(axis=1), np.nan_to_num(np.exp(logprob)), 0)
+            mass = np.nansum(np.exp(top), axis=1) + own
+            rules.append(("top_logprobs", "the probabilities of the top-k (and of the token "
+                          "when ranked past them) sum to at most 1", mass > 1 + k * ROUNDING))
+        if top_token_ids is not None and top.shape[1]:
+            ids = np.asarray(top_token_ids).reshape(top.shape)
+            ordered = np.sort(ids, axis=1)
+            below = "" if vocab_size is None else f" and < the vocabulary size {vocab_size}"
+            rules.append(("top_token_ids", f"top-k token ids are distinct integers >= 0{below}",
+                          (ordered[:, 0] < 0) | (ordered[:, -1] >= highest)
+                          | (np.diff(ordered, axis=1) == 0).any(axis=1)))
     return rules
 
 
@@ -112,7 +136,10 @@ def _check_scores(result: TraceResult, vocab_size: int | None) -> None:
     """Raise at the first rule of :func:`impossible` that a step of ``result`` breaks."""
     values = {"logprob": result.logprob, "rank": result.rank,
               "top_logprobs": result.top_logprobs, "entropy": result.entropy}
-    for field, rule, rows in impossible(*values.values(), vocab_size=vocab_size):
+    rules = impossible(*values.values(), vocab_size=vocab_size, token_ids=result.token_ids,
+                       top_token_ids=result.top_token_ids)
+    values["top_token_ids"] = result.top_token_ids
+    for field, rule, rows in rules:
         if rows.any():
             step = int(np.argmax(rows))
             shown = f"{field} = {_show(values[field][step])}"
