@@ -230,3 +230,15 @@ def test_unknown_hue_names_the_valid_columns(cmp, replay_df, plot):
     with pytest.raises(ValueError, match=r"hue='pairs' is not a column of data; valid hue "
                                          r"columns: trace_id, step, .*token_id"):
         plot(data, hue="pairs")
+
+
+@pytest.mark.parametrize("plot", [plot_delta_hist, plot_logprob_scatter])
+def test_comparison_plots_refuse_a_replay_frame_by_name(replay_df, plot):
+    """A replay frame where a comparison is needed is a ValueError naming the function and
+    pointing at compare() (was a bare KeyError 'delta' / 'logprob_a'); a column that a
+    comparison frame lacks is named too."""
+    with pytest.raises(ValueError, match=rf"{plot.__name__} needs a comparison frame .*compare"):
+        plot(replay_df)
+    cmp = compare(replay_df, "ref")
+    with pytest.raises(ValueError, match=rf"{plot.__name__}: \['nope'\] not among the columns"):
+        plot(cmp, x="nope")

@@ -9,7 +9,8 @@ import pandas as pd
 import pytest
 
 from trace_replay.analysis import compare
-from trace_replay.ranks import RANK_BUCKETS, rank_bucket, rank_bucket_transitions, trace_summary
+from trace_replay.ranks import (RANK_BUCKETS, engine_table, rank_bucket, rank_bucket_transitions,
+                                trace_summary)
 
 
 def frame(logprob, rank=None, *, trace_id="t", step=None, **extra) -> pd.DataFrame:
@@ -106,3 +107,13 @@ def test_rank_fractions_skip_unknown_ranks():
     df["rank"] = pd.array([1, pd.NA, 20], dtype="Int64")
     summary = trace_summary(df).iloc[0]
     assert (summary.frac_rank_le_1, summary.frac_rank_le_100) == (0.5, 1.0)
+
+
+def test_single_run_summaries_refuse_a_comparison_frame_by_name(replay_df):
+    """trace_summary and engine_table take one run's replay frame: a comparison frame is a
+    ValueError naming the function and pointing at summarize (was a bare KeyError 'logprob')."""
+    cmp = compare(replay_df, "ref")
+    with pytest.raises(ValueError, match=r"trace_summary needs a replay frame .*summarize\(cmp\)"):
+        trace_summary(cmp)
+    with pytest.raises(ValueError, match=r"engine_table \(run 'x'\) needs a replay frame"):
+        engine_table({"x": cmp})

@@ -31,6 +31,7 @@ from trace_replay._figures import (
 )
 from trace_replay._text import plural
 from trace_replay.analysis import NegativeEstimateWarning, summarize
+from trace_replay.mismatch import require_comparison
 from trace_replay.ranks import RANK_BUCKETS, rank_bucket
 from trace_replay.trace_plot import plot_trace
 
@@ -52,6 +53,17 @@ def _is_comparison(df: pd.DataFrame) -> bool:
 def _check_hue(data: pd.DataFrame, hue: str | None) -> None:
     if hue is not None and hue not in data.columns:
         raise ValueError(f"hue={hue!r} is not a column of data; valid hue columns: "
+                         f"{', '.join(map(str, data.columns))}")
+
+
+def _check_columns(data: pd.DataFrame, caller: str, *columns: str) -> None:
+    """Raise a `ValueError` naming ``caller`` and the ``columns`` that ``data`` lacks (a replay
+    frame given where a comparison is needed: `require_comparison`'s message)."""
+    missing = [c for c in columns if c not in data.columns]
+    if missing and not _is_comparison(data):
+        require_comparison(data, caller)
+    if missing:
+        raise ValueError(f"{caller}: {missing} not among the columns of data: "
                          f"{', '.join(map(str, data.columns))}")
 
 
@@ -211,6 +223,7 @@ def plot_delta_hist(
     >>> [text.get_text() for text in ax.get_legend().get_texts()]
     ['fp32', 'bf16']
     """
+    _check_columns(data, "plot_delta_hist", x)
     ax = own_axes(ax, (6.0, 4.0))
     values = data[x].to_numpy(dtype="float64", na_value=np.nan)
     finite = values[np.isfinite(values)]
@@ -277,6 +290,7 @@ def plot_logprob_scatter(
     >>> ax.get_xlabel(), ax.get_ylabel()
     ('logprob fp32', 'logprob bf16')
     """
+    _check_columns(data, "plot_logprob_scatter", x, y)
     ax = own_axes(ax, (5.0, 5.0))
     xs, ys = (data[c].to_numpy(dtype="float64", na_value=np.nan) for c in (x, y))
     if hue is None:

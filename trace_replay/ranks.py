@@ -24,6 +24,22 @@ _BUCKET_EDGES = [0, 10, 100, 1000, np.inf]
 RANK_CUTS = (1, 10, 100, 1000)  # frac_rank_le_<cut>; then frac_rank_gt_<last cut>
 
 
+def _require_replay(df: pd.DataFrame, caller: str) -> None:
+    """Raise a `ValueError` unless ``df`` is one run's replay frame (``logprob`` and ``rank``)."""
+    missing = [c for c in ("trace_id", "logprob", "rank") if c not in getattr(df, "columns", ())]
+    if not missing:
+        return
+    if not isinstance(df, pd.DataFrame):
+        got = f"a {type(df).__name__}"
+    elif "logprob_a" in df.columns:
+        got = ("a comparison frame (columns logprob_a, logprob_b): summarize it with "
+               "summarize(cmp), or pass one run")
+    else:
+        got = f"a frame with columns {list(df.columns)}"
+    raise ValueError(f"{caller} needs a replay frame (columns trace_id, step, logprob, rank); "
+                     f"lacking {missing}, got {got}")
+
+
 def as_float64(series: pd.Series) -> np.ndarray:
     """A numeric column as float64, missing values as NaN."""
     return pd.to_numeric(series).to_numpy(dtype="float64", na_value=np.nan)
@@ -157,6 +173,7 @@ def trace_summary(df: pd.DataFrame) -> pd.DataFrame:
       trace_id       ppl  frac_rank_le_1  first_off_top1_step
     0        t  3.211271        0.666667                    1
     """
+    _require_replay(df, "trace_summary")
     logprob = pd.Series(as_float64(df["logprob"]), index=df.index)
     rank = df["rank"].astype("Int64")
     entropy = df["entropy"] if "entropy" in df.columns else pd.Series(np.nan, index=df.index)
@@ -199,6 +216,7 @@ def engine_table(results: dict[str, pd.DataFrame]) -> pd.DataFrame:
     """
     rows = []
     for name, df in results.items():
+        _require_replay(df, f"engine_table (run {name!r})")
         rows.append({"engine": name, "path": df.attrs.get("engine_path"),
                      "traces": df["trace_id"].nunique(), "tokens": len(df),
                      "mean_logprob": df["logprob"].mean(),
