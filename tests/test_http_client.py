@@ -66,6 +66,32 @@ class Trickle:
             pass
 
 
+class TrickleHeaders(Trickle):
+    """A JSON answer whose ``pieces`` header lines come ``gap_s`` apart; ``sent`` counts
+    the lines sent before the client hung up, and ``done`` is set when the answer ends."""
+
+    def __init__(self, pieces: int, gap_s: float) -> None:
+        super().__init__(pieces, gap_s)
+        self.sent, self.done = 0, threading.Event()
+
+    def send(self, handler: BaseHTTPRequestHandler) -> None:
+        data = json.dumps({"n": 1}).encode()
+        handler.send_response(200)
+        try:
+            for i in range(self.pieces):
+                handler.send_header(f"X-Slow-{i}", "x")
+                handler.flush_headers()
+                self.sent += 1
+                time.sleep(self.gap_s)
+            handler.send_header("Content-Length", str(len(data)))
+            handler.end_headers()
+            handler.wfile.write(data)
+        except OSError:  # the client hung up: what the test expects
+            pass
+        finally:
+            self.done.set()
+
+
 @pytest.fixture(scope="module")
 def server():
     """A threaded HTTP server on a free port; tests set ``script`` and read ``seen``."""
@@ -160,9 +186,22 @@ def test_timeout_is_for_the_whole_answer(server):
         client.get("/v1/slow")
 
 
+def test_timeout_covers_headers_sent_slowly(server):
+    """timeout_s bounds the status line and headers too: a server sending header lines well
+    within timeout_s of each other, but past it in all, is cut off at the deadline and the
+    attempt counts as no answer (it was accepted when only each read was bounded)."""
+    slow = TrickleHeaders(pieces=40, gap_s=0.25)
+    client = client_for(server, {"/v1/slow": [(200, slow)]}, timeout_s=1.0, max_retries=0)
+    with pytest.raises(ServerError, match=r"no answer .* after 1 attempt \(last: TimeoutError"):
+        client.get("/v1/slow")
+    assert slow.done.wait(30)
+    assert slow.sent < slow.pieces  # the client hung up mid-headers, not after all of them
+
+
 @pytest.mark.parametrize("options, problem", [
     ({"max_retries": -1}, "max_retries must be an integer >= 0, got -1"),
     ({"timeout_s": float("nan")}, "timeout_s must be a finite number of seconds > 0"),
+    ({"timeout_s": 1e300}, r"timeout_s must be .*\(at most \d+\), got 1e\+300"),  # overflowed
     ({"backoff_s": -1}, "backoff_s must be a finite number of seconds >= 0"),
 ])  # fmt: skip
 def test_bad_options_are_refused(options, problem):

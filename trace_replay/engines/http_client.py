@@ -8,9 +8,11 @@ with its message. Only ``http://`` and ``https://`` addresses are taken.
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import math
+import socket
 import threading
 import time
 import urllib.error
@@ -66,9 +68,11 @@ class JsonClient:
         for name, value in (("timeout_s", timeout_s), ("backoff_s", backoff_s)):
             if (isinstance(value, bool) or not isinstance(value, (int, float))
                     or not math.isfinite(value) or value < 0 or (name == "timeout_s"
-                                                                 and value == 0)):
+                                                                 and value == 0)
+                    or value > threading.TIMEOUT_MAX):
                 raise ValueError(f"{name} must be a finite number of seconds "
-                                 f"{'> 0' if name == 'timeout_s' else '>= 0'}, got {value!r}")
+                                 f"{'> 0' if name == 'timeout_s' else '>= 0'} (at most "
+                                 f"{threading.TIMEOUT_MAX:.0f}), got {value!r}")
         self.root = root.rstrip("/")
         self.headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if api_key:
@@ -92,8 +96,10 @@ class JsonClient:
             request = urllib.request.Request(url, data=data, headers=self.headers,
                                              method="GET" if data is None else "POST")
             deadline = time.monotonic() + self.timeout_s
+            watchdog = _Watchdog(deadline)
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                with watchdog.opener().open(request, timeout=self.timeout_s) as response:
+                    watchdog.cancel()  # the headers came; _read_until bounds the body
                     payload = _read_until(response, deadline)
             except urllib.error.HTTPError as error:
                 lost = error.code in _RETRY_STATUS
@@ -104,7 +110,9 @@ class JsonClient:
                     http.client.HTTPException) as error:
                 reason = getattr(error, "reason", error)
                 problem = f"{type(error).__name__}: {reason}"
-                if isinstance(reason, TimeoutError):
+                if isinstance(reason, TimeoutError) or watchdog.fired:
+                    problem = (f"TimeoutError: {reason}" if isinstance(reason, TimeoutError)
+                               else "TimeoutError: cut off at the deadline")
                     problem += f" (timeout_s={self.timeout_s} for the whole answer)"
             else:
                 with self._lock:
@@ -114,6 +122,8 @@ class JsonClient:
                 except json.JSONDecodeError:
                     raise ServerError(f"{url} answered with something other than JSON: "
                                       f"{payload[:200]!r}") from None
+            finally:
+                watchdog.cancel()
             if attempt == self.max_retries:
                 break
             with self._lock:
@@ -122,6 +132,71 @@ class JsonClient:
         attempts = self.max_retries + 1
         raise ServerError(f"no answer from {url} after {attempts} attempt"
                           f"{'s' if attempts > 1 else ''} (last: {problem})")
+
+
+class _Watchdog:
+    """Shuts the sockets of one attempt down when its deadline passes.
+
+    A socket's timeout bounds each read, and restarts with every byte: a server sending its
+    status line and headers slowly would stretch an attempt without end. The body is read by
+    :func:`_read_until`; this bounds what comes before it (connecting, sending, headers).
+    """
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline, self.fired = deadline, False
+        self._timers: list[threading.Timer] = []
+
+    def opener(self) -> urllib.request.OpenerDirector:
+        """urllib's default opener, but for connections watched by this watchdog."""
+        watched = functools.partial(_WatchedHTTP, watchdog=self)
+        watched_tls = functools.partial(_WatchedHTTPS, watchdog=self)
+
+        class Plain(urllib.request.HTTPHandler):
+            def http_open(self, req):
+                return self.do_open(watched, req)
+
+        class Tls(urllib.request.HTTPSHandler):
+            def https_open(self, req):
+                return self.do_open(watched_tls, req, context=self._context)
+
+        return urllib.request.build_opener(Plain, Tls)
+
+    def watch(self, sock: socket.socket) -> None:
+        timer = threading.Timer(max(self.deadline - time.monotonic(), 0.0), self._cut, (sock,))
+        timer.daemon = True
+        self._timers.append(timer)
+        timer.start()
+
+    def cancel(self) -> None:
+        for timer in self._timers:
+            timer.cancel()
+
+    def _cut(self, sock: socket.socket) -> None:
+        self.fired = True
+        try:
+            sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked read, which then sees the end
+        except OSError:
+            pass  # already closed
+
+
+class _WatchedHTTP(http.client.HTTPConnection):
+    def __init__(self, *args: Any, watchdog: _Watchdog, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.watchdog = watchdog
+
+    def connect(self) -> None:
+        super().connect()
+        self.watchdog.watch(self.sock)
+
+
+class _WatchedHTTPS(http.client.HTTPSConnection):
+    def __init__(self, *args: Any, watchdog: _Watchdog, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.watchdog = watchdog
+
+    def connect(self) -> None:
+        super().connect()
+        self.watchdog.watch(self.sock)
 
 
 def _read_until(response: http.client.HTTPResponse, deadline: float) -> bytes:
