@@ -167,3 +167,39 @@ def test_engine_settings_beside_an_engine_object_are_named_in_english(engine):
         replay(hello, engine=engine, dtype="float32")
     with pytest.raises(ValueError, match=r"^dtype and top_k configure an engine; .* give them"):
         replay(hello, engine=engine, dtype="float32", top_k=3)
+
+
+class NanForOne:
+    """A real engine whose result for one trace gets a NaN logprob at step 0 (as a broken
+    model or server would give), counting its calls."""
+
+    def __init__(self, engine, trace_id):
+        self.engine, self.trace_id, self.calls = engine, trace_id, 0
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def run(self, requests, on_tokens=None):
+        self.calls += 1
+        results = self.engine.run(requests, on_tokens=on_tokens)
+        for result in results:
+            if result.trace_id == self.trace_id:
+                result.logprob[0] = float("nan")
+        return results
+
+
+def test_an_impossible_trace_keeps_its_batch_mates(engine, real_traces, tmp_path):
+    """One trace of a batch scored NaN: replay raises naming it, and with a checkpoint the
+    batch's other traces are saved, so a rerun resumes them and computes only that trace."""
+    from trace_replay.checkpoint import Checkpoint
+    from trace_replay.engines.validate import ImpossibleResult
+    from trace_replay.replay import prepare_requests
+
+    traces = real_traces[:4]
+    nan = NanForOne(engine, traces[1].id)
+    with pytest.raises(ImpossibleResult, match=f"trace '{traces[1].id}', step 0: .*= nan"):
+        replay(traces, engine=nan, progress=False, checkpoint=tmp_path)
+    assert nan.calls == 1  # one batch of 4
+    requests = prepare_requests(traces.tokenize(engine.tokenizer), None)[0]
+    with Checkpoint(tmp_path, engine.settings(), requests) as store:
+        assert store.resumed == 3

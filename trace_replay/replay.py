@@ -10,7 +10,7 @@ import os
 import platform
 import sys
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import pandas as pd
@@ -21,7 +21,7 @@ from trace_replay._text import plural
 from trace_replay.checkpoint import Checkpoint
 from trace_replay.engines import ENGINES, make_engine
 from trace_replay.engines.base import Engine, ReplayRequest
-from trace_replay.engines.validate import check_results
+from trace_replay.engines.validate import ImpossibleResult, check_results
 from trace_replay.frame import TokenDecoder, to_frame
 from trace_replay.trace_record import FIELDS
 from trace_replay.traces import TraceError, TraceSet, load_traces
@@ -237,6 +237,21 @@ def _check_arguments(*, shard: Any, chunk_size: Any, checkpoint_every: Any, trun
         raise ValueError(f"checkpoint must be a folder path, got {type(checkpoint).__name__}")
 
 
+def _possible(requests: list[ReplayRequest], results: list, limits: dict) -> list:
+    """Those of ``results`` (one per request, in order) that pass ``check_results``; none when
+    their count is not the requests'."""
+    if len(results) != len(requests):
+        return []
+    possible = []
+    for request, result in zip(requests, results):
+        try:
+            check_results([request], [result], **limits)
+        except ImpossibleResult:
+            continue
+        possible.append(result)
+    return possible
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -268,12 +283,22 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
             counted += tokens
             bar.update(tokens)
 
-        def run(group: list[ReplayRequest]) -> pd.DataFrame:
+        limits = {"top_k": settings.get("top_k"), "vocab_size": vocab_size}
+
+        def run(group: list[ReplayRequest],
+                keep: Callable[[pd.DataFrame], None] | None = None) -> pd.DataFrame:
+            """The checked frame of ``group``; on an impossible result, ``keep`` (when given)
+            gets the frame of the batch's possible traces before the error is raised."""
             target = counted + sum(r.trace_len for r in group)
             results = engine.run(group, on_tokens=advance)
             # the one check every engine's output passes before it is stored or returned
-            check_results(group, results, top_k=settings.get("top_k"),
-                          vocab_size=getattr(engine, "vocab_size", None))
+            try:
+                check_results(group, results, **limits)
+            except ImpossibleResult:
+                possible = _possible(group, results, limits)
+                if keep is not None and possible:  # a failed run loses no finished trace
+                    keep(to_frame(possible, by_id, decode))
+                raise
             frame = to_frame(results, by_id, decode)
             advance(max(target - counted, 0))  # an engine that reported fewer catches up
             return frame
@@ -296,7 +321,7 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
                 while result is None:
                     group = store.claim()
                     if group:
-                        store.add(run(group))
+                        store.add(run(group, keep=store.add))
                     elif not store.waiting():  # other runs hold claims on our traces: wait
                         result = store.read()  # None: a part failed verification, go on
                 advance(max(total - counted, 0))  # traces other runs sharing it replayed
