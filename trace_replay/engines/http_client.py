@@ -65,14 +65,8 @@ class JsonClient:
                              f"got {root!r}")
         if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
-        for name, value in (("timeout_s", timeout_s), ("backoff_s", backoff_s)):
-            if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not math.isfinite(value) or value < 0 or (name == "timeout_s"
-                                                                 and value == 0)
-                    or value > threading.TIMEOUT_MAX):
-                raise ValueError(f"{name} must be a finite number of seconds "
-                                 f"{'> 0' if name == 'timeout_s' else '>= 0'} (at most "
-                                 f"{threading.TIMEOUT_MAX:.0f}), got {value!r}")
+        _check_seconds("timeout_s", timeout_s, zero=False)
+        _check_seconds("backoff_s", backoff_s, zero=True)
         self.root = root.rstrip("/")
         self.headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if api_key:
@@ -132,6 +126,18 @@ class JsonClient:
         attempts = self.max_retries + 1
         raise ServerError(f"no answer from {url} after {attempts} attempt"
                           f"{'s' if attempts > 1 else ''} (last: {problem})")
+
+
+def _check_seconds(name: str, value: Any, *, zero: bool) -> None:
+    """Raise a `ValueError` unless ``value`` is a number of seconds a timer can wait."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if number and math.isfinite(value) and (value > 0 or zero and value == 0) \
+            and value <= threading.TIMEOUT_MAX:
+        return
+    too_long = number and math.isfinite(value) and value > threading.TIMEOUT_MAX
+    most = f" (at most {threading.TIMEOUT_MAX:.0f})" if too_long else ""
+    raise ValueError(f"{name} must be a finite number of seconds {'>=' if zero else '>'} 0, "
+                     f"got {value!r}{most}")
 
 
 class _Watchdog:
