@@ -403,3 +403,11 @@ def test_nonnegative_estimates_do_not_warn():
         warnings.simplefilter("error", NegativeEstimateWarning)
         dataset_summary(compare(a, a.copy()))
         summarize(compare(a, a.copy()))
+
+
+def test_duplicate_rows_are_named_whatever_the_index(replay_df):
+    """A frame holding a trace twice (pd.concat keeps the repeated index) is refused naming
+    that trace and step in one line, not a dump of the matching rows."""
+    doubled = pd.concat([replay_df, replay_df])
+    with pytest.raises(ValueError, match=r"^a .*has duplicate rows for trace 't0' step 0$"):
+        compare(doubled, replay_df)

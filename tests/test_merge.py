@@ -180,3 +180,17 @@ def test_cli_refuses_an_incomplete_set_unless_allowed(write_part, tmp_path, caps
     assert "shard 1/3 missing" in capsys.readouterr().err and not out.exists()
     assert main(["merge", *parts, "--out", str(out), "--allow-incomplete"]) == 0
     assert pd.read_parquet(out).attrs["complete"] is False
+
+
+def test_a_part_missing_rows_of_a_trace_it_records_is_refused(write_part):
+    """A shard whose rows hold fewer traces than its num_traces (a trace's rows deleted) is
+    refused naming the file and both counts, never merged as a complete set; so is a file
+    that is not a replay result."""
+    parts = [write_part("s0.parquet", ["a", "b"], (0, 2)),
+             write_part("s1.parquet", ["c"], (1, 2), num_traces=2)]
+    with pytest.raises(ValueError, match=r"s1\.parquet records 2 traces but holds rows of 1"):
+        merge_results(parts)
+    other = pd.read_parquet(parts[0]).drop(columns="logprob")
+    other.to_parquet(parts[0])
+    with pytest.raises(ValueError, match=r"s0\.parquet lacks replay columns \['logprob'\]"):
+        merge_results(parts)

@@ -105,7 +105,7 @@ def _check_frame(df: pd.DataFrame, name: str) -> None:
         raise ValueError(f"{name} lacks replay columns {missing}")
     dup = df.duplicated(_KEY)
     if dup.any():
-        row = df.loc[dup.idxmax()]
+        row = df[dup].iloc[0]  # by position: the index may repeat (a concat)
         raise ValueError(f"{name} has duplicate rows for trace {row.trace_id!r} step {row.step}")
 
 

@@ -20,6 +20,9 @@ from typing import Any
 
 import pandas as pd
 
+from trace_replay._text import plural
+from trace_replay.analysis import _check_frame
+
 __all__ = ["merge_results"]
 
 # what a part says about its own run rather than about the configuration
@@ -33,10 +36,18 @@ _IGNORED_VERSIONS = {"python", "trace-replay"}
 
 
 def _read(part: str | os.PathLike) -> pd.DataFrame:
+    """A result file whose rows hold the traces its ``num_traces`` records, each once."""
     path = Path(part)
     if not path.is_file():
         raise FileNotFoundError(f"merge: result file {path} does not exist")
-    return pd.read_parquet(path)
+    frame = pd.read_parquet(path)
+    _check_frame(frame, f"merge: result file {path}")
+    recorded, held = frame.attrs.get("num_traces"), frame["trace_id"].nunique()
+    if isinstance(recorded, int) and held != recorded:  # rows lost or added since replay
+        raise ValueError(f"merge: result file {path} records {plural(recorded, 'trace')} "
+                         f"but holds rows of {held}: it is damaged or was edited; replay "
+                         "it again")
+    return frame
 
 
 def _settings_keys(attrs: dict) -> set[str]:
@@ -151,7 +162,9 @@ def merge_results(parts: Sequence[str | os.PathLike], *,
     ValueError
         When the parts differ in a setting or a package version, replayed different trace
         sets (naming it and the files), come from different shard splits, repeat a shard,
-        miss one (unless ``allow_incomplete``), or hold the same trace twice.
+        miss one (unless ``allow_incomplete``), or hold the same trace twice; when a part is
+        not a result file (naming the columns it lacks) or holds rows of other than the
+        ``num_traces`` it records (rows deleted or added).
     FileNotFoundError
         When a part does not exist.
 
