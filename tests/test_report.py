@@ -137,3 +137,25 @@ def test_report_tables_fit_the_page_in_a_browser(comparison_page, tmp_path, widt
     assert found["page"] <= found["window"], found
     if width >= 1280:  # wide enough for every table once its headers wrap
         assert max(found["tables"]) <= found["right"] + 0.5, found
+
+
+@pytest.mark.parametrize("column, value, problem", [
+    ("logprob", float("nan"), r"logprob nan is impossible"),
+    ("logprob", 0.5, r"logprob 0.5 is impossible"),
+    ("rank", 0, r"rank 0 is impossible"),
+    ("logprob", "text", r"column 'logprob' holds \w+ values, not numbers"),
+])
+def test_report_refuses_impossible_scores(tmp_path, frames, column, value, problem):
+    """A result file whose scores no replay writes (NaN or positive logprob, rank 0, text
+    where numbers belong) is refused naming the file, trace and step, not reported as a run;
+    nothing is written."""
+    damaged = frames[0].copy()
+    if isinstance(value, str):  # the whole column as text
+        damaged[column] = damaged[column].astype(str)
+    else:
+        damaged.loc[damaged.index[5], column] = value
+    damaged.to_parquet(tmp_path / "damaged.parquet")
+    step = "" if isinstance(value, str) else ": trace 't0', step 5: "
+    with pytest.raises(ValueError, match=rf"^a: .*damaged\.parquet{step}.*{problem}"):
+        write_report(tmp_path / "damaged.parquet", out=tmp_path / "r.html")
+    assert not (tmp_path / "r.html").exists()

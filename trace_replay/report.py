@@ -15,9 +15,11 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from pandas.api.types import is_bool_dtype, is_numeric_dtype
 
 from trace_replay._figures import run_label
 from trace_replay._io import write_atomic, write_target
@@ -29,6 +31,7 @@ from trace_replay.analysis import (
     summarize,
     trace_summary,
 )
+from trace_replay.engines.validate import impossible
 from trace_replay.plots import (
     plot_delta_hist,
     plot_divergence_heatmap,
@@ -64,10 +67,32 @@ def _load(x: pd.DataFrame | str | os.PathLike, side: str) -> tuple[pd.DataFrame,
     """
     if isinstance(x, pd.DataFrame):
         _check_frame(x, side)
+        _check_scores(x, side)
         return x, None
     frame = pd.read_parquet(x)
     _check_frame(frame, f"{side}: {x} is not a replay result file: it")
+    _check_scores(frame, f"{side}: {x}")
     return frame, Path(x).stem
+
+
+def _check_scores(frame: pd.DataFrame, name: str) -> None:
+    """Refuse scores no replay writes (:func:`~trace_replay.engines.validate.impossible`:
+    a logprob that is NaN or > 0, a rank that is not an integer >= 1, columns that are not
+    numbers), naming the trace and step, so a damaged file never reports as a run."""
+    for column in ("logprob", "rank"):
+        if not is_numeric_dtype(frame[column]) or is_bool_dtype(frame[column]):
+            raise ValueError(f"{name}: column {column!r} holds {frame[column].dtype} values, "
+                             "not numbers: not a replay result")
+    if frame.empty:
+        return
+    entropy = frame["entropy"] if "entropy" in frame else pd.Series(np.nan, index=frame.index)
+    for field, rule, rows in impossible(frame["logprob"].to_numpy(), frame["rank"].to_numpy(),
+                                        np.zeros((len(frame), 0)), entropy.to_numpy()):
+        if rows.any():
+            row = frame[rows].iloc[0]
+            value, step = np.asarray(row[field]).tolist(), np.asarray(row["step"]).tolist()
+            raise ValueError(f"{name}: trace {row['trace_id']!r}, step {step}: {field} "
+                             f"{value!r} is impossible ({rule}): not a replay result")
 
 
 def _table(df: pd.DataFrame, *, index: bool = False) -> str:
