@@ -61,6 +61,7 @@ import pandas as pd
 
 from trace_replay._text import plural
 from trace_replay.mismatch import (
+    NOISE_SE,
     NegativeEstimateWarning,
     bit_mismatch,
     require_comparison,
@@ -329,8 +330,9 @@ def summarize(cmp: pd.DataFrame, *, tol: float = 1e-3) -> pd.DataFrame:
     Warns
     -----
     NegativeEstimateWarning
-        Once, when some trace's ``mean_k1`` is negative: k1 is unbiased only on tokens
-        sampled from side a, so these traces are not such samples (``mean_k3`` is >= 0).
+        Once, when some trace's ``mean_k1`` is negative by more than three standard errors
+        (beyond sampling noise): k1 is unbiased only on tokens sampled from side a, so these
+        traces are not such samples (``mean_k3`` is >= 0).
 
     Examples
     --------
@@ -361,17 +363,20 @@ def summarize(cmp: pd.DataFrame, *, tol: float = 1e-3) -> pd.DataFrame:
     out["max_ulp_distance"] = cmp["ulp_distance"].groupby(by_trace, sort=False).max()
     for side in ("a", "b"):
         out[f"ppl_{side}"] = np.exp(-g[f"logprob_{side}"].mean().astype("float64"))
-    _warn_negative_traces(out["mean_k1"])
+    se_k1 = (-finite).groupby(by_trace, sort=False).std() / np.sqrt(
+        finite.notna().groupby(by_trace, sort=False).sum())
+    _warn_negative_traces(out["mean_k1"], se_k1)
     return out.reset_index()
 
 
-def _warn_negative_traces(mean_k1: pd.Series) -> None:
-    negative = mean_k1[mean_k1 < 0]
+def _warn_negative_traces(mean_k1: pd.Series, se: pd.Series) -> None:
+    """One warning for the traces whose mean_k1 is negative beyond its standard error."""
+    negative = mean_k1[mean_k1 < -NOISE_SE * se.fillna(0)]
     if len(negative):
         lowest = negative.idxmin()
         name = (f"mean_k1 of {len(negative)} of {plural(len(mean_k1), 'trace')} "
                 f"(lowest: trace {lowest!r})")
-        warn_negative({name: negative[lowest]}, stacklevel=4)
+        warn_negative({name: (negative[lowest], se[lowest])}, stacklevel=4)
 
 
 def dataset_summary(cmp: pd.DataFrame) -> pd.DataFrame:
@@ -410,7 +415,7 @@ def dataset_summary(cmp: pd.DataFrame) -> pd.DataFrame:
     Warns
     -----
     NegativeEstimateWarning
-        When ``mean_k1``, ``chi2_token`` or ``chi2_seq`` is negative (see
+        When ``mean_k1``, ``chi2_token`` or ``chi2_seq`` is negative beyond its noise (see
         :func:`~trace_replay.mismatch.trainer_metrics`).
 
     Examples

@@ -26,10 +26,14 @@ _ASSUMPTION = (
     "or are too few: read the value as a mismatch statistic, not a divergence (mean_k3 is "
     ">= 0 on any traces)"
 )
+# a negative estimate warns when it is below zero by more than NOISE_SE standard errors: on
+# side a's own samples an estimate of a value >= 0 rarely falls that far (~0.1 %)
+NOISE_SE = 3.0
 
 
 class NegativeEstimateWarning(UserWarning):
-    """A k1 or chi-squared estimate came out negative: the traces are not samples of side a."""
+    """A k1 or chi-squared estimate came out negative beyond its sampling error: the traces
+    are not samples of side a."""
 
 
 def require_comparison(cmp: pd.DataFrame, caller: str) -> None:
@@ -49,17 +53,34 @@ def require_comparison(cmp: pd.DataFrame, caller: str) -> None:
                      f"{', '.join(_COMPARISON)}); lacking {missing}, got {got}")
 
 
-def warn_negative(estimates: Mapping[str, float], *, stacklevel: int = 3) -> None:
-    """Warn once (`NegativeEstimateWarning`) naming every estimate below zero and its value.
+def warn_negative(estimates: Mapping[str, tuple[float, float]], *,
+                  stacklevel: int = 3) -> None:
+    """Warn once (`NegativeEstimateWarning`) naming every estimate below zero by more than
+    :data:`NOISE_SE` standard errors, with its value and standard error.
 
     ``estimates`` maps a name (``mean_k1``, ``chi2_token``, a per-trace description) to a
-    k1 or chi-squared estimate; NaN is no estimate and never warns.
+    k1 or chi-squared estimate (a mean) and its standard error (NaN: unknown, as for a mean
+    of one value, when any negative value warns). An estimate within its noise of zero, as on
+    side a's own samples scored by two engines of one model, does not warn; NaN never does.
     """
-    negative = {name: value for name, value in estimates.items() if value < 0}
+    negative = {name: (value, se) for name, (value, se) in estimates.items()
+                if value < -NOISE_SE * np.nan_to_num(se)}
     if negative:
-        listed = ", ".join(f"{name} = {value:.4g}" for name, value in negative.items())
-        warnings.warn(f"negative estimate: {listed}. {_ASSUMPTION}", NegativeEstimateWarning,
-                      stacklevel=stacklevel)
+        listed = ", ".join(f"{name} = {value:.4g}" for name, (value, _) in negative.items())
+        errors = ", ".join(f"{se:.2g}" for _, se in negative.values())
+        warnings.warn(f"negative estimate: {listed}. {_ASSUMPTION}; below zero by more than "
+                      f"{NOISE_SE:g} standard errors ({errors}; nan: one value), so not noise",
+                      NegativeEstimateWarning, stacklevel=stacklevel)
+
+
+def standard_error(values: np.ndarray) -> float:
+    """The standard error of the mean of ``values`` (NaN for fewer than two)."""
+    values = np.asarray(values, dtype=np.float64)
+    if values.size < 2:
+        return np.nan
+    with np.errstate(invalid="ignore", over="ignore"):
+        return float(np.std(values, ddof=1) / np.sqrt(values.size))
+
 
 _SIGN = np.int64(0x7FFFFFFF)
 
@@ -142,8 +163,9 @@ def trainer_metrics(cmp: pd.DataFrame) -> dict[str, float]:
     k1 and the chi-squared estimates are unbiased only when the trace tokens are samples of
     side a's distribution (on-policy: a rollout's own tokens, with a the rollout engine);
     their true values are >= 0, but on fixed traces (human-written text, another model's
-    output) they can come out negative. A negative one raises a `NegativeEstimateWarning`
-    naming it and its value; k3 is >= 0 on any traces.
+    output) they can come out negative. One negative by more than three standard errors
+    (beyond sampling noise) raises a `NegativeEstimateWarning` naming it, its value and
+    standard error; k3 is >= 0 on any traces.
     - ``mean_ratio, std_ratio, min_ratio, max_ratio``: of w, population std (verl
       ``rollout_corr/rollout_is_mean``, ``_std``, ``_min``, ``_max``).
     - ``ess`` = (Σ w)² / (N Σ w²) = 1 / mean((w / mean w)²), in (0, 1]; 1 when every
@@ -223,7 +245,9 @@ def trainer_metrics(cmp: pd.DataFrame) -> dict[str, float]:
         "mean_ulp_distance": stat(np.mean, ulps),
         "max_ulp_distance": stat(np.max, ulps),
     }
-    warn_negative({name: metrics[name] for name in ("mean_k1", "chi2_token", "chi2_seq")})
+    samples = {"mean_k1": -d, "chi2_token": w**2, "chi2_seq": np.exp(2.0 * seq_sum.to_numpy())}
+    warn_negative({name: (metrics[name], standard_error(values))
+                   for name, values in samples.items()})
     return metrics
 
 
