@@ -519,3 +519,15 @@ def test_limit_must_be_at_least_one(capsys):
             _parser().parse_args(["replay", "t.jsonl", "--out", "r.parquet", "--limit", bad])
         assert done.value.code == 2
         assert f"argument --limit: expected an integer >= 1, got '{bad}'" in capsys.readouterr().err
+
+
+def test_a_bad_speculative_value_says_the_form_expected(capsys):
+    """--speculative with a K that is no integer: one line saying the METHOD[:K] form and the
+    value given (not argparse's 'invalid _speculative value'), exit 2."""
+    with pytest.raises(SystemExit) as done:
+        _parser().parse_args(["replay", "t.jsonl", "--out", "r.parquet",
+                              "--speculative", "trace:x"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --speculative: expected METHOD[:K] like trace:8" in err, err
+    assert "'trace:x'" in err and "_speculative" not in err and err.count("\n") == 1, err

@@ -72,7 +72,11 @@ def _positive_int(text: str) -> int:
 
 def _speculative(text: str) -> dict:
     method, _, k = text.partition(":")
-    return {"method": method, "num_tokens": int(k or 4)}
+    try:
+        return {"method": method, "num_tokens": int(k or 4)}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected METHOD[:K] like trace:8 (K an integer), "
+                                         f"got {text!r}") from None
 
 
 def _write_frame(df, out: str) -> None:
