@@ -60,3 +60,24 @@ def test_unreadable_parquet_names_the_file(tmp_path):
     path.write_bytes(b"PAR1 not really")
     with pytest.raises(TraceError, match=rf"{path}: not a readable Parquet file"):
         load_traces(path)
+
+
+@pytest.mark.parametrize("kind", ["parquet", "frame"])
+def test_a_typo_column_is_named_at_the_first_row_holding_it(kind, tmp_path):
+    """In a table, a column of a typo is null in the rows without it: the UnknownFieldWarning
+    names the first row that holds a value, and its trace (not row 0, whose trace has none)."""
+    import warnings
+
+    import pandas as pd
+
+    from trace_replay.trace_sources import UnknownFieldWarning
+
+    frame = pd.DataFrame([GOOD, {**GOOD, "id": "typo", "trace_tokens_ids": [5]}])
+    source = frame if kind == "frame" else tmp_path / "t.parquet"
+    if kind == "parquet":
+        frame.to_parquet(source)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UnknownFieldWarning)
+        load_traces(source)
+    assert [str(w.message).split(" unknown")[0] for w in caught] == \
+        [f"{'<DataFrame>' if kind == 'frame' else source} row 1: trace 'typo':"]

@@ -67,8 +67,9 @@ def parse_record(record: Any, location: str, *, reported: set[str] | None = None
     """Validate one raw record as a `Trace`; errors name ``location`` and the trace id.
 
     Keys that are no trace field are ignored with an `UnknownFieldWarning` naming the key,
-    ``location`` and the closest field name; a key already in ``reported`` (a set the caller
-    keeps across the records of one source) is not named again, and is added to it.
+    ``location`` and the closest field name (a key holding null is not named: nothing is
+    lost); a key already in ``reported`` (a set the caller keeps across the records of one
+    source) is not named again, and is added to it.
     """
     if not isinstance(record, Mapping):
         raise TraceError(f"expected a record, got {type(record).__name__}", location=location)
@@ -98,9 +99,11 @@ def parse_record(record: Any, location: str, *, reported: set[str] | None = None
 
 
 def _warn_unknown(record: Mapping, location: str, reported: set[str]) -> None:
-    for key in record:
+    """Warn for the unknown keys of ``record`` holding a value (a null one loses nothing, and
+    a Parquet column of a typo is null in the rows before the first that has it)."""
+    for key, value in record.items():
         name = str(key)
-        if name in FIELDS or name in _IGNORED or name.startswith(_PANDAS_INDEX):
+        if name in FIELDS or name in _IGNORED or name.startswith(_PANDAS_INDEX) or value is None:
             continue
         if name in reported:
             continue
@@ -203,8 +206,7 @@ def _frame_rows(name: str, frame: pandas.DataFrame) -> Iterator[tuple[str, Any]]
     import pandas as pd
 
     for i, record in enumerate(frame.to_dict("records")):
-        # Tabular sources mark a missing field with a null scalar (None, NaN, NA); an unknown
-        # column is kept, null or not, to be reported as it is for the other sources
-        present = {key: value for key, value in record.items() if key not in FIELDS
-                   or not (pd.api.types.is_scalar(value) and pd.isna(value))}
+        # Tabular sources mark a missing field with a null scalar (None, NaN, NA)
+        present = {key: value for key, value in record.items()
+                   if not (pd.api.types.is_scalar(value) and pd.isna(value))}
         yield f"{name} row {i}", present
