@@ -242,3 +242,13 @@ def test_comparison_plots_refuse_a_replay_frame_by_name(replay_df, plot):
     cmp = compare(replay_df, "ref")
     with pytest.raises(ValueError, match=rf"{plot.__name__}: \['nope'\] not among the columns"):
         plot(cmp, x="nope")
+
+
+@pytest.mark.parametrize("plot", [plot_divergence_heatmap, plot_first_divergence])
+def test_an_empty_comparison_is_named_not_a_nan_conversion(cmp, plot):
+    """A comparison frame with no rows (e.g. filtered to nothing) is a ValueError naming the
+    function, before any figure is made (was 'cannot convert float NaN to integer')."""
+    figures = plt.get_fignums()
+    with pytest.raises(ValueError, match=rf"^{plot.__name__}: data has no rows"):
+        plot(cmp.iloc[:0])
+    assert plt.get_fignums() == figures

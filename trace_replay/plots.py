@@ -67,6 +67,12 @@ def _check_columns(data: pd.DataFrame, caller: str, *columns: str) -> None:
                          f"{', '.join(map(str, data.columns))}")
 
 
+def _require_rows(data: pd.DataFrame, caller: str) -> None:
+    """Raise a `ValueError` naming ``caller`` when ``data`` has no rows to draw."""
+    if data.empty:
+        raise ValueError(f"{caller}: data has no rows, so there is nothing to draw")
+
+
 def _groups(data: pd.DataFrame, hue: str | None) -> list[tuple[str | None, pd.DataFrame]]:
     _check_hue(data, hue)
     if hue is None:
@@ -146,6 +152,7 @@ def plot_divergence_heatmap(
     >>> top.images[0].norm is bottom.images[0].norm  # one colour scale for both
     True
     """
+    _require_rows(data, "plot_divergence_heatmap")
     n_traces = data["trace_id"].nunique()
     ax = own_axes(ax, (11.0, min(2.2 + 0.22 * n_traces, 14.0)))
     summary = _summary(data, tol)
@@ -358,6 +365,7 @@ def plot_first_divergence(
     """
     if "first_divergence_step" not in data.columns:
         data = _summary(data, tol, hue)
+    _require_rows(data, "plot_first_divergence")
     ax = own_axes(ax, (6.0, 4.0))
     end = max(int(data["n_tokens"].max()), 1)
     for i, (level, part) in enumerate(_groups(data, hue)):
