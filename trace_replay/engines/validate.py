@@ -99,11 +99,12 @@ def impossible(logprob: np.ndarray, rank: np.ndarray, top_logprobs: np.ndarray,
             rules.append(("top_logprobs", "a token listed among the top-k has its own logprob "
                           "there", (listed & (np.abs(top - logprob[:, None]) > slack[:, None]))
                           .any(axis=1)))
-            # the token's own probability counts once: listed, or ranked past the list
+            # the token's own probability counts once: listed, or ranked past the list; each of
+            # the k listed logprobs may be off by its slack, so the sum by k of them
             own = np.where((rank > k) & ~listed.any(axis=1), np.nan_to_num(np.exp(logprob)), 0)
             mass = np.nansum(np.exp(top), axis=1) + own
             rules.append(("top_logprobs", "the probabilities of the top-k (and of the token "
-                          "when ranked past them) sum to at most 1", mass > 1 + k * ROUNDING))
+                          "when ranked past them) sum to at most 1", mass > 1 + k * slack))
         if top_token_ids is not None and top.shape[1]:
             ids = np.asarray(top_token_ids).reshape(top.shape)
             ordered = np.sort(ids, axis=1)
