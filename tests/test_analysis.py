@@ -427,3 +427,15 @@ def test_duplicate_rows_are_named_whatever_the_index(replay_df):
     doubled = pd.concat([replay_df, replay_df])
     with pytest.raises(ValueError, match=r"^a .*has duplicate rows for trace 't0' step 0$"):
         compare(doubled, replay_df)
+
+
+@pytest.mark.parametrize("reduce", [summarize, dataset_summary, trainer_metrics])
+def test_concatenated_comparisons_are_refused_by_per_trace_statistics(replay_pair, reduce):
+    """Two comparisons concatenated (the long form the plots take with hue=) hold each trace
+    step twice: a per-trace statistic of them would mix the pairs (summarize counted 80 tokens
+    in a 40-token trace), so it is a ValueError naming the function, trace and step."""
+    a, b = replay_pair
+    both = pd.concat([compare(a, b), compare(b, a)], keys=["ab", "ba"], names=["pair", None])
+    with pytest.raises(ValueError, match=rf"^{reduce.__name__} takes one comparison, but cmp "
+                                         r"holds trace 't0' step 0 more than once"):
+        reduce(both.reset_index("pair"))

@@ -344,7 +344,7 @@ def summarize(cmp: pd.DataFrame, *, tol: float = 1e-3) -> pd.DataFrame:
       trace_id  n_tokens  first_divergence_step  max_abs_delta
     0        t         3                      1           0.25
     """
-    require_comparison(cmp, "summarize")
+    require_comparison(cmp, "summarize", one=True)
     delta = cmp["delta"].astype("float64")
     finite = delta.where(np.isfinite(delta))
     by_trace = cmp["trace_id"]
@@ -427,7 +427,7 @@ def dataset_summary(cmp: pd.DataFrame) -> pd.DataFrame:
     >>> metrics[["n_tokens", "max_abs_delta", "frac_top1_agree", "n_bit_mismatch"]].tolist()
     [3.0, 0.25, 1.0, 1.0]
     """
-    require_comparison(cmp, "dataset_summary")
+    require_comparison(cmp, "dataset_summary", one=True)
     delta = cmp["delta"].astype("float64")
     abs_finite = delta[np.isfinite(delta)].abs()
     metrics = {

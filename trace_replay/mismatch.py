@@ -36,10 +36,19 @@ class NegativeEstimateWarning(UserWarning):
     are not samples of side a."""
 
 
-def require_comparison(cmp: pd.DataFrame, caller: str) -> None:
-    """Raise a `ValueError` unless ``cmp`` is a comparison frame from ``compare(a, b)``."""
+def require_comparison(cmp: pd.DataFrame, caller: str, *, one: bool = False) -> None:
+    """Raise a `ValueError` unless ``cmp`` is a comparison frame from ``compare(a, b)``;
+    with ``one``, a single one (each trace step once: per-trace statistics of concatenated
+    comparisons would mix them)."""
     missing = [c for c in _COMPARISON if c not in getattr(cmp, "columns", ())]
     if not missing:
+        twice = cmp.duplicated(["trace_id", "step"]).to_numpy() if one else ()
+        if any(twice):
+            row = cmp.iloc[int(np.argmax(twice))]
+            raise ValueError(f"{caller} takes one comparison, but cmp holds trace "
+                             f"{row['trace_id']!r} step {row['step']} more than once "
+                             f"(comparisons concatenated? {caller} each one; the plots take "
+                             "them with hue=)")
         return
     if not isinstance(cmp, pd.DataFrame):
         got = f"a {type(cmp).__name__}"
@@ -210,7 +219,7 @@ def trainer_metrics(cmp: pd.DataFrame) -> dict[str, float]:
     >>> round(metrics["mean_k1"], 4), metrics["n_bit_mismatch"], round(metrics["min_ratio"], 4)
     (0.0833, 1.0, 0.7788)
     """
-    require_comparison(cmp, "trainer_metrics")
+    require_comparison(cmp, "trainer_metrics", one=True)
     delta = cmp["delta"].to_numpy(dtype="float64", na_value=np.nan)
     finite = np.isfinite(delta)
     d = delta[finite]
