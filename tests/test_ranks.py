@@ -117,3 +117,15 @@ def test_single_run_summaries_refuse_a_comparison_frame_by_name(replay_df):
         trace_summary(cmp)
     with pytest.raises(ValueError, match=r"engine_table \(run 'x'\) needs a replay frame"):
         engine_table({"x": cmp})
+
+
+def test_single_run_summaries_refuse_concatenated_runs(replay_df):
+    """Two runs concatenated hold each trace step twice: trace_summary and engine_table would
+    count them as one run (twice the tokens), so they are a ValueError naming the trace and
+    step."""
+    both = pd.concat([replay_df, replay_df.assign(logprob=replay_df["logprob"] - 1)])
+    with pytest.raises(ValueError, match=r"^trace_summary takes one run, but df holds trace "
+                                         r"'t0' step 0 more than once"):
+        trace_summary(both)
+    with pytest.raises(ValueError, match=r"^engine_table \(run 'x'\) takes one run"):
+        engine_table({"x": both})

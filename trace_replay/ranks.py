@@ -25,9 +25,17 @@ RANK_CUTS = (1, 10, 100, 1000)  # frac_rank_le_<cut>; then frac_rank_gt_<last cu
 
 
 def _require_replay(df: pd.DataFrame, caller: str) -> None:
-    """Raise a `ValueError` unless ``df`` is one run's replay frame (``logprob`` and ``rank``)."""
+    """Raise a `ValueError` unless ``df`` is one run's replay frame (``logprob`` and ``rank``,
+    each trace step once: concatenated runs would be counted as one)."""
     missing = [c for c in ("trace_id", "logprob", "rank") if c not in getattr(df, "columns", ())]
     if not missing:
+        twice = df.duplicated(["trace_id", "step"]).to_numpy() if "step" in df.columns else ()
+        if any(twice):
+            row = df.iloc[int(np.argmax(twice))]
+            raise ValueError(f"{caller} takes one run, but df holds trace {row['trace_id']!r} "
+                             f"step {row['step']} more than once (runs concatenated? "
+                             f"{caller.split(' ')[0]} each one; plot_rank_buckets takes them "
+                             "with hue=)")
         return
     if not isinstance(df, pd.DataFrame):
         got = f"a {type(df).__name__}"
