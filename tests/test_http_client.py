@@ -211,6 +211,17 @@ def test_bad_options_are_refused(options, problem):
         JsonClient("http://127.0.0.1:9", **options)
 
 
+def test_numpy_numbers_are_taken_as_options():
+    """A NumPy integer retry count and NumPy float seconds are numbers like Python's (they
+    were refused as 'must be an integer >= 0, got np.int64(2)'), stored as int and float."""
+    import numpy as np
+
+    client = JsonClient("http://127.0.0.1:9", max_retries=np.int64(2),
+                        timeout_s=np.float32(5.0), backoff_s=np.int64(1))
+    assert (client.max_retries, client.timeout_s, client.backoff_s) == (2, 5.0, 1.0)
+    assert type(client.max_retries) is int and type(client.timeout_s) is float
+
+
 @pytest.mark.parametrize("root", ["ftp://127.0.0.1:21", "file:///etc", "localhost:8000"])
 def test_only_http_addresses_are_taken(root):
     """An ftp:// (which hung), file:// or scheme-less address is refused, quoted."""

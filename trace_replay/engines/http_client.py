@@ -12,6 +12,7 @@ import functools
 import http.client
 import json
 import math
+import numbers
 import socket
 import threading
 import time
@@ -63,7 +64,8 @@ class JsonClient:
         if not isinstance(root, str) or not root.lower().startswith(("http://", "https://")):
             raise ValueError(f"the server's address must start with http:// or https://, "
                              f"got {root!r}")
-        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+        if (isinstance(max_retries, bool) or not isinstance(max_retries, numbers.Integral)
+                or max_retries < 0):
             raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
         _check_seconds("timeout_s", timeout_s, zero=False)
         _check_seconds("backoff_s", backoff_s, zero=True)
@@ -71,9 +73,9 @@ class JsonClient:
         self.headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
-        self.timeout_s = timeout_s
-        self.max_retries = max_retries
-        self.backoff_s = backoff_s
+        self.timeout_s = float(timeout_s)
+        self.max_retries = int(max_retries)
+        self.backoff_s = float(backoff_s)
         self.requests = 0
         self.retries = 0
         self._lock = threading.Lock()
@@ -130,7 +132,7 @@ class JsonClient:
 
 def _check_seconds(name: str, value: Any, *, zero: bool) -> None:
     """Raise a `ValueError` unless ``value`` is a number of seconds a timer can wait."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)
     if number and math.isfinite(value) and (value > 0 or zero and value == 0) \
             and value <= threading.TIMEOUT_MAX:
         return
