@@ -301,6 +301,19 @@ def test_a_stray_file_named_like_a_part_is_said_to_be_ignored(engine, records, t
     assert "nothing is read from it" in message
 
 
+def test_a_stray_part_with_a_digest_like_name_is_told_the_real_form(engine, records, tmp_path):
+    """A copy named part-0-<16 hex>.parquet (it has a digest, in the wrong form): the warning
+    gives the form a part's name has, and does not claim the name lacks a digest."""
+    replay(records[:1], engine=engine, progress=False, checkpoint=tmp_path)
+    stray = tmp_path / f"part-0-{'0' * 16}.parquet"
+    stray.write_bytes(next(tmp_path.glob("part-*.parquet")).read_bytes())
+    with pytest.warns(RuntimeWarning) as caught:
+        replay(records[:1], engine=engine, progress=False, checkpoint=tmp_path)
+    [message] = [str(w.message) for w in caught if stray.name in str(w.message)]
+    assert "part-<20-digit time in ns>-<16 hex digits of its SHA-256>.parquet" in message
+    assert "no content digest" not in message
+
+
 def test_a_deleted_settings_file_is_written_again_for_its_own_parts(engine, records, tmp_path):
     """settings.json deleted, same settings: a warning says so, the file is written again and
     every part is served (none called corrupt)."""

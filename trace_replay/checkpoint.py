@@ -310,10 +310,10 @@ class Checkpoint:
 
     def _ignore(self, path: Path) -> None:
         """Warn once about a folder or file named like a part that is none of this version's
-        (no content digest in its name); nothing is read from it."""
+        (its name not :data:`~trace_replay.parts.PART_NAME`); nothing is read from it."""
         what = ("a folder" if path.is_dir() else "not a regular file" if not path.is_file()
-                else "not a part written by this version of trace_replay (its name has no "
-                     "content digest: part-<ns>-<sha256>.parquet)")
+                else "not a part written by this version of trace_replay (a part's name is "
+                     "part-<20-digit time in ns>-<16 hex digits of its SHA-256>.parquet)")
         warnings.warn(f"checkpoint {path} is named like a part but is {what}; ignored, "
                       "nothing is read from it", RuntimeWarning, stacklevel=5)
         self._parts[path.name] = frozenset()
