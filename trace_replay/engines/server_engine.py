@@ -68,9 +68,10 @@ class ServerEngine(EngineBase):
         ``timeout_s`` the most one attempt of a request may take, answer included (600),
         ``max_retries`` for requests that got no answer (an integer >= 0, default 5).
 
-    Every answer is checked before it is returned: a short logprob list, a malformed rank or
-    an impossible score (:func:`~trace_replay.engines.validate.check_results`) is an error
-    naming the trace.
+    A short logprob list or a malformed rank is an error naming the trace; an impossible
+    score is refused by :func:`~trace_replay.replay`, which checks every engine's results
+    (:func:`~trace_replay.engines.validate.check_results`) and keeps the batch's possible
+    ones, as the start-up probes here are checked.
     """
 
     name = "vllm-server"
@@ -148,17 +149,15 @@ class ServerEngine(EngineBase):
 
         Each request is sent until it gets an answer, and each answer fills its own slot, so
         a retried request yields exactly one result. ``on_tokens`` hears of each answered
-        trace, from this thread. Results that are not possible scores raise
-        :class:`~trace_replay.engines.validate.ImpossibleResult`.
+        trace, from this thread. Scores are not checked here: ``replay()`` checks each
+        result, so an impossible one does not lose the possible ones beside it.
         """
         futures = [self._pool.submit(self._replay_one, r) for r in requests]
         try:
             for future in as_completed(futures):
                 if on_tokens is not None:
                     on_tokens(len(future.result().token_ids))
-            results = [future.result() for future in futures]
-            check_results(requests, results, top_k=self.top_k, vocab_size=self.vocab_size)
-            return results
+            return [future.result() for future in futures]
         except BaseException:
             for future in futures:
                 future.cancel()
@@ -279,6 +278,7 @@ class ServerEngine(EngineBase):
         probes = [ReplayRequest(f"<server check {t}>", tuple(ids[:4]), (t,))
                   for t in list(dict.fromkeys(ids))[:2]]
         results = self.run(probes)
+        check_results(probes, results, top_k=self.top_k, vocab_size=self.vocab_size)
         if all(r.logprob[0] > math.log(0.5) for r in results):
             raise RuntimeError(
                 f"the server at {self.base_url} reports logprobs after the forcing processor "
