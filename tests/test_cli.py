@@ -531,3 +531,13 @@ def test_a_bad_speculative_value_says_the_form_expected(capsys):
     err = capsys.readouterr().err
     assert "argument --speculative: expected METHOD[:K] like trace:8" in err, err
     assert "'trace:x'" in err and "_speculative" not in err and err.count("\n") == 1, err
+
+
+def test_record_max_tokens_must_be_at_least_one(capsys):
+    """record --max-tokens 0 or negative stops the parser naming the flag (exit 2), before a
+    model is loaded."""
+    for bad in ("0", "-1"):
+        with pytest.raises(SystemExit) as done:
+            _parser().parse_args(["record", "p.txt", "--out", "t.jsonl", "--max-tokens", bad])
+        assert done.value.code == 2
+        assert "argument --max-tokens: expected an integer >= 1" in capsys.readouterr().err

@@ -72,6 +72,15 @@ def test_an_engine_that_cannot_generate_is_refused(lm):
         record(["Hi"], engine="prefill", max_tokens=2)
 
 
+@pytest.mark.parametrize("max_tokens", [0, -1, 1.5, True])
+def test_max_tokens_below_one_is_named(engine, max_tokens):
+    """max_tokens that is not an integer >= 1 is refused naming it and the value, before
+    anything is generated (was torch's 'stack expects a non-empty TensorList')."""
+    with pytest.raises(ValueError, match=rf"^max_tokens must be an integer >= 1, got "
+                                         rf"{max_tokens!r}$"):
+        record(["Hi"], engine=engine, max_tokens=max_tokens)
+
+
 def test_a_bad_prompt_is_named_by_its_index(engine):
     """A prompt that is neither text, a record nor a Trace is refused with its index."""
     with pytest.raises(TypeError, match="prompt 1: expected str, dict or Trace, got int"):

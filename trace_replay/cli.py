@@ -308,7 +308,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("prompts", help="a .txt file (one prompt per line) or a .jsonl file of "
                    "records with id and prompt (or prompt_token_ids)")
     p.add_argument("--out", required=True, help="traces file to write (.jsonl or .parquet)")
-    p.add_argument("--max-tokens", type=int, required=True,
+    p.add_argument("--max-tokens", type=_positive_int, required=True,
                    help="tokens generated per prompt at most (stops earlier at EOS)")
     p.add_argument("--engine", default="vllm", choices=["vllm", "torch"],
                    help="the engine that generates")

@@ -63,6 +63,8 @@ def record(prompts: Iterable, model=None, *, engine="vllm", max_tokens: int,
         Tokenized traces with ``completion`` text, ``ref_logprobs`` (the raw logprob of each
         emitted token under the generating engine) and generation settings in ``meta``.
     """
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
     owned = isinstance(engine, str)
     if owned:
         if engine not in ("vllm", "torch"):
