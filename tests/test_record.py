@@ -81,6 +81,14 @@ def test_max_tokens_below_one_is_named(engine, max_tokens):
         record(["Hi"], engine=engine, max_tokens=max_tokens)
 
 
+@pytest.mark.parametrize("temperature", [-1.0, float("nan"), float("inf"), "0.7"])
+def test_a_temperature_no_sampler_takes_is_named(engine, temperature):
+    """A negative, NaN, infinite or non-number temperature is refused naming it (was
+    recorded as given in meta while generating greedily, or from a uniform distribution)."""
+    with pytest.raises(ValueError, match=r"^temperature must be a finite number >= 0"):
+        record(["Hi"], engine=engine, max_tokens=2, temperature=temperature)
+
+
 def test_a_bad_prompt_is_named_by_its_index(engine):
     """A prompt that is neither text, a record nor a Trace is refused with its index."""
     with pytest.raises(TypeError, match="prompt 1: expected str, dict or Trace, got int"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 from trace_replay.chat import tokenize_chat_prompt
@@ -65,6 +66,10 @@ def record(prompts: Iterable, model=None, *, engine="vllm", max_tokens: int,
     """
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+            or not 0 <= temperature < math.inf):  # NaN fails too
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got "
+                         f"{temperature!r}")
     owned = isinstance(engine, str)
     if owned:
         if engine not in ("vllm", "torch"):
