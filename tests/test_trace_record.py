@@ -37,6 +37,20 @@ def test_minus_infinity_ref_logprob_is_refused_by_file_line_trace_and_field(tmp_
         load_traces(path)
 
 
+def test_vllms_stand_in_for_minus_infinity_is_refused(tokenizer):
+    """-9999.0 is how a vLLM server writes a -inf logprob in JSON: in a trace file or an
+    OpenAI-format log it is -inf by another spelling, refused naming the trace and the field
+    (it was kept as a logprob of -9999, making every delta of the trace about 9999)."""
+    with pytest.raises(TraceError, match=r"trace 't': ref_logprobs\[1\] = -9999.0 is vLLM's "
+                                         r"stand-in for -inf"):
+        load_traces([{**BASE, "ref_logprobs": [-0.5, -9999.0]}])
+    logged = {"request": {"prompt": "The capital is"},
+              "response": {"id": "cmpl-1", "choices": [{"text": " Paris", "logprobs": {
+                  "tokens": [" Paris"], "token_logprobs": [-9999.0]}}]}}
+    with pytest.raises(TraceError, match=r"trace 'cmpl-1': ref_logprobs\[0\] = -9999.0"):
+        load_traces([logged], format="openai", tokenizer=tokenizer)
+
+
 def test_lone_surrogate_is_named(tmp_path):
     """JSON "\\ud800" parses to a str no tokenizer can encode: an error naming line and field."""
     path = tmp_path / "t.jsonl"

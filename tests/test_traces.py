@@ -297,7 +297,8 @@ def trace_sets(draw) -> TraceSet:
             completion=draw(texts.filter(bool) if token_ids is None else st.none() | texts),
             trace_token_ids=token_ids,
             ref_logprobs=None if token_ids is None else draw(st.none() | st.lists(
-                st.floats(max_value=0.0, allow_infinity=False), min_size=len(token_ids),
+                st.floats(min_value=-9999.0, max_value=0.0, exclude_min=True),  # -9999: -inf
+                min_size=len(token_ids),
                 max_size=len(token_ids))),
             meta=draw(st.dictionaries(texts, json_values, max_size=3)),
         ))

@@ -9,10 +9,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import NoReturn
 
-__all__ = ["FIELDS", "JSON_FIELDS", "TURNS", "Trace", "TraceError"]
+__all__ = ["FIELDS", "JSON_FIELDS", "TURNS", "VLLM_NEG_INF", "Trace", "TraceError"]
 
 TURNS = ("last", "all")  # which assistant turns of a chat trace are replayed
 _LOGPROB_SLACK = 1e-6  # producers round log(1) to tiny positive values; more is no logprob
+VLLM_NEG_INF = -9999.0  # vLLM writes a -inf logprob as this in JSON (and nothing below it)
 
 
 class TraceError(ValueError):
@@ -146,6 +147,9 @@ class Trace:
             if value == -math.inf:
                 self._fail(f"ref_logprobs[{i}] = -inf is infinite; a recorded token's "
                            "logprob is finite")
+            if value <= VLLM_NEG_INF:
+                self._fail(f"ref_logprobs[{i}] = {value} is vLLM's stand-in for -inf; a "
+                           "recorded token's logprob is finite")
             if value > _LOGPROB_SLACK:
                 self._fail(f"ref_logprobs[{i}] = {value} is positive; a log-probability is <= 0")
         return tuple(float(value) for value in values)

@@ -6,10 +6,11 @@ import math
 
 import numpy as np
 
+from trace_replay.trace_record import VLLM_NEG_INF
+
 __all__ = ["RANK_DEPTH", "completion_steps", "emitted_ids", "generate_steps"]
 
 RANK_DEPTH = 20  # alternatives asked of /v1/completions to count ranks in (vLLM's max_logprobs)
-_FLOOR = -9999.0  # vLLM writes -inf logprobs as this in JSON
 # (logprob [T], rank [T], top_token_ids [T, k], top_logprobs [T, k], rank is exact [T])
 Steps = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
@@ -30,7 +31,7 @@ def emitted_ids(choice: dict) -> list[int]:
 def _logprob(value: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"logprob {value!r} is not a number")
-    return -math.inf if value <= _FLOOR else float(value)
+    return -math.inf if value <= VLLM_NEG_INF else float(value)
 
 
 def _rank(value: object, step: int) -> int:
