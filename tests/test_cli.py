@@ -541,3 +541,16 @@ def test_record_max_tokens_must_be_at_least_one(capsys):
             _parser().parse_args(["record", "p.txt", "--out", "t.jsonl", "--max-tokens", bad])
         assert done.value.code == 2
         assert "argument --max-tokens: expected an integer >= 1" in capsys.readouterr().err
+
+
+def test_out_over_a_bundled_dataset_it_reads_is_refused():
+    """replay humaneval --out <the package file humaneval is read from> is refused before any
+    work (the input, named by its dataset name, would be destroyed), the file untouched."""
+    from trace_replay import cli, datasets
+
+    target = datasets.files("humaneval")[0]
+    before = Path(target).read_bytes()
+    args = cli._parser().parse_args(["replay", "humaneval", "--out", target])
+    with pytest.raises(ValueError, match=r"is the input file .*humaneval_human\.jsonl"):
+        cli._prepare_outputs(args)
+    assert Path(target).read_bytes() == before

@@ -230,3 +230,14 @@ def test_files_are_what_load_traces_reads():
     names = sorted(path.name for path in folder.glob("*.jsonl"))
     assert names == sorted(f"{name}_{source}.jsonl" for name, source in FILES)
     assert sum(len(load_traces(folder / name)) for name in names) == len(datasets.load())
+
+
+def test_files_are_what_load_reads():
+    """files(name) lists the package files holding the dataset, one per source, whose traces
+    are load(name)'s; an unknown name is refused with the choices."""
+    paths = datasets.files("gsm8k_cot")
+    assert [Path(p).name for p in paths] == ["gsm8k_cot_human.jsonl", "gsm8k_cot_model.jsonl"]
+    read = [trace.id for path in paths for trace in load_traces(path)]
+    assert read == datasets.load("gsm8k_cot").ids
+    with pytest.raises(ValueError, match="no bundled dataset 'gsm8k'; choose one of"):
+        datasets.files("gsm8k")

@@ -507,6 +507,11 @@ def _prepare_outputs(args) -> tuple[list[Path], list[Path]]:
     if args.command in _FILE_OUTPUTS:
         names = [getattr(args, name) for name in _FILE_OUTPUTS[args.command]]
         inputs = [n for name in names if name for n in ([name] if isinstance(name, str) else name)]
+        if args.command == "replay":  # a bundled dataset's name reads the package's files
+            from trace_replay import datasets
+
+            if not Path(args.traces).exists() and args.traces in datasets.DATASETS:
+                inputs = datasets.files(args.traces)
         made = check_output(args.out, inputs)
     checkpoint = getattr(args, "checkpoint", None)
     return made, made + (_missing_folders(Path(checkpoint)) if checkpoint else [])

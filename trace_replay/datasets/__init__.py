@@ -26,7 +26,7 @@ from trace_replay.traces import TraceSet, load_traces
 if TYPE_CHECKING:
     import pandas
 
-__all__ = ["DATASETS", "SOURCES", "BundledDataset", "available", "load"]
+__all__ = ["DATASETS", "SOURCES", "BundledDataset", "available", "files", "load"]
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def load(name: str | None = None, *, source: str | None = None,
         raise ValueError(f"source must be one of {', '.join(SOURCES)}, got {source!r}")
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
-    parts = [_load_file(f"{dataset}_{who}.jsonl")[:limit] for dataset in names for who in sources]
+    parts = [_load_file(_file_name(dataset, who))[:limit] for dataset in names for who in sources]
     if len(parts) == 1:
         return parts[0]  # keeps each trace's file and line for error messages
     return TraceSet((trace for part in parts for trace in part),
@@ -107,11 +107,24 @@ def available() -> pandas.DataFrame:
     """
     import pandas as pd
 
-    rows = [{"dataset": name, "source": who, "traces": len(_load_file(f"{name}_{who}.jsonl")),
+    rows = [{"dataset": name, "source": who, "traces": len(_load_file(_file_name(name, who))),
              "title": dataset.title, "written_by": _WRITTEN_BY[who], "licence": dataset.licence,
-             "origin": dataset.origin, "file": f"{name}_{who}.jsonl"}
+             "origin": dataset.origin, "file": _file_name(name, who)}
             for name, dataset in sorted(DATASETS.items()) for who in SOURCES]
     return pd.DataFrame(rows)
+
+
+def _file_name(name: str, source: str) -> str:
+    return f"{name}_{source}.jsonl"
+
+
+def files(name: str) -> list[str]:
+    """The package files that hold bundled dataset ``name``, one per source: what a replay
+    of it reads, so a writer can refuse to write over them."""
+    if name not in DATASETS:
+        raise ValueError(f"no bundled dataset {name!r}; choose one of {', '.join(DATASETS)}")
+    folder = importlib.resources.files(__name__)
+    return [str(folder / _file_name(name, who)) for who in SOURCES]
 
 
 def _load_file(file_name: str) -> TraceSet:
