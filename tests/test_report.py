@@ -159,3 +159,21 @@ def test_report_refuses_impossible_scores(tmp_path, frames, column, value, probl
     with pytest.raises(ValueError, match=rf"^a: .*damaged\.parquet{step}.*{problem}"):
         write_report(tmp_path / "damaged.parquet", out=tmp_path / "r.html")
     assert not (tmp_path / "r.html").exists()
+
+
+def test_a_partial_result_is_marked_at_the_top(tmp_path, frames):
+    """An incomplete merge (attrs complete False) is said so at the top of the page, naming
+    its missing shards, and with a warning; so is a single shard; a whole run is not."""
+    partial = frames[0].copy()
+    partial.attrs = {**frames[0].attrs, "complete": False, "missing_shards": [[2, 3]],
+                     "shard": [[0, 3], [1, 3]]}
+    with pytest.warns(UserWarning, match="incomplete: shard 2/3 missing"):
+        page = write_report(partial, out=tmp_path / "p.html").read_text(encoding="utf-8")
+    head = page.split("<h2>", 1)[0]
+    assert "class='tr-warn'" in head and "shard 2/3 missing" in head
+    shard = frames[0].copy()
+    shard.attrs = {**frames[0].attrs, "shard": [1, 3]}
+    with pytest.warns(UserWarning, match="is shard 1/3 of a run"):
+        write_report(shard, out=tmp_path / "s.html")
+    whole = write_report(frames[0], out=tmp_path / "w.html").read_text(encoding="utf-8")
+    assert "tr-warn'" not in whole

@@ -11,6 +11,7 @@ import base64
 import html
 import io
 import os
+import warnings
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -56,6 +57,7 @@ table.tr-table td,table.tr-table th{padding:2px 6px;border-bottom:1px solid #eee
 table.tr-table th{background:#f5f5f5;overflow-wrap:anywhere;vertical-align:bottom}
 .tr-figs{display:flex;flex-wrap:wrap;gap:12px} img{max-width:100%;height:auto}
 .tr-note{color:#666;font-size:12px}
+.tr-warn{color:#a40000;font-weight:600}
 </style>"""
 
 
@@ -93,6 +95,21 @@ def _check_scores(frame: pd.DataFrame, name: str) -> None:
             value, step = np.asarray(row[field]).tolist(), np.asarray(row["step"]).tolist()
             raise ValueError(f"{name}: trace {row['trace_id']!r}, step {step}: {field} "
                              f"{value!r} is impossible ({rule}): not a replay result")
+
+
+def _partial_notes(sides: list[tuple[str, dict]]) -> list[str]:
+    """One line per side that holds part of a run: an incomplete merge (its missing shards
+    named) or a single shard, so a partial result never reads as the whole."""
+    notes = []
+    for label, attrs in sides:
+        if attrs.get("complete") is False:
+            missing = ", ".join(f"{i}/{n}" for i, n in attrs.get("missing_shards") or [])
+            notes.append(f"{label} is incomplete: shard {missing or '?'} missing; its numbers "
+                         "cover only the shards merged")
+        elif attrs.get("shard") and not isinstance(attrs["shard"][0], (list, tuple)):
+            index, count = attrs["shard"]
+            notes.append(f"{label} is shard {index}/{count} of a run, not the whole of it")
+    return notes
 
 
 def _table(df: pd.DataFrame, *, index: bool = False) -> str:
@@ -243,11 +260,15 @@ def write_report(
         parts += _trace_sections(df_a, worst["trace_id"].tolist(), "rank", tol)
 
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    partial = _partial_notes(sides)
+    for note in partial:
+        warnings.warn(f"report: {note}", stacklevel=2)
     provenance = "".join(_attrs_table(dict(attrs), label) for label, attrs in sides)
     page = "\n".join([
         '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">',
         f"<title>{html.escape(title)}</title>{_CSS}</head><body>",
         f"<h1>{html.escape(title)}</h1><p class='tr-note'>generated {stamp}</p>",
+        *(f"<p class='tr-warn'>{html.escape(note)}</p>" for note in partial),
         *parts,
         f"<h2>Provenance</h2>{provenance}",
         "</body></html>",
