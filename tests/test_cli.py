@@ -554,3 +554,14 @@ def test_out_over_a_bundled_dataset_it_reads_is_refused():
     with pytest.raises(ValueError, match=r"is the input file .*humaneval_human\.jsonl"):
         cli._prepare_outputs(args)
     assert Path(target).read_bytes() == before
+
+
+def test_out_ending_with_a_slash_is_refused_before_work(tmp_path):
+    """--out new/ (a folder's name) is refused before any work, and no folder or file is
+    made (was a Parquet file named 'new')."""
+    from trace_replay import cli
+
+    args = cli._parser().parse_args(["replay", "humaneval", "--out", f"{tmp_path}/new/"])
+    with pytest.raises(ValueError, match=r"^--out .*new/ ends with /, so it names a folder"):
+        cli._prepare_outputs(args)
+    assert os.listdir(tmp_path) == []

@@ -100,3 +100,11 @@ def test_write_target_refuses_an_input_however_spelled(tmp_path, monkeypatch):
             write_target(out, ["t.jsonl"])
     assert write_target("other.jsonl", ["t.jsonl"]) == tmp_path / "other.jsonl"
     assert source.read_text() == "{}\n"
+
+
+def test_a_path_ending_with_a_slash_is_refused(tmp_path):
+    """'new/' names a folder: writing a file of that name (the slash dropped) is refused,
+    naming the path, and nothing is created."""
+    with pytest.raises(ValueError, match=r"new/ ends with /, so it names a folder"):
+        write_atomic(f"{tmp_path}/new/", lambda temporary: temporary.write_bytes(b"whole"))
+    assert os.listdir(tmp_path) == []

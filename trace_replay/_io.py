@@ -70,9 +70,12 @@ def write_target(path: str | os.PathLike,
     ``/dev/full``, a FIFO, a socket, a folder), and renaming onto a symlink would replace the
     link, so those are refused with a ``ValueError`` naming ``path``; a link is written
     through. So is the file of one of ``inputs``, however either path is spelled (relative,
-    through a link, a hard link). A path that does not exist yet (or a dangling link's
-    target) is returned as is.
+    through a link, a hard link), and a path ending with a slash (a folder's name). A path
+    that does not exist yet (or a dangling link's target) is returned as is.
     """
+    if os.fspath(path).endswith(("/", os.sep)) and not os.path.isdir(path):
+        raise ValueError(f"{path} ends with {os.sep}, so it names a folder; name the file "
+                         "to write (e.g. r.parquet in it)")
     target = Path(os.path.realpath(path))
     try:
         mode = target.stat().st_mode

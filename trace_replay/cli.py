@@ -481,7 +481,7 @@ def check_output(path: str, inputs: list[str] = ()) -> list[Path]:
 
     out = Path(path)
     try:
-        target = write_target(out, inputs)
+        target = write_target(path, inputs)
     except ValueError as error:
         raise ValueError(f"--out {error}") from None
     existing = next(parent for parent in target.parents if parent.exists())
