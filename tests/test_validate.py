@@ -58,6 +58,8 @@ def test_possible_scores_pass():
     ({"top_token_ids": [100, 100]}, "top_token_ids"),  # a token listed twice
     ({"top_token_ids": [-5, 8]}, "top_token_ids"),
     ({"top_token_ids": [49152, 8]}, "top_token_ids"),  # beyond the vocabulary
+    ({"top_token_ids": [np.nan, 8]}, "top_token_ids"),  # no id
+    ({"top_token_ids": [100.5, 8]}, "top_token_ids"),
 ])  # fmt: skip
 def test_impossible_scores_are_named(change, field):
     """Each impossible value is an ImpossibleResult naming the trace, the step, the field and

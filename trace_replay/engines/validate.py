@@ -106,11 +106,12 @@ def impossible(logprob: np.ndarray, rank: np.ndarray, top_logprobs: np.ndarray,
             rules.append(("top_logprobs", "the probabilities of the top-k (and of the token "
                           "when ranked past them) sum to at most 1", mass > 1 + k * slack))
         if top_token_ids is not None and top.shape[1]:
-            ids = np.asarray(top_token_ids).reshape(top.shape)
-            ordered = np.sort(ids, axis=1)
+            ids = np.asarray(top_token_ids, dtype=np.float64).reshape(top.shape)
+            ordered = np.sort(ids, axis=1)  # NaN last
             below = "" if vocab_size is None else f" and < the vocabulary size {vocab_size}"
             rules.append(("top_token_ids", f"top-k token ids are distinct integers >= 0{below}",
-                          (ordered[:, 0] < 0) | (ordered[:, -1] >= highest)
+                          ~(np.isfinite(ids) & (ids == np.round(ids))).all(axis=1)
+                          | (ordered[:, 0] < 0) | (ordered[:, -1] >= highest)
                           | (np.diff(ordered, axis=1) == 0).any(axis=1)))
     return rules
 
