@@ -97,6 +97,20 @@ def test_missing_input_file_is_a_clear_error(tmp_path, command, capsys):
     assert main([command[0], missing, *command[1:]]) == 2
     err = capsys.readouterr().err
     assert f"{missing} does not exist" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("command", [["report"], ["merge", "--out", "m.parquet"],
+                                     ["replay", "--out", "r.parquet"]])
+def test_a_fifo_as_input_is_named_not_missing(tmp_path, command, capsys):
+    """An input that is a FIFO: one line saying it is not a regular file (not that it does
+    not exist), exit 2, without blocking on it."""
+    fifo = tmp_path / "in.parquet"
+    os.mkfifo(fifo)
+    assert main([command[0], str(fifo), *command[1:]]) == 2
+    err = capsys.readouterr().err
+    assert f"{fifo} is not a regular file" in err and err.count("\n") == 1, err
+
+
 HELLO = {"id": "a", "prompt": "Hello", "completion": " world"}
 
 

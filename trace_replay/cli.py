@@ -89,6 +89,8 @@ def _input_file(path: str, what: str) -> str:
     """The path, or a one-line error naming what was expected there."""
     if Path(path).is_dir():
         raise IsADirectoryError(f"{what} {path} is a folder, not a file")
+    if Path(path).exists() and not Path(path).is_file():  # a FIFO would block a reader
+        raise ValueError(f"{what} {path} is not a regular file (a FIFO, device or socket)")
     if not Path(path).is_file():
         raise FileNotFoundError(f"{what} {path} does not exist")
     return path

@@ -38,6 +38,8 @@ _IGNORED_VERSIONS = {"python", "trace-replay"}
 def _read(part: str | os.PathLike) -> pd.DataFrame:
     """A result file whose rows hold the traces its ``num_traces`` records, each once."""
     path = Path(part)
+    if path.exists() and not path.is_file():
+        raise ValueError(f"merge: result file {path} is not a regular file")
     if not path.is_file():
         raise FileNotFoundError(f"merge: result file {path} does not exist")
     frame = pd.read_parquet(path)
