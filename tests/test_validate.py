@@ -50,6 +50,8 @@ def test_possible_scores_pass():
     ({"top_logprobs": [np.nan, -1.0]}, "top_logprobs"),
     ({"top_logprobs": [0.5, -1.0]}, "top_logprobs"),
     ({"entropy": -0.1}, "entropy"),
+    ({"entropy": 10.9}, "entropy"),  # above log(49152) = 10.80, the uniform distribution's
+    ({"entropy": np.inf}, "entropy"),
     ({"logprob": -0.1, "top_logprobs": [-0.1, -0.1]}, "top_logprobs"),  # 0.90 + 0.90 > 1
     ({"logprob": -0.1, "rank": 3, "top_token_ids": [100, 101], "top_logprobs": [-0.05, -0.1]},
      "top_logprobs"),  # the token ranked past two listed ones: 0.95 + 0.90 + 0.90 > 1

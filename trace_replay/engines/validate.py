@@ -10,7 +10,8 @@ logprobs are not NaN, at most 0 and in descending order; the rank agrees with th
 ``r <= k``: the r-th listed logprob is the token's own, ties included; ``r > k``: every
 listed one is at least the token's); a listed token has its own logprob there; the top-k
 probabilities (with the token's when it is ranked past them) sum to at most 1; the top-k token
-ids are distinct ids of the vocabulary; ``entropy`` is at least 0 or NaN (not computed).
+ids are distinct ids of the vocabulary; ``entropy`` is NaN (not computed) or from 0 to the
+log of the vocabulary size.
 Comparisons allow :data:`ROUNDING` relative to ``max(1, |logprob|)`` (an infinite or NaN
 logprob counting as 0).
 """
@@ -78,7 +79,10 @@ def impossible(logprob: np.ndarray, rank: np.ndarray, top_logprobs: np.ndarray,
             ("logprob", "a logprob is a number <= 0", np.isnan(logprob) | (logprob > slack)),
             ("rank", f"a rank is an integer >= 1{bound}",
              ~whole | (rank < 1) | (rank > highest)),
-            ("entropy", "an entropy is >= 0 (NaN: not computed)", entropy < -ROUNDING),
+            # the uniform distribution's log V is the most; without V, any finite value
+            ("entropy", "an entropy is >= 0 and at most log(vocabulary size), finite (NaN: not "
+             "computed)", (entropy < -ROUNDING) | np.isposinf(entropy)
+             | (entropy > np.log(highest) * (1 + ROUNDING))),
         ]
         if top.shape[1]:
             k = top.shape[1]
