@@ -6,7 +6,7 @@
 #   bash benchmarks/h200_vllm.sh tests    # tests/gpu/test_vllm_gpu.py
 #   bash benchmarks/h200_vllm.sh bench SHAPE [BATCHES] [ROUNDS]   # smollm2-135m | llama-3.1-8b
 # Two GPUs (nvidia-h200-x2, issue 33; tensor parallelism, TP=2):
-#   bash benchmarks/h200_vllm.sh tp-tests                         # tests/gpu/test_vllm_tp.py
+#   bash benchmarks/h200_vllm.sh tp-tests                         # tests/gpu/test_vllm_tp_gpu.py
 #   bash benchmarks/h200_vllm.sh tp SHAPE PARTS [LAYERS] [BATCHES] [ROUNDS]
 #     e.g. tp llama-3.1-8b speed '' 1,16,64,256 5;  tp llama-3.1-8b agreement,served
 #          tp llama-3.1-70b speed 40 1,16,64 3;     tp llama-3.1-70b agreement,served 40
@@ -86,7 +86,7 @@ bench)
     --rounds "${4:-5}" 2>&1 | grep -v -i "warn" | tee "$out/bench_$2.txt"
   ;;
 tp-tests)
-  timeout 540 python3 -m pytest -q -s -ra -p no:cacheprovider tests/gpu/test_vllm_tp.py 2>&1 \
+  timeout 540 python3 -m pytest -q -s -ra -p no:cacheprovider tests/gpu/test_vllm_tp_gpu.py 2>&1 \
     | tee "$out/tp_tests.txt"
   ;;
 tp)

@@ -1,7 +1,7 @@
 """Tensor and pipeline parallelism in the vLLM engine, without GPUs: the sizes checked and
 recorded before vLLM starts, the KV cache of one CPU rank, NVLink multicast kept off while
 the engine's processes start, and worker processes' stderr not held back. No vLLM starts
-here (tests/gpu/test_vllm_tp.py runs TP=2 on two GPUs)."""
+here (tests/gpu/test_vllm_tp_gpu.py runs TP=2 on two GPUs)."""
 
 from __future__ import annotations
 
