@@ -579,3 +579,13 @@ def test_out_ending_with_a_slash_is_refused_before_work(tmp_path):
     with pytest.raises(ValueError, match=r"^--out .*new/ ends with /, so it names a folder"):
         cli._prepare_outputs(args)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_folder_named_like_a_dataset_does_not_hide_it(tmp_path, monkeypatch, capsys):
+    """replay humaneval --out humaneval/r.parquet makes a folder 'humaneval'; the next
+    replay humaneval still reads the bundled dataset (only a file of that name wins)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "humaneval").mkdir()
+    assert main(["replay", "humaneval", "--limit", "1", "--engine", "prefill", "--quiet",
+                 "--top-k", "1", "--out", "humaneval/r.parquet"]) == 0, capsys.readouterr().err
+    assert pd.read_parquet(tmp_path / "humaneval" / "r.parquet")["trace_id"].nunique() == 1

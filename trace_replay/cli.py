@@ -96,11 +96,19 @@ def _input_file(path: str, what: str) -> str:
     return path
 
 
-def _traces_input(name: str):
-    """A traces file, else a bundled dataset of that name (a file that exists wins)."""
+def _bundled(name: str) -> bool:
+    """Whether ``name`` means a bundled dataset: one of that name, and no file of that name
+    (a folder of that name, e.g. one the results go to, does not count)."""
     from trace_replay import datasets
 
-    if Path(name).exists() or name not in datasets.DATASETS:
+    return name in datasets.DATASETS and (not Path(name).exists() or Path(name).is_dir())
+
+
+def _traces_input(name: str):
+    """A traces file, else a bundled dataset of that name (:func:`_bundled`)."""
+    from trace_replay import datasets
+
+    if not _bundled(name):
         try:
             return _input_file(name, "traces file")
         except FileNotFoundError as error:
@@ -509,11 +517,10 @@ def _prepare_outputs(args) -> tuple[list[Path], list[Path]]:
     if args.command in _FILE_OUTPUTS:
         names = [getattr(args, name) for name in _FILE_OUTPUTS[args.command]]
         inputs = [n for name in names if name for n in ([name] if isinstance(name, str) else name)]
-        if args.command == "replay":  # a bundled dataset's name reads the package's files
+        if args.command == "replay" and _bundled(args.traces):  # it reads the package's files
             from trace_replay import datasets
 
-            if not Path(args.traces).exists() and args.traces in datasets.DATASETS:
-                inputs = datasets.files(args.traces)
+            inputs = datasets.files(args.traces)
         made = check_output(args.out, inputs)
     checkpoint = getattr(args, "checkpoint", None)
     return made, made + (_missing_folders(Path(checkpoint)) if checkpoint else [])
