@@ -150,3 +150,15 @@ def test_every_problem_is_named_at_once(frame, tmp_path):
     with pytest.raises(CorruptPart, match="trace 'b', step 0: rank 0 is impossible: .*; "
                                           "trace 'a', step 2: entropy -0.5 is impossible"):
         read_part(write_part(tmp_path, bad))
+
+
+@pytest.mark.parametrize("ids, problem", [
+    ([8, 8, 2], "top-k token ids are distinct"),  # one alternative listed twice
+    ([6, 8, 2], "top_logprobs"),  # the token listed at rank 1 with another logprob
+])  # fmt: skip
+def test_read_back_applies_the_top_k_id_rules(frame, tmp_path, ids, problem):
+    """A part is held to every rule an engine's result is: the top-k token ids too (distinct,
+    and a listed token carries its own logprob), not only the logprobs and ranks."""
+    frame.at[1, "top_token_ids"] = ids
+    with pytest.raises(CorruptPart, match=problem):
+        read_part(write_part(tmp_path, frame), top_k=TOP_K)

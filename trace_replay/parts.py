@@ -185,10 +185,13 @@ def _impossible_scores(frame: pd.DataFrame, top_k: int | None) -> list[tuple]:
                frame["top_token_ids"].map(len).to_numpy())
     width = lengths[0][0] if top_k is None else top_k
     wrong = (lengths[0] != width) | (lengths[1] != width)
+    whole = width and not wrong.any()
     top = (np.stack(frame["top_logprobs"].to_numpy()).astype(np.float64)
-           if width and not wrong.any() else np.zeros((len(frame), 0)))
+           if whole else np.zeros((len(frame), 0)))
+    top_ids = np.stack(frame["top_token_ids"].to_numpy()) if whole else None
     rules = impossible(frame["logprob"].to_numpy(), frame["rank"].to_numpy(), top,
-                       frame["entropy"].to_numpy())
+                       frame["entropy"].to_numpy(), token_ids=frame["token_id"].to_numpy(),
+                       top_token_ids=top_ids)
     return [("top-k lists of the wrong length", wrong, None),
             *((rule, rows, field) for field, rule, rows in rules)]
 
