@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0+cpu
 PYTEST_ARGS ?=
 
-.PHONY: install demo test notebooks bench data clean
+.PHONY: install demo test test-fast notebooks bench data clean
 
 install: $(STAMP)
 
@@ -30,6 +30,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+
+# The inner loop: everything but the tests that load the embedded model, start an engine,
+# a server or a browser (markers in pyproject.toml); `make test` stays the whole suite.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -ra -m "not slow and not vllm and not browser and not gpu" $(PYTEST_ARGS)
 
 notebooks: $(STAMP)
 	mkdir -p notebooks/executed
