@@ -338,3 +338,23 @@ def test_a_deleted_settings_file_with_other_settings_is_refused(lm, engine, reco
         replay(records, engine=other, progress=False, checkpoint=tmp_path)
     assert sorted(tmp_path.glob("part-*.parquet")) == parts
     assert not list(tmp_path.glob("*.corrupt"))
+
+
+def test_a_fifo_named_settings_json_is_refused_not_read(engine, records, tmp_path):
+    """settings.json replaced by a FIFO: an error names it, without blocking on a read (a
+    writer feeding the FIFO is left waiting, then released)."""
+    import os
+    import threading
+
+    replay(records[:1], engine=engine, progress=False, checkpoint=tmp_path)
+    settings = tmp_path / "settings.json"
+    settings.unlink()
+    os.mkfifo(settings)
+    writer = threading.Thread(target=settings.write_text, args=("{}",), daemon=True)
+    writer.start()
+    try:
+        with pytest.raises(ValueError, match=r"settings\.json is not a regular file"):
+            replay(records[:1], engine=engine, progress=False, checkpoint=tmp_path)
+    finally:
+        os.close(os.open(settings, os.O_RDONLY | os.O_NONBLOCK))  # lets the writer finish
+        writer.join(5)

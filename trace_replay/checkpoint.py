@@ -342,6 +342,8 @@ class Checkpoint:
             self._check_parts_settings()
             write_atomic(file, lambda p: p.write_text(json.dumps(settings, indent=1)))
             return
+        if not file.is_file():  # a FIFO would block the read, a folder cannot be read
+            raise ValueError(f"checkpoint {file} is not a regular file; use a new folder")
         try:
             stored = json.loads(file.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError, OSError) as error:
