@@ -122,3 +122,31 @@ def test_dead_runs_claims_are_released(tmp_path):
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_fifo_lock_or_a_file_named_claims_is_refused(tmp_path):
+    """A FIFO named .lock (opening it to write would block forever) and a file named claims
+    are refused naming them, before anything is opened."""
+    lock = tmp_path / ".lock"
+    os.mkfifo(lock)
+    reader = os.open(lock, os.O_RDONLY | os.O_NONBLOCK)  # so that old code could not block
+    try:
+        with pytest.raises(ValueError, match=r"\.lock is not a regular file"):
+            Claims(tmp_path)
+    finally:
+        os.close(reader)
+    lock.unlink()
+    (tmp_path / "claims").write_text("")
+    with pytest.raises(ValueError, match=r"claims is not a folder"):
+        Claims(tmp_path)
+
+
+def test_a_fifo_among_the_claims_is_no_claim(runs, tmp_path):
+    """A FIFO named like a claim file is skipped (no run writes one): others() neither
+    blocks on it nor fails, and other runs' claims are still read."""
+    first, second = runs(2)
+    os.mkfifo(tmp_path / "claims" / "elsewhere.1.abcdef12.claim")
+    with first.locked():
+        first.set({"d1"})
+    with second.locked():
+        assert second.others() == {"d1"}

@@ -42,6 +42,11 @@ class Claims:
         self.folder = folder / "claims"
         self.owner = f"{HOST}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         self.mine: frozenset[str] = frozenset()
+        # opening a FIFO named .lock would block forever; a file named claims cannot hold claims
+        for path, kind, right in ((folder / ".lock", "a regular file", os.path.isfile),
+                                  (self.folder, "a folder", os.path.isdir)):
+            if os.path.lexists(path) and not right(path):
+                raise ValueError(f"checkpoint {path} is not {kind}; use a new folder")
         self._lock = open(folder / ".lock", "a")  # noqa: SIM115 - held for the run's life
         self._own = None
         with self.locked():
@@ -72,8 +77,8 @@ class Claims:
         if fcntl is None:
             return taken
         for path in self.folder.glob("*.claim"):
-            if path.name == f"{self.owner}.claim":
-                continue
+            if path.name == f"{self.owner}.claim" or not path.is_file():
+                continue  # ours, or not a claim any run writes (a FIFO, a folder)
             try:
                 file = open(path, "r+")  # noqa: SIM115 - closed below
             except FileNotFoundError:
