@@ -358,3 +358,22 @@ def test_a_fifo_named_settings_json_is_refused_not_read(engine, records, tmp_pat
     finally:
         os.close(os.open(settings, os.O_RDONLY | os.O_NONBLOCK))  # lets the writer finish
         writer.join(5)
+
+
+def test_weights_edited_under_the_same_name_are_not_served(lm, records, tmp_path):
+    """The checkpoint keys on the weights, not only the model's name: a model edited in
+    place (same object, same label) and rerun on the folder is refused by name, never
+    served the rows of the old weights."""
+    import copy
+
+    import torch
+
+    model = copy.deepcopy(lm)
+    engine = make_engine("prefill", model, batch_size=2, top_k=3)
+    replay(records[:2], engine=engine, progress=False, checkpoint=tmp_path)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(1.5)
+    with pytest.raises(ValueError, match="other settings.*weights_digest"):
+        replay(records[:2], engine=engine, progress=False, checkpoint=tmp_path)
+    fresh = replay(records[:2], engine=engine, progress=False, checkpoint=tmp_path / "new")
+    assert_same_replay(fresh, replay(records[:2], engine=engine, progress=False))

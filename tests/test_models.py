@@ -61,3 +61,21 @@ def test_dtype_aliases():
     assert models.resolve_dtype(None) is torch.float32
     with pytest.raises(ValueError, match="unknown dtype"):
         models.resolve_dtype("int3")
+
+
+def test_folder_digest_follows_the_weight_files(tmp_path):
+    """A model folder's digest changes when a weight file or config.json is rewritten, and
+    not for other files (what a vLLM checkpoint keys on besides the model's name)."""
+    import os
+
+    from trace_replay.models import folder_digest
+
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"a" * 64)
+    (tmp_path / "config.json").write_text("{}")
+    before = folder_digest(tmp_path)
+    (tmp_path / "README.md").write_text("notes")
+    assert folder_digest(tmp_path) == before
+    weights.write_bytes(b"b" * 64)  # same size, rewritten: another modification time
+    os.utime(weights, ns=(1, 1))
+    assert folder_digest(tmp_path) != before

@@ -17,6 +17,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,7 @@ from trace_replay.parts import (PART_NAME, CorruptPart, check_rows, describe, pa
                                 read_part, write_part)
 from trace_replay.trace_record import Trace
 
-__all__ = ["ROW_FIELDS", "Checkpoint", "settings_key", "trace_digest"]
+__all__ = ["ROW_FIELDS", "Checkpoint", "checkpoint_settings", "settings_key", "trace_digest"]
 
 
 def settings_key(settings: dict) -> str:
@@ -41,6 +42,16 @@ def settings_key(settings: dict) -> str:
 
 # the Trace fields that to_frame copies into a trace's rows (ref_logprob, turn, role columns)
 ROW_FIELDS = ("ref_logprobs", "trace_turns", "trace_roles")
+
+
+def checkpoint_settings(engine: Any) -> dict:
+    """What a folder of ``engine``'s replays is keyed on: its settings and, where the engine
+    reads its weights (``weights_digest()``), their digest, read now. A model edited or
+    retrained in place under the same name is then refused by the folder as other
+    settings, never served the rows of its old weights."""
+    settings = engine.settings()
+    weights = getattr(engine, "weights_digest", lambda: None)()
+    return settings if weights is None else {**settings, "weights_digest": weights}
 
 
 def trace_digest(key: str, request: ReplayRequest, trace: Trace | None = None) -> str:

@@ -26,6 +26,7 @@ __all__ = [
     "ModelNotFoundError",
     "cache_dir",
     "embedded_gguf_path",
+    "folder_digest",
     "hf_folder",
     "load_model",
     "load_tokenizer",
@@ -166,6 +167,22 @@ def hf_folder(model: str | os.PathLike | None = None) -> Path:
             f"model {str(model)!r} is neither a local folder nor in the Hugging Face cache "
             "(nothing is downloaded at run time)"
         ) from exc
+
+
+def folder_digest(folder: str | os.PathLike) -> str:
+    """A digest of a model folder's weight and config files as they are now: each file's
+    name, size and modification time (nanoseconds), so a folder rewritten in place changes
+    it without reading gigabytes."""
+    digest = hashlib.sha256()
+    root = Path(folder)
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and (path.suffix in _WEIGHT_SUFFIXES or path.name == "config.json"):
+            info = path.stat()
+            digest.update(f"{path.relative_to(root)}:{info.st_size}:{info.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:32]
+
+
+_WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".gguf"}
 
 
 def model_label(model: str | os.PathLike | None) -> str:

@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from trace_replay._text import plural
-from trace_replay.checkpoint import Checkpoint
+from trace_replay.checkpoint import Checkpoint, checkpoint_settings
 from trace_replay.engines import ENGINES, make_engine
 from trace_replay.engines.base import Engine, ReplayRequest
 from trace_replay.engines.validate import ImpossibleResult, check_results
@@ -308,7 +308,8 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
                       for start in range(0, len(requests), chunk)]
             result = pd.concat(frames, ignore_index=True) if frames else None
         else:
-            with Checkpoint(checkpoint, settings, requests, by_id, batch_size=batch,
+            with Checkpoint(checkpoint, checkpoint_settings(engine), requests, by_id,
+                            batch_size=batch,
                             max_traces=chunk, every_s=checkpoint_every) as store:
                 resumed = store.resumed
                 advance(store.resumed_tokens)

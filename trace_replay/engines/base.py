@@ -8,6 +8,7 @@ provenance recorded in ``df.attrs``) apart from what it has done so far (``stats
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -186,6 +187,30 @@ class EngineBase:
             return int(head.weight.shape[0])
         llm = getattr(self, "llm", None)
         return None if llm is None else int(llm.llm_engine.model_config.get_vocab_size())
+
+    def weights_digest(self) -> str | None:
+        """A digest of the weights the engine scores with, read now; ``None`` where the
+        engine cannot read them (a server). A checkpoint keys on it, so rows computed with
+        other weights under the same model name are never served.
+
+        For a model in memory (``lm``): per parameter, its name, shape, dtype, float64 sum
+        and sum of squares, and the exact bytes of a strided sample of 1,024 elements — one
+        pass over the weights on their device, changed by any edit short of a contrived one.
+        """
+        lm = getattr(self, "lm", None)
+        if not isinstance(lm, torch.nn.Module):
+            return None
+        digest = hashlib.sha256()
+        with torch.no_grad():
+            for name, weight in lm.named_parameters():
+                flat = weight.detach().reshape(-1)
+                sample = flat[::max(1, flat.numel() // 1024)][:1024]
+                sums = torch.stack([flat.sum(dtype=torch.float64),
+                                    flat.double().square().sum()]).cpu().numpy()
+                digest.update(f"{name}:{tuple(weight.shape)}:{weight.dtype}".encode())
+                digest.update(sums.tobytes())
+                digest.update(sample.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()[:32]
 
     def settings(self) -> dict[str, Any]:
         settings = {"engine": self.name, "engine_path": self.engine_path,

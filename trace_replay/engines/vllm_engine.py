@@ -65,7 +65,7 @@ from trace_replay.engines.vllm_forcing import (
     FORCED_LOGIT, WORKER_EXTENSION, ForcingWorkerExtension, TraceForcingProcessor, model_runner,
     read_lengths_only)
 from trace_replay.engines.vllm_invariance import batch_invariance_unavailable, batch_invariant_env
-from trace_replay.models import hf_folder, model_label, resolve_dtype
+from trace_replay.models import folder_digest, hf_folder, model_label, resolve_dtype
 from trace_replay.serve import TRACE_KEY
 from trace_replay.trace_record import TraceError
 
@@ -272,7 +272,8 @@ class VLLMEngine(EngineBase):
         self.tokenizer_source = config.model
         self.top_k = config.top_k
         self.dtype = str(resolve_dtype(config.dtype)).replace("torch.", "")
-        args = {"model": str(hf_folder(config.model)), "dtype": self.dtype, "seed": 0,
+        self.folder = hf_folder(config.model)
+        args = {"model": str(self.folder), "dtype": self.dtype, "seed": 0,
                 "max_logprobs": max(config.top_k, 20), "logprobs_mode": "raw_logprobs",
                 "enable_prefix_caching": False, "use_tqdm_on_load": verbose}
         if config.batch_size:
@@ -354,6 +355,11 @@ class VLLMEngine(EngineBase):
             self.engine_path = "vllm-logits-processor-forcing"
             self.lengths_only = alone and read_lengths_only(self.llm)
         self.model_runner = model_runner(self.llm)
+
+    def weights_digest(self) -> str:
+        """The model folder's weight files as they are now (:func:`~trace_replay.models.
+        folder_digest`)."""
+        return folder_digest(self.folder)
 
     def settings(self) -> dict:
         import vllm
