@@ -187,7 +187,9 @@ class _Watchdog:
             pass  # already closed
 
 
-class _WatchedHTTP(http.client.HTTPConnection):
+class _Watched:
+    """A connection whose socket its watchdog shuts at the attempt's deadline."""
+
     def __init__(self, *args: Any, watchdog: _Watchdog, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.watchdog = watchdog
@@ -197,14 +199,12 @@ class _WatchedHTTP(http.client.HTTPConnection):
         self.watchdog.watch(self.sock)
 
 
-class _WatchedHTTPS(http.client.HTTPSConnection):
-    def __init__(self, *args: Any, watchdog: _Watchdog, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.watchdog = watchdog
+class _WatchedHTTP(_Watched, http.client.HTTPConnection):
+    pass
 
-    def connect(self) -> None:
-        super().connect()
-        self.watchdog.watch(self.sock)
+
+class _WatchedHTTPS(_Watched, http.client.HTTPSConnection):
+    pass
 
 
 def _read_until(response: http.client.HTTPResponse, deadline: float) -> bytes:
