@@ -108,7 +108,10 @@ def voila(tmp_path_factory):
     port, log = _free_port(), tmp / "voila.log"
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp / "config"),
                JUPYTER_DATA_DIR=str(tmp / "data"), JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
-               IPYTHONDIR=str(tmp / "ipython"))  # fmt: skip
+               IPYTHONDIR=str(tmp / "ipython"),
+               # one OpenMP thread in the kernel, as in the suite (conftest): on a busy 2-core
+               # machine two spinning threads made its two replays overrun RENDER_S
+               OMP_NUM_THREADS="1")  # fmt: skip
     cmd = [sys.executable, "-m", "voila", str(NOTEBOOK), "--no-browser",
            "--Voila.ip=127.0.0.1", f"--Voila.port={port}", "--Voila.port_retries=0",
            f"--VoilaExecutor.timeout={RENDER_S}",
