@@ -117,7 +117,7 @@ def main() -> None:
     if args.model == "random":
         lm = random_llama(args.device, dtype)
     else:
-        from trace_replay.models import load_model
+        from trace_replay.models.load import load_model
 
         lm = load_model(device=args.device, dtype=args.dtype)
     requests = make_requests(args.traces or args.batch, args.new_tokens, lm.config.vocab_size)
@@ -153,7 +153,7 @@ def main() -> None:
             print(f"| {path} | {deterministic} | {seconds:.3f} | {tokens / seconds:,.0f} | "
                   f"{seconds / base:.2f} |")
     if device.type == "cuda":  # what deterministic mode would do without Triton
-        from trace_replay.engines.invariant_ops import probe_linear
+        from trace_replay.engines.builtin.backends.invariant_ops import probe_linear
 
         linears = [m.weight for m in lm.modules() if isinstance(m, torch.nn.Linear)]
         try:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from bench_kernels import per_call_arguments, time_graph_us
 
-from trace_replay._triton import triton
+from trace_replay.kernels._triton import triton
 from trace_replay.kernels.fp32_linear import blocks, fp32_linear, launch, split_depth
 
 HIDDEN, INTERMEDIATE, KV, VOCAB = 576, 1536, 192, 49152  # SmolLM2-135M

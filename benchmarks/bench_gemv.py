@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from bench_kernels import time_graph_us
 from shapes import SHAPES
 
-from trace_replay._triton import triton
+from trace_replay.kernels._triton import triton
 from trace_replay.kernels import gated_gemv
 from trace_replay.kernels.gemv import blocks, launch
 from trace_replay.kernels.rms_norm import Norm, rms_norm, rms_norm_reference

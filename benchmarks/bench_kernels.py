@@ -30,14 +30,14 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from trace_replay._triton import HAS_TRITON, tl, triton  # noqa: E402
+from trace_replay.kernels._triton import HAS_TRITON, tl, triton  # noqa: E402
 from trace_replay.kernels import (  # noqa: E402
     apply_trace_tokens,
     apply_trace_tokens_reference,
     apply_trace_tokens_to_verified,
     apply_trace_tokens_to_verified_reference,
 )
-from trace_replay.state import RequestState, TraceReplayState  # noqa: E402
+from trace_replay.kernels.state import RequestState, TraceReplayState  # noqa: E402
 
 NUM_REQS = (1, 4, 16, 64, 256, 1024, 4096)
 

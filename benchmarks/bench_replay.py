@@ -52,7 +52,7 @@ from shapes import SHAPES, hbm_bound_seconds, random_model
 
 from trace_replay.engines import make_engine
 from trace_replay.engines.base import ReplayRequest
-from trace_replay.models import load_model, load_tokenizer, resolve_dtype
+from trace_replay.models.load import load_model, load_tokenizer, resolve_dtype
 
 PROMPTS = [
     "def fibonacci(n):", "The capital of France is", "Write a haiku about the sea.",
@@ -202,7 +202,7 @@ def profile_replay(engine, requests, device, prompts=None, new_tokens=0):
 def phases(engine, run, label):
     """Wall ms of one ``run()`` split into admission, prefill, results and the rest (the
     decode loop), each phase fenced by device synchronizations (so nothing overlaps)."""
-    import trace_replay.engines.torch_engine as torch_engine
+    import trace_replay.engines.builtin.engine as torch_engine
 
     spent = dict.fromkeys(("admit", "prefill", "results"), 0.0)
 

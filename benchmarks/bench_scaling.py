@@ -21,7 +21,7 @@ import torch
 
 from trace_replay.engines.base import ReplayRequest
 from trace_replay.engines import make_engine
-from trace_replay.models import load_model
+from trace_replay.models.load import load_model
 
 
 def run(lm, batch, length, backend, repeats, device):

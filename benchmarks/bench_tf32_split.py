@@ -34,7 +34,7 @@ import torch
 from bench_fp32_linear import relative_error, time_or_inf
 from bench_kernels import time_graph_us
 
-from trace_replay._triton import tl, triton
+from trace_replay.kernels._triton import tl, triton
 from trace_replay.kernels.fp32_linear import launch
 
 HIDDEN, INTERMEDIATE, KV, VOCAB = 576, 1536, 192, 49152  # SmolLM2-135M

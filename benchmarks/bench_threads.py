@@ -2,7 +2,7 @@
 
 One bundled trace cut to ``--length`` tokens, replayed by the torch engine (batch 1) at
 torch's default intra-op threads and at the engine's own choice
-(:mod:`trace_replay.engines.threads`): alone, beside a busy process (a Python busy loop),
+(:mod:`trace_replay.engines.builtin.threads`): alone, beside a busy process (a Python busy loop),
 and right after a vLLM replay with the vLLM engine alive. Medians of ``--repeats``;
 ratios from this one run.
 
@@ -24,10 +24,10 @@ import time
 import torch
 from bench_cpu import timed as median_time  # median of repeats after a warm-up
 
-from trace_replay import datasets
+from trace_replay.traces import datasets
 from trace_replay.engines import make_engine
 from trace_replay.engines.base import ReplayRequest
-from trace_replay.models import load_tokenizer
+from trace_replay.models.load import load_tokenizer
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """vLLM: the package's forcing logits processor against vLLM's own greedy decoding.
 
-One ``vllm.LLM`` with :class:`~trace_replay.engines.vllm_engine.TraceForcingProcessor`
+One ``vllm.LLM`` with :class:`~trace_replay.engines.vllm.engine.TraceForcingProcessor`
 loaded serves both paths (the processor returns at once while no request carries a
 trace), so "forcing / greedy" is the cost of forcing alone. Loading any custom logits
 processor has a cost of its own in vLLM V1: it hands processors every request's output
@@ -67,7 +67,7 @@ def main():
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from trace_replay.engines.vllm_engine import (
+    from trace_replay.engines.vllm.engine import (
         TRACE_KEY,
         WORKER_EXTENSION,
         TraceForcingProcessor,

@@ -124,7 +124,7 @@ def speed(folder: str, vocab: int, args) -> None:
 
     from trace_replay.engines import make_engine
     from trace_replay.engines.base import ReplayRequest
-    from trace_replay.engines.inprocess import multicast_off
+    from trace_replay.engines.vllm.inprocess import multicast_off
 
     batches = [int(b) for b in args.batches.split(",")]
     engine_args = {"skip_tokenizer_init": True, "gpu_memory_utilization": args.memory,
@@ -267,7 +267,7 @@ def replay_served(folder: str, requests: list, args) -> tuple[str, list | None]:
     """Start ``trace-replay serve``'s command at ``--tp`` (in ``--dtype``, eager), replay
     ``requests`` through ``engine="vllm-server"``, stop it: (what ran, results or None)."""
     from trace_replay.engines import make_engine
-    from trace_replay.serve import serve_command, start_server, stop_server, wait_for_server
+    from trace_replay.engines.server.serve import serve_command, start_server, stop_server, wait_for_server
 
     port = 8321
     extra = ["--tensor-parallel-size", str(args.tp), "--dtype", args.dtype, "--enforce-eager",

@@ -21,8 +21,8 @@ to the ids the reply was generated from.
 from __future__ import annotations
 
 import trace_replay
-from trace_replay.chat import tokenize_chat
-from trace_replay.traces import Trace, TraceSet
+from trace_replay.traces.chat import tokenize_chat
+from trace_replay.traces.sets import Trace, TraceSet
 
 __all__ = ["record_chat"]
 
@@ -53,7 +53,7 @@ def record_chat(requests: list[dict], *, max_tokens: int, batch_size: int) -> Tr
     """
     engine = trace_replay.make_engine("torch", deterministic=True, batch_size=batch_size)
     try:
-        recorded = trace_replay.record(
+        recorded = trace_replay.traces.recording(
             [{"id": r["id"], "messages": [{"role": "user", "content": r["user"]}],
               "meta": r["meta"]} for r in requests],
             engine=engine, max_tokens=max_tokens, temperature=0.0, seed=0)

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-# Before anything imports triton: trace_replay._triton reads it once, and triton.jit when it
+# Before anything imports triton: trace_replay.kernels._triton reads it once, and triton.jit when it
 # decorates a kernel. Without CUDA the interpreter runs the real kernels on CPU tensors (the
 # launchers take the kernel path, not the torch reference); with CUDA they compile.
 os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
@@ -131,7 +131,7 @@ REAL_TRACES = [
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from trace_replay.models import load_tokenizer
+    from trace_replay.models.load import load_tokenizer
 
     return load_tokenizer()
 
@@ -139,7 +139,7 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def lm():
     """The embedded model, float32 on CPU, loaded once per session."""
-    from trace_replay.models import load_model
+    from trace_replay.models.load import load_model
 
     return load_model(device="cpu")
 
@@ -153,7 +153,7 @@ def real_records() -> list[dict]:
 @pytest.fixture(scope="session")
 def real_traces(tokenizer):
     """Six real traces: EOS inside, a 1-token trace, a 1-token prompt, mixed lengths."""
-    from trace_replay.traces import load_traces
+    from trace_replay.traces.sets import load_traces
 
     return load_traces(REAL_TRACES, tokenizer=tokenizer)
 

@@ -21,7 +21,7 @@ import torch
 
 import trace_replay
 from trace_replay.cli import _HelpFormatter, _parser, main
-from trace_replay.replay import replay
+from trace_replay.runs.replay import replay
 
 COMMANDS = ("replay", "record", "merge", "report", "demo", "serve")
 
@@ -223,7 +223,7 @@ def test_unwritable_out_fails_before_any_work(tmp_path):
 @pytest.mark.slow
 def test_empty_input_empty_shard_and_overflow(tmp_path):
     """Empty input: an error. Empty shard: an empty result, said so. Too long: file:line, id."""
-    from trace_replay.traces import _shard_of
+    from trace_replay.traces.sets import _shard_of
 
     blank = tmp_path / "blank.jsonl"
     blank.write_text("\n  \n")
@@ -328,7 +328,7 @@ def test_replay_then_merge_and_report(tmp_path):
 def test_serve_dry_run_prints_the_command(capsys):
     """serve --dry-run prints the server command: the forcing processor, raw logprobs, and the
     options after -- last, so they win."""
-    from trace_replay.serve import FORCING_PROCESSOR
+    from trace_replay.engines.server.serve import FORCING_PROCESSOR
 
     assert main(["serve", "--port", "8123", "--dry-run", "--", "--max-model-len", "512"]) == 0
     command = capsys.readouterr().out.splitlines()[0].split()
@@ -340,7 +340,7 @@ def test_serve_dry_run_prints_the_command(capsys):
 
 def test_serve_help_shows_the_command():
     """serve --help shows the vllm serve command it runs, with every option it adds."""
-    from trace_replay.serve import serve_args
+    from trace_replay.engines.server.serve import serve_args
 
     out = _run("serve", "--help")
     assert out.returncode == 0
@@ -496,7 +496,7 @@ def test_argument_errors_are_one_line_with_the_usage_hint(capsys):
 def test_replay_help_examples_name_inputs_that_exist():
     """Each replay example's input is a bundled dataset name or a placeholder file name (never
     a path in the source tree that does not exist), and the help says a file wins."""
-    from trace_replay.datasets import DATASETS
+    from trace_replay.traces.datasets import DATASETS
 
     page = _subparsers()["replay"].format_help()
     inputs = re.findall(r"^  trace-replay replay (\S+)", page, re.M)
@@ -508,7 +508,7 @@ def test_replay_help_examples_name_inputs_that_exist():
 def test_replay_takes_a_bundled_dataset_name_and_a_limit(tmp_path, monkeypatch, capsys):
     """A bundled dataset's name is read as that dataset (a file of that name wins) and
     --limit N keeps the first N traces."""
-    from trace_replay import datasets
+    from trace_replay.traces import datasets
 
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "r.parquet"

@@ -9,7 +9,7 @@ import pytest
 
 widgets = pytest.importorskip("ipywidgets", reason="explorer tests need ipywidgets")
 
-from trace_replay.analysis import compare  # noqa: E402
+from trace_replay.analysis.metrics import compare  # noqa: E402
 from trace_replay.explorer import explore  # noqa: E402
 
 

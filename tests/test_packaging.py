@@ -50,7 +50,7 @@ def test_import_is_light():
 def test_functions_named_like_their_modules_stay_functions():
     """tr.replay and tr.record are the functions even when their modules were imported first
     (importing a submodule binds it on the package under the same name)."""
-    code = ("import trace_replay.replay, trace_replay.record, trace_replay as tr; "
+    code = ("import trace_replay.runs.replay, trace_replay.traces.recording, trace_replay as tr; "
             "from trace_replay import replay; "
             "print(type(tr.replay).__name__, type(tr.record).__name__, type(replay).__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -67,7 +67,7 @@ def test_public_names_resolve():
 
 
 def test_wheel_ships_the_bundled_traces(tmp_path):
-    """A built wheel holds the bundled trace files, and trace_replay.datasets loads all of them
+    """A built wheel holds the bundled trace files, and trace_replay.traces.datasets loads all of them
     from the wheel alone, with no source checkout around (Python imports straight from it)."""
     import shutil
     import zipfile
@@ -83,8 +83,8 @@ def test_wheel_ships_the_bundled_traces(tmp_path):
                    check=True, capture_output=True, cwd=tmp_path, timeout=300)
     (wheel,) = (tmp_path / "dist").glob("trace_replay-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert {"trace_replay/datasets/humaneval_human.jsonl",
-            "trace_replay/datasets/gsm8k_cot_model.jsonl"} <= set(names)
+    assert {"trace_replay/traces/datasets/humaneval_human.jsonl",
+            "trace_replay/traces/datasets/gsm8k_cot_model.jsonl"} <= set(names)
     code = ("import trace_replay as tr; "
             "print(tr.__file__.startswith(sys.argv[1]), len(tr.datasets.load()))")
     out = subprocess.run([sys.executable, "-c", "import sys; " + code, str(wheel)],

@@ -7,82 +7,58 @@ transformers. Public names are resolved lazily from their modules on first use.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Trace": "trace_replay.traces",
-    "TraceSet": "trace_replay.traces",
-    "TraceError": "trace_replay.traces",
-    "load_traces": "trace_replay.traces",
-    "load_model": "trace_replay.models",
-    "load_tokenizer": "trace_replay.models",
+    "Trace": "trace_replay.traces.trace",
+    "TraceSet": "trace_replay.traces.sets",
+    "TraceError": "trace_replay.traces.trace",
+    "load_traces": "trace_replay.traces.sets",
+    "load_model": "trace_replay.models.load",
+    "load_tokenizer": "trace_replay.models.load",
     "make_engine": "trace_replay.engines",
-    "RequestState": "trace_replay.state",
-    "TraceReplayState": "trace_replay.state",
-    "replay": "trace_replay.replay",
-    "record": "trace_replay.record",
-    "compare": "trace_replay.analysis",
-    "summarize": "trace_replay.analysis",
-    "dataset_summary": "trace_replay.analysis",
-    "trace_summary": "trace_replay.analysis",
-    "engine_table": "trace_replay.analysis",
-    "plot_trace": "trace_replay.plots",
-    "plot_divergence_heatmap": "trace_replay.plots",
-    "plot_delta_hist": "trace_replay.plots",
-    "plot_logprob_scatter": "trace_replay.plots",
-    "plot_first_divergence": "trace_replay.plots",
-    "plot_rank_buckets": "trace_replay.plots",
-    "render_tokens": "trace_replay.tokens_html",
+    "RequestState": "trace_replay.kernels.state",
+    "TraceReplayState": "trace_replay.kernels.state",
+    "replay": "trace_replay.runs.replay",
+    "record": "trace_replay.traces.recording",
+    "compare": "trace_replay.analysis.metrics",
+    "summarize": "trace_replay.analysis.metrics",
+    "dataset_summary": "trace_replay.analysis.metrics",
+    "trace_summary": "trace_replay.analysis.metrics",
+    "engine_table": "trace_replay.analysis.metrics",
+    "plot_trace": "trace_replay.plots.trace",
+    "plot_divergence_heatmap": "trace_replay.plots.frames",
+    "plot_delta_hist": "trace_replay.plots.frames",
+    "plot_logprob_scatter": "trace_replay.plots.frames",
+    "plot_first_divergence": "trace_replay.plots.frames",
+    "plot_rank_buckets": "trace_replay.plots.frames",
+    "render_tokens": "trace_replay.html.tokens",
     "explore": "trace_replay.explorer",
-    "write_report": "trace_replay.report",
-    "locate_divergence": "trace_replay.attribution",
-    "divergence_origin": "trace_replay.attribution",
-    "sweep": "trace_replay.sweep",
-    "ModelCache": "trace_replay.model_cache",
-    "plot_layer_divergence": "trace_replay.plots_layers",
-    "plot_layer_profile": "trace_replay.plots_layers",
-    "plot_sweep": "trace_replay.plots_layers",
+    "write_report": "trace_replay.html.report",
+    "locate_divergence": "trace_replay.analysis.attribution",
+    "divergence_origin": "trace_replay.analysis.attribution",
+    "sweep": "trace_replay.analysis.sweep",
+    "ModelCache": "trace_replay.models.cache",
+    "plot_layer_divergence": "trace_replay.plots.layers",
+    "plot_layer_profile": "trace_replay.plots.layers",
+    "plot_sweep": "trace_replay.plots.layers",
 }
 
-# subpackages reached as attributes, e.g. ``tr.datasets.load(...)``
-_SUBMODULES = ("datasets",)
+# modules reached as attributes, e.g. ``tr.datasets.load(...)``
+_SUBMODULES = {"datasets": "trace_replay.traces.datasets"}
 
 __all__ = ["__version__", *_EXPORTS, *_SUBMODULES]
 
 
-class _Package(types.ModuleType):
-    """Keeps ``tr.replay`` and ``tr.record`` the functions once their modules are imported.
-
-    Importing a submodule binds it as an attribute of its package, so importing
-    ``trace_replay.replay`` (anywhere, even inside the library) would otherwise rebind
-    ``tr.replay`` from the function to the module of the same name.
-    """
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == value.__name__:
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-
-
 def __getattr__(name: str):
     if name in _SUBMODULES:
-        value = importlib.import_module(f"trace_replay.{name}")
+        value = importlib.import_module(_SUBMODULES[name])
     elif name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
     else:
         raise AttributeError(f"module 'trace_replay' has no attribute {name!r}")
     globals()[name] = value
-    # importing a module may import submodules named like exports (trace_replay.replay), and
-    # the import system binds the submodule to the package attribute; the export wins
-    for export, home in _EXPORTS.items():
-        if getattr(globals().get(export), "__name__", None) == home == f"{__name__}.{export}":
-            globals()[export] = getattr(importlib.import_module(home), export)
     return value
 
 

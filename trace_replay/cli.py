@@ -7,7 +7,7 @@ saving is not cut short and the status stays. A run that fails removes the folde
 created that are still empty. ``--debug`` shows tracebacks instead.
 
 The parser is plain :mod:`argparse`: the command is a thin shell over
-:func:`trace_replay.replay` and friends, so a CLI library (click, typer) would add a
+:func:`trace_replay.runs.replay` and friends, so a CLI library (click, typer) would add a
 dependency for nothing argparse lacks, and every option stays one ``add_argument`` line.
 :class:`_HelpFormatter` (``RawDescriptionHelpFormatter`` + appended defaults, as
 ``ArgumentDefaultsHelpFormatter`` does) keeps the examples' line breaks and prints each
@@ -99,14 +99,14 @@ def _input_file(path: str, what: str) -> str:
 def _bundled(name: str) -> bool:
     """Whether ``name`` means a bundled dataset: one of that name, and no file of that name
     (a folder of that name, e.g. one the results go to, does not count)."""
-    from trace_replay import datasets
+    from trace_replay.traces import datasets
 
     return name in datasets.DATASETS and (not Path(name).exists() or Path(name).is_dir())
 
 
 def _traces_input(name: str):
     """A traces file, else a bundled dataset of that name (:func:`_bundled`)."""
-    from trace_replay import datasets
+    from trace_replay.traces import datasets
 
     if not _bundled(name):
         try:
@@ -118,23 +118,23 @@ def _traces_input(name: str):
 
 
 def _cmd_replay(args) -> None:
-    from trace_replay.replay import replay
+    from trace_replay.runs.replay import replay
 
     traces = _traces_input(args.traces)
     if not isinstance(traces, str) and args.format != "traces":
         raise ValueError(f"{args.traces} is a bundled dataset of traces; --format "
                          f"{args.format} reads a log file")
     if args.format != "traces" or args.turns is not None:
-        from trace_replay.traces import load_traces
+        from trace_replay.traces.sets import load_traces
 
         tokenizer = None
         if args.format == "openai":  # logged token texts are mapped to ids with it
-            from trace_replay.models import load_tokenizer
+            from trace_replay.models.load import load_tokenizer
 
             tokenizer = load_tokenizer(args.model)
         traces = load_traces(traces, format=args.format, turns=args.turns, tokenizer=tokenizer)
     if args.limit is not None:
-        from trace_replay.traces import load_traces
+        from trace_replay.traces.sets import load_traces
 
         traces = load_traces(traces)[:args.limit]
     df = replay(traces, args.model, engine=args.engine,
@@ -151,7 +151,7 @@ def _cmd_replay(args) -> None:
 
 
 def _cmd_record(args) -> None:
-    from trace_replay.record import record
+    from trace_replay.traces.recording import record
 
     path = Path(_input_file(args.prompts, "prompts file"))
     lines = path.read_text().splitlines()
@@ -175,7 +175,7 @@ def _cmd_record(args) -> None:
 
 
 def _cmd_merge(args) -> None:
-    from trace_replay.merge import merge_results
+    from trace_replay.runs.merge import merge_results
 
     merged = merge_results(args.parts, allow_incomplete=args.allow_incomplete)
     _write_frame(merged, args.out)
@@ -184,7 +184,7 @@ def _cmd_merge(args) -> None:
 
 
 def _cmd_report(args) -> None:
-    from trace_replay.report import write_report
+    from trace_replay.html.report import write_report
 
     results_b = args.results_b and _input_file(args.results_b, "results file")
     out = write_report(_input_file(args.results, "results file"), results_b, out=args.out,
@@ -247,7 +247,7 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     from trace_replay import __version__
-    from trace_replay.datasets import DATASETS
+    from trace_replay.traces.datasets import DATASETS
 
     parser = _Parser(
         prog="trace-replay", formatter_class=_HelpFormatter,
@@ -363,7 +363,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_serve(sub) -> None:
     """``trace-replay serve``: a vLLM server for ``--engine vllm-server``."""
-    from trace_replay.serve import serve_args
+    from trace_replay.engines.server.serve import serve_args
 
     options: list[str] = []  # one "--flag [value]" per line
     for arg in serve_args("NAME"):
@@ -413,7 +413,7 @@ def _cmd_serve(args) -> None:
     import os
     import shlex
 
-    from trace_replay.serve import serve_command, serve_environment
+    from trace_replay.engines.server.serve import serve_command, serve_environment
 
     extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
     command = serve_command(args.model, host=args.host, port=args.port, extra_args=extra)
@@ -518,7 +518,7 @@ def _prepare_outputs(args) -> tuple[list[Path], list[Path]]:
         names = [getattr(args, name) for name in _FILE_OUTPUTS[args.command]]
         inputs = [n for name in names if name for n in ([name] if isinstance(name, str) else name)]
         if args.command == "replay" and _bundled(args.traces):  # it reads the package's files
-            from trace_replay import datasets
+            from trace_replay.traces import datasets
 
             inputs = datasets.files(args.traces)
         made = check_output(args.out, inputs)
@@ -531,7 +531,7 @@ def _saved(args) -> str:
     checkpoint = getattr(args, "checkpoint", None)
     if not checkpoint or not Path(checkpoint).is_dir() or not any(Path(checkpoint).iterdir()):
         return ""
-    from trace_replay.parts import PART_NAME
+    from trace_replay.runs.parts import PART_NAME
 
     if not any(PART_NAME.match(path.name) for path in Path(checkpoint).iterdir()):
         return ""

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from trace_replay import datasets
+from trace_replay.traces import datasets
 from trace_replay._io import write_atomic, write_target
 from trace_replay._text import plural
-from trace_replay.analysis import engine_table
+from trace_replay.analysis.metrics import engine_table
 
 __all__ = ["run_demo"]
 
@@ -28,7 +28,7 @@ def run_demo(out: str | Path = "out", engines: str = "vllm,prefill",
     engines : str
         Comma-separated engine names, replayed in order; the first two are compared.
     limit : int, optional
-        Traces taken from each bundled file (:func:`trace_replay.datasets.load`).
+        Traces taken from each bundled file (:func:`trace_replay.traces.datasets.load`).
     verbose : bool
         Show vLLM's start-up logging (by default only its errors).
 
@@ -39,9 +39,9 @@ def run_demo(out: str | Path = "out", engines: str = "vllm,prefill",
     """
     import matplotlib.pyplot as plt
 
-    from trace_replay.analysis import compare, summarize
-    from trace_replay.plots import plot_divergence_heatmap, plot_trace
-    from trace_replay.replay import replay
+    from trace_replay.analysis.metrics import compare, summarize
+    from trace_replay.plots.frames import plot_divergence_heatmap, plot_trace
+    from trace_replay.runs.replay import replay
 
     out = Path(out)
     if out.exists() and not out.is_dir():

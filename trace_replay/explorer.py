@@ -11,8 +11,8 @@ import html
 import numpy as np
 import pandas as pd
 
-from trace_replay.analysis import summarize, trace_summary
-from trace_replay.tokens_html import render_tokens, visible_token
+from trace_replay.analysis.metrics import summarize, trace_summary
+from trace_replay.html.tokens import render_tokens, visible_token
 
 __all__ = ["Explorer", "explore"]
 
@@ -197,7 +197,7 @@ class Explorer:
         from IPython import get_ipython
         from IPython.display import Image, display
 
-        from trace_replay.plots import plot_trace
+        from trace_replay.plots.frames import plot_trace
 
         steps = trace["step"]
         window = None
@@ -241,7 +241,7 @@ def explore(df_or_cmp: pd.DataFrame, *, tol: float = 1e-3) -> Explorer:
 
     Examples
     --------
-    >>> from trace_replay.analysis import compare
+    >>> from trace_replay.analysis.metrics import compare
     >>> a = pd.DataFrame({"trace_id": "t", "step": [0, 1, 2], "token_id": [11, 12, 13],
     ...                   "logprob": [-0.5, -1.0, -2.0], "rank": [1, 2, 1]})
     >>> ex = explore(compare(a, a.assign(logprob=[-0.5, -1.25, -2.0])))

@@ -22,7 +22,7 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 
 from trace_replay.engines import make_engine  # noqa: E402
 from trace_replay.engines.base import ReplayRequest  # noqa: E402
-from trace_replay.trace_record import TraceError  # noqa: E402
+from trace_replay.traces.trace import TraceError  # noqa: E402
 
 EOS = 2
 MAX_MODEL_LEN = 512

@@ -18,7 +18,7 @@ import warnings
 from typing import Any
 
 from trace_replay.engines.base import Engine, EngineConfig
-from trace_replay.engines.vllm_invariance import batch_invariance_unavailable
+from trace_replay.engines.vllm.invariance import batch_invariance_unavailable
 
 __all__ = ["ENGINES", "ENGINE_OPTIONS", "Engine", "EngineConfig", "make_engine"]
 
@@ -75,21 +75,21 @@ def make_engine(name: str, model: Any = None, *, dtype=None, device=None,
         takes = ", ".join(ENGINE_OPTIONS[name]) or "no options"
         raise ValueError(f"engine {name!r} does not take {', '.join(unknown)} (it takes {takes})")
     if name == "torch":
-        from trace_replay.engines.torch_engine import TorchEngine
+        from trace_replay.engines.builtin.engine import TorchEngine
 
         return TorchEngine(config, **options)
     if name == "prefill":
-        from trace_replay.engines.prefill import PrefillEngine
+        from trace_replay.engines.builtin.prefill import PrefillEngine
 
         return PrefillEngine(config)
     if name == "vllm-server":  # the server's own logging stays in the server
-        from trace_replay.engines.server_engine import ServerEngine
+        from trace_replay.engines.server.engine import ServerEngine
 
         return ServerEngine(config, **options)
-    from trace_replay.engines.inprocess import quiet_startup
+    from trace_replay.engines.vllm.inprocess import quiet_startup
 
     with quiet_startup(verbose):  # importing vllm logs platform guesses (Triton, CPU)
-        from trace_replay.engines.vllm_engine import VLLMEngine
+        from trace_replay.engines.vllm.engine import VLLMEngine
 
     return VLLMEngine(config, verbose=verbose, **options)
 

@@ -3,7 +3,7 @@
 An engine is built once (it holds a loaded model), replays batches of
 :class:`ReplayRequest` into :class:`TraceResult` s, and says what it is (``settings``, the
 provenance recorded in ``df.attrs``) apart from what it has done so far (``stats``).
-:func:`trace_replay.replay` calls nothing else.
+:func:`trace_replay.runs.replay` calls nothing else.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
                 raise ValueError(f"{name} must be an integer >= {lowest}, got {value!r}")
         if self.dtype is not None:
-            from trace_replay.models import resolve_dtype
+            from trace_replay.models.load import resolve_dtype
 
             resolve_dtype(self.dtype)  # raises on an unknown name
         if self.device is not None:
@@ -104,7 +104,7 @@ def _check_device(device: str | torch.device) -> None:
 
 @runtime_checkable
 class Engine(Protocol):
-    """What :func:`trace_replay.replay` needs from an engine.
+    """What :func:`trace_replay.runs.replay` needs from an engine.
 
     ``run`` keeps the order of its requests and calls ``on_tokens(n)`` as ``n`` more trace
     tokens are scored (at least once per batch, so progress moves within a batch);
@@ -134,7 +134,7 @@ class Engine(Protocol):
 
 @runtime_checkable
 class Generator(Protocol):
-    """Engines that can also generate freely (used by :func:`trace_replay.record`)."""
+    """Engines that can also generate freely (used by :func:`trace_replay.traces.recording`)."""
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int,
                  temperature: float = 0.0, seed: int = 0,
@@ -160,7 +160,7 @@ class EngineBase:
     max_model_len: int | None = None
     selected_by: str | None = None  # set by make_engine("auto", ...): how the choice was made
     # called with each batch's requests, in row order, before that batch's forwards; forward
-    # hooks (trace_replay.capture) use it to map batch rows to traces
+    # hooks (trace_replay.analysis.capture) use it to map batch rows to traces
     on_batch: Callable[[Sequence[ReplayRequest]], None] | None = None
     tokenizer_source: Any = None  # what models.load_tokenizer reads (None: the embedded model)
     _tokenizer: Any = None
@@ -169,7 +169,7 @@ class EngineBase:
     def tokenizer(self) -> Any:
         """The model's tokenizer, loaded on first use (text traces, token texts)."""
         if self._tokenizer is None:
-            from trace_replay.models import load_tokenizer
+            from trace_replay.models.load import load_tokenizer
 
             self._tokenizer = load_tokenizer(self.tokenizer_source)
         return self._tokenizer

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from trace_replay.engines.base import ReplayRequest, TraceResult
-from trace_replay.engines.decode import Steps
+from trace_replay.engines.builtin.decode import Steps
 from trace_replay.engines.scoring import TokenScores, collect_rows
 
 __all__ = ["split_results", "wave_results"]

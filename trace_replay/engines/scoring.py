@@ -8,7 +8,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from trace_replay.engines.compiling import allow_recompiles
+from trace_replay.engines.builtin.passes.compiling import allow_recompiles
 
 __all__ = ["TokenScores", "chunked_argmax", "collect_rows", "greedy_tokens", "score_tokens",
            "score_with_top", "scorer_for", "top_from_logprob"]

@@ -1,8 +1,8 @@
 """The one definition of an impossible score, which every engine result must pass.
 
-:func:`trace_replay.replay` checks each batch an engine returns (:func:`check_results`)
+:func:`trace_replay.runs.replay` checks each batch an engine returns (:func:`check_results`)
 before anything is stored or returned, whatever the engine; a checkpoint part's rows are
-checked again by the same rules when read back (:mod:`trace_replay.parts`).
+checked again by the same rules when read back (:mod:`trace_replay.runs.parts`).
 
 A possible score: ``logprob`` is not NaN and at most 0 (``-inf`` is probability 0, which a
 server writes as -9999.0); ``rank`` is an integer from 1 to the vocabulary size; the top-k

@@ -3,7 +3,7 @@
 Launchers edit tensors in place and run the reference when Triton cannot run (CPU
 tensors without ``TRITON_INTERPRET=1``, or Triton not installed). The batch-invariant
 kernels (``invariant_*``) return new tensors and leave the choice to their caller
-(:class:`~trace_replay.engines.invariant_model.InvariantLlama`): their reference is the CPU
+(:class:`~trace_replay.engines.builtin.backends.invariant_model.InvariantLlama`): their reference is the CPU
 path of deterministic mode, whose bits differ from the kernel's.
 """
 

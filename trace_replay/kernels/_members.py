@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from trace_replay._triton import tl, triton
+from trace_replay.kernels._triton import tl, triton
 
 __all__ = ["Members", "members", "tile_member"]
 

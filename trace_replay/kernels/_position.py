@@ -9,7 +9,7 @@ the same rule over the whole batch for their pure-torch references.
 
 import torch
 
-from trace_replay._triton import tl, triton
+from trace_replay.kernels._triton import tl, triton
 
 __all__ = ["active_rows", "position_args", "trace_position"]
 

@@ -2,7 +2,7 @@
 
 :mod:`~trace_replay.kernels.gemv` and :mod:`~trace_replay.kernels.gated_gemv` can take the
 RMSNorm that precedes a projection into the launch (the compiler pass of
-:mod:`~trace_replay.engines.norm_folds`). ``norm(x)·W^T = rsqrt(mean(x²) + eps) ·
+:mod:`~trace_replay.engines.builtin.passes.norm_folds`). ``norm(x)·W^T = rsqrt(mean(x²) + eps) ·
 (x ∘ (g + offset))·W^T``: the scale is one number per row, so each program multiplies its
 input steps by the norm's weight ``g`` (plus ``offset``: 1 for Gemma's ``1 + g``), sums
 ``x²`` on the way, and scales its dot products once at the end (:func:`norm_scale`).
@@ -10,7 +10,7 @@ input steps by the norm's weight ``g`` (plus ``offset``: 1 for Gemma's ``1 + g``
 
 # No `from __future__ import annotations`: Triton's interpreter must see `tl.constexpr`.
 
-from trace_replay._triton import tl, triton
+from trace_replay.kernels._triton import tl, triton
 
 __all__ = ["norm_scale", "row_step"]
 

@@ -22,7 +22,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from trace_replay._triton import interpreting, tl, triton, use_triton
+from trace_replay.kernels._triton import interpreting, tl, triton, use_triton
 
 __all__ = ["MAX_QUERY_ROWS", "cache_attention", "cache_attention_reference", "grouped_mask"]
 
@@ -101,7 +101,7 @@ def cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     mask: torch.Tensor, scale: float, *, precision: str = "ieee") -> torch.Tensor:
     """Attention of grouped queries over a KV cache, skipping blocks the mask hides from all.
 
-    Runs the Triton kernel when :func:`~trace_replay._triton.use_triton` allows it (CUDA
+    Runs the Triton kernel when :func:`~trace_replay.kernels._triton.use_triton` allows it (CUDA
     tensors, or ``TRITON_INTERPRET=1``), else :func:`cache_attention_reference`. Inside
     ``torch.compile`` it is one opaque operator (``torch.ops.trace_replay.cache_attention``).
 

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from trace_replay._triton import tl, triton, use_triton
+from trace_replay.kernels._triton import tl, triton, use_triton
 from trace_replay.kernels._position import active_rows, position_args, trace_position
 
 __all__ = ["force_trace_logits", "force_trace_logits_reference"]
@@ -74,7 +74,7 @@ def force_trace_logits(
     traced or not, after its step is read (``idx_mapping`` must not repeat a request). The
     step is read on the device: no host synchronization.
 
-    Runs the Triton kernel when :func:`~trace_replay._triton.use_triton` allows it (CUDA
+    Runs the Triton kernel when :func:`~trace_replay.kernels._triton.use_triton` allows it (CUDA
     tensors, or ``TRITON_INTERPRET=1``); otherwise :func:`force_trace_logits_reference`.
 
     Parameters

@@ -38,7 +38,7 @@ can share one launch (:func:`launch_group_partials`): their outputs side by side
 inside one member (``BLOCK_N`` divides the members' first columns), the kernel picking the
 tile's weight and bias pointers from its column. At decode's few rows each call is
 latency-bound whatever its size, so one launch for three costs little more than one;
-:mod:`trace_replay.engines.linear_groups` is the compiler pass that makes the groups.
+:mod:`trace_replay.engines.builtin.passes.linear_groups` is the compiler pass that makes the groups.
 
 Why the split stays inside ``tl.dot``. ``benchmarks/bench_tf32_split.py`` timed two
 hand-written splits on an H200 (576 and 1,024 rows). Splitting each weight once on the host
@@ -65,7 +65,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from trace_replay._triton import tl, triton, use_triton
+from trace_replay.kernels._triton import tl, triton, use_triton
 from trace_replay.kernels._members import members, tile_member
 
 __all__ = ["blocks", "fp32_linear", "fp32_linear_reference", "group_blocks", "launch",
@@ -157,7 +157,7 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for float32, on tensor cores with the 3xTF32 split.
 
-    Runs the Triton kernel when :func:`~trace_replay._triton.use_triton` allows it (CUDA
+    Runs the Triton kernel when :func:`~trace_replay.kernels._triton.use_triton` allows it (CUDA
     tensors, or ``TRITON_INTERPRET=1``), else :func:`fp32_linear_reference`. Inside
     ``torch.compile`` it is one opaque operator (``torch.ops.trace_replay.fp32_linear_partials``)
     followed, at a split above 1, by the partial sum in torch ops, which the compiler fuses

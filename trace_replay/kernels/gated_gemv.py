@@ -24,7 +24,7 @@ agrees with it to the dtype's rounding, not bit for bit.
 import torch
 import torch.nn.functional as F
 
-from trace_replay._triton import tl, triton
+from trace_replay.kernels._triton import tl, triton
 from trace_replay.kernels import gemv as _gemv
 from trace_replay.kernels._row_input import norm_scale, row_step
 from trace_replay.kernels.rms_norm import Norm

@@ -19,8 +19,8 @@ shape.
 
 What a compiled layer folds into a launch (each a compiler pass, not the model's code):
 the residual add that follows a projection (``residual``: ``trace_replay::gemv_add``,
-:mod:`~trace_replay.engines.residual_adds`) and the RMSNorm before it (``norm``:
-``trace_replay::gemv_normed``, :mod:`~trace_replay.engines.norm_folds`; every program norms
+:mod:`~trace_replay.engines.builtin.passes.residual_adds`) and the RMSNorm before it (``norm``:
+``trace_replay::gemv_normed``, :mod:`~trace_replay.engines.builtin.passes.norm_folds`; every program norms
 the row itself, :mod:`~trace_replay.kernels._row_input`). Each saves a launch of its own:
 at the 8B shape those cost ~1-2 µs each, 64-96 per step.
 
@@ -40,7 +40,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from trace_replay._triton import tl, triton, use_triton
+from trace_replay.kernels._triton import tl, triton, use_triton
 from trace_replay.kernels._members import members, tile_member
 from trace_replay.kernels._row_input import norm_scale, row_step
 from trace_replay.kernels.rms_norm import Norm
@@ -109,7 +109,7 @@ def _gemv_kernel(
 
 def runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`gemv` takes the kernel for these operands: few rows, half precision,
-    the kernel runnable (:func:`~trace_replay._triton.use_triton`)."""
+    the kernel runnable (:func:`~trace_replay.kernels._triton.use_triton`)."""
     rows = x.numel() // max(x.shape[-1], 1)
     return (1 <= rows <= MAX_ROWS and x.dtype in _DTYPES and weight.dtype == x.dtype
             and use_triton(x, weight))
@@ -120,7 +120,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor,
     """``F.linear(x, weight, bias)``, by the kernel where :func:`runs` says so.
 
     Inside ``torch.compile`` the kernel is one opaque operator
-    (``torch.ops.trace_replay.gemv``), which :mod:`~trace_replay.engines.linear_groups`
+    (``torch.ops.trace_replay.gemv``), which :mod:`~trace_replay.engines.builtin.passes.linear_groups`
     groups with the others that read the same input.
 
     Parameters

@@ -18,7 +18,7 @@ exactly 1 and its probabilities are exactly 0.
 
 import torch
 
-from trace_replay._triton import tl, triton
+from trace_replay.kernels._triton import tl, triton
 
 __all__ = ["attention_rows_reference", "attention_rows_triton"]
 

@@ -12,7 +12,7 @@ other rows hold, where row ``r`` sits and how many rows there are.
   fixed menu (:func:`block_plan`). A GEMM library picks its algorithm from the call's
   shape; a fixed shape fixes the algorithm, and row ``r``'s reduction order then does not
   depend on the other rows' values or on ``r``'s position in the block (verified at engine
-  start by :func:`~trace_replay.engines.invariant_ops.probe_linear`, which also checks
+  start by :func:`~trace_replay.engines.builtin.backends.invariant_ops.probe_linear`, which also checks
   whether the menu's sizes agree with one another; if they do not, the menu is one size).
 """
 
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from trace_replay._triton import tl, triton
+from trace_replay.kernels._triton import tl, triton
 
 __all__ = ["block_plan", "linear_rows_reference", "linear_rows_triton"]
 

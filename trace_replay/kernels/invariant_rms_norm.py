@@ -13,7 +13,7 @@ transformers' LlamaRMSNorm computes it.
 
 import torch
 
-from trace_replay._triton import tl, triton
+from trace_replay.kernels._triton import tl, triton
 
 __all__ = ["rms_norm_rows_reference", "rms_norm_rows_triton"]
 

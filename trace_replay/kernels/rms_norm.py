@@ -8,7 +8,7 @@ dtype's rounding.
 
 The static backend's view runs the decoder layer's norms through :func:`rms_norm` at one
 row, as one opaque operator (``torch.ops.trace_replay.rms_norm``): where every use of its
-output is a one-row GEMV, the compiler pass of :mod:`~trace_replay.engines.norm_folds` takes
+output is a one-row GEMV, the compiler pass of :mod:`~trace_replay.engines.builtin.passes.norm_folds` takes
 the norm into those GEMVs (:class:`Norm` describes it to them) and this kernel never runs.
 """
 
@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from trace_replay._triton import tl, triton, use_triton
+from trace_replay.kernels._triton import tl, triton, use_triton
 
 __all__ = ["Norm", "rms_norm", "rms_norm_reference"]
 

@@ -24,7 +24,7 @@ two launches in all. (The kernel before this one took ``k`` argmax passes over e
 
 import torch
 
-from trace_replay._triton import tl, triton, use_triton
+from trace_replay.kernels._triton import tl, triton, use_triton
 
 __all__ = ["CHUNK", "GROUP", "NUM_WARPS", "MAX_TOP_K", "top_k_indices", "top_k_scores",
            "top_k_indices_reference"]
@@ -150,7 +150,7 @@ def top_k_indices(logits: torch.Tensor, k: int, *, chunk: int | None = None,
 
     Ties go to the lower index; NaN and -inf rank as the lowest finite float (below every
     other number, level with it). Runs the Triton kernels when
-    :func:`~trace_replay._triton.use_triton` allows it, else
+    :func:`~trace_replay.kernels._triton.use_triton` allows it, else
     :func:`top_k_indices_reference`. No host synchronization.
 
     Parameters

@@ -5,7 +5,7 @@
 
 import torch
 
-from trace_replay._triton import tl, triton, use_triton
+from trace_replay.kernels._triton import tl, triton, use_triton
 from trace_replay.kernels._position import active_rows, position_args, trace_position
 
 __all__ = ["apply_trace_tokens", "apply_trace_tokens_reference"]
@@ -52,7 +52,7 @@ def apply_trace_tokens(
     ``r >= 0`` and ``0 <= step < trace_len[r]``; every other row is left alone. The step
     is read on the device, so no host synchronization is needed.
 
-    Runs the Triton kernel when :func:`~trace_replay._triton.use_triton` allows it (CUDA
+    Runs the Triton kernel when :func:`~trace_replay.kernels._triton.use_triton` allows it (CUDA
     tensors, or ``TRITON_INTERPRET=1``); otherwise runs
     :func:`apply_trace_tokens_reference`, which is the CPU production path.
 

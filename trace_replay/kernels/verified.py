@@ -10,7 +10,7 @@ draft that agrees with the trace.
 
 import torch
 
-from trace_replay._triton import tl, triton, use_triton
+from trace_replay.kernels._triton import tl, triton, use_triton
 from trace_replay.kernels._position import active_rows, position_args, trace_position
 
 __all__ = ["apply_trace_tokens_to_verified", "apply_trace_tokens_to_verified_reference"]
@@ -85,7 +85,7 @@ def apply_trace_tokens_to_verified(
     it stops with ``num_sampled[b] = i + 1``. Entries past ``num_sampled[b]`` are
     unspecified.
 
-    Runs the Triton kernel when :func:`~trace_replay._triton.use_triton` allows it (CUDA
+    Runs the Triton kernel when :func:`~trace_replay.kernels._triton.use_triton` allows it (CUDA
     tensors, or ``TRITON_INTERPRET=1``); otherwise runs
     :func:`apply_trace_tokens_to_verified_reference`, which is the CPU production path.
 

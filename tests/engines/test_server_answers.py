@@ -1,0 +1,134 @@
+"""From a vLLM server's JSON answers to per-step arrays (trace_replay.engines.server.answers),
+on answers shaped as vLLM writes them (/v1/completions with token ids, the token endpoint
+/inference/v1/generate), including the odd cases a real server produces."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from trace_replay.engines.server.answers import (RANK_DEPTH, completion_steps, emitted_ids,
+                                                 generate_steps)
+
+# /v1/completions with return_tokens_as_token_ids: the emitted token's logprob and a map of
+# the best alternatives, the emitted one among them (vLLM adds it when it is not in the top)
+COMPLETION = json.loads("""{
+  "id": "cmpl-1", "object": "text_completion", "model": "m",
+  "choices": [{"index": 0, "text": " Paris.", "token_ids": [7042, 30],
+    "logprobs": {"text_offset": [0, 6], "tokens": ["token_id:7042", "token_id:30"],
+      "token_logprobs": [-0.25, -2.5],
+      "top_logprobs": [{"token_id:7042": -0.25, "token_id:11": -1.75, "token_id:13": -3.0},
+                       {"token_id:30": -2.5, "token_id:11": -0.5, "token_id:2": -1.0,
+                        "token_id:13": -2.5}]}}]}""")
+
+# /inference/v1/generate with output_mode tokens: exact ranks; the sampled token first, then
+# the best alternatives in rank order
+GENERATE = json.loads("""{
+  "request_id": "r", "choices": [{"index": 0, "token_ids": [7042, 30],
+    "logprobs": {"content": [
+      {"token_id": 7042, "logprob": -0.25, "rank": 1, "top_logprobs": [
+        {"token_id": 7042, "logprob": -0.25, "rank": 1},
+        {"token_id": 11, "logprob": -1.75, "rank": 2},
+        {"token_id": 13, "logprob": -3.0, "rank": 3}]},
+      {"token_id": 30, "logprob": -6.5, "rank": 7, "top_logprobs": [
+        {"token_id": 30, "logprob": -6.5, "rank": 7},
+        {"token_id": 11, "logprob": -0.5, "rank": 1},
+        {"token_id": 2, "logprob": -1.0, "rank": 2}]}]}}]}""")
+
+
+def test_completion_steps_rank_the_emitted_token_among_the_alternatives():
+    """Rank is 1 + the alternatives with a strictly higher logprob (a tie shares the rank);
+    top-k is the best alternatives, best first; ranks are exact when the map is not full."""
+    logprob, rank, top_ids, top_lps, exact = completion_steps(
+        COMPLETION["choices"][0]["logprobs"], top_k=2)
+    np.testing.assert_array_equal(logprob, [-0.25, -2.5])
+    np.testing.assert_array_equal(rank, [1, 3])  # -0.5 and -1.0 beat -2.5; -2.5 ties
+    np.testing.assert_array_equal(top_ids, [[7042, 11], [11, 2]])
+    np.testing.assert_array_equal(top_lps, [[-0.25, -1.75], [-0.5, -1.0]])
+    assert exact.tolist() == [True, True]
+
+
+def test_completion_rank_is_a_lower_bound_past_the_depth():
+    """When every one of the RANK_DEPTH alternatives beats the emitted token, its rank is
+    the lower bound RANK_DEPTH + 1, marked inexact."""
+    alternatives = {f"token_id:{100 + i}": -0.1 * (i + 1) for i in range(RANK_DEPTH)}
+    logprobs = {"token_logprobs": [-9.0],
+                "top_logprobs": [{**alternatives, "token_id:5": -9.0}]}
+    _, rank, top_ids, _, exact = completion_steps(logprobs, top_k=3)
+    assert rank.tolist() == [RANK_DEPTH + 1] and exact.tolist() == [False]
+    assert top_ids.tolist() == [[100, 101, 102]]
+
+
+def test_floor_logprobs_are_minus_infinity():
+    """vLLM writes -inf as -9999.0 in JSON; both answer kinds read it back as -inf."""
+    logprobs = {"token_logprobs": [-9999.0],
+                "top_logprobs": [{"token_id:1": -0.01, "token_id:4": -9999.0}]}
+    logprob, rank, _, top_lps, _ = completion_steps(logprobs, top_k=2)
+    assert logprob[0] == -math.inf and top_lps[0, 1] == -math.inf and rank[0] == 2
+    content = [{"token_id": 4, "logprob": -9999.0, "rank": 9,
+                "top_logprobs": [{"token_id": 4, "logprob": -9999.0, "rank": 9}]}]
+    assert generate_steps(content, top_k=1)[0][0] == -math.inf
+
+
+def test_generate_steps_keep_the_servers_exact_ranks():
+    """The token endpoint's ranks are taken as they are (always exact); top-k is ordered by
+    rank, so a sampled token outside the top k is left out of it."""
+    content = GENERATE["choices"][0]["logprobs"]["content"]
+    logprob, rank, top_ids, top_lps, exact = generate_steps(content, top_k=2)
+    np.testing.assert_array_equal(logprob, [-0.25, -6.5])
+    np.testing.assert_array_equal(rank, [1, 7])
+    np.testing.assert_array_equal(top_ids, [[7042, 11], [11, 2]])
+    np.testing.assert_array_equal(top_lps, [[-0.25, -1.75], [-0.5, -1.0]])
+    assert exact.all()
+
+
+def test_generate_steps_pad_missing_alternatives():
+    """Alternatives without a rank are skipped; top-k slots left empty are id 0, NaN."""
+    content = [{"token_id": 9, "logprob": -0.5, "rank": 1, "top_logprobs": [
+        {"token_id": 9, "logprob": -0.5, "rank": 1},
+        {"token_id": 3, "logprob": -0.7, "rank": None}]}]
+    _, _, top_ids, top_lps, _ = generate_steps(content, top_k=3)
+    assert top_ids.tolist() == [[9, 0, 0]]
+    assert top_lps[0, 0] == -0.5 and np.isnan(top_lps[0, 1:]).all()
+
+
+@pytest.mark.parametrize("choice, ids", [
+    (COMPLETION["choices"][0], [7042, 30]),
+    ({**COMPLETION["choices"][0], "token_ids": None}, [7042, 30]),  # older servers: none
+    (GENERATE["choices"][0], [7042, 30]),
+    ({"index": 0, "text": "", "logprobs": None}, []),
+])  # fmt: skip
+def test_emitted_ids_from_token_ids_else_logprob_tokens(choice, ids):
+    """The emitted ids are the choice's token_ids, else its ``token_id:N`` logprob tokens,
+    else none."""
+    assert emitted_ids(choice) == ids
+
+
+def test_text_tokens_are_refused():
+    """A server that ignored return_tokens_as_token_ids (tokens as text) is an error, not a
+    misread."""
+    choice = {"token_ids": None, "logprobs": {"tokens": [" Paris"]}}
+    with pytest.raises(ValueError, match="logprobs.tokens holds text .* Paris.*return_tokens_as_token_ids"):
+        emitted_ids(choice)
+
+
+@pytest.mark.parametrize("read, problem", [
+    (lambda: completion_steps(COMPLETION["choices"][0]["logprobs"], top_k=2, steps=3),
+     "logprobs.token_logprobs lists 2 steps where 3 were expected"),
+    (lambda: completion_steps({**COMPLETION["choices"][0]["logprobs"],
+                               "top_logprobs": [{"token_id:1": -0.1}]}, top_k=2),
+     "logprobs.top_logprobs lists 1 step where 2 were expected"),
+    (lambda: generate_steps(GENERATE["choices"][0]["logprobs"]["content"], top_k=2, steps=3),
+     "logprobs.content lists 2 steps where 3 were expected"),
+    (lambda: generate_steps([{**GENERATE["choices"][0]["logprobs"]["content"][0],
+                              "rank": float("nan")}], top_k=2),
+     "step 0: rank nan is not an integer"),
+])  # fmt: skip
+def test_lists_of_the_wrong_length_say_both_counts(read, problem):
+    """A logprob list of another length than the trace, or a rank that is not an integer,
+    is an error saying what was expected and what came (the engine adds the trace)."""
+    with pytest.raises(ValueError, match=problem):
+        read()

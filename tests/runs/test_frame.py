@@ -1,0 +1,85 @@
+"""Tests for trace_replay.runs.frame: engine results to the tidy replay DataFrame."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from trace_replay.engines.base import TraceResult
+from trace_replay.runs.frame import COLUMNS, TokenDecoder, to_frame
+from trace_replay.traces.sets import Trace
+
+
+def result(trace_id: str, prompt_len: int, token_ids: list[int]) -> TraceResult:
+    steps = len(token_ids)
+    top = np.array([[token_ids[0], 13]] * steps)
+    return TraceResult(trace_id=trace_id, prompt_len=prompt_len, token_ids=np.array(token_ids),
+                       logprob=-np.arange(1, steps + 1, dtype=np.float32) / 4,
+                       rank=np.arange(1, steps + 1), top_token_ids=top,
+                       top_logprobs=np.full((steps, 2), -0.5), entropy=np.full(steps, 1.5))
+
+
+@pytest.fixture(scope="module")
+def traces():
+    return {"a": Trace("a", prompt_token_ids=(1, 2, 3), trace_token_ids=(3575, 282, 4649),
+                       ref_logprobs=(-0.25, -0.5, -0.75)),
+            "b": Trace("b", prompt_token_ids=(1,), trace_token_ids=(314, 1201))}
+
+
+@pytest.fixture(scope="module")
+def frame(traces, tokenizer):
+    results = [result("a", 3, [3575, 282, 4649]), result("b", 1, [314, 1201])]
+    return to_frame(results, traces, TokenDecoder(tokenizer))
+
+
+def test_one_row_per_step_with_its_position(frame):
+    """Rows are (trace, step) in result order; step counts from 0, position = prompt_len + step."""
+    assert list(frame.columns) == [*COLUMNS, "ref_logprob"]
+    assert frame["trace_id"].tolist() == ["a", "a", "a", "b", "b"]
+    assert frame["step"].tolist() == [0, 1, 2, 0, 1]
+    assert frame["position"].tolist() == [3, 4, 5, 1, 2]
+    for column in ("step", "position", "token_id", "rank"):
+        assert frame[column].dtype == np.int64, column
+    assert frame["logprob"].dtype == frame["entropy"].dtype == np.float64
+
+
+def test_token_texts_are_the_tokenizer_decodes(frame, tokenizer):
+    """token and top_tokens hold each id decoded alone by the model's tokenizer."""
+    assert frame["token"].tolist() == [tokenizer.decode([t]) for t in frame["token_id"]]
+    assert frame["top_tokens"][0] == [tokenizer.decode([3575]), tokenizer.decode([13])]
+
+
+def test_ref_logprob_comes_from_the_trace(frame):
+    """ref_logprob is the trace's recorded logprob per step, NaN for a trace without any."""
+    assert frame["ref_logprob"][:3].tolist() == [-0.25, -0.5, -0.75]
+    assert frame["ref_logprob"][3:].isna().all()
+
+
+def test_a_cut_replay_keeps_the_matching_ref_logprobs(traces, tokenizer):
+    """A result shorter than its trace (cut to the context) takes as many ref_logprobs."""
+    df = to_frame([result("a", 3, [3575, 282])], traces, TokenDecoder(tokenizer))
+    assert df["ref_logprob"].tolist() == [-0.25, -0.5]
+
+
+def test_no_results_give_an_empty_frame_with_every_column(traces, tokenizer):
+    """An empty run still has the frame's columns, so later code can select them."""
+    df = to_frame([], traces, TokenDecoder(tokenizer))
+    assert df.empty and list(df.columns) == [*COLUMNS, "ref_logprob"]
+
+
+def test_decoder_decodes_each_id_once(tokenizer):
+    """TokenDecoder memoizes: repeated ids cost one tokenizer call each, same text every time."""
+
+    class Counting:
+        def __init__(self):
+            self.calls = 0
+
+        def decode(self, ids):
+            self.calls += 1
+            return tokenizer.decode(ids)
+
+    counting = Counting()
+    decode = TokenDecoder(counting)
+    texts = [decode(token_id) for token_id in (3575, 282, 3575, 3575, 282)]
+    assert counting.calls == 2
+    assert texts == [tokenizer.decode([t]) for t in (3575, 282, 3575, 3575, 282)]

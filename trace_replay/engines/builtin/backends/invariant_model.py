@@ -1,0 +1,247 @@
+"""The model's forward as row-wise, batch-invariant arithmetic (Llama family).
+
+:class:`InvariantLlama` runs the transformers model's own modules and weights — embedding,
+per layer RMSNorm, q/k/v, rotary, attention, o_proj, MLP, final norm, lm_head — with every
+token a *row* whose bits depend on that row alone: linear layers in fixed row blocks
+(:mod:`~trace_replay.engines.builtin.backends.invariant_ops`, :mod:`~trace_replay.kernels.invariant_linear`),
+norms and attention by row-invariant kernels, rotary cos/sin from one table indexed by
+position. The KV cache belongs to the caller
+(:class:`~trace_replay.engines.builtin.backends.invariant.InvariantBackend`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Protocol
+
+import torch
+
+from trace_replay.kernels._triton import HAS_TRITON
+from trace_replay.engines.builtin.backends.invariant_ops import RowBlocks, probe_linear, score_rows, silu_mul
+from trace_replay.engines.scoring import TokenScores
+from trace_replay.kernels.invariant_attention import (
+    BLOCK_N, attention_rows_reference, attention_rows_triton)
+from trace_replay.kernels.invariant_linear import linear_rows_reference, linear_rows_triton
+from trace_replay.kernels.invariant_rms_norm import rms_norm_rows_reference, rms_norm_rows_triton
+
+__all__ = ["InvariantLlama", "KVCache", "RowObserver", "unsupported_reason"]
+
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+_LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+          "input_layernorm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
+          "mlp.down_proj")
+
+
+def unsupported_reason(lm) -> str | None:
+    """Why deterministic mode cannot run ``lm`` (None when it can)."""
+    config = getattr(lm, "config", None)
+    kind = getattr(config, "model_type", None)
+    if kind not in MODEL_TYPES:
+        return f"model type {kind!r} is not Llama-family ({', '.join(MODEL_TYPES)})"
+    try:
+        for name in ("model.embed_tokens", "model.norm", "lm_head", "model.rotary_emb"):
+            lm.get_submodule(name)
+        for layer in lm.model.layers:
+            for name in _LAYER:
+                layer.get_submodule(name)
+    except AttributeError as exc:
+        return f"unexpected module layout ({exc})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} (only silu)"
+    if any(hasattr(layer.self_attn, "q_norm") for layer in lm.model.layers):
+        return "q/k norms"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention"
+    if getattr(lm.model.rotary_emb, "rope_type", "default") in ("dynamic", "longrope"):
+        return "position-dependent RoPE scaling"
+    return None
+
+
+
+class RowObserver(Protocol):
+    """Sees the rows of every :meth:`InvariantLlama.forward` (layer attribution's hook).
+
+    ``begin`` gets the forward's ``cache_row`` and ``positions`` ``[R]`` (padding rows
+    included, in the scratch cache row); ``site`` gets each site's ``[R, hidden]`` values in
+    forward order: ``(-1, "embeddings")``, per layer ``"input_norm"``, ``"attention"`` (after
+    o_proj), ``"mlp"`` and ``"residual"`` (the stream after the layer), then
+    ``(num_layers, "final_norm")``.
+    """
+
+    def begin(self, cache_row: torch.Tensor, positions: torch.Tensor) -> None: ...
+
+    def site(self, layer: int, name: str, values: torch.Tensor) -> None: ...
+
+
+class KVCache:
+    """One key and value per (layer, cache row, slot), and which slots are in context.
+
+    Row ``rows`` (the last) is scratch: padding rows write and read there, nobody else.
+    """
+
+    def __init__(self, layers: int, rows: int, kv_heads: int, slots: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (layers, rows + 1, kv_heads, slots, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.valid = torch.zeros((rows + 1, slots), dtype=torch.bool, device=device)
+        self.scratch = rows
+
+
+class InvariantLlama:
+    """Batch-invariant forward of a Llama-family causal LM over rows of tokens.
+
+    Parameters
+    ----------
+    lm
+        A transformers causal LM for which :func:`unsupported_reason` is None.
+    triton
+        Norms and attention by the Triton kernels (default: on CUDA with Triton). Linear
+        layers use the GEMM library in fixed row blocks where :func:`probe_linear` finds it
+        row-invariant, else the Triton GEMM (which needs ``triton``).
+    """
+
+    def __init__(self, lm, *, triton: bool | None = None) -> None:
+        reason = unsupported_reason(lm)
+        if reason is not None:
+            raise ValueError(f"deterministic mode does not support {type(lm).__name__}: {reason}")
+        self.lm, self.model = lm, lm.model
+        weight = next(lm.parameters())
+        self.device, self.dtype = weight.device, weight.dtype
+        on_cuda = self.device.type == "cuda"
+        self.triton = (HAS_TRITON and on_cuda) if triton is None else triton
+        self.blocks = RowBlocks.for_device(self.device)
+        linears = [m.weight for m in lm.modules() if isinstance(m, torch.nn.Linear)]
+        self.triton_linear = False
+        try:
+            self.blocks = replace(self.blocks, linear=probe_linear(linears, self.blocks.linear))
+        except RuntimeError:
+            if not self.triton:
+                raise
+            self.triton_linear = True  # the Triton GEMM is row-invariant by construction
+        # rows of a forward are padded to this once (CUDA: GEMM blocks need no copies)
+        self.row_multiple = 1 if not on_cuda or self.triton_linear else min(self.blocks.linear)
+        config = lm.config
+        attn = self.model.layers[0].self_attn
+        self.num_layers = len(self.model.layers)
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self._cos = self._sin = None
+        self.observer: RowObserver | None = None  # see RowObserver; None costs nothing
+
+    def describe(self) -> dict:
+        """The arithmetic choices, for ``settings()`` (results depend on them)."""
+        torch_rows = "torch, {} rows per call".format
+        return {"linear": "triton" if self.triton_linear else torch_rows(list(self.blocks.linear)),
+                "norm": "triton" if self.triton else torch_rows(self.blocks.rowwise),
+                "attention": "triton" if self.triton else torch_rows(self.blocks.attention),
+                "key_block": BLOCK_N, "score": torch_rows(self.blocks.score),
+                "row_multiple": self.row_multiple}
+
+    def new_cache(self, rows: int, slots: int) -> KVCache:
+        """A cache of ``rows`` rows (plus scratch) and ``slots`` slots (a multiple of the key
+        block); the rotary table grows to cover it (a position is at most its slot)."""
+        if self._cos is None or self._cos.shape[0] < slots:
+            self._cos, self._sin = self._rotary_table(slots)
+        return KVCache(self.num_layers, rows, self.num_kv_heads, slots, self.head_dim,
+                       self.dtype, self.device)
+
+    def score(self, logits: torch.Tensor, token_ids: torch.Tensor, top_k: int) -> TokenScores:
+        """Row-invariant scoring (:func:`~trace_replay.engines.builtin.backends.invariant_ops.score_rows`)."""
+        return score_rows(logits, token_ids, top_k, self.blocks.score)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._linear(hidden, self.lm.lm_head)
+
+    def forward(self, cache: KVCache, tokens: torch.Tensor, cache_row: torch.Tensor,
+                slot: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states after the final norm, ``[R + padding, hidden]``; writes K/V first.
+
+        All rows' keys of a layer are in the cache before any row of that layer attends, so
+        rows of one sequence may share a call (prefill) or come one per call (decode).
+        Padding rows (token 0 at position 0) sit in the scratch cache row.
+        """
+        pad = -tokens.shape[0] % self.row_multiple
+        if pad:
+            tokens, slot, positions = (torch.cat([t, t.new_zeros(pad)])
+                                       for t in (tokens, slot, positions))
+            cache_row = torch.cat([cache_row, cache_row.new_full((pad,), cache.scratch)])
+        rows = tokens.shape[0]
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        see = self.observer
+        if see is not None:
+            see.begin(cache_row, positions)
+        cos, sin = self._rotary(positions)
+        x = self.model.embed_tokens(tokens)
+        if see is not None:
+            see.site(-1, "embeddings", x)
+        for i, layer in enumerate(self.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            h = self._norm(x, layer.input_layernorm)
+            q = _rotate(self._linear(h, attn.q_proj).view(rows, heads, dim), cos, sin)
+            k = _rotate(self._linear(h, attn.k_proj).view(rows, kv_heads, dim), cos, sin)
+            v = self._linear(h, attn.v_proj).view(rows, kv_heads, dim)
+            cache.k[i][cache_row, :, slot] = k
+            cache.v[i][cache_row, :, slot] = v
+            out = self._attention(q, cache.k[i], cache.v[i], cache.valid, cache_row, slot)
+            attended = self._linear(out.view(rows, heads * dim), attn.o_proj)
+            if see is not None:
+                see.site(i, "input_norm", h)
+                see.site(i, "attention", attended)
+            x = x + attended
+            h = self._norm(x, layer.post_attention_layernorm)
+            mixed = self._linear(silu_mul(self._linear(h, mlp.gate_proj),
+                                          self._linear(h, mlp.up_proj)), mlp.down_proj)
+            x = x + mixed
+            if see is not None:
+                see.site(i, "mlp", mixed)
+                see.site(i, "residual", x)
+        x = self._norm(x, self.model.norm)
+        if see is not None:
+            see.site(self.num_layers, "final_norm", x)
+        return x
+
+    def _norm(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+        if self.triton:
+            return rms_norm_rows_triton(x, norm.weight, eps)
+        return rms_norm_rows_reference(x, norm.weight, eps, self.blocks.rowwise)
+
+    def _linear(self, x: torch.Tensor, module: torch.nn.Linear) -> torch.Tensor:
+        if self.triton_linear:
+            out = linear_rows_triton(x, module.weight)
+        else:
+            out = linear_rows_reference(x, module.weight, self.blocks.linear)
+        return out if module.bias is None else out + module.bias
+
+    def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   valid: torch.Tensor, cache_row: torch.Tensor,
+                   slot: torch.Tensor) -> torch.Tensor:
+        if self.triton:
+            return attention_rows_triton(q, k_cache, v_cache, valid, cache_row, slot,
+                                         self.scaling)
+        return attention_rows_reference(q, k_cache, v_cache, valid, cache_row, slot,
+                                        self.scaling, self.blocks.attention)
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[R, 1, D]`` looked up in the table (positions never exceed slots)."""
+        return self._cos[positions][:, None], self._sin[positions][:, None]
+
+    def _rotary_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # each entry is inv_freq * position (one rounding) through cos/sin: the same bits
+        # whatever the table's length
+        rotary = self.model.rotary_emb
+        inv_freq = rotary.inv_freq.float().to(self.device)
+        freqs = torch.arange(length, device=self.device).float()[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        scaling = getattr(rotary, "attention_scaling", 1.0)
+        return (emb.cos() * scaling).to(self.dtype), (emb.sin() * scaling).to(self.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` as in transformers' Llama, x ``[R, H, D]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+

@@ -1,0 +1,403 @@
+"""The transformers model's own forward over a static KV cache, compiled and graph-captured on GPU.
+
+The same three calls as :class:`~trace_replay.engines.builtin.backends.hf.HFBackend` (``prefill``,
+``decode``, ``keep``). The forward is the model's own code (embedding, its decoder layers,
+norms, rotary, soft-capping, lm_head) run on a *view* of the model: shallow copies down to
+the attention modules, sharing every weight, whose config selects
+:func:`~trace_replay.engines.builtin.backends.static_cache.grouped_attention` and whose layers read and write
+a :class:`~trace_replay.engines.builtin.backends.static_cache.StaticKVCache`. The model itself is never
+modified, so other backends can keep using it.
+
+On CUDA a decode step is captured once per (rows, cache length, tokens per row) in a CUDA
+graph and replayed: no host synchronization in ``decode`` or ``keep``. Inside the capture the
+decoder layers run compiled by ``torch.compile`` — one compiled region that all layers of a
+kind share (the layers differ only in their weights), so start-up compiles one layer per
+shape rather than the whole model. A float32 model's view multiplies on tensor cores with
+the 3xTF32 split (``float32_matmul``); a bfloat16 or float16 model's, at one row (batch-1
+decode steps), through :func:`~trace_replay.kernels.gemv.gemv`, which streams the weights
+faster than cuBLAS's GEMVs, with each gated MLP's gate, up and activation in one launch
+(:func:`~trace_replay.kernels.gated_gemv.gated_gemv`). The view's modules that run these
+kernels are in :mod:`~trace_replay.engines.builtin.passes.kernel_view`. The compiler then puts the linears
+that read the same input (q/k/v, gate/up) in one launch each
+(:mod:`~trace_replay.engines.builtin.passes.linear_groups`), folds an RMSNorm into the one-row GEMVs that
+read it (:mod:`~trace_replay.engines.builtin.passes.norm_folds`) and a residual add into the one-row GEMV
+before it (:mod:`~trace_replay.engines.builtin.passes.residual_adds`). On CPU everything runs eagerly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from trace_replay.engines.builtin.backends.captured_step import StepGraph, capture, capture_step
+from trace_replay.engines.builtin.passes.compiling import allow_recompiles, layer_passes
+from trace_replay.engines.builtin.passes.kernel_view import KernelLinear, kernel_layer, shallow
+from trace_replay.engines.builtin.backends.static_cache import ATTENTION, StaticKVCache, register_attention
+from trace_replay.kernels.fp32_linear import fp32_linear
+from trace_replay.kernels.gemv import gemv
+
+__all__ = ["FLOAT32_MATMUL", "StaticCacheBackend", "check_float32_matmul", "supports"]
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+FLOAT32_MATMUL = ("3xtf32", "ieee")
+# prefills of up to this many tokens (rows × padded width) are captured in CUDA graphs
+PREFILL_GRAPH_TOKENS = 16384
+# these rope types recompute inv_freq from the positions seen (data-dependent, host-synced)
+_DYNAMIC_ROPE = ("dynamic", "longrope")
+
+
+def check_float32_matmul(value: str) -> None:
+    """Refuse a ``float32_matmul`` that is not one of :data:`FLOAT32_MATMUL`."""
+    if value not in FLOAT32_MATMUL:
+        raise ValueError(f"float32_matmul={value!r}; choose one of {', '.join(FLOAT32_MATMUL)}")
+
+
+def supports(lm) -> bool:
+    """Whether :class:`StaticCacheBackend` runs ``lm``.
+
+    True for causal LMs of ``MODEL_TYPES`` (Llama, Mistral, Qwen2/3, Gemma 1/2/3 text) with
+    full or sliding-window causal attention and a static RoPE.
+    """
+    config = getattr(lm, "config", None)
+    if getattr(config, "model_type", None) not in MODEL_TYPES or config.sub_configs:
+        return False
+    layers = getattr(getattr(lm, "model", None), "layers", None)
+    if not layers or not all(hasattr(layer, "self_attn") for layer in layers):
+        return False
+    if not set(getattr(config, "layer_types", None) or ()) <= set(_LAYER_TYPES):
+        return False
+    if getattr(config, "use_bidirectional_attention", False):
+        return False
+    return not _rope_types(getattr(config, "rope_parameters", None)) & set(_DYNAMIC_ROPE)
+
+
+def _rope_types(params) -> set[str]:
+    """Every ``rope_type`` in a (possibly per-layer-type) ``rope_parameters`` dict."""
+    if not isinstance(params, dict):
+        return set()
+    found = {params["rope_type"]} if "rope_type" in params else set()
+    for value in params.values():
+        found |= _rope_types(value)
+    return found
+
+
+def _windows(config) -> dict[str, int | None] | None:
+    """Sliding window per layer type; ``None`` when the model takes one 4-D mask."""
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "layer_types", None):
+        return {t: window if t == "sliding_attention" else None for t in set(config.layer_types)}
+    if not getattr(config, "use_sliding_window", True):
+        window = None
+    return {"": window}
+
+
+def _layer_forward(layer, hidden_states, *args, **kwargs):
+    return type(layer).forward(layer, hidden_states, *args, **kwargs)
+
+
+class _LayerRunner:
+    """A decoder layer's ``forward`` in the view: its own slice of the cache, maybe compiled."""
+
+    def __init__(self, layer: torch.nn.Module, index: int, backend: StaticCacheBackend) -> None:
+        self.layer, self.index, self.backend = layer, index, backend
+
+    def __call__(self, hidden_states, *args, past_key_values=None, **kwargs):
+        cache = self.backend.cache.layer(self.index)
+        run = self.backend.compiled_layer if self.backend.compiling else _layer_forward
+        return run(self.layer, hidden_states, *args, past_key_values=cache, **kwargs)
+
+
+def _model_view(lm: torch.nn.Module, backend: StaticCacheBackend) -> torch.nn.Module:
+    config = copy.copy(lm.config)
+    config._attn_implementation = ATTENTION
+    view = shallow(lm)
+    view.model = shallow(lm.model)
+    layers = []
+    for index, layer in enumerate(lm.model.layers):
+        layer = shallow(layer)
+        layer.self_attn = shallow(layer.self_attn)
+        layer.self_attn.config = config
+        if backend.tensor_cores:
+            layer.self_attn.float32_dots = "tf32x3"  # read by grouped_attention
+        if backend.product is not None:
+            layer = kernel_layer(layer, backend.product)
+        layer.forward = _LayerRunner(layer, index, backend)
+        layers.append(layer)
+    view.model.layers = torch.nn.ModuleList(layers)
+    if backend.product is not None and isinstance(lm.lm_head, torch.nn.Linear):
+        view.lm_head = KernelLinear(lm.lm_head, backend.product)
+    return view
+
+
+class StaticCacheBackend:
+    """A transformers model's own forward over a static KV cache; compiled CUDA graphs on GPU.
+
+    Design contract:
+
+    * The cache (:class:`~trace_replay.engines.builtin.backends.static_cache.StaticKVCache`) has a per-row
+      write cursor, so rows of one wave advance by different amounts (verify) and ``keep``
+      takes dropped drafts back. Positions come from the caller (rotary uses them) and are
+      independent of cache slots.
+    * The cache length is bucketed (powers of two to 256, then multiples of 256) and a
+      wave no larger than the allocated rows reuses cache and graphs (its rows are
+      padded), so a run of waves captures and compiles once.
+    * ``decode`` returns a view of the graph's static output: valid until the next
+      ``decode``.
+    * ``compile_seconds`` sums the time spent compiling and capturing (start-up cost).
+    * A bfloat16 or float16 model on CUDA multiplies one-row inputs (batch-1 decode steps,
+      a batch-1 prefill's last position) with :func:`~trace_replay.kernels.gemv.gemv` and
+      everything else with cuBLAS; both accumulate in float32 and round once, in different
+      orders, so they agree to the dtype's rounding. At one row the layer's RMSNorms, the
+      gated MLP's activation and product and the residual adds after a GEMV are computed
+      in float32 inside the GEMV launches and rounded once, where the model rounds each step: closer to the float32
+      result, equal to the model's to the dtype's rounding. ``name`` does not change
+      with it.
+
+    Parameters
+    ----------
+    lm
+        A transformers causal LM for which :func:`supports` is true.
+    pad_id
+        Token fed at left padding.
+    max_query_len
+        Most tokens per row a ``decode`` will feed (``k + 1`` for verify); sizes the slack.
+    cuda_graphs
+        Compile the decoder layers and capture decode steps (default: on CUDA).
+    float32_matmul
+        How a float32 model multiplies on CUDA: ``"3xtf32"`` (default) on tensor cores with
+        the 3xTF32 split — the linear layers through :mod:`~trace_replay.kernels.fp32_linear`,
+        attention's products inside :mod:`~trace_replay.kernels.cache_attention` — as close
+        to the float64 product as float32 FMAs are; or ``"ieee"``: cuBLAS and the attention
+        kernel without tensor cores. Other dtypes and the CPU ignore it. The backend's
+        ``name`` says which ran (``+3xtf32``).
+    """
+
+    def __init__(self, lm, pad_id: int, *, max_query_len: int = 1,
+                 cuda_graphs: bool | None = None, float32_matmul: str = "3xtf32") -> None:
+        if not supports(lm):
+            raise ValueError(f"{type(lm).__name__} is not a model the static backend supports")
+        param = next(lm.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs and self.device.type != "cuda":
+            raise ValueError("cuda_graphs needs the model on a CUDA device")
+        check_float32_matmul(float32_matmul)
+        register_attention()
+        self.lm = lm
+        self.pad_id = pad_id
+        self.max_query_len = max_query_len
+        # the 3xTF32 linears are the kernel's on CUDA only (the CPU reference is F.linear)
+        self.tensor_cores = (float32_matmul == "3xtf32" and self.dtype == torch.float32
+                             and self.device.type == "cuda")
+        # the linears' product in the view: 3xTF32, the one-row GEMV (half precision on
+        # CUDA; more rows go on to cuBLAS), or None: the model's own nn.Linear
+        self.product = None
+        if self.tensor_cores:
+            self.product = fp32_linear
+        elif self.dtype in (torch.bfloat16, torch.float16) and self.device.type == "cuda":
+            self.product = gemv
+        self.name = ("static+compiled" if self.cuda_graphs else "static") + (
+            "+3xtf32" if self.tensor_cores else "")
+        self.forwards = 0
+        self.compile_seconds = 0.0
+        self.compiling = False
+        self.compiled_layer = _compile_layer() if self.cuda_graphs else None
+        self.windows = _windows(lm.config)
+        self.view = _model_view(lm, self)
+        self.cache: StaticKVCache | None = None
+        self._graphs: dict[int, StepGraph] = {}
+        self._prefill_shapes: set[tuple[int, int]] = set()  # compiled, not captured
+        self._prefills: dict[int, _PrefillGraph] = {}  # captured, by prompt width
+        self._pool = self._prefill_pool = None
+
+    @property
+    def static_logits(self) -> bool:
+        """Whether ``decode`` returns the same tensor every step (its graph's output)."""
+        return self.cuda_graphs
+
+    @property
+    def shape(self) -> tuple[int, int] | None:
+        """``(rows, length)`` of the allocated cache."""
+        return None if self.cache is None else self.cache.shape
+
+    @torch.inference_mode()
+    def prefill(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> torch.Tensor:
+        """Start a wave: left-pad ``prompts``, run them, return ``[B, V]`` next-token logits.
+
+        With ``cuda_graphs`` the prompt width is padded up to a bucket of :func:`_bucket`
+        and the decoder layers run compiled (one compile per rows × bucket, counted in
+        ``compile_seconds``). Up to :data:`PREFILL_GRAPH_TOKENS` tokens (rows × width) the
+        prefill is also captured in a CUDA graph per width, replayed by later waves: a
+        short prefill is host-bound — on an H200 a 64 × 16-token float32 SmolLM2 prefill
+        took ~23 ms compiled, ~16 launches per layer through Python — and a capture's
+        memory (its own pool) is small at that size. Longer prefills keep the GPU busy on
+        their own and hold no memory after they return.
+        """
+        batch, width = len(prompts), max(len(p) for p in prompts)
+        if self.cuda_graphs:
+            width = _bucket(width)
+        self._allocate(batch, width + max_new_tokens + self.max_query_len)
+        rows = self.cache.shape[0]
+        tokens = torch.full((rows, width), self.pad_id, dtype=torch.long)
+        present = torch.zeros((rows, width), dtype=torch.bool)
+        for row, prompt in enumerate(prompts):
+            tokens[row, width - len(prompt):] = torch.tensor(prompt)
+            present[row, width - len(prompt):] = True
+        tokens, present = tokens.to(self.device), present.to(self.device)
+        positions = (present.long().cumsum(1) - 1).clamp(min=0)
+        self.cache.reset()
+        if not self.cuda_graphs:
+            logits = self._forward(tokens, positions, present=present, logits_to_keep=1)
+        elif rows * width <= PREFILL_GRAPH_TOKENS:
+            graph = self._prefills.get(width) or self._capture_prefill(width)
+            logits = graph.replay(tokens, positions, present)
+        else:  # long prompts keep the GPU busy: compiled layers, no graph (no memory held)
+            with self._compiled(startup=(rows, width) not in self._prefill_shapes):
+                logits = self._forward(tokens, positions, present=present, logits_to_keep=1)
+            self._prefill_shapes.add((rows, width))
+        self.forwards += 1
+        return logits[:batch, -1]
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Feed ``tokens`` ``[B, q]`` at ``positions`` ``[B, q]``; return ``[B, q, V]`` logits."""
+        batch, q = tokens.shape
+        if q > self.max_query_len:
+            raise ValueError(f"decode of {q} tokens per row; the cache was sized for "
+                             f"max_query_len={self.max_query_len}")
+        self.forwards += 1
+        if not self.cuda_graphs:
+            rows = self.cache.shape[0]
+            if batch < rows:
+                tokens = torch.cat([tokens, tokens.new_full((rows - batch, q), self.pad_id)])
+                positions = torch.cat([positions, positions.new_zeros((rows - batch, q))])
+            return self._forward(tokens, positions)[:batch]
+        graph = self._graphs.get(q) or self._capture(q)
+        return graph.replay(tokens, positions)[:batch]
+
+    @torch.inference_mode()
+    def keep(self, keep: torch.Tensor) -> None:
+        """``keep`` ``[B, q]`` bool: which tokens of the last ``decode`` stay in context."""
+        self.cache.keep(keep)
+
+    def _allocate(self, batch: int, length: int) -> None:
+        """Cache for ``batch`` rows of ``length`` slots; reuse the current one when it fits."""
+        length = _bucket(length)
+        shape = None if self.cache is None else self.cache.shape
+        if shape is not None and shape[1] == length and batch <= shape[0]:
+            return
+        self._graphs.clear()
+        self._prefills.clear()
+        self.cache = None  # free before allocating the new one
+        config = self.lm.config
+        attn = self.lm.model.layers[0].self_attn
+        head_dim = (getattr(attn, "head_dim", None)
+                    or config.hidden_size // config.num_attention_heads)
+        self.cache = StaticKVCache(len(self.lm.model.layers), batch, config.num_key_value_heads,
+                                   length, head_dim, self.dtype, self.device)
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        # prefill graphs apart: a decode replay must never write where a prefill's
+        # output, still to be read, lives (and the other way round)
+        self._prefill_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, *,
+                 present: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+        """Logits ``[rows, q or logits_to_keep, V]`` of a forward over all cache rows.
+
+        ``present`` (prefill) marks left padding, which stays out of context. Capturable
+        when ``present`` is None.
+        """
+        cache = self.cache
+        cache.begin(positions)
+        if present is not None:
+            cache.valid[:, : present.shape[1]] = present
+        masks = {kind: cache.mask(positions, window) for kind, window in self.windows.items()}
+        out = self.view(input_ids=tokens, position_ids=positions,
+                        attention_mask=masks.get("", masks), past_key_values=cache,
+                        use_cache=True, logits_to_keep=logits_to_keep)
+        cache.finish()
+        return out.logits
+
+    @contextlib.contextmanager
+    def _compiled(self, *, startup: bool = True):
+        """Run the layers compiled inside; with ``startup`` the time counts in
+        ``compile_seconds`` (a first shape: compiling, warming up, capturing)."""
+        start = time.perf_counter()
+        self.compiling = True
+        try:
+            yield
+        finally:
+            self.compiling = False
+        if startup:
+            torch.cuda.synchronize(self.device)
+            self.compile_seconds += time.perf_counter() - start
+
+    def _capture_prefill(self, width: int) -> _PrefillGraph:
+        with self._compiled():  # the warm-up inside compiles the layers for this width
+            self._prefills[width] = graph = _capture_prefill_of(self, width)
+        return graph
+
+    def _capture(self, q: int) -> StepGraph:
+        cache = self.cache
+        with self._compiled():  # the warm-up inside compiles the layers
+            self._graphs[q] = graph = capture_step(
+                self._forward, cache.shape[0], q, (cache.cursor, cache.valid, cache.slot_pos),
+                pad_id=self.pad_id, pool=self._pool)
+        return graph
+
+
+def _capture_prefill_of(backend: StaticCacheBackend, width: int) -> _PrefillGraph:
+    """Capture ``backend``'s prefill of ``width`` tokens per row (warm-ups included)."""
+    cache = backend.cache
+    rows, device = cache.shape[0], backend.device
+    tokens = torch.full((rows, width), backend.pad_id, dtype=torch.long, device=device)
+    positions = torch.arange(width, device=device).expand(rows, width).contiguous()
+    present = torch.ones((rows, width), dtype=torch.bool, device=device)
+    graph, logits = capture(
+        lambda: backend._forward(tokens, positions, present=present, logits_to_keep=1),
+        (cache.cursor, cache.valid, cache.slot_pos), pool=backend._prefill_pool)
+    return _PrefillGraph(graph, tokens, positions, present, logits)
+
+
+class _PrefillGraph(NamedTuple):
+    """A captured prefill: its graph, static inputs ``[rows, width]`` and static output."""
+
+    graph: torch.cuda.CUDAGraph
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    present: torch.Tensor
+    logits: torch.Tensor
+
+    def replay(self, tokens: torch.Tensor, positions: torch.Tensor,
+               present: torch.Tensor) -> torch.Tensor:
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        self.present.copy_(present)
+        self.graph.replay()
+        return self.logits
+
+
+def _compile_layer():
+    """``torch.compile`` of a decoder layer's forward, shared by every layer and backend."""
+    global _COMPILED_LAYER
+    if _COMPILED_LAYER is None:
+        allow_recompiles()  # one graph per (layer kind, shape, dtype)
+        _COMPILED_LAYER = torch.compile(_layer_forward, fullgraph=True, dynamic=False,
+                                        options=layer_passes())
+    return _COMPILED_LAYER
+
+
+_COMPILED_LAYER = None
+
+
+def _bucket(length: int) -> int:
+    """Cache length: a power of two from 16 up to 256, then a multiple of 256."""
+    if length <= 256:
+        return max(16, 1 << (length - 1).bit_length())
+    return -(-length // 256) * 256

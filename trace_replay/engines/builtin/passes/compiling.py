@@ -1,0 +1,56 @@
+"""What every ``torch.compile`` of the package needs: dynamo's configuration, inductor's passes."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["RECOMPILES", "allow_recompiles", "layer_passes"]
+
+# graphs one compiled function may hold: one per (shape, dtype) it meets
+RECOMPILES = 64
+
+
+def allow_recompiles() -> None:
+    """Let a compiled function hold :data:`RECOMPILES` graphs, not dynamo's default 8.
+
+    The package compiles per static shape (``dynamic=False``) and with ``fullgraph=True``,
+    so the limit is a hard error, not a fallback: a process that replays several models,
+    dtypes or batch sizes (a test session, a sweep) meets more than 8 shapes of the
+    decoder layer or of the scorer (one per row count, dtype and top-k). Never lowers a
+    limit set higher.
+    """
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
+                                                 RECOMPILES)
+
+
+def layer_passes() -> dict:
+    """Inductor options that add the package's graph passes to a decoder layer's compile.
+
+    Before inductor's own post-grad passes, the linears that read one input go into one
+    launch (:class:`~trace_replay.engines.builtin.passes.linear_groups.GroupLinears`), then an RMSNorm that
+    only feeds one-row GEMVs goes into them (:class:`~trace_replay.engines.builtin.passes.norm_folds.FoldNorms`);
+    after inductor's passes, a residual add that follows a one-row GEMV goes into the GEMV
+    (:class:`~trace_replay.engines.builtin.passes.residual_adds.FoldResidualAdds`). They leave a graph
+    without the package's operators as it was.
+    """
+    from trace_replay.engines.builtin.passes.linear_groups import GroupLinears  # these import inductor
+    from trace_replay.engines.builtin.passes.norm_folds import FoldNorms
+    from trace_replay.engines.builtin.passes.residual_adds import FoldResidualAdds
+
+    return {"post_grad_custom_pre_pass": _in_order(GroupLinears(), FoldNorms()),
+            "post_grad_custom_post_pass": FoldResidualAdds()}
+
+
+def _in_order(*passes):
+    """One inductor custom pass that runs ``passes`` in order."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class Passes(CustomGraphPass):
+        def __call__(self, graph) -> None:
+            for graph_pass in passes:
+                graph_pass(graph)
+
+        def uuid(self) -> bytes:
+            return b"".join(graph_pass.uuid() for graph_pass in passes)
+
+    return Passes()

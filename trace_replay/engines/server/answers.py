@@ -1,0 +1,98 @@
+"""From a vLLM server's JSON answers to per-step arrays (logprob, rank, top-k)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from trace_replay.traces.trace import VLLM_NEG_INF
+
+__all__ = ["RANK_DEPTH", "completion_steps", "emitted_ids", "generate_steps"]
+
+RANK_DEPTH = 20  # alternatives asked of /v1/completions to count ranks in (vLLM's max_logprobs)
+# (logprob [T], rank [T], top_token_ids [T, k], top_logprobs [T, k], rank is exact [T])
+Steps = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def emitted_ids(choice: dict) -> list[int]:
+    """The ids a choice emitted: ``token_ids``, else its ``token_id:N`` logprob tokens."""
+    if choice.get("token_ids") is not None:
+        return [int(t) for t in choice["token_ids"]]
+    tokens = (choice.get("logprobs") or {}).get("tokens") or ()
+    try:
+        return [int(t.removeprefix("token_id:")) for t in tokens]
+    except ValueError:
+        text = next(t for t in tokens if not t.removeprefix("token_id:").lstrip("-").isdigit())
+        raise ValueError(f"logprobs.tokens holds text ({text!r}), not token_id:N: the server "
+                         "ignored return_tokens_as_token_ids") from None
+
+
+def _logprob(value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"logprob {value!r} is not a number")
+    return -math.inf if value <= VLLM_NEG_INF else float(value)
+
+
+def _rank(value: object, step: int) -> int:
+    """A server's rank as an int; a fraction, NaN or non-number is an error naming the step."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or value != int(value)):
+        raise ValueError(f"step {step}: rank {value!r} is not an integer")
+    return int(value)
+
+
+def _listed(values: list, name: str, steps: int | None) -> list:
+    """``values``, one per step: a list of another length is an error saying both counts."""
+    if not isinstance(values, list):
+        raise ValueError(f"{name} is {type(values).__name__}, not a list")
+    if steps is not None and len(values) != steps:
+        raise ValueError(f"{name} lists {len(values)} step{'s' * (len(values) != 1)} where "
+                         f"{steps} were expected (one per trace token)")
+    return values
+
+
+def generate_steps(content: list[dict], top_k: int, steps: int | None = None) -> Steps:
+    """Per-step arrays from /inference/v1/generate logprobs, which carry exact ranks.
+
+    ``steps``: how many entries ``content`` must hold (the trace's length; ``None``: any).
+    """
+    steps = len(_listed(content, "logprobs.content", steps))
+    logprob, rank = np.empty(steps), np.empty(steps, dtype=np.int64)
+    top_ids = np.zeros((steps, top_k), dtype=np.int64)
+    top_lps = np.full((steps, top_k), np.nan)
+    for step, entry in enumerate(content):
+        logprob[step], rank[step] = _logprob(entry["logprob"]), _rank(entry["rank"], step)
+        ordered = sorted((alt["rank"], alt["token_id"], _logprob(alt["logprob"]))
+                         for alt in entry["top_logprobs"] if alt.get("rank") is not None)
+        for j, (_, token_id, value) in enumerate(ordered[:top_k]):
+            top_ids[step, j], top_lps[step, j] = token_id, value
+    return logprob, rank, top_ids, top_lps, np.ones(steps, dtype=bool)
+
+
+def completion_steps(logprobs: dict, top_k: int, steps: int | None = None) -> Steps:
+    """Per-step arrays from /v1/completions logprobs (``token_id:N`` keys, no ranks).
+
+    Each step's map holds the emitted token and the top ``depth`` alternatives; rank is
+    1 + the alternatives with a strictly greater logprob, exact when fewer than ``depth``
+    are (every better token is then among them), else the lower bound ``depth + 1``.
+    ``steps``: how many entries each list must hold (``None``: as many as
+    ``token_logprobs``).
+    """
+    steps = len(_listed(logprobs["token_logprobs"], "logprobs.token_logprobs", steps))
+    _listed(logprobs["top_logprobs"], "logprobs.top_logprobs", steps)
+    logprob = np.array([_logprob(v) for v in logprobs["token_logprobs"]], dtype=np.float64)
+    rank = np.empty(steps, dtype=np.int64)
+    exact = np.empty(steps, dtype=bool)
+    top_ids = np.zeros((steps, top_k), dtype=np.int64)
+    top_lps = np.full((steps, top_k), np.nan)
+    depth = max(top_k, RANK_DEPTH)
+    for step, alternatives in enumerate(logprobs["top_logprobs"]):
+        ordered = sorted((-_logprob(v), int(key.removeprefix("token_id:")))
+                         for key, v in alternatives.items())
+        best = ordered[:depth]  # the emitted token is one more when it is not among them
+        greater = sum(-neg > logprob[step] for neg, _ in best)
+        rank[step], exact[step] = 1 + greater, greater < depth
+        for j, (neg, token_id) in enumerate(best[:top_k]):
+            top_ids[step, j], top_lps[step, j] = token_id, -neg
+    return logprob, rank, top_ids, top_lps, exact

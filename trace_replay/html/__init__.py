@@ -1,0 +1,1 @@
+"""Self-contained HTML: GLTR-style token strips (``tokens``) and whole reports (``report``)."""

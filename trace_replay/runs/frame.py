@@ -1,0 +1,73 @@
+"""The replay DataFrame: one tidy row per (trace, step)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+
+from trace_replay.engines.base import TraceResult
+from trace_replay.traces.sets import Trace
+
+__all__ = ["COLUMNS", "to_frame", "TokenDecoder"]
+
+COLUMNS = ["trace_id", "step", "position", "token_id", "token", "logprob", "rank",
+           "top_token_ids", "top_logprobs", "top_tokens", "entropy"]
+
+
+class TokenDecoder:
+    """Decode single token ids to text, memoized (datasets repeat tokens a lot)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self.tokenizer.decode([int(token_id)])
+        return text
+
+
+def to_frame(results: Sequence[TraceResult], traces: dict[str, Trace],
+             decode: TokenDecoder) -> pd.DataFrame:
+    """Build the replay frame for ``results``; ``ref_logprob`` is added when a trace has one.
+
+    When any of ``traces`` is a tokenized chat trace, every row also gets its ``turn`` (index
+    of the message, nullable Int64) and ``role`` (that message's role, or ``"template"``);
+    rows of other traces get nulls there. An engine's per-step ``extra`` arrays become columns
+    of their own, after ``entropy``.
+    """
+    labelled = any(trace.trace_roles is not None for trace in traces.values())
+    parts = []
+    for result in results:
+        steps = len(result.token_ids)
+        part = {
+            "trace_id": [result.trace_id] * steps,
+            "step": np.arange(steps, dtype=np.int64),
+            "position": result.prompt_len + np.arange(steps, dtype=np.int64),
+            "token_id": result.token_ids.astype(np.int64),
+            "token": [decode(t) for t in result.token_ids],
+            "logprob": result.logprob.astype(np.float64),
+            "rank": result.rank.astype(np.int64),
+            "top_token_ids": [row.astype(np.int64).tolist() for row in result.top_token_ids],
+            "top_logprobs": [row.astype(np.float64).tolist() for row in result.top_logprobs],
+            "top_tokens": [[decode(t) for t in row] for row in result.top_token_ids],
+            "entropy": result.entropy.astype(np.float64),
+            **result.extra,  # engine-specific columns, e.g. the server engine's rank_exact
+        }
+        ref = traces[result.trace_id].ref_logprobs
+        part["ref_logprob"] = (np.asarray(ref, dtype=np.float64)[:steps] if ref is not None
+                               else np.full(steps, np.nan))
+        if labelled:
+            trace = traces[result.trace_id]
+            part["turn"] = pd.array(trace.trace_turns[:steps] if trace.trace_turns
+                                    else [None] * steps, dtype="Int64")
+            part["role"] = list(trace.trace_roles[:steps]) if trace.trace_roles else [None] * steps
+        parts.append(pd.DataFrame(part))
+    if not parts:
+        labels = ["turn", "role"] if labelled else []
+        return pd.DataFrame({c: pd.Series(dtype=object)
+                             for c in COLUMNS + ["ref_logprob"] + labels})
+    return pd.concat(parts, ignore_index=True)

@@ -1,0 +1,7 @@
+"""Traces: the token sequences to replay, where they come from and how they are checked.
+
+``trace`` (one record and its error), ``sources`` (files, frames, iterables), ``sets`` (load,
+validate, tokenize, shard, save), ``chat`` (chat templates and turns), ``openai_logs`` (server
+logs), ``tokenization`` (text to tokens), ``recording`` (generate new traces), ``datasets``
+(the bundled ones).
+"""
