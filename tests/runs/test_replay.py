@@ -53,7 +53,7 @@ def test_resume_equals_uninterrupted(lm, real_traces, tmp_path, assert_frames_bi
     """A run interrupted after some traces, rerun with its checkpoint, equals a full run.
 
     Bitwise, so in deterministic mode: the resumed chunks (2 traces) and the full run (one
-    batch of 4) batch the traces differently (tests/test_resume.py: default mode, tolerance).
+    batch of 4) batch the traces differently (tests/runs/test_resume.py: default mode, tolerance).
     """
     engine = make_engine("prefill", lm, batch_size=4, top_k=3, deterministic=True)
     full = replay(real_traces, engine=engine, progress=False)
