@@ -34,7 +34,7 @@ big)
 tests)
   # the GPU paths: captured steps (both backends, forced steps), CUDA scoring and top-k, the kernels
   timeout 400 python3 -m pytest -v -p no:cacheprovider -m gpu tests/engines/test_captured_step.py \
-    tests/engines/test_forced_graph.py tests/engines/test_static_backend.py tests/engines/test_scoring.py tests/kernels/test_kernels.py tests/kernels/test_state.py \
+    tests/engines/test_decode.py tests/engines/test_static_backend.py tests/engines/test_scoring.py tests/kernels/test_kernels.py tests/kernels/test_state.py \
     -k "${TESTS:-.}" 2>&1 | grep -E "PASS|FAIL|Error|error|passed|failed" | tee "$out/gpu_tests.txt"
   # the kernels' and the state's CUDA cases are not gpu-marked (a device parameter instead)
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_top_k.py tests/kernels/test_kernels.py tests/kernels/test_state.py tests/kernels/test_cache_attention.py tests/test_fp32_linear.py tests/engines/test_linear_groups.py \

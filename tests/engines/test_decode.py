@@ -1,17 +1,23 @@
-"""The decode loops (trace_replay.engines.builtin.decode) on a tiny random Llama, against teacher
-forcing: forced replay scores every trace token as one unpadded forward would, and free
+"""The replay loop and free generation (trace_replay.engines.builtin.decode) on a tiny random
+Llama, against teacher forcing: forced replay scores every trace token as one unpadded forward
+would, its steps (eager, or captured in one CUDA graph) are those of forced_step taken one by
+one, a cached capture is reused only while everything it read stays where it was, and free
 generation emits and scores what the model's distribution says."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 
 from trace_replay.engines.base import ReplayRequest
-from trace_replay.engines.builtin.decode import forced_step, generate_steps, replay_steps
 from trace_replay.engines.builtin.backends.hf import HFBackend
-from trace_replay.engines.results import wave_results
+from trace_replay.engines.builtin.backends.static import StaticCacheBackend
+from trace_replay.engines.builtin.decode import forced_step, generate_steps, replay_steps
 from trace_replay.engines.builtin.slots import SlotTable
+from trace_replay.engines.results import wave_results
+from trace_replay.engines.scoring import scorer_for
 
 TOP_K = 3
 CPU = torch.device("cpu")
@@ -75,6 +81,119 @@ def test_forced_step_scores_the_unmodified_logits():
     assert (scores.rank >= 2).all()
     assert scores.top_token_ids[:, 0].tolist() == [0, 0]
     assert slots.steps_done(idx_mapping).tolist() == [1, 1]
+
+
+def wave_of(lengths: list[int], seed: int, prompt_len: int = 3) -> list[ReplayRequest]:
+    """Random requests with traces of ``lengths`` and prompts of ``prompt_len + i`` tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    return [ReplayRequest(f"w{seed}-{i}", tuple(torch.randint(3, 128, (prompt_len + i,),
+                                                              generator=gen).tolist()),
+                          tuple(torch.randint(3, 128, (n,), generator=gen).tolist()))
+            for i, n in enumerate(lengths)]
+
+
+def host_steps(steps):
+    return [(tuple(t.cpu() for t in scores), tokens.cpu()) for scores, tokens in steps]
+
+
+def replay_wave(backend, slots, wave, **kwargs):
+    """:func:`replay_steps` over one wave: (steps on the CPU, counts)."""
+    idx_mapping = slots.admit(wave)
+    longest = max(r.trace_len for r in wave)
+    logits = backend.prefill([r.prompt_token_ids for r in wave], longest)
+    steps, counts = replay_steps(backend, slots, idx_mapping, logits, longest, TOP_K,
+                                 scorer_for(logits.device), **kwargs)
+    return host_steps(steps), counts
+
+
+def step_by_step(backend, slots, wave):
+    """The reference: :func:`forced_step` on each forward's logits, one decode per step."""
+    idx_mapping = slots.admit(wave)
+    longest = max(r.trace_len for r in wave)
+    logits = backend.prefill([r.prompt_token_ids for r in wave], longest)
+    steps = []
+    for step in range(longest):
+        sampled, scores = forced_step(logits, slots, idx_mapping, TOP_K,
+                                      scorer_for(logits.device))
+        steps.append((scores, sampled))
+        positions = (slots.total_len(idx_mapping) - 1)[:, None]
+        if step < longest - 1:
+            logits = backend.decode(sampled[:, None], positions)[:, -1]
+    return host_steps(steps)
+
+
+def assert_same_steps(ours, theirs, atol=1e-6):
+    assert len(ours) == len(theirs)
+    for (scores, tokens), (ref_scores, ref_tokens) in zip(ours, theirs):
+        assert torch.equal(tokens, ref_tokens)
+        for value, ref in zip(scores, ref_scores):
+            torch.testing.assert_close(value, ref, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("lengths", [[9, 12, 5, 1], [1], [2, 2]])
+def test_buffered_steps_equal_forced_steps_one_by_one(tiny_llama, lengths):
+    """The loop's buffered steps (run eagerly, as on CPU) give every step's tokens and scores
+    as forced_step does on each forward's logits, with one forward per step and one token per
+    row per step."""
+    wave = wave_of(lengths, seed=len(lengths))
+    with torch.inference_mode():
+        theirs = step_by_step(HFBackend(tiny_llama, 0), SlotTable(4, CPU), wave)
+        backend = HFBackend(tiny_llama, 0)
+        ours, counts = replay_wave(backend, SlotTable(4, CPU), wave)
+    assert_same_steps(ours, theirs)
+    assert backend.forwards == max(lengths)
+    assert torch.equal(counts, torch.ones((max(lengths), len(wave)), dtype=torch.int32))
+
+
+def test_cached_steps_are_reused_only_while_their_key_holds(tiny_llama):
+    """A second wave of the same rows and similar length reuses the cached steps and is
+    replayed right (its buffers restart at row 0; the trace storage, reallocated by the
+    state, is copied into the steps' own); a wave of other rows or of another length bucket
+    gets new steps, and so would trace storage larger than the steps' buffer."""
+    slots, backend, cache = SlotTable(4, CPU), HFBackend(tiny_llama, 0), {}
+    with torch.inference_mode():
+        replay_wave(backend, slots, wave_of([9, 12, 5, 1], seed=1), cache=cache)
+        first = cache["forced"]
+        second_wave = wave_of([7, 11, 6, 3], seed=2)
+        ours, _ = replay_wave(backend, slots, second_wave, cache=cache)
+        assert cache["forced"] is first
+        assert slots.trace_state.trace_token_ids is not first.trace_tokens  # compacted
+        theirs, _ = replay_wave(HFBackend(tiny_llama, 0), SlotTable(4, CPU), second_wave)
+        assert_same_steps(ours, theirs)
+        replay_wave(backend, slots, wave_of([9, 12], seed=4), cache=cache)
+        assert cache["forced"] is not first  # two rows, not four
+        two_rows = cache["forced"]
+        replay_wave(backend, slots, wave_of([40, 50], seed=5), cache=cache)
+        assert cache["forced"] is not two_rows  # 50 steps: a larger score buffer
+    assert first.fits(slots)
+    slots.trace_state.trace_token_ids = torch.zeros(2 * first.trace_tokens.numel(),
+                                                    dtype=torch.int32)
+    assert not first.fits(slots)  # storage larger than its own trace buffer: capture anew
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_captured_graph_equals_eager_steps(tiny_llama):
+    """On CUDA, the forced steps replayed from one graph give what the same steps run
+    eagerly give, for a wave, a smaller one, the first wave again (a reused capture) and a
+    wave of longer prompts (the backend's cache, so its logits, moved: the cached steps
+    capture anew)."""
+    lm = copy.deepcopy(tiny_llama).to("cuda")
+    backend = StaticCacheBackend(lm, 0)
+    assert backend.static_logits
+    slots, cache = SlotTable(4, torch.device("cuda")), {}
+    waves = [wave_of([9, 12, 5, 1], seed=1), wave_of([4, 2], seed=2),
+             wave_of([9, 12, 5, 1], seed=1), wave_of([9, 12, 5, 1], seed=3, prompt_len=60)]
+    with torch.inference_mode():
+        for i, wave in enumerate(waves):
+            ours, _ = replay_wave(backend, slots, wave, cache=cache, graph=True)
+            if i == 2:
+                reused, logits = cache["forced"], cache["forced"]._logits
+            # the same compiled forward, the forced steps run op by op
+            theirs, _ = replay_wave(StaticCacheBackend(lm, 0), SlotTable(4, torch.device("cuda")),
+                                    wave)
+            assert_same_steps(ours, theirs)
+    assert cache["forced"] is reused and cache["forced"]._logits is not logits
 
 
 def generated(lm, *, max_tokens: int, temperature: float = 0.0, seed: int = 0,

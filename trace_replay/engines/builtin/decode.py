@@ -1,25 +1,74 @@
-"""The step-by-step decode loops of the built-in engine: forced replay and free generation.
+"""The replay loop of the built-in engine, its one-token step, and free generation.
 
-Both run one wave already admitted to a :class:`~trace_replay.engines.builtin.slots.SlotTable`,
-starting from the prefill's next-token logits. A step feeds each row's last token at its
-position ``total_len - 1``; nothing in a step reads back to the host.
+:func:`replay_forwards` is the one replay loop: it hands each forward's logits to a
+:class:`StepRunner` — :class:`ForcedSteps` here (one token per row, eager or captured in one
+CUDA graph), :class:`~trace_replay.engines.builtin.verify.VerifySteps` (``k`` drafts per row)
+— which forces, scores and commits, and feeds the backend the runner's next ``tokens`` and
+``positions`` ``[B, q]``. A replay step is ``total_len - prompt_len``, counted from 0; forward
+0 scores the prefill's logits. Nothing in a step reads back to the host.
+
+:class:`ForcedSteps` runs the same ``_step`` eagerly or, when the backend's ``decode`` returns
+the same static logits tensor every step (``StaticCacheBackend.static_logits``), captured once
+and replayed: one launch per step for the argmax, forcing, advance, scoring and next inputs.
+Each step's scores land in row ``cursor`` of buffers held for the wave (a device counter), so
+nothing is overwritten and nothing is read back. A capture depends on every address it reads
+and every host-side choice it made (the key: slot and trace-length tensors, rows, top-k,
+scorer, whether any trace is staged, buffer capacity) and on the logits' memory; one capture
+is kept per engine (``cache``), because capturing synchronizes and collects garbage. The trace
+tokens are the exception: the trace state reallocates their storage as waves come and go, so
+the steps read them from a buffer of their own, into which each wave's storage is copied (one
+device copy per wave; a larger storage captures anew).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
-from trace_replay.engines.scoring import TokenScores, greedy_tokens, score_tokens
+from trace_replay.engines.builtin.backends.captured_step import capture
 from trace_replay.engines.builtin.slots import SlotTable
+from trace_replay.engines.scoring import TokenScores, greedy_tokens, score_tokens
 
-__all__ = ["Scorer", "Steps", "replay_steps", "forced_step", "generate_steps"]
+__all__ = ["Scorer", "Steps", "StepRunner", "ForcedSteps", "replay_forwards", "replay_steps",
+           "forced_step", "generate_steps"]
 
 # per forward: the scores of its rows (flattened [B * q]) and the tokens they committed
 Steps = list[tuple[TokenScores, torch.Tensor]]
 # (logits [N, V], token_ids [N], top_k) -> scores; score_tokens, or a backend's own
 Scorer = Callable[[torch.Tensor, torch.Tensor, int], TokenScores]
+
+
+class StepRunner(Protocol):
+    """What the replay loop drives: one call per forward, then the next forward's feed."""
+
+    tokens: torch.Tensor  # [B, q] int64, fed to the next forward
+    positions: torch.Tensor  # [B, q] int64, their positions
+
+    def step(self, logits: torch.Tensor, forward: int) -> bool:
+        """Force, score and commit on forward ``forward``'s logits ``[B * q, V]``
+        (forward 0: the prefill's ``[B, V]``); set ``tokens``/``positions``; return whether
+        another forward is needed."""
+
+
+def replay_forwards(backend, runner: StepRunner, logits: torch.Tensor,
+                    on_forward: Callable[[int], None] | None = None) -> int:
+    """The replay loop: ``runner`` steps on each forward's logits, ``backend`` runs the next.
+
+    ``logits``: the prefill's ``[B, V]``; each ``backend.decode`` output ``[B, q, V]`` is
+    handed on as ``[B * q, V]`` (a view). ``on_forward(i)`` is called after forward ``i``
+    (host only). Returns the number of forwards, prefill included.
+    """
+    forward = 0
+    while True:
+        more = runner.step(logits, forward)
+        if on_forward is not None:
+            on_forward(forward)
+        if not more:
+            return forward + 1
+        logits = backend.decode(runner.tokens, runner.positions).flatten(0, 1)
+        forward += 1
 
 
 def forced_step(logits: torch.Tensor, slots: SlotTable, idx_mapping: torch.Tensor,
@@ -36,33 +85,129 @@ def forced_step(logits: torch.Tensor, slots: SlotTable, idx_mapping: torch.Tenso
 
 
 def replay_steps(backend, slots: SlotTable, idx_mapping: torch.Tensor, logits: torch.Tensor,
-                 num_steps: int, top_k: int,
-                 score: Scorer = score_tokens,
-                 on_step: Callable[[int], None] | None = None) -> tuple[Steps, torch.Tensor]:
-    """Forced decoding for ``num_steps`` steps; one token per row per step.
+                 num_steps: int, top_k: int, score: Scorer = score_tokens,
+                 on_step: Callable[[int], None] | None = None, *, cache: dict | None = None,
+                 graph: bool = False) -> tuple[Steps, torch.Tensor]:
+    """Forced decoding for ``num_steps`` steps, one token per row per step.
 
-    Returns the steps and the ``[num_steps, B]`` count of tokens each row committed per
-    forward (all ones here; the verify loop commits a variable number). ``on_step(step)``
-    is called after each step (host only: it reads nothing back).
+    Returns the steps (views into :class:`ForcedSteps` buffers, valid until its next wave) and
+    the ``[num_steps, B]`` int32 count of tokens each row committed per forward (all ones).
+    ``graph``: each step after the first replays one CUDA graph (needs a backend whose
+    ``decode`` returns static logits); else the same steps run eagerly. ``cache`` (a dict the
+    caller keeps) holds the steps, and their capture, for the next wave.
     """
-    steps: Steps = []
-    for step in range(num_steps):
-        sampled, scores = forced_step(logits, slots, idx_mapping, top_k, score)
-        steps.append((scores, sampled))
-        if on_step is not None:
-            on_step(step)
-        if step == num_steps - 1:
-            break
-        positions = (slots.total_len(idx_mapping) - 1)[:, None]
-        logits = backend.decode(sampled[:, None], positions)[:, -1]
-    return steps, torch.ones((len(steps), len(idx_mapping)), dtype=torch.int32)
+    forced = _forced_steps(cache, slots, idx_mapping, top_k, score, num_steps, graph)
+    replay_forwards(backend, forced, logits, on_step)
+    return forced.steps(), torch.ones((num_steps, len(idx_mapping)), dtype=torch.int32)
+
+
+class ForcedSteps:
+    """Forced steps of one token per row, writing step ``i``'s scores to buffer row ``i``.
+
+    Design contract: ``start(idx_mapping, num_steps)`` begins a wave of at most ``capacity``
+    steps (rows, trace tokens, cursor). ``step(logits, forward)`` forces and scores
+    ``logits`` ``[B, V]``, commits one token per row, writes the next ``tokens``/``positions``
+    ``[B, 1]`` and the scores to row ``cursor``, then advances ``cursor`` — eagerly, or with
+    ``graph`` (CUDA) from forward 1 on by replaying one graph captured on the logits' memory
+    (captured anew at forward 1 if that memory moved since; moving later is an error).
+    ``steps()`` gives the wave's steps as views, valid until the next ``start``.
+    """
+
+    def __init__(self, slots: SlotTable, idx_mapping: torch.Tensor, top_k: int, score: Scorer,
+                 capacity: int, *, graph: bool, key: tuple) -> None:
+        self.slots, self.top_k, self.score = slots, top_k, score
+        self.idx_mapping = idx_mapping.clone()
+        self.capacity, self.graph, self.num_steps = capacity, graph, 0
+        rows, device = len(idx_mapping), idx_mapping.device
+        self.cursor = torch.zeros(1, dtype=torch.long, device=device)
+        self.tokens = torch.zeros((rows, 1), dtype=torch.long, device=device)
+        self.positions = torch.zeros((rows, 1), dtype=torch.long, device=device)
+        self.sampled = torch.zeros((capacity, rows), dtype=torch.long, device=device)
+        self.scores: list[torch.Tensor] | None = None  # allocated by the first (eager) step
+        self.trace_tokens = slots.trace_state.trace_token_ids  # see the module docstring
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._logits: torch.Tensor | None = None  # what the graph reads
+        self.key = key  # what the capture depends on besides the logits (see _key)
+
+    def fits(self, slots: SlotTable) -> bool:
+        """Whether the trace storage now held fits this capture's own trace buffer."""
+        return slots.trace_state.trace_token_ids.numel() <= self.trace_tokens.numel()
+
+    def start(self, idx_mapping: torch.Tensor, num_steps: int) -> None:
+        """A new wave (the same key): its rows, its trace tokens, the first buffer row."""
+        self.idx_mapping.copy_(idx_mapping)
+        self.cursor.zero_()
+        self.num_steps = num_steps
+        tokens = self.slots.trace_state.trace_token_ids
+        if tokens is not self.trace_tokens:
+            self.trace_tokens[: tokens.numel()].copy_(tokens)
+
+    def step(self, logits: torch.Tensor, forward: int) -> bool:
+        if forward == 0 or not self.graph:  # the prefill's logits are another tensor
+            self._step(logits)
+        else:
+            self._replay(logits, forward)
+        return forward + 1 < self.num_steps
+
+    def steps(self) -> Steps:
+        return [(TokenScores(*(values[i] for values in self.scores)), self.sampled[i])
+                for i in range(self.num_steps)]
+
+    def _replay(self, logits: torch.Tensor, forward: int) -> None:
+        if self._graph is None or not _same_memory(logits, self._logits):
+            if forward > 1:
+                raise RuntimeError("the backend's decode moved its logits within a wave; "
+                                   "captured forcing needs a static logits tensor")
+            state = (self.slots.req_states.total_len, self.cursor)
+            self._graph, _ = capture(lambda: self._step(logits), state)
+            self._logits = logits
+        self._graph.replay()
+
+    def _step(self, logits: torch.Tensor) -> None:
+        sampled, scores = forced_step(logits, self.slots, self.idx_mapping, self.top_k,
+                                      self.score, trace_token_ids=self.trace_tokens)
+        if self.scores is None:  # shapes and dtypes from the scorer, before any capture
+            self.scores = [value.new_zeros((self.capacity, *value.shape)) for value in scores]
+        self.sampled.index_copy_(0, self.cursor, sampled[None])
+        for values, value in zip(self.scores, scores):
+            values.index_copy_(0, self.cursor, value[None])
+        self.tokens.copy_(sampled[:, None])
+        self.positions.copy_((self.slots.total_len(self.idx_mapping) - 1)[:, None])
+        self.cursor += 1
+
+
+def _forced_steps(cache: dict | None, slots: SlotTable, idx_mapping: torch.Tensor, top_k: int,
+                  score: Scorer, num_steps: int, graph: bool) -> ForcedSteps:
+    """The cached :class:`ForcedSteps`, started, if its key matches this wave's; else new ones."""
+    capacity = max(16, 1 << (num_steps - 1).bit_length())  # waves of similar length share one
+    key = _key(slots, len(idx_mapping), top_k, score, capacity, graph)
+    forced = None if cache is None else cache.get("forced")
+    if forced is None or forced.key != key or not forced.fits(slots):
+        forced = ForcedSteps(slots, idx_mapping, top_k, score, capacity, graph=graph, key=key)
+        if cache is not None:
+            cache["forced"] = forced
+    forced.start(idx_mapping, num_steps)
+    return forced
+
+
+def _key(slots: SlotTable, rows: int, top_k: int, score: Scorer, capacity: int,
+         graph: bool) -> tuple:
+    """What a capture depends on besides the logits: addresses it reads, host-side choices."""
+    trace, requests = slots.trace_state, slots.req_states
+    tensors = (requests.total_len, requests.prompt_len, trace.trace_offsets, trace.trace_len)
+    return (tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors),
+            rows, top_k, id(score), capacity, trace.has_traces, graph)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr(), a.shape, a.stride()) == (b.data_ptr(), b.shape, b.stride())
 
 
 def generate_steps(backend, slots: SlotTable, idx_mapping: torch.Tensor, logits: torch.Tensor,
                    *, max_tokens: int, temperature: float, generator: torch.Generator,
                    eos_token_id: int | None,
                    score: Scorer = score_tokens) -> tuple[torch.Tensor, torch.Tensor]:
-    """Free generation: ``([B, T] token ids, [B, T] raw logprobs)``, T <= ``max_tokens``.
+    """Free generation (no trace): ``([B, T] token ids, [B, T] raw logprobs)``, T <= ``max_tokens``.
 
     Greedy at ``temperature == 0``, else sampling with ``generator``. Generation stops early
     only when every row has emitted EOS (checked every 16 steps: one host read each).

@@ -1,15 +1,15 @@
 """The built-in engine: a readable batched decode loop over a transformers causal LM.
 
 ``run`` splits requests into waves (:mod:`~trace_replay.engines.builtin.slots`), prefills a wave's
-prompts together, decodes it (:mod:`~trace_replay.engines.builtin.decode`, or
-:mod:`~trace_replay.engines.builtin.verify` with ``speculative``) and turns the scores into results
-(:mod:`~trace_replay.engines.results`). Each step the model's greedy choice is overwritten by
-``TraceReplayState.apply_trace`` and scored on the unmodified logits. The forward pass itself
-is a backend: ``hf`` (the transformers model with a growing cache) or ``static`` (whose
-CUDA graphs also take the per-step forcing and scoring,
-:mod:`~trace_replay.engines.builtin.forced_graph`); with
-``deterministic`` it is :class:`~trace_replay.engines.builtin.backends.invariant.InvariantBackend`,
-which also does the scoring, so that no number of a trace depends on its batch.
+prompts together, replays it in the one replay loop (:mod:`~trace_replay.engines.builtin.decode`;
+the steps of :mod:`~trace_replay.engines.builtin.verify` under ``speculative``) and turns the
+scores into results (:mod:`~trace_replay.engines.results`). Each step the model's greedy
+choice is overwritten by ``TraceReplayState.apply_trace`` and scored on the unmodified logits.
+The forward pass itself is a backend: ``hf`` (the transformers model with a growing cache)
+or ``static`` (whose CUDA graphs also take the per-step forcing and scoring,
+:class:`~trace_replay.engines.builtin.decode.ForcedSteps`); with ``deterministic`` it is
+:class:`~trace_replay.engines.builtin.backends.invariant.InvariantBackend`, which also does
+the scoring, so that no number of a trace depends on its batch.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import torch
 from trace_replay.engines.base import EngineBase, EngineConfig, ReplayRequest, TraceResult
 from trace_replay.engines.builtin.decode import generate_steps, replay_steps
 from trace_replay.engines.builtin.drafts import parse_speculative
-from trace_replay.engines.builtin.forced_graph import replay_steps_captured
 from trace_replay.engines.builtin.backends.hf import HFBackend
 from trace_replay.engines.results import wave_results
 from trace_replay.engines.scoring import scorer_for
@@ -156,14 +155,12 @@ class TorchEngine(EngineBase):
         idx_mapping = self.slots.admit(wave)
         longest = max(r.trace_len for r in wave)
         logits = self.backend.prefill([r.prompt_token_ids for r in wave], longest)
-        if self.speculative is None and getattr(self.backend, "static_logits", False):
-            steps, counts = replay_steps_captured(self.backend, self.slots, idx_mapping,
-                                                  logits, longest, self.top_k, self.score,
-                                                  progress.forward(1), cache=self._captured)
-        elif self.speculative is None:
+        if self.speculative is None:
+            # a backend whose decode returns one static logits tensor gets the steps captured
             steps, counts = replay_steps(self.backend, self.slots, idx_mapping, logits,
-                                         longest, self.top_k, self.score,
-                                         on_step=progress.forward(1))
+                                         longest, self.top_k, self.score, progress.forward(1),
+                                         cache=self._captured,
+                                         graph=getattr(self.backend, "static_logits", False))
         else:
             method, k = self.speculative
             # trace drafts are all accepted (k + 1 per forward); n-gram ones at least 1
