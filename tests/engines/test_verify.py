@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from trace_replay.engines.builtin.backends.hf import HFBackend
-from trace_replay.engines.results import wave_results
+from trace_replay.engines.builtin.decode import replay_forwards
 from trace_replay.engines.builtin.slots import SlotTable
-from trace_replay.engines.builtin.verify import verify_steps
+from trace_replay.engines.builtin.verify import VerifySteps, verify_steps
+from trace_replay.engines.results import wave_results
+from trace_replay.engines.scoring import score_tokens
 
 K = 3
 TOP_K = 3
@@ -83,3 +85,18 @@ def test_ngram_drafts_accept_what_the_trace_repeats(runs, tiny_requests):
     assert result.accepted == (counts[1:] - 1).clamp(min=0).sum() > 0
     assert result.accepted <= result.drafted
     assert reported == list(range(len(result.steps)))
+
+
+def test_verify_steps_run_in_the_replay_loop(tiny_llama, tiny_requests):
+    """Verify is a step runner of the one replay loop: replay_forwards returns the forwards
+    it ran (prefill included), one backend forward and one scored step each."""
+    wave = tiny_requests
+    backend, slots = HFBackend(tiny_llama, 0), SlotTable(len(wave), torch.device("cpu"))
+    with torch.inference_mode():
+        idx_mapping = slots.admit(wave)
+        logits = backend.prefill([r.prompt_token_ids for r in wave],
+                                 max(r.trace_len for r in wave))
+        runner = VerifySteps(backend, slots, idx_mapping, wave, method="ngram", k=K,
+                             top_k=TOP_K, score=score_tokens)
+        forwards = replay_forwards(backend, runner, logits)
+    assert forwards == backend.forwards == len(runner.result().steps) > 1
