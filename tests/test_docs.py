@@ -49,3 +49,13 @@ def test_relative_links_resolve(doc):
         elif fragment and target.suffix == ".md" and fragment not in _anchors(target):
             broken.append(link)
     assert not broken, f"{doc.relative_to(ROOT)}: broken links {broken}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_named_files_exist(doc):
+    """Every repository path a document names in code (`trace_replay/...py`, `tests/...py`,
+    `benchmarks/...`) exists: the documents follow the modules when they move."""
+    named = re.findall(r"`((?:trace_replay|tests|benchmarks|data|notebooks|docs)/[\w/.\-]*\.\w+)",
+                       doc.read_text())
+    missing = sorted({path for path in named if not (ROOT / path).exists()})
+    assert not missing, f"{doc.relative_to(ROOT)} names files that do not exist: {missing}"
