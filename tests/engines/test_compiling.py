@@ -1,38 +1,72 @@
 """Tests for trace_replay.engines.builtin.passes.compiling: the package's compiled functions may hold more
-graphs than dynamo's default, and a higher limit set by the user stays; the layer passes
-together turn a one-row half-precision layer into the fused kernels."""
+graphs than dynamo's default, a higher limit set by the user stays, and dynamo's configuration
+is never left changed; the layer passes together turn a one-row half-precision layer into the
+fused kernels."""
 
 import copy
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
+from torch._dynamo.exc import FailOnRecompileLimitHit
 from torch._inductor.utils import run_and_get_code
 
 from trace_replay.kernels._triton import use_triton
-from trace_replay.engines.builtin.passes.compiling import RECOMPILES, allow_recompiles, layer_passes
+from trace_replay.engines.builtin.passes import compiling
+from trace_replay.engines.builtin.passes.compiling import compile_function, layer_passes
 from trace_replay.engines.builtin.passes.kernel_view import kernel_layer
 from trace_replay.kernels.gemv import gemv
 
 
-def test_limit_is_raised_never_lowered():
-    with torch._dynamo.config.patch(recompile_limit=8):
-        allow_recompiles()
-        assert torch._dynamo.config.recompile_limit == RECOMPILES
-    with torch._dynamo.config.patch(recompile_limit=1000):
-        allow_recompiles()
-        assert torch._dynamo.config.recompile_limit == 1000
+def _compiles(compiled, shapes: int) -> None:
+    for n in range(1, shapes + 1):
+        assert compiled(torch.ones(n)).sum().item() == 2 * n
+
+
+def test_limit_is_raised_never_lowered(monkeypatch):
+    """A compiled function holds RECOMPILES graphs under a lower dynamo limit, and the
+    user's limit where that is higher (here RECOMPILES is 3, so the shapes stay few)."""
+    monkeypatch.setattr(compiling, "RECOMPILES", 3)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        compiled = compile_function(lambda x: x * 2, backend="eager", fullgraph=True,
+                                    dynamic=False)
+        _compiles(compiled, 3)
+        with pytest.raises(FailOnRecompileLimitHit):
+            compiled(torch.ones(4))
+    with torch._dynamo.config.patch(recompile_limit=5):
+        _compiles(compile_function(lambda x: x * 2, backend="eager", fullgraph=True,
+                                   dynamic=False), 5)
 
 
 def test_a_fullgraph_function_compiles_past_eight_shapes():
     """Ten shapes of one ``fullgraph=True``, ``dynamic=False`` function: with dynamo's
-    default this is a hard error at the ninth."""
+    default this is a hard error at the ninth. Dynamo's configuration is left as it was."""
+    before = torch._dynamo.config.get_config_copy()
     with torch._dynamo.config.patch(recompile_limit=8):
-        allow_recompiles()
-        compiled = torch.compile(lambda x: x * 2, backend="eager", fullgraph=True,
-                                 dynamic=False)
-        for n in range(1, 11):
-            assert compiled(torch.ones(n)).sum().item() == 2 * n
+        _compiles(compile_function(lambda x: x * 2, backend="eager", fullgraph=True,
+                                   dynamic=False), 10)
+    assert torch._dynamo.config.get_config_copy() == before
+
+
+def test_importing_the_engines_leaves_the_process_as_it_was():
+    """Importing the package and its engine, kernel and model modules changes neither the
+    environment nor dynamo's or inductor's configuration."""
+    code = """if True:
+        import importlib, os, torch, torch._dynamo, torch._inductor.config
+        state = lambda: (dict(os.environ), torch._dynamo.config.get_config_copy(),
+                         torch._inductor.config.get_config_copy())
+        before = state()
+        for name in ("trace_replay", "trace_replay.engines.builtin.engine",
+                     "trace_replay.engines.builtin.backends.static", "trace_replay.kernels",
+                     "trace_replay.engines.scoring", "trace_replay.models.load"):
+            importlib.import_module(name)
+        print(state() == before)
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "True", out.stderr
 
 
 @pytest.mark.parametrize("config, ops", [

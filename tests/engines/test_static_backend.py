@@ -8,6 +8,8 @@ uniform; sliding windows (4 positions) are shorter than the contexts replayed.
 from __future__ import annotations
 
 import copy
+import os
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
@@ -312,3 +314,24 @@ def test_compiled_half_precision_at_one_row_runs_the_gemv(arch, dtype, tiny_mode
     ours_error, cublas_error = np.abs(ours - exact).max(), np.abs(cublas - exact).max()
     slack = 2 * torch.finfo(dtype).eps * np.abs(exact).max()
     assert ours_error <= 2 * cublas_error + slack, (ours_error, cublas_error, slack)
+
+
+def _process_state() -> tuple:
+    """The process-wide settings an engine could change: environment, dynamo, inductor,
+    warning filters."""
+    return (dict(os.environ), torch._dynamo.config.get_config_copy(),
+            torch._inductor.config.get_config_copy(), list(warnings.filters))
+
+
+def test_an_engine_leaves_the_process_as_it_was(tiny_model, device):
+    """Building the torch engine (on CUDA compiled and graph-captured, with the compiled
+    scorer), replaying and closing it leaves the environment, dynamo's and inductor's
+    configuration and the warning filters as they were, a recompile limit lower than the
+    package's too."""
+    lm = copy.deepcopy(tiny_model("llama")).to(device)
+    with torch._dynamo.config.patch(recompile_limit=8):
+        before = _process_state()
+        engine, results = run(lm, "auto")
+        engine.close()
+        assert _process_state() == before
+    assert len(results) == len(requests())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -79,3 +81,25 @@ def test_folder_digest_follows_the_weight_files(tmp_path):
     weights.write_bytes(b"b" * 64)  # same size, rewritten: another modification time
     os.utime(weights, ns=(1, 1))
     assert folder_digest(tmp_path) != before
+
+
+def test_loads_leave_the_environment_as_it_was(monkeypatch):
+    """Loading the embedded model and its tokenizer is offline inside and leaves the
+    environment, huggingface_hub's offline flag and transformers' progress bars as they
+    were; an offline variable the user set is kept as it is."""
+    import huggingface_hub.constants as hub
+    from transformers.utils import logging
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "0")
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
+    logging.enable_progress_bar()
+    before = dict(os.environ)
+    with models.offline():
+        assert os.environ["HF_HUB_OFFLINE"] == "1" and hub.HF_HUB_OFFLINE
+        assert os.environ["TRANSFORMERS_OFFLINE"] == "0"
+        assert not logging.is_progress_bar_enabled()
+    models.load_tokenizer()
+    models.load_model(device="cpu")
+    assert dict(os.environ) == before
+    assert not hub.HF_HUB_OFFLINE and logging.is_progress_bar_enabled()

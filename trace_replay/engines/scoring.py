@@ -8,7 +8,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from trace_replay.engines.builtin.passes.compiling import allow_recompiles
+from trace_replay.engines.builtin.passes.compiling import compile_function
 
 __all__ = ["TokenScores", "chunked_argmax", "collect_rows", "greedy_tokens", "score_tokens",
            "score_with_top", "scorer_for", "top_from_logprob"]
@@ -46,9 +46,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     maxima (a NaN counting as the largest).
 
     On CUDA, for a few rows of a vocabulary that a chunk count divides, in two passes
-    (:func:`chunked_argmax`): torch's one-pass argmax reduces a row in one thread block, and
-    one row of Llama-3's 128,256 logits took it 31 µs on an H200 (0.7% of a batch-1 step of
-    the 8B shape).
+    (:func:`chunked_argmax`): torch's one-pass argmax reduces a row in one thread block.
     """
     rows, vocab = logits.shape
     if logits.device.type == "cuda" and rows <= _CHUNKED_ARGMAX_ROWS:
@@ -92,22 +90,18 @@ def score_with_top(logits: torch.Tensor, token_ids: torch.Tensor,
 def scorer_for(device: torch.device | str, *, rows: str = "static"):
     """The scorer for ``device``: :func:`score_tokens`, or its fast form on CUDA.
 
-    Eager, a score is a dozen passes over a float32 copy of the ``[N, V]`` logits (cast,
-    log-softmax, compare, exp, product, sums) plus ``torch.topk``'s radix select. On CUDA
-    the top-k and its logprobs come from :func:`~trace_replay.kernels.top_k.top_k_scores`
-    (the logits read once; two launches; their logprobs by :func:`top_from_logprob`'s
-    rule) and the rest is compiled by inductor into a few fused reductions. Same rule, same
-    dtype; the fused reductions may round differently in the last bits (tests compare
-    within tolerance).
-    CPU keeps the eager function: compiling there costs seconds of start-up for little gain.
+    On CUDA the top-k and its logprobs come from
+    :func:`~trace_replay.kernels.top_k.top_k_scores` (the logits read once; two launches;
+    their logprobs by :func:`top_from_logprob`'s rule) and the rest is compiled by inductor
+    into a few fused reductions. Same rule, same dtype; the fused reductions may round
+    differently in the last bits (tests compare within tolerance). CPU keeps the eager
+    function: compiling there costs seconds of start-up for little gain.
 
     ``rows`` (CUDA): ``"static"`` compiles one graph per row count — for decode loops,
     whose few row counts (a wave's rows, the last wave's, verify's rows × (k + 1)) each
-    repeat for every step; ``"dynamic"``, one graph for all — for the prefill engine,
-    whose last chunk of each batch has a row count of its own. Inductor shapes a
-    reduction by the sizes it compiles for: the dynamic graph ran float32 decode replays
-    on an H200 at ~570-640 µs per 64 × 49,152 step in four runs of six (6-20 µs in the
-    others); compiled per row count, in none of the runs since.
+    repeat for every step, and whose reductions inductor then shapes for that count;
+    ``"dynamic"``, one graph for all — for the prefill engine, whose last chunk of each
+    batch has a row count of its own.
     """
     if rows not in ("static", "dynamic"):
         raise ValueError(f"rows={rows!r}; choose 'static' or 'dynamic'")
@@ -116,11 +110,9 @@ def scorer_for(device: torch.device | str, *, rows: str = "static"):
     if rows not in _CUDA_SCORERS:
         from trace_replay.kernels.top_k import MAX_TOP_K, top_k_scores
 
-        # inductor says so at each compile when it splits the vocabulary reduction: an
-        # internal choice, nothing a user can act on
-        warnings.filterwarnings("ignore", message=r"\s*Online softmax is disabled")
-        allow_recompiles()  # static rows: one graph per row count, dtype and top-k
-        compiled = torch.compile(score_with_top, dynamic=rows == "dynamic", fullgraph=True)
+        # static rows: one graph per row count and dtype
+        compiled = _quiet_compiles(
+            compile_function(score_with_top, dynamic=rows == "dynamic", fullgraph=True))
 
         def score_cuda(logits: torch.Tensor, token_ids: torch.Tensor,
                        top_k: int) -> TokenScores:
@@ -144,9 +136,7 @@ def top_from_logprob(reductions, logits: torch.Tensor, token_ids: torch.Tensor,
     One compiled graph then serves greedy (no top-k) and replay alike. A top token's
     logprob differs from ``log_softmax``'s by a float32 rounding or two at the size of the
     numbers involved (about 2e-6 for logits and logprobs under 16 in magnitude), and equals
-    ``logprob`` exactly where it is the scored token. (Introduced when the ``[N, k]`` gather
-    inside the graph looked like the cause of a ~600 µs fused reduction in float32 replays
-    on an H200; the reduction later appeared without it, see :func:`scorer_for`.)
+    ``logprob`` exactly where it is the scored token.
     """
     scores = reductions(logits, token_ids, _top_ids(logits, token_ids, 0))
     if top_ids.shape[1] == 0:
@@ -157,6 +147,27 @@ def top_from_logprob(reductions, logits: torch.Tensor, token_ids: torch.Tensor,
 
 
 _CUDA_SCORERS: dict = {}  # rows -> the CUDA scorer
+
+
+def _quiet_compiles(compiled):
+    """``compiled`` whose first call per input shape and dtypes (where it compiles) drops
+    inductor's "Online softmax is disabled" warning; the warning filters are left as
+    they were."""
+    seen = set()
+
+    def run(logits: torch.Tensor, token_ids: torch.Tensor, top_ids: torch.Tensor):
+        key = (logits.shape, logits.dtype, token_ids.dtype, top_ids.shape[1])
+        if key in seen:
+            return compiled(logits, token_ids, top_ids)
+        with warnings.catch_warnings():
+            # older inductor says so at each compile that splits the vocabulary reduction:
+            # an internal choice, nothing a user can act on
+            warnings.filterwarnings("ignore", message=r"\s*Online softmax is disabled")
+            scores = compiled(logits, token_ids, top_ids)
+        seen.add(key)
+        return scores
+
+    return run
 
 
 def _top_ids(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int,

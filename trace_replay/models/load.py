@@ -12,11 +12,13 @@ cache. Hub access is disabled for every load made here.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -24,6 +26,7 @@ import torch
 __all__ = [
     "EMBEDDED_MODEL",
     "ModelNotFoundError",
+    "OFFLINE_ENV",
     "cache_dir",
     "embedded_gguf_path",
     "folder_digest",
@@ -32,6 +35,7 @@ __all__ = [
     "load_tokenizer",
     "model_for_engine",
     "model_label",
+    "offline",
     "resolve_dtype",
 ]
 
@@ -81,12 +85,36 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def _offline() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# what makes every Hugging Face load offline (a variable the user set is left as it is)
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+@contextlib.contextmanager
+def offline() -> Iterator[None]:
+    """While the block runs: Hugging Face loads are offline and show no progress bars.
+
+    Sets each of :data:`OFFLINE_ENV` the user has not set and, unless the user set
+    ``HF_HUB_OFFLINE``, huggingface_hub's offline flag (which it reads from the environment
+    once, at import); afterwards the environment, the flag and transformers' progress bars
+    are as they were.
+    """
+    import huggingface_hub.constants as hub
     from transformers.utils import logging
 
+    added = {key: value for key, value in OFFLINE_ENV.items() if key not in os.environ}
+    flag, bars = hub.HF_HUB_OFFLINE, logging.is_progress_bar_enabled()
+    os.environ.update(added)
+    if "HF_HUB_OFFLINE" in added:
+        hub.HF_HUB_OFFLINE = True
     logging.disable_progress_bar()  # weight-loading bars clutter notebooks
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+        hub.HF_HUB_OFFLINE = flag
+        if bars:
+            logging.enable_progress_bar()
 
 
 def _file_digest(path: Path) -> str:
@@ -146,7 +174,12 @@ def hf_folder(model: str | os.PathLike | None = None) -> Path:
     ModelNotFoundError
         When ``model`` is neither a folder here nor a cached model name.
     """
-    _offline()
+    with offline():
+        return _hf_folder(model)
+
+
+def _hf_folder(model) -> Path:
+    """:func:`hf_folder`'s work, inside its offline scope."""
     if model is None:
         gguf = embedded_gguf_path()
         target = cache_dir() / f"{EMBEDDED_MODEL}-f32-{_file_digest(gguf)}"
@@ -215,7 +248,8 @@ def load_tokenizer(model: str | os.PathLike | None = None):
     if model is _NO_TOKENIZER:
         raise ModelNotFoundError("this in-memory model was not loaded from a folder, so its "
                                  "tokenizer is unknown: set engine.tokenizer = <tokenizer>")
-    return AutoTokenizer.from_pretrained(str(hf_folder(model)))
+    with offline():
+        return AutoTokenizer.from_pretrained(str(hf_folder(model)))
 
 
 def load_model(
@@ -246,7 +280,9 @@ def load_model(
     from transformers import AutoModelForCausalLM
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    lm = AutoModelForCausalLM.from_pretrained(str(hf_folder(model)), dtype=resolve_dtype(dtype))
+    with offline():
+        lm = AutoModelForCausalLM.from_pretrained(str(hf_folder(model)),
+                                                  dtype=resolve_dtype(dtype))
     return lm.to(device).eval()
 
 

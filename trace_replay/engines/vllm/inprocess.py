@@ -16,6 +16,9 @@ interpreter instead, and :func:`hosted_startup` undoes what it leaves behind:
 * the platform sets environment variables for worker processes (``OMP_*``,
   ``TORCHINDUCTOR_COMPILE_THREADS``...); the environment is put back.
 
+Start-up is offline, as every model load of the package is
+(:func:`~trace_replay.models.load.offline`); processes started then inherit it.
+
 Start-up is quiet unless ``verbose``: vLLM's logger is held at ERROR for the engine's life
 (:class:`QuietLogs`), Python warnings raised during start-up are dropped, and lines printed
 by C++ code to the process's stderr are held back and shown only if start-up fails. Where
@@ -46,6 +49,7 @@ import numpy as np
 import torch
 
 from trace_replay.engines.server.serve import MULTICAST_OFF
+from trace_replay.models.load import offline
 
 __all__ = ["IN_PROCESS_ENV", "MULTICAST_OFF", "QuietLogs", "engine_core_mode", "hosted_startup",
            "multicast_off", "quiet_startup"]
@@ -149,7 +153,8 @@ def hosted_startup(verbose: bool, *, workers: bool = False) -> Iterator[None]:
         # vLLM's own logging set-up would put its logger back to INFO
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     try:
-        with quiet_startup(verbose, hold_stderr=not workers):
+        # offline as every load of the package is; the processes it starts inherit it
+        with offline(), quiet_startup(verbose, hold_stderr=not workers):
             yield
     finally:
         torch.set_num_threads = set_num_threads

@@ -14,9 +14,8 @@ decoder layers run compiled by ``torch.compile`` — one compiled region that al
 kind share (the layers differ only in their weights), so start-up compiles one layer per
 shape rather than the whole model. A float32 model's view multiplies on tensor cores with
 the 3xTF32 split (``float32_matmul``); a bfloat16 or float16 model's, at one row (batch-1
-decode steps), through :func:`~trace_replay.kernels.gemv.gemv`, which streams the weights
-faster than cuBLAS's GEMVs, with each gated MLP's gate, up and activation in one launch
-(:func:`~trace_replay.kernels.gated_gemv.gated_gemv`). The view's modules that run these
+decode steps), through :func:`~trace_replay.kernels.gemv.gemv`, with each gated MLP's gate,
+up and activation in one launch (:func:`~trace_replay.kernels.gated_gemv.gated_gemv`). The view's modules that run these
 kernels are in :mod:`~trace_replay.engines.builtin.passes.kernel_view`. The compiler then puts the linears
 that read the same input (q/k/v, gate/up) in one launch each
 (:mod:`~trace_replay.engines.builtin.passes.linear_groups`), folds an RMSNorm into the one-row GEMVs that
@@ -28,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import time
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -35,7 +35,7 @@ from typing import NamedTuple
 import torch
 
 from trace_replay.engines.builtin.backends.captured_step import StepGraph, capture, capture_step
-from trace_replay.engines.builtin.passes.compiling import allow_recompiles, layer_passes
+from trace_replay.engines.builtin.passes.compiling import compile_function, layer_passes
 from trace_replay.engines.builtin.passes.kernel_view import KernelLinear, kernel_layer, shallow
 from trace_replay.engines.builtin.backends.static_cache import ATTENTION, StaticKVCache, register_attention
 from trace_replay.kernels.fp32_linear import fp32_linear
@@ -234,10 +234,9 @@ class StaticCacheBackend:
         and the decoder layers run compiled (one compile per rows × bucket, counted in
         ``compile_seconds``). Up to :data:`PREFILL_GRAPH_TOKENS` tokens (rows × width) the
         prefill is also captured in a CUDA graph per width, replayed by later waves: a
-        short prefill is host-bound — on an H200 a 64 × 16-token float32 SmolLM2 prefill
-        took ~23 ms compiled, ~16 launches per layer through Python — and a capture's
-        memory (its own pool) is small at that size. Longer prefills keep the GPU busy on
-        their own and hold no memory after they return.
+        short prefill is host-bound (launches through Python) and a capture's memory (its
+        own pool) is small at that size. Longer prefills keep the GPU busy on their own and
+        hold no memory after they return.
         """
         batch, width = len(prompts), max(len(p) for p in prompts)
         if self.cuda_graphs:
@@ -383,17 +382,15 @@ class _PrefillGraph(NamedTuple):
         return self.logits
 
 
+@functools.cache
 def _compile_layer():
-    """``torch.compile`` of a decoder layer's forward, shared by every layer and backend."""
-    global _COMPILED_LAYER
-    if _COMPILED_LAYER is None:
-        allow_recompiles()  # one graph per (layer kind, shape, dtype)
-        _COMPILED_LAYER = torch.compile(_layer_forward, fullgraph=True, dynamic=False,
-                                        options=layer_passes())
-    return _COMPILED_LAYER
+    """``torch.compile`` of a decoder layer's forward, shared by every layer and backend.
 
-
-_COMPILED_LAYER = None
+    A declared per-process cache: dynamo keeps graphs per code object and backend, so a
+    compile per backend would compile every shape again (start-up of each engine).
+    """
+    return compile_function(_layer_forward, fullgraph=True, dynamic=False,
+                            options=layer_passes())
 
 
 def _bucket(length: int) -> int:

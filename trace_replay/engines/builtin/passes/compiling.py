@@ -1,26 +1,40 @@
-"""What every ``torch.compile`` of the package needs: dynamo's configuration, inductor's passes."""
+"""What every ``torch.compile`` of the package needs: a recompile limit of its own, inductor's passes."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 
-__all__ = ["RECOMPILES", "allow_recompiles", "layer_passes"]
+__all__ = ["RECOMPILES", "compile_function", "layer_passes"]
 
 # graphs one compiled function may hold: one per (shape, dtype) it meets
 RECOMPILES = 64
 
 
-def allow_recompiles() -> None:
-    """Let a compiled function hold :data:`RECOMPILES` graphs, not dynamo's default 8.
+def compile_function(fn, **options):
+    """``torch.compile(fn, **options)`` that may hold :data:`RECOMPILES` graphs of ``fn``, or
+    the user's ``torch._dynamo.config.recompile_limit`` where that is higher.
 
-    The package compiles per static shape (``dynamic=False``) and with ``fullgraph=True``,
-    so the limit is a hard error, not a fallback: a process that replays several models,
-    dtypes or batch sizes (a test session, a sweep) meets more than 8 shapes of the
-    decoder layer or of the scorer (one per row count, dtype and top-k). Never lowers a
-    limit set higher.
+    The package compiles per static shape (``dynamic=False``) with ``fullgraph=True``, where
+    dynamo's default limit of 8 is a hard error, not a fallback: a process that replays
+    several models, dtypes or batch sizes (a test session, a sweep) meets more than 8
+    shapes of the decoder layer or of the scorer. The limit is the compiled function's own
+    (``torch.compile(recompile_limit=...)``; on a torch without it, set around each call):
+    dynamo's configuration is never left changed.
     """
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
-                                                 RECOMPILES)
+    limit = max(torch._dynamo.config.cache_size_limit, RECOMPILES)
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+        return torch.compile(fn, recompile_limit=limit, **options)
+    compiled = torch.compile(fn, **options)
+
+    @functools.wraps(fn)
+    def limited(*args, **kwargs):
+        with torch._dynamo.config.patch(cache_size_limit=limit):
+            return compiled(*args, **kwargs)
+
+    return limited
 
 
 def layer_passes() -> dict:
