@@ -121,9 +121,8 @@ def cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     precision
         How the kernel multiplies float32 inputs: ``"ieee"`` (float32 FMAs, no tensor
         cores) or ``"tf32x3"`` (tensor cores, each input split into a TF32 part and its
-        TF32 remainder, as :mod:`~trace_replay.kernels.fp32_linear` does: ~2x faster at
-        SmolLM2's float32 decode shapes on an H200, within float32 rounding of float64).
-        16-bit inputs ignore it.
+        TF32 remainder, as :mod:`~trace_replay.kernels.fp32_linear` does; within float32
+        rounding of float64). 16-bit inputs ignore it.
 
     Returns
     -------
@@ -166,15 +165,9 @@ def launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
     query = query if query.stride(-1) == 1 else query.contiguous()
     out = torch.empty((batch, kv_heads, rows, dim), dtype=query.dtype, device=query.device)
     block_d = max(16, triton.next_power_of_2(dim))
-    # Blocks and warps, from a sweep on an H200 (µs per call inside a CUDA graph, 256-slot
-    # cache, rows 16-144 slots full; SDPA first): SmolLM2 bf16 256 rows 35.0 -> 10.7 at 64
-    # slots x 2 warps (10.3 at 1 warp, 13.9 at 4); float32 64 rows 43.3 -> 28.3 at 64 x 4
-    # (k = 8 verify 48.3 -> 49.9; 44.2 at 32 x 4); Llama-3-8B bf16 1 row 10.5 -> 7.0 at
-    # 64 x 2 (4.9 at 128 x 4), 64 rows 36.0 -> 12.9. Some float32 configurations spill
-    # (64 x 2 at 27 query rows: 670 µs), so float32 keeps 4 warps.
-    # Fewer programs than SMs (Llama-3.1-8B at batch 1: 8) leave the GPU idle but for each
-    # program's walk down the cache, so 16-bit inputs then take longer steps with more
-    # warps: 128 slots x 4 warps, 4.9 µs against 7.0 there.
+    # Blocks and warps from the sweep; float32 keeps 4 warps (some of its configurations
+    # spill at 2). Fewer programs than SMs leave the GPU idle but for each program's walk
+    # down the cache, so 16-bit inputs then take longer steps with more warps.
     few = (query.dtype != torch.float32 and block_d <= 128
            and batch * kv_heads < _multiprocessors(query.device))
     if block_n is None:

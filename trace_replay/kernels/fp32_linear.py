@@ -1,59 +1,28 @@
 """Float32 linear layers on tensor cores, as accurate as float32: the 3xTF32 split.
 
-A float32 GEMM without tensor cores ran at ~10% of the H200's float32 peak at the small row
-counts of decode (64 rows × 576 columns: cuBLAS's SIMT and split-K kernels), and was 70% of
-a float32 SmolLM2 replay step. TF32 tensor cores keep only 10 mantissa bits of each input
-(3e-4 relative error per output there, against 2e-7 to 1e-6 for float32): errors of the
-size a float32 replay is there to measure against. The 3xTF32 split keeps both speed and
-accuracy: each input is ``big + small``, ``big`` its TF32 rounding and ``small`` the
-(TF32-rounded) rest, and ``x @ w`` is taken as ``big·big + big·small + small·big`` on
-tensor cores, accumulated in float32; what is lost (``small·small`` and the rounding of
-``small``) is ~2^-22 relative. Triton does the split inside ``tl.dot``
-(``input_precision="tf32x3"``).
+Each float32 input is ``big + small`` (``big`` its TF32 rounding, ``small`` the TF32-rounded
+rest) and ``x @ w`` is ``big·big + big·small + small·big`` on tensor cores, accumulated in
+float32 (Triton's ``tl.dot(..., input_precision="tf32x3")``). What is left out
+(``small·small`` and the rounding of ``small``) is ~2^-22 relative, so the result is as close
+to the float64 product as float32 FMAs are; plain TF32 (10 mantissa bits) is not. It is not
+cuBLAS's float32 result bit for bit: the two reduce in different orders.
 
-Split-K. Each program computes one ``BLOCK_M × BLOCK_N`` output tile and walks all of K
-serially. When the output is small there are few tiles for the H200's 132 SMs (576 rows ×
-576 columns in 64 × 32 tiles: 162 programs) and each one's chain of K steps sets the time
-(24 steps for the 1536-deep down projection at 64-deep steps). ``SPLIT > 1`` cuts K into
-``SPLIT`` contiguous ranges of whole ``BLOCK_K`` steps (the last one shorter), one program
-per (tile, range), so ``SPLIT`` times the programs with ``1 / SPLIT`` of the steps each.
-Each program writes its partial tile to a float32 workspace ``[SPLIT, M, N]``; a second,
-elementwise kernel then adds the partials in the fixed order ``s = 0, 1, …, SPLIT - 1`` and
-adds the bias once, at the end. No atomics: the order of every float32 addition is fixed
-by the code, so the same inputs give the same bits on every run. The cost: a workspace of
-``SPLIT × M × N`` float32 (written once, read once) and a second launch; and the sum's
-order differs from the one-pass kernel's, so results at different splits agree to float32
-rounding, not bit for bit. At ``SPLIT == 1`` there is neither: the kernel adds the bias and
-writes the output itself, exactly as without split-K.
+Split-K: at ``SPLIT > 1`` K is cut into ``SPLIT`` contiguous ranges of whole ``BLOCK_K``
+steps, one program per (output tile, range), each writing its partial tile to a float32
+workspace ``[SPLIT, M, N]``; a second, elementwise kernel adds the partials in the fixed
+order ``0, 1, …, SPLIT - 1`` and then the bias. No atomics: the same inputs give the same
+bits on every run; results at different splits agree to float32 rounding, not bit for bit.
+At ``SPLIT == 1`` the kernel adds the bias and writes the output itself. Inside
+``torch.compile`` the sum is torch ops in the same order (:func:`sum_partials`: the same
+bits), which the compiler fuses into the kernel that reads the output.
 
-Inside ``torch.compile`` the sum is not a kernel of its own. :func:`fp32_linear` then calls
-the partials operator (``torch.ops.trace_replay.fp32_linear_partials``) and adds the
-partials as torch ops (:func:`sum_partials`: the same additions in the same order, so the
-same bits), and the compiler fuses that sum into the kernel that reads the output (the
-residual add and RMSNorm, SiLU·mul, rotary and the cache write). In a float32 SmolLM2
-decode step on an H200 the sum kernels were 208 launches of ~1.5 µs: 15% of the step.
+Groups: two or three weights that multiply the same ``x`` (a layer's q/k/v, its gate/up)
+share one launch (:func:`launch_group_partials`): their outputs side by side, each tile inside
+one member. :mod:`trace_replay.engines.builtin.passes.linear_groups` makes the groups.
 
-Groups. Two or three weights that multiply the same ``x`` (a layer's q/k/v, its gate/up)
-can share one launch (:func:`launch_group_partials`): their outputs side by side, each tile
-inside one member (``BLOCK_N`` divides the members' first columns), the kernel picking the
-tile's weight and bias pointers from its column. At decode's few rows each call is
-latency-bound whatever its size, so one launch for three costs little more than one;
-:mod:`trace_replay.engines.builtin.passes.linear_groups` is the compiler pass that makes the groups.
-
-Why the split stays inside ``tl.dot``. ``benchmarks/bench_tf32_split.py`` timed two
-hand-written splits on an H200 (576 and 1,024 rows). Splitting each weight once on the host
-(TF32 ``hi`` and ``lo``; ``x`` split in the kernel) was as accurate and 9-16% faster per
-launch, for a second copy of every weight: not taken. Chaining the three products into
-one accumulator across all of K was 16-37× less accurate (4e-6 to 1.3e-5). A tensor core reads a
-float32 operand's TF32 *truncation*. Small products added into a large accumulator lose
-their low bits. So a split must start each K step's products from zero and add that step
-to the accumulator after. Triton does this; it also folds ``acc + tl.dot(a, b)`` into the
-dot's own accumulator unless something stands between them.
-
-The result is not cuBLAS's float32 result bit for bit (no two GEMM kernels agree in the last
-bits: their reduction orders differ), but it is as close to the float64 product:
-``benchmarks/bench_fp32_linear.py`` measures both, ``tests/test_fp32_linear.py`` holds the
-kernel to float32 rounding.
+The split stays inside ``tl.dot``: each K step's three products start from zero and are added
+to the accumulator after, since small products added into a large accumulator lose their low
+bits (a tensor core reads a float32 operand's TF32 *truncation*).
 """
 
 # No `from __future__ import annotations`: Triton's interpreter must see `tl.constexpr`
@@ -249,15 +218,11 @@ def _(x, weights, biases, split):
 def blocks(rows: int, cols: int, depth: int) -> tuple[int, int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split)`` for ``[rows, depth] @ [depth, cols]``.
 
-    From ``benchmarks/bench_fp32_linear.py --sweep`` on an H200 (SmolLM2-135M's layers at
-    64 and 576 rows; device µs per call). Small outputs are latency-bound: few output tiles
-    for 132 SMs, each walking all of K. Split-K (module docstring) cuts K so that about two
-    waves of programs run (:data:`_PROGRAMS`), up to 5 ranges (6 when K >= 1,024): at 64
-    rows q/o 6.8 -> 5.7, k/v 6.6 -> 4.7, gate/up 8.8 -> 6.8, down 13.8 -> 7.6 (cuBLAS
-    float32 12.1); at 576 rows q/o 14.3 -> 11.0, k/v 10.1 -> 7.2, down 33.9 -> 20.6, while
-    gate/up (216 tiles) stays whole. At 49,152 columns (lm_head) the three tensor-core
-    products per step make it compute-bound: larger tiles, no split. (Rows above 576 — a
-    prefill — follow the 576-row choices; the split then drops to 1 as the tiles multiply.)
+    Tuned with ``benchmarks/bench_fp32_linear.py --sweep``. Small outputs are
+    latency-bound (few output tiles, each walking all of K), so split-K cuts K until about
+    two waves of programs run (:data:`_PROGRAMS`), up to 5 ranges (6 when K >= 1,024); an
+    output of 16,384 columns or more (lm_head) is compute-bound: larger tiles, no split.
+    Rows above 576 (a prefill) take the 576-row tiles; the split drops to 1 as tiles multiply.
     """
     if cols >= 16384:  # lm_head
         return 64, 128 if rows > 64 else 64, 32, 4, 3, 1

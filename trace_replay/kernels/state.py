@@ -130,7 +130,7 @@ class TraceReplayState:
         tokens = None
         if isinstance(trace_token_ids, torch.Tensor):
             tokens = trace_token_ids.to("cpu", torch.int64).reshape(-1).clone()
-        elif trace_token_ids is not None:  # numpy reads a list of ints ~5x faster than torch
+        elif trace_token_ids is not None:  # numpy reads a list of ints faster than torch
             tokens = torch.from_numpy(np.array(trace_token_ids, dtype=np.int64).reshape(-1))
         self._staged[req_idx] = tokens if tokens is not None and tokens.numel() else None
 

@@ -2,8 +2,8 @@
 look at the ``k`` chunks that can hold them.
 
 ``torch.topk`` on a ``[rows, vocab]`` tensor runs a radix select: several passes over the
-whole tensor (about 250 µs for 256 × 49,152 on an H200). A replay reports a few tokens
-(``top_k`` ≤ 32), and those few lie in few chunks of the vocabulary:
+whole tensor. A replay reports a few tokens (``top_k`` ≤ 32), and those few lie in few
+chunks of the vocabulary:
 
 1. one program per group of ``CHUNK``-wide chunks of a row writes each chunk's maximum (the
    logits are read once, one reduction each);
@@ -15,8 +15,7 @@ at most ``k - 1`` logits ranked above it, while every chunk ranked above its own
 holds a logit ranked above it (the chunk's first maximum), so its chunk is among the first
 ``k``. The second program can also finish the scores: given the scored token and its
 logprob it writes the top-k logprobs (:func:`top_k_scores`), so a replay step's top-k costs
-two launches in all. (The kernel before this one took ``k`` argmax passes over every
-1,024-wide chunk: 34-47 µs per bf16 256 × 49,152 step on an H200.)
+two launches in all.
 """
 
 # No `from __future__ import annotations`: Triton's interpreter must see `tl.constexpr`

@@ -2,12 +2,11 @@
 
 torch's default is one OpenMP thread per core. A decode step is hundreds of small ops, each
 a parallel region that ends at a barrier where finished threads spin for the others; when
-any other process holds a core (a notebook kernel, vLLM's worker busy-looping 1 s after each
-step, another shard of the same run), a thread waits a whole scheduler slice there
-(``benchmarks/RESULTS.md``: 2-14x slower replay on 2 cores, and no faster with 2 threads
-than with 1 on the idle machine). So a CPU engine keeps one
-core free for everything else, as vLLM's CPU worker does for its scheduler: all CPUs this
-process may use but one, at least one, never more than the caller's own setting.
+any other process holds a core (a notebook kernel, vLLM's worker busy-looping after each
+step, another shard of the same run), a thread waits a whole scheduler slice there. So a
+CPU engine keeps one core free for everything else, as vLLM's CPU worker does for its
+scheduler: all CPUs this process may use but one, at least one, never more than the
+caller's own setting.
 ``OMP_NUM_THREADS``, when set, decides instead. The caller's setting is put back after each
 run, so an engine never changes the threads of the code around it.
 """

@@ -13,13 +13,9 @@ an engine starts (:func:`probe_linear`):
 
 * GEMM (MKL/oneDNN on CPU, cuBLAS on CUDA): for a fixed ``[M, K] x [K, N]`` shape, row
   ``r`` of the product depends only on row ``r`` of the input, not on the other rows'
-  values or on ``r``. Measured on an AMD EPYC (AVX-512, MKL 2024.2, torch 2.13): true for
-  every M, on 1 or 2 threads (which also agree with each other); moreover every M >= 4
-  gives a row the same bits (M <= 3 takes another path), so the menu 4..64 is one
-  arithmetic. On an H200 (cuBLAS 13, torch 2.11): bfloat16 rows get the same bits at
-  every M from 16 to 2048; float32 rows keep their bits at a fixed M (seen at 16, 64 and
-  256) but get other bits at another M, so float32 runs blocks of 256 rows. The probe keeps, at start-up, a group of
-  sizes that agree (:func:`probe_linear`); without one, the Triton GEMM
+  values or on ``r``. Whether a row also keeps its bits at another M depends on the
+  library and dtype; the probe keeps, at start-up, a group of menu sizes that agree
+  (:func:`probe_linear`); without one, the Triton GEMM
   (:mod:`~trace_replay.kernels.invariant_linear`, invariant by construction) is used.
 * Reductions over the last dimension (sum, mean, amax, log_softmax, softmax) of a
   ``[rows, n]`` tensor reduce each row with the same code whatever its index, as long as
@@ -27,7 +23,7 @@ an engine starts (:func:`probe_linear`):
   across threads) and the shape is fixed.
 * CPU elementwise kernels run a vectorized body and a scalar tail; ``exp`` (through VML) and
   IEEE operations (+, *, /, sqrt) give the same bits in both, but ``silu``/``sigmoid`` do
-  not (measured: 3,906 of 100,000 values differ), so SiLU is computed as ``x / (1 + exp(-x))``.
+  not, so SiLU is computed as ``x / (1 + exp(-x))``.
 * CUDA elementwise kernels compute every element with the same device function.
 * The number of intra-op threads does not change during an engine's life.
 """
@@ -94,9 +90,7 @@ def probe_linear(weights: Sequence[torch.Tensor], menu: Sequence[int]) -> tuple[
     ``menu`` (:func:`_row_bits`). Sizes whose row moves with its place are dropped; the
     rest fall into groups that give the row the same bits for every shape. The group kept
     has its smallest block at most 256 rows (a decode step stays cheap), then the most
-    sizes, then the largest smallest block (fewer calls for long prefills). On an H200 in
-    float32 every size is its own group, so 256 is kept (measured: decode 1.13x, prefill
-    2.25x the default's time; with 64, 0.98x and 6.7x).
+    sizes, then the largest smallest block (fewer calls for long prefills).
 
     Raises
     ------
