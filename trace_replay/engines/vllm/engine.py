@@ -103,6 +103,9 @@ def native_unavailable(native: bool | None) -> str | None:
 
 
 PARALLEL_OPTIONS = ("tensor_parallel_size", "pipeline_parallel_size")
+# the attention backend a float32 engine on CUDA starts with, unless engine_args name one: the
+# CUDA backends that accept float32 are TRITON_ATTN (TF32 dot products) and FLEX_ATTENTION
+FLOAT32_ATTENTION = "FLEX_ATTENTION"
 _CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM CPU: "auto" binds each rank to a NUMA node
 
 
@@ -280,6 +283,10 @@ class VLLMEngine(EngineBase):
             args["max_num_seqs"] = config.batch_size
         args.update(engine_args or {})
         cuda = torch.cuda.is_available()
+        if cuda and self.dtype == "float32":
+            # vLLM's default float32 backend on CUDA (TRITON_ATTN) multiplies in TF32 (Triton's
+            # tl.dot default): max |d logprob| 0.21 against IEEE float32; FlexAttention's is 1.7e-4
+            args.setdefault("attention_backend", FLOAT32_ATTENTION)
         self.parallel = parallel_sizes(args, torch.cuda.device_count() if cuda else None)
         ranks = math.prod(self.parallel.values())
         if not cuda:
@@ -368,6 +375,7 @@ class VLLMEngine(EngineBase):
                     "logprobs_mode": "raw_logprobs", "engine_core": self.engine_core,
                     **self.parallel}
         settings["model_runner"] = self.model_runner
+        settings["attention_backend"] = str(self.llm_args.get("attention_backend", "vllm default"))
         if self.native_error:
             settings["native_unavailable"] = self.native_error
         if self.engine_path == "vllm-logits-processor-forcing":
