@@ -36,6 +36,7 @@ import torch
 
 from trace_replay.engines.builtin.backends.captured_step import StepGraph, capture, capture_step
 from trace_replay.engines.builtin.passes.compiling import compile_function, layer_passes
+from trace_replay.engines.builtin.passes import batch1
 from trace_replay.engines.builtin.passes.kernel_view import KernelLinear, kernel_layer, shallow
 from trace_replay.engines.builtin.backends.static_cache import ATTENTION, StaticKVCache, register_attention
 from trace_replay.kernels.fp32_linear import fp32_linear
@@ -207,7 +208,7 @@ class StaticCacheBackend:
         self.forwards = 0
         self.compile_seconds = 0.0
         self.compiling = False
-        self.compiled_layer = _compile_layer() if self.cuda_graphs else None
+        self.compiled_layer = _compile_layer(batch1.ENABLED) if self.cuda_graphs else None
         self.windows = _windows(lm.config)
         self.view = _model_view(lm, self)
         self.cache: StaticKVCache | None = None
@@ -383,8 +384,9 @@ class _PrefillGraph(NamedTuple):
 
 
 @functools.cache
-def _compile_layer():
-    """``torch.compile`` of a decoder layer's forward, shared by every layer and backend.
+def _compile_layer(fusions: bool):
+    """``torch.compile`` of a decoder layer's forward, shared by every layer and backend
+    (one per value of the batch-1 fusions' switch, whose passes it compiles with).
 
     A declared per-process cache: dynamo keeps graphs per code object and backend, so a
     compile per backend would compile every shape again (start-up of each engine).

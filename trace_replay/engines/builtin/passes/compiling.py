@@ -38,21 +38,20 @@ def compile_function(fn, **options):
 
 
 def layer_passes() -> dict:
-    """Inductor options that add the package's graph passes to a decoder layer's compile.
-
-    Before inductor's own post-grad passes, the linears that read one input go into one
-    launch (:class:`~trace_replay.engines.builtin.passes.linear_groups.GroupLinears`), then an RMSNorm that
-    only feeds one-row GEMVs goes into them (:class:`~trace_replay.engines.builtin.passes.norm_folds.FoldNorms`);
-    after inductor's passes, a residual add that follows a one-row GEMV goes into the GEMV
-    (:class:`~trace_replay.engines.builtin.passes.residual_adds.FoldResidualAdds`). They leave a graph
-    without the package's operators as it was.
+    """Inductor options that add the package's graph passes to a decoder layer's compile:
+    before inductor's own post-grad passes the linears that read one input go into one launch
+    (:class:`~trace_replay.engines.builtin.passes.linear_groups.GroupLinears`), then the
+    batch-1 fusions' passes where they are on (:func:`~trace_replay.engines.builtin.passes.
+    batch1.passes`). A graph without the package's operators is left as it was.
     """
-    from trace_replay.engines.builtin.passes.linear_groups import GroupLinears  # these import inductor
-    from trace_replay.engines.builtin.passes.norm_folds import FoldNorms
-    from trace_replay.engines.builtin.passes.residual_adds import FoldResidualAdds
+    from trace_replay.engines.builtin.passes import batch1
+    from trace_replay.engines.builtin.passes.linear_groups import GroupLinears  # imports inductor
 
-    return {"post_grad_custom_pre_pass": _in_order(GroupLinears(), FoldNorms()),
-            "post_grad_custom_post_pass": FoldResidualAdds()}
+    pre, post = batch1.passes()
+    options = {"post_grad_custom_pre_pass": _in_order(GroupLinears(), *pre)}
+    if post is not None:
+        options["post_grad_custom_post_pass"] = post
+    return options
 
 
 def _in_order(*passes):
