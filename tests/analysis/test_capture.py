@@ -52,7 +52,9 @@ def test_captured_logits_score_every_step_once(lm, requests, engine_name, batch_
             assert key not in seen, key
             seen[key] = row
 
-    with SiteCapture(lm, engine, requests, [logits_site], sink):
+    source = engine.activations()  # the model whose modules the engine's forwards call
+    assert source.model is lm and source.rows is None
+    with SiteCapture(source.model, engine, requests, [logits_site], sink):
         results = engine.run(requests)
     assert engine.on_batch is None  # the capture leaves the engine as it found it
     assert set(seen) == {(i, s) for i, r in enumerate(requests) for s in range(r.trace_len)}

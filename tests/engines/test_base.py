@@ -3,10 +3,19 @@ EngineBase gives every engine (settings, stats, close, ``with``, the lazy tokeni
 
 from __future__ import annotations
 
+import ast
+import importlib
+import inspect
+from pathlib import Path
+
 import pytest
 import torch
 
-from trace_replay.engines.base import Engine, EngineBase, EngineConfig, ReplayRequest
+import trace_replay
+from trace_replay.engines import ENGINES
+
+from trace_replay.engines.base import (ENGINE_MEMBERS, Engine, EngineBase, EngineConfig,
+                                       ReplayRequest, check_engine)
 
 # --- EngineConfig: checked before any model is loaded ---------------------------------------
 
@@ -91,12 +100,51 @@ def test_with_block_closes_the_engine_even_on_error():
 
 
 def test_a_subclass_with_run_is_an_engine(tokenizer):
-    """EngineBase supplies all of the Engine protocol but ``run``."""
-    base, counting = EngineBase(), Counting()
+    """EngineBase supplies all of the Engine protocol but ``run``, which it declares abstract."""
+    assert EngineBase.__abstractmethods__ == {"run"}
+    with pytest.raises(TypeError, match="abstract method run"):
+        EngineBase()
+    counting = Counting()
     # Python 3.11's protocol check reads every member, the lazy tokenizer too: give it one
-    base.tokenizer = counting.tokenizer = tokenizer
-    assert not isinstance(base, Engine)
+    counting.tokenizer = tokenizer
     assert isinstance(counting, Engine)
+    check_engine(counting)
+
+
+def test_check_engine_names_every_missing_member():
+    """check_engine refuses an object lacking protocol members with a TypeError naming each
+    of them (a duck-typed engine with run, settings and stats only is not enough)."""
+
+    class Partial:
+        name, batch_size = "partial", 1
+
+        def run(self, requests, *, on_tokens=None):
+            return []
+
+        def settings(self):
+            return {}
+
+        def stats(self):
+            return {}
+
+    with pytest.raises(TypeError) as error:
+        check_engine(Partial())
+    lacks = str(error.value).split("it lacks ")[1].split(" (")[0].split(", ")
+    assert set(lacks) == set(ENGINE_MEMBERS) - {"name", "batch_size", "run", "settings",
+                                                "stats"}
+
+
+def test_base_defaults_say_what_an_engine_cannot_do():
+    """Without a model in this process an engine cannot generate (``can_generate`` False),
+    has no activations to give and no weights to digest; generate and activations raise
+    NotImplementedError naming the engine."""
+    engine = Counting()
+    assert (engine.can_generate, engine.vocab_size, engine.weights_digest()) == \
+        (False, None, None)
+    with pytest.raises(NotImplementedError, match="engine 'counting' cannot generate"):
+        engine.generate([[1]], max_tokens=1)
+    with pytest.raises(NotImplementedError, match="engine 'counting' runs its model outside"):
+        engine.activations()
 
 
 def test_tokenizer_loads_once_from_its_source(tokenizer):
@@ -114,3 +162,113 @@ def test_request_lengths_count_its_tokens():
     """A request's prompt_len and trace_len are the lengths of its two token tuples."""
     request = ReplayRequest("a", (1, 2, 3), (4,))
     assert (request.prompt_len, request.trace_len) == (3, 1)
+
+
+# --- the protocol is declared, complete, and the only way in --------------------------------
+
+PACKAGE = Path(trace_replay.__file__).parent
+ENGINE_CLASSES = {  # every engine make_engine builds: its module and class
+    "torch": ("engines/builtin/engine.py", "TorchEngine"),
+    "prefill": ("engines/builtin/prefill.py", "PrefillEngine"),
+    "vllm": ("engines/vllm/engine.py", "VLLMEngine"),  # read, not imported (vllm is slow)
+    "vllm-server": ("engines/server/engine.py", "ServerEngine"),
+}
+
+
+def _missing_members(source: str, class_name: str) -> set[str]:
+    """The Engine members and EngineBase provenance attributes that class ``class_name`` of
+    ``source`` (an EngineBase subclass) neither inherits with a value nor defines: methods,
+    class attributes and ``self.<name> =`` assignments in any of its methods."""
+    cls = next(node for node in ast.walk(ast.parse(source))
+               if isinstance(node, ast.ClassDef) and node.name == class_name)
+    assert [ast.unparse(base) for base in cls.bases] == ["EngineBase"]
+    defined = {node.name for node in cls.body if isinstance(node, ast.FunctionDef)}
+    for node in ast.walk(cls):
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AnnAssign) and node.value else [])
+        for target in targets:
+            for name in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                if isinstance(name, ast.Name) and node in cls.body:  # a class attribute
+                    defined.add(name.id)
+                elif (isinstance(name, ast.Attribute) and isinstance(name.value, ast.Name)
+                      and name.value.id == "self"):
+                    defined.add(name.attr)
+    inherited = set(vars(EngineBase)) - EngineBase.__abstractmethods__
+    required = {*ENGINE_MEMBERS, *(n for n in EngineBase.__annotations__ if n[0] != "_")}
+    return required - inherited - defined
+
+
+@pytest.mark.parametrize("name", sorted(ENGINE_CLASSES))
+def test_every_engine_class_implements_the_whole_protocol(name):
+    """Each engine class subclasses EngineBase, implements its abstract ``run`` and sets every
+    attribute the protocol and EngineBase declare without a value (read from its source, so
+    vLLM need not import); the classes that import cheaply are not abstract."""
+    path, class_name = ENGINE_CLASSES[name]
+    assert _missing_members((PACKAGE / path).read_text(), class_name) == set()
+    if name != "vllm":
+        module = importlib.import_module("trace_replay." + path[:-3].replace("/", "."))
+        assert not inspect.isabstract(getattr(module, class_name))
+
+
+def test_the_member_check_sees_what_a_class_lacks():
+    """The source check above is not vacuous: every engine make_engine builds is listed, and
+    a class that sets only some provenance and no ``run`` is missing exactly the rest."""
+    assert set(ENGINE_CLASSES) == set(ENGINES) - {"auto"}
+    half = ("class Half(EngineBase):\n    name = 'half'\n"
+            "    def __init__(self):\n        self.batch_size, self.dtype = 1, 'float32'\n")
+    assert _missing_members(half, "Half") == {"run", "model_label", "engine_path", "device",
+                                              "top_k"}
+
+
+def _is_engine(node: ast.expr) -> bool:
+    """Whether ``node`` names an engine as callers name them: ``engine``, ``engine_obj``,
+    ``self.engine``, ``engines[i]``."""
+    if isinstance(node, ast.Name):
+        return node.id in ("engine", "engine_obj")
+    if isinstance(node, ast.Attribute):
+        return node.attr == "engine"
+    return (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name)
+            and node.value.id == "engines")
+
+
+def _engine_probes(source: str) -> tuple[set[str], int]:
+    """``getattr``/``hasattr``/``setattr`` on an engine and reads of attributes the protocol
+    does not declare, in ``source``; and the number of reads of declared members."""
+    probes, uses = set(), 0
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args
+                and node.func.id in ("getattr", "hasattr", "setattr")
+                and _is_engine(node.args[0])):
+            probes.add(ast.unparse(node))
+        elif isinstance(node, ast.Attribute) and _is_engine(node.value):
+            if node.attr in ENGINE_MEMBERS:
+                uses += 1
+            else:
+                probes.add(ast.unparse(node))
+    return probes, uses
+
+
+def test_no_module_outside_engines_probes_an_engine():
+    """Outside ``trace_replay/engines/`` an engine is used only through the protocol: no
+    getattr/hasattr on it, no attribute it does not declare (``engine.lm``,
+    ``engine.backend``). The scan sees real uses (replay, record, checkpoints, attribution)
+    and flags each probing pattern callers used before the protocol was declared."""
+    probes, uses = {}, 0
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE)
+        if relative.parts[0] != "engines":
+            found, used = _engine_probes(path.read_text())
+            probes.update({f"{relative}: {probe}": None for probe in found})
+            uses += used
+    assert list(probes) == []
+    assert uses >= 20
+    before = ("lms = [engine.lm for engine in engines]\n"
+              "size = getattr(engine, 'vocab_size', None)\n"
+              "digest = getattr(engine, 'weights_digest', lambda: None)()\n"
+              "ok = all(callable(getattr(engine, m, None)) for m in ('run', 'stats'))\n"
+              "model = engines[0].backend.model\n"
+              "watched = hasattr(self.engine, 'on_batch')\n")
+    assert _engine_probes(before)[0] == {
+        "engine.lm", "getattr(engine, 'vocab_size', None)",
+        "getattr(engine, 'weights_digest', lambda: None)", "getattr(engine, m, None)",
+        "engines[0].backend", "hasattr(self.engine, 'on_batch')"}

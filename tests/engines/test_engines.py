@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from trace_replay.engines import ENGINES, Engine, make_engine
-from trace_replay.engines.base import Generator, ReplayRequest
+from trace_replay.engines.base import ReplayRequest, check_engine
 
 COMMON_SETTINGS = {"engine", "engine_path", "model", "dtype", "device", "batch_size", "top_k"}
 TOP_K = 3
@@ -79,13 +79,30 @@ def requests(real_traces):
     return [ReplayRequest(t.id, t.prompt_token_ids, t.trace_token_ids) for t in real_traces]
 
 
-def test_is_an_engine(engine, tokenizer):
+def test_is_an_engine(engine, tokenizer, lm):
     """Every engine satisfies the Engine protocol, the decode engines can also generate, and
-    the tokenizer is the model's."""
+    the tokenizer and vocabulary are the model's."""
     assert isinstance(engine, Engine)
-    assert isinstance(engine, Generator) == (engine.name != "prefill")
+    check_engine(engine)
+    assert engine.can_generate == (engine.name != "prefill")
     text = "def add(a, b): return a + b"
     assert engine.tokenizer.encode(text) == tokenizer.encode(text)
+    assert engine.vocab_size == lm.get_output_embeddings().weight.shape[0]
+
+
+def test_activations_are_the_forwards_run_here(engine, lm):
+    """torch (hf backend) and prefill forwards call the modules of the model given, in this
+    process; vLLM's run in its engine core and the static backend's in compiled graphs, so
+    they have none to give and say so."""
+    if engine.name == "vllm":
+        with pytest.raises(NotImplementedError, match="engine 'vllm' runs its model outside"):
+            engine.activations()
+    elif "[static" in engine.settings()["engine_path"]:
+        with pytest.raises(NotImplementedError, match="backend='hf'"):
+            engine.activations()
+    else:
+        source = engine.activations()
+        assert source.model is lm and source.rows is None
 
 
 def test_run_returns_one_result_per_request_in_order(engine, requests):

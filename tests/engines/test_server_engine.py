@@ -23,6 +23,7 @@ import pytest
 
 from trace_replay.traces import datasets
 from trace_replay.engines import make_engine
+from trace_replay.engines.base import check_engine
 from trace_replay.engines.server.http_client import ServerError
 from trace_replay.engines.validate import ImpossibleResult
 from trace_replay.runs.replay import replay
@@ -426,6 +427,17 @@ def test_crafted_server_honest_answers_replay(crafted):
     assert df["top_logprobs"].map(list).tolist() == [[-0.5, -1.0]] * 3
     assert run_labels([df.attrs]) == ["vllm-server"]
     assert df.attrs["dtype"] is None and df.attrs["device"] is None
+
+
+def test_a_server_engine_is_an_engine_without_a_model_here(crafted):
+    """The client implements the whole Engine protocol; its model is the server's, so it
+    cannot generate, has no weights to digest and no activations to give (a clear error)."""
+    url = f"http://127.0.0.1:{crafted.server_port}/v1"
+    with make_engine("vllm-server", top_k=2, engine_args={"base_url": url}) as engine:
+        check_engine(engine)
+        assert (engine.can_generate, engine.weights_digest()) == (False, None)
+        with pytest.raises(NotImplementedError, match="'vllm-server' runs its model outside"):
+            engine.activations()
 
 
 @pytest.mark.parametrize("change, field, shown", [

@@ -169,6 +169,30 @@ def test_engine_settings_beside_an_engine_object_are_named_in_english(engine):
         replay(hello, engine=engine, dtype="float32", top_k=3)
 
 
+def test_an_engine_object_lacking_protocol_members_is_refused(engine):
+    """An engine object is checked against the Engine protocol before anything runs: one
+    with run, settings and stats only (the old duck-typing test) is a TypeError naming the
+    members it lacks, not an AttributeError deep in the replay."""
+
+    class Scorer:
+        name = "scorer"
+
+        def run(self, requests, *, on_tokens=None):
+            return engine.run(requests, on_tokens=on_tokens)
+
+        def settings(self):
+            return engine.settings()
+
+        def stats(self):
+            return {}
+
+    hello = [{"id": "t", "prompt": "Hi", "completion": " there"}]
+    with pytest.raises(TypeError, match=r"^engine must be a name \(auto, .*\) or an Engine: "
+                                        r"Scorer is not an Engine: it lacks .*activations, "
+                                        r"batch_size, .*tokenizer, vocab_size, weights_digest"):
+        replay(hello, engine=Scorer(), progress=False)
+
+
 class NanForOne:
     """A real engine whose result for one trace gets a NaN logprob at step 0 (as a broken
     model or server would give), counting its calls."""

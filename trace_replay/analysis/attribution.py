@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from trace_replay.analysis.capture import SITES, Site, SiteCapture, model_sites
 from trace_replay.analysis.capture_rows import RowCapture
-from trace_replay.engines.base import ReplayRequest
+from trace_replay.engines.base import Activations, Engine, ReplayRequest
 from trace_replay.models.cache import ModelCache, check_settings
 from trace_replay.analysis.pairing import METRICS, Comparer, HeldActivations
 from trace_replay.runs.replay import TraceInput, prepare_requests
@@ -124,7 +124,8 @@ def locate_divergence(traces: TraceInput, a: Mapping[str, Any], b: Mapping[str, 
 
 def _locate(traceset, engines, wanted: tuple[str, ...], *, progress: bool,
             chunk_size: int | None, max_held_bytes: int) -> pd.DataFrame:
-    lms = [engine.lm for engine in engines]
+    sources = [engine.activations() for engine in engines]
+    lms = [source.model for source in sources]
     all_sites = [model_sites(lm) for lm in lms]
     if [(s.layer, s.name) for s in all_sites[0]] != [(s.layer, s.name) for s in all_sites[1]]:
         raise ValueError("a and b must have the same number of decoder layers")
@@ -140,7 +141,7 @@ def _locate(traceset, engines, wanted: tuple[str, ...], *, progress: bool,
         for chunk, bands in zip(chunks, plans):
             for band in bands:
                 in_band = [[s for s in sites if s.index in band] for sites in site_lists]
-                frames.append(_compare_pass(engines, lms, chunk, in_band, bar))
+                frames.append(_compare_pass(engines, sources, chunk, in_band, bar))
     frame = _to_frame(frames, requests)
     frame.attrs = {"a": engines[0].settings(), "b": engines[1].settings(), "sites": list(wanted),
                    "num_layers": all_sites[0][-1].layer,
@@ -175,7 +176,7 @@ def _check_sites(sites: Sequence[str] | None) -> tuple[str, ...]:
 def _requests(traceset: TraceSet, engines) -> list[ReplayRequest]:
     """The traces, tokenized once (by run a's tokenizer), as requests both runs get."""
     if all(trace.is_tokenized for trace in traceset):
-        traceset.validate_vocab(min(engine.lm.config.vocab_size for engine in engines))
+        traceset.validate_vocab(min(engine.vocab_size for engine in engines))
     else:
         traceset = traceset.tokenize(engines[0].tokenizer)
     limits = [engine.max_model_len for engine in engines if engine.max_model_len]
@@ -200,13 +201,14 @@ def _bands(chunk: Sequence[ReplayRequest], sites: Sequence[Site], lm,
     return bands
 
 
-def _compare_pass(engines, lms, chunk: Sequence[ReplayRequest], sites, bar) -> pd.DataFrame:
+def _compare_pass(engines, sources, chunk: Sequence[ReplayRequest], sites,
+                  bar) -> pd.DataFrame:
     """One pass over ``chunk``: run a holding its sites, run b comparing as it goes."""
     held = HeldActivations()
-    with _capture(lms[0], engines[0], chunk, sites[0], held.put):
+    with _capture(sources[0], engines[0], chunk, sites[0], held.put):
         engines[0].run(chunk)
     comparer = Comparer(held, chunk, sites[1][-1].index, bar)
-    with _capture(lms[1], engines[1], chunk, sites[1], comparer):
+    with _capture(sources[1], engines[1], chunk, sites[1], comparer):
         engines[1].run(chunk)
     if held.where:
         trace, step = next(iter(held.where))
@@ -218,11 +220,12 @@ def _compare_pass(engines, lms, chunk: Sequence[ReplayRequest], sites, bar) -> p
     return pd.DataFrame(parts)
 
 
-def _capture(lm, engine, chunk: Sequence[ReplayRequest], sites: Sequence[Site], sink):
-    """Module hooks on ``lm``; in deterministic mode the row-wise model's observer."""
-    if getattr(engine, "deterministic", False):
-        return RowCapture(engine.backend.model, engine, chunk, sites, sink)
-    return SiteCapture(lm, engine, chunk, sites, sink)
+def _capture(source: Activations, engine: Engine, chunk: Sequence[ReplayRequest],
+             sites: Sequence[Site], sink):
+    """Module hooks on the engine's model, or the observer of its row-wise model."""
+    if source.rows is not None:
+        return RowCapture(source.rows, engine, chunk, sites, sink)
+    return SiteCapture(source.model, engine, chunk, sites, sink)
 
 
 def _to_frame(frames: list[pd.DataFrame], requests: Sequence[ReplayRequest]) -> pd.DataFrame:

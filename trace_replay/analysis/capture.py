@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trace_replay.engines.base import ReplayRequest
+from trace_replay.engines.base import Engine, ReplayRequest
 
 __all__ = ["SITES", "LAYER_SITES", "Site", "ForwardRows", "SiteCapture", "model_sites"]
 
@@ -97,15 +97,16 @@ Sink = Callable[[Site, ForwardRows, torch.Tensor], None]
 class SiteCapture:
     """Hooks on ``lm`` feeding ``sink`` the replay-step rows of chosen sites, per forward.
 
-    Use as a context manager around ``engine.run(requests)``; the engine must be built on
-    ``lm`` and call its ``on_batch`` hook. Rows past a trace's end (a finished row decoding
+    Use as a context manager around ``engine.run(requests)``; ``lm`` is the model of the
+    engine's ``activations()`` (with ``rows`` None), whose forwards announce each batch
+    through ``on_batch`` (:class:`~trace_replay.engines.base.Engine`). Rows past a trace's end (a finished row decoding
     on with its wave), prompt positions and padding are left out. Nothing is kept between
     calls: memory is the sink's business.
 
     Parameters
     ----------
     lm
-        The model the engine runs.
+        The model whose modules the engine's forwards call.
     engine
         The engine; its ``on_batch`` is set while the capture is active.
     requests
@@ -118,7 +119,7 @@ class SiteCapture:
 
     _ids = itertools.count()
 
-    def __init__(self, lm: torch.nn.Module, engine, requests: Sequence[ReplayRequest],
+    def __init__(self, lm: torch.nn.Module, engine: Engine, requests: Sequence[ReplayRequest],
                  sites: Sequence[Site], sink: Sink) -> None:
         self.lm, self.engine, self.sites, self.sink = lm, engine, list(sites), sink
         self.index = {r.trace_id: i for i, r in enumerate(requests)}
@@ -130,9 +131,6 @@ class SiteCapture:
         self._handles: list = []
 
     def __enter__(self) -> SiteCapture:
-        if not hasattr(self.engine, "on_batch"):
-            raise ValueError(f"engine {self.engine.name!r} does not announce its batches "
-                             "(on_batch), so its rows cannot be mapped to traces")
         self.engine.on_batch = self._on_batch
         self._handles = [
             self.lm.register_forward_pre_hook(self._on_lm, with_kwargs=True),

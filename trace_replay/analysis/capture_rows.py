@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from trace_replay.analysis.capture import ForwardRows, Site, Sink
-from trace_replay.engines.base import ReplayRequest
+from trace_replay.engines.base import Engine, ReplayRequest
 
 if TYPE_CHECKING:  # the row-wise model imports the Triton kernels' modules
     from trace_replay.engines.builtin.backends.invariant_model import InvariantLlama
@@ -35,14 +35,14 @@ __all__ = ["RowCapture"]
 class RowCapture:
     """The deterministic backend's forwards, fed to ``sink`` per site (see module docstring).
 
-    Use as a context manager around ``engine.run(requests)``; the engine must run ``model``
-    and call its ``on_batch`` hook. Parameters are those of
+    Use as a context manager around ``engine.run(requests)``; ``model`` is the ``rows`` of
+    the engine's ``activations()``. Parameters are those of
     :class:`~trace_replay.analysis.capture.SiteCapture`, with the row-wise ``model`` for the module.
     """
 
     _ids = itertools.count()
 
-    def __init__(self, model: InvariantLlama, engine, requests: Sequence[ReplayRequest],
+    def __init__(self, model: InvariantLlama, engine: Engine, requests: Sequence[ReplayRequest],
                  sites: Sequence[Site], sink: Sink) -> None:
         self.model, self.engine, self.sink = model, engine, sink
         self.sites = {(site.layer, site.name): site for site in sites}
@@ -52,9 +52,6 @@ class RowCapture:
         self._rows: ForwardRows | None = None
 
     def __enter__(self) -> RowCapture:
-        if not hasattr(self.engine, "on_batch"):
-            raise ValueError(f"engine {self.engine.name!r} does not announce its batches "
-                             "(on_batch), so its rows cannot be mapped to traces")
         if self.model.observer is not None:
             raise RuntimeError("the model is already observed by another capture")
         self.engine.on_batch = self._on_batch

@@ -3,12 +3,15 @@
 An engine is built once (it holds a loaded model), replays batches of
 :class:`ReplayRequest` into :class:`TraceResult` s, and says what it is (``settings``, the
 provenance recorded in ``df.attrs``) apart from what it has done so far (``stats``).
-:func:`trace_replay.runs.replay` calls nothing else.
+:class:`Engine` declares every member; ``replay``, ``record``, checkpoints and layer
+attribution use nothing else. :class:`EngineBase` implements all but ``run``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -16,7 +19,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-__all__ = ["Engine", "EngineBase", "EngineConfig", "Generator", "ReplayRequest", "TraceResult"]
+__all__ = ["Activations", "ENGINE_MEMBERS", "Engine", "EngineBase", "EngineConfig",
+           "ReplayRequest", "TraceResult", "check_engine"]
 
 
 @dataclass(frozen=True)
@@ -102,28 +106,72 @@ def _check_device(device: str | torch.device) -> None:
                              f"{count} {device.type} device(s)")
 
 
-@runtime_checkable
-class Engine(Protocol):
-    """What :func:`trace_replay.runs.replay` needs from an engine.
+@dataclass(frozen=True)
+class Activations:
+    """Where an engine's forwards can be watched in this process (layer attribution).
 
-    ``run`` keeps the order of its requests and calls ``on_tokens(n)`` as ``n`` more trace
-    tokens are scored (at least once per batch, so progress moves within a batch);
-    ``tokenizer`` is the model's (text traces are
-    tokenized with it). ``settings`` is fixed once the engine is built
-    (two runs with equal settings are comparable); ``stats`` accumulates over ``run`` calls.
-    ``close`` releases the model and any worker processes; engines are context managers.
+    ``model`` is the transformers model whose weights every forward uses; its module layout
+    names the sites. With ``rows`` None the forwards call ``model``'s own modules, so forward
+    hooks see ``[batch, width, ...]`` activations with the model's position and mask
+    arguments. Otherwise the forwards bypass those modules, and ``rows`` (a row-wise model,
+    :class:`~trace_replay.engines.builtin.backends.invariant_model.InvariantLlama`) reports
+    each forward's rows to its ``observer``.
     """
 
-    name: str
-    max_model_len: int | None
-    tokenizer: Any
+    model: torch.nn.Module
+    rows: Any = None
+
+
+_CONTEXT = ("__enter__", "__exit__")
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """The one interface of every engine: :func:`~trace_replay.runs.replay`, ``record``,
+    checkpoints and layer attribution use these members and nothing else.
+
+    ``run`` keeps the order of its requests and calls ``on_tokens(n)`` as ``n`` more trace
+    tokens are scored (at least once per batch, so progress moves within a batch).
+    ``settings`` is fixed once the engine is built (two runs with equal settings are
+    comparable); ``stats`` accumulates over ``run`` calls. ``close`` releases the model and
+    any worker processes; engines are context managers.
+
+    ``on_batch`` is set by a caller that watches the forwards (layer attribution) and reset
+    to None after. While it is set, an engine whose forwards run in this process
+    (``activations()`` answers) calls it with each batch's requests, in row order, before
+    that batch's forwards, and runs those forwards as ``activations()`` describes, even where
+    it has a faster path that skips the model's modules (prefill's separate head). Other
+    engines never call it.
+
+    A user engine passed to ``replay`` needs every member (:func:`check_engine` names the
+    missing ones); subclassing :class:`EngineBase` gives all but ``run`` and the provenance
+    attributes its docstring lists.
+    """
+
+    name: str  # "torch", "prefill", "vllm", "vllm-server"
+    batch_size: int  # request slots; replay hands ``run`` whole batches of them
+    max_model_len: int | None  # prompt + trace tokens at most (None: no known limit)
+    deterministic: bool  # batch-invariant arithmetic was asked for
+    selected_by: str | None  # how make_engine("auto", ...) chose this engine, else None
+    can_generate: bool  # ``generate`` works (decode engines)
+    on_batch: Callable[[Sequence[ReplayRequest]], None] | None
+    tokenizer: Any  # the model's; text traces are tokenized with it
+    vocab_size: int | None  # logits per step, the bound of ``rank`` (None: unknown)
 
     def settings(self) -> dict[str, Any]: ...
 
     def run(self, requests: Sequence[ReplayRequest], *,
             on_tokens: Callable[[int], None] | None = None) -> list[TraceResult]: ...
 
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int,
+                 temperature: float = 0.0, seed: int = 0,
+                 eos_token_id: int | None = None) -> list[tuple[list[int], list[float]]]: ...
+
     def stats(self) -> dict[str, Any]: ...
+
+    def weights_digest(self) -> str | None: ...
+
+    def activations(self) -> Activations: ...
 
     def close(self) -> None: ...
 
@@ -132,21 +180,35 @@ class Engine(Protocol):
     def __exit__(self, *exc_info: object) -> None: ...
 
 
-@runtime_checkable
-class Generator(Protocol):
-    """Engines that can also generate freely (used by :func:`trace_replay.traces.recording`)."""
-
-    def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int,
-                 temperature: float = 0.0, seed: int = 0,
-                 eos_token_id: int | None = None) -> list[tuple[list[int], list[float]]]: ...
+# every member of the protocol, attributes and methods (what check_engine asks for)
+ENGINE_MEMBERS = tuple(sorted({*Engine.__annotations__, *(
+    name for name, value in vars(Engine).items()
+    if inspect.isfunction(value) and (not name.startswith("_") or name in _CONTEXT))}))
 
 
-class EngineBase:
-    """Shared plumbing: the common settings, an empty ``stats``, ``close`` and ``with``.
+def check_engine(engine: Any) -> None:
+    """Raise TypeError naming the :class:`Engine` members ``engine`` lacks (none: it is one).
 
-    Subclasses set ``name``, ``model_label``, ``engine_path``, ``dtype``, ``device``,
-    ``batch_size``, ``top_k``, ``deterministic``, ``max_model_len`` and
-    ``tokenizer_source``, and may extend :meth:`settings`.
+    Reads each member as a user of the engine would (``hasattr``), so an object that
+    forwards attributes to a wrapped engine passes.
+    """
+    missing = [name for name in ENGINE_MEMBERS if not hasattr(engine, name)]
+    if missing:
+        raise TypeError(f"{type(engine).__name__} is not an Engine: it lacks "
+                        f"{', '.join(missing)} (subclass trace_replay.engines.base.EngineBase, "
+                        "which gives all but run and the provenance attributes)")
+
+
+class EngineBase(ABC):
+    """Shared plumbing: every :class:`Engine` member but ``run``.
+
+    Subclasses implement ``run`` and set the provenance ``name``, ``model_label``,
+    ``engine_path``, ``dtype``, ``device``, ``batch_size``, ``top_k`` (the annotated
+    attributes without a value here), and where they differ from the defaults
+    ``deterministic``, ``max_model_len``, ``tokenizer_source``, ``can_generate`` and ``lm``.
+    They may extend :meth:`settings` and :meth:`stats`, and override ``generate`` and
+    ``activations`` where they can. ``vocab_size`` and ``weights_digest`` read ``lm``;
+    engines whose model is elsewhere override them.
     """
 
     name: str = "engine"
@@ -159,11 +221,16 @@ class EngineBase:
     deterministic: bool = False
     max_model_len: int | None = None
     selected_by: str | None = None  # set by make_engine("auto", ...): how the choice was made
-    # called with each batch's requests, in row order, before that batch's forwards; forward
-    # hooks (trace_replay.analysis.capture) use it to map batch rows to traces
-    on_batch: Callable[[Sequence[ReplayRequest]], None] | None = None
+    can_generate: bool = False
+    on_batch: Callable[[Sequence[ReplayRequest]], None] | None = None  # see Engine
+    lm: torch.nn.Module | None = None  # the model in this process (None: elsewhere, closed)
     tokenizer_source: Any = None  # what models.load_tokenizer reads (None: the embedded model)
     _tokenizer: Any = None
+
+    @abstractmethod
+    def run(self, requests: Sequence[ReplayRequest], *,
+            on_tokens: Callable[[int], None] | None = None) -> list[TraceResult]:
+        """Score ``requests``; one result each, in the order given (see :class:`Engine`)."""
 
     @property
     def tokenizer(self) -> Any:
@@ -180,13 +247,9 @@ class EngineBase:
 
     @property
     def vocab_size(self) -> int | None:
-        """Logits per step, the bound of ``rank``: a loaded model's (``lm`` or vLLM's
-        ``llm``) output size; ``None`` where the engine does not know it."""
-        head = getattr(getattr(self, "lm", None), "get_output_embeddings", lambda: None)()
-        if getattr(head, "weight", None) is not None:
-            return int(head.weight.shape[0])
-        llm = getattr(self, "llm", None)
-        return None if llm is None else int(llm.llm_engine.model_config.get_vocab_size())
+        """Logits per step, the bound of ``rank``: ``lm``'s output size (None without ``lm``)."""
+        head = None if self.lm is None else self.lm.get_output_embeddings()
+        return None if head is None else int(head.weight.shape[0])
 
     def weights_digest(self) -> str | None:
         """A digest of the weights the engine scores with, read now; ``None`` where the
@@ -197,12 +260,11 @@ class EngineBase:
         and sum of squares, and the exact bytes of a strided sample of 1,024 elements — one
         pass over the weights on their device, changed by any edit short of a contrived one.
         """
-        lm = getattr(self, "lm", None)
-        if not isinstance(lm, torch.nn.Module):
+        if self.lm is None:
             return None
         digest = hashlib.sha256()
         with torch.no_grad():
-            for name, weight in lm.named_parameters():
+            for name, weight in self.lm.named_parameters():
                 flat = weight.detach().reshape(-1)
                 sample = flat[::max(1, flat.numel() // 1024)][:1024]
                 sums = torch.stack([flat.sum(dtype=torch.float64),
@@ -211,6 +273,21 @@ class EngineBase:
                 digest.update(sums.tobytes())
                 digest.update(sample.cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return digest.hexdigest()[:32]
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int,
+                 temperature: float = 0.0, seed: int = 0,
+                 eos_token_id: int | None = None) -> list[tuple[list[int], list[float]]]:
+        """Free generation, ``(token_ids, raw logprobs)`` per prompt; only where
+        ``can_generate`` (this default raises NotImplementedError)."""
+        raise NotImplementedError(f"engine {self.name!r} cannot generate (can_generate is "
+                                  "False)")
+
+    def activations(self) -> Activations:
+        """Where this engine's forwards can be watched (:class:`Activations`); this default
+        raises NotImplementedError: the model runs outside this process."""
+        raise NotImplementedError(f"engine {self.name!r} runs its model outside this process: "
+                                  "its activations cannot be read (layer attribution runs "
+                                  "the torch and prefill engines)")
 
     def settings(self) -> dict[str, Any]:
         settings = {"engine": self.name, "engine_path": self.engine_path,

@@ -17,7 +17,6 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +24,7 @@ import pandas as pd
 
 from trace_replay._io import remove_stale_temporaries, write_atomic
 from trace_replay.runs.claims import Claims
-from trace_replay.engines.base import ReplayRequest
+from trace_replay.engines.base import Engine, ReplayRequest
 from trace_replay.engines.validate import ImpossibleResult
 from trace_replay.runs.parts import (PART_NAME, CorruptPart, check_rows, describe, part_settings_key,
                                 read_part, write_part)
@@ -44,13 +43,13 @@ def settings_key(settings: dict) -> str:
 ROW_FIELDS = ("ref_logprobs", "trace_turns", "trace_roles")
 
 
-def checkpoint_settings(engine: Any) -> dict:
+def checkpoint_settings(engine: Engine) -> dict:
     """What a folder of ``engine``'s replays is keyed on: its settings and, where the engine
     reads its weights (``weights_digest()``), their digest, read now. A model edited or
     retrained in place under the same name is then refused by the folder as other
     settings, never served the rows of its old weights."""
     settings = engine.settings()
-    weights = getattr(engine, "weights_digest", lambda: None)()
+    weights = engine.weights_digest()
     return settings if weights is None else {**settings, "weights_digest": weights}
 
 

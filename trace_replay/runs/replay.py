@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from trace_replay._text import plural
 from trace_replay.runs.checkpoint import Checkpoint, checkpoint_settings
 from trace_replay.engines import ENGINES, make_engine
-from trace_replay.engines.base import Engine, ReplayRequest
+from trace_replay.engines.base import Engine, ReplayRequest, check_engine
 from trace_replay.engines.validate import ImpossibleResult, check_results
 from trace_replay.runs.frame import TokenDecoder, to_frame
 from trace_replay.traces.trace import FIELDS
@@ -107,10 +107,13 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
         ``model`` only names its tokenizer (``None``: the server's folder, when it is here).
     engine
         ``"auto"``, ``"vllm"``, ``"torch"``, ``"prefill"``, ``"vllm-server"`` (a running vLLM
-        server, see ``engine_args``; built for this call and closed after it), or an :class:`~trace_replay.engines.Engine` built earlier with
+        server, see ``engine_args``; built for this call and closed after it), or an
+        :class:`~trace_replay.engines.Engine` built earlier with
         :func:`~trace_replay.engines.make_engine` to reuse its loaded model; its own
         settings (model, dtype, batch size, top-k) then apply and the arguments that
-        configure an engine are not used.
+        configure an engine are not used. An engine of your own must have every member of
+        the protocol (a TypeError names those it lacks); subclass
+        :class:`~trace_replay.engines.base.EngineBase` and write ``run``.
     top_k
         Alternatives recorded per step (``top_token_ids``, ``top_logprobs``, ``top_tokens``).
     dtype, device
@@ -195,9 +198,11 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
             return _replay(traceset, engine_obj, progress=progress, checkpoint=checkpoint,
                            shard=shard, truncate=truncate, chunk_size=chunk_size,
                            checkpoint_every=checkpoint_every, started=started, digest=digest)
-    if not all(callable(getattr(engine, m, None)) for m in ("run", "settings", "stats")):
-        raise TypeError(f"engine must be a name ({', '.join(ENGINES)}) or an Engine, "
-                        f"got {type(engine).__name__}")
+    try:
+        check_engine(engine)
+    except TypeError as error:
+        raise TypeError(f"engine must be a name ({', '.join(ENGINES)}) or an Engine: "
+                        f"{error}") from None
     given = {"model": model, "dtype": dtype, "device": device, "batch_size": batch_size,
              "speculative": speculative, "engine_args": engine_args}
     given = sorted(name for name, value in given.items() if value is not None)
@@ -261,7 +266,7 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
             truncate: bool, chunk_size: int | None, checkpoint_every: float,
             started: str, digest: str) -> pd.DataFrame:
     settings = engine.settings()
-    vocab_size = getattr(engine, "vocab_size", None)
+    vocab_size = engine.vocab_size
     if vocab_size is not None and settings.get("top_k", 0) > vocab_size:
         raise ValueError(f"top_k {settings['top_k']} exceeds the model's vocabulary size "
                          f"{vocab_size}: a step has only {vocab_size} alternatives to record")

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from trace_replay.traces.chat import tokenize_chat_prompt
 from trace_replay.engines import make_engine
-from trace_replay.engines.base import Generator
+from trace_replay.engines.base import check_engine
 from trace_replay.traces.sets import Trace, TraceSet
 
 __all__ = ["record"]
@@ -49,7 +49,8 @@ def record(prompts: Iterable, model=None, *, engine="vllm", max_tokens: int,
     model
         As in :func:`trace_replay.runs.replay`.
     engine
-        ``"vllm"`` or ``"torch"`` (or an engine object with a ``generate`` method).
+        ``"vllm"`` or ``"torch"``, or an :class:`~trace_replay.engines.Engine` that
+        ``can_generate``.
     max_tokens
         Tokens generated per prompt at most; generation stops earlier at EOS when
         ``stop_at_eos`` (the EOS is kept in the trace).
@@ -76,8 +77,10 @@ def record(prompts: Iterable, model=None, *, engine="vllm", max_tokens: int,
             raise ValueError(f"record runs on 'vllm' or 'torch', not {engine!r}")
         engine = make_engine(engine, model, batch_size=batch_size, top_k=top_k,
                              engine_args=engine_args, verbose=verbose)
-    elif not isinstance(engine, Generator):
-        raise TypeError(f"engine {getattr(engine, 'name', engine)!r} cannot generate; "
+    else:
+        check_engine(engine)
+    if not engine.can_generate:
+        raise TypeError(f"engine {engine.name!r} cannot generate; "
                         "record with the 'vllm' or 'torch' engine")
     try:
         return _record(prompts, engine, max_tokens=max_tokens, temperature=temperature,

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from trace_replay.engines.base import EngineBase, EngineConfig, ReplayRequest, TraceResult
+from trace_replay.engines.base import (Activations, EngineBase, EngineConfig, ReplayRequest,
+                                       TraceResult)
 from trace_replay.engines.builtin.decode import generate_steps, replay_steps
 from trace_replay.engines.builtin.drafts import parse_speculative
 from trace_replay.engines.builtin.backends.hf import HFBackend
@@ -64,6 +65,7 @@ class TorchEngine(EngineBase):
     """
 
     name = "torch"
+    can_generate = True
 
     def __init__(self, config: EngineConfig | None = None, *, speculative: dict | None = None,
                  backend: str = "auto", float32_matmul: str = "3xtf32") -> None:
@@ -134,6 +136,19 @@ class TorchEngine(EngineBase):
     def close(self) -> None:
         self.backend = self.lm = None
         self._captured.clear()
+
+    def activations(self) -> Activations:
+        """``lm``'s own modules (hf backend), or in deterministic mode the row-wise model's
+        rows; the static backend's compiled steps call no module, so it has none to give."""
+        if self.lm is None:
+            raise RuntimeError(f"engine {self.name!r} is closed")
+        if self.deterministic:
+            return Activations(self.lm, self.backend.model)
+        if not isinstance(self.backend, HFBackend):
+            raise NotImplementedError("the static backend's compiled, graph-captured steps run "
+                                      "no Python forward hooks; build the engine with "
+                                      "backend='hf'")
+        return Activations(self.lm)
 
     @torch.inference_mode()
     def run(self, requests: Sequence[ReplayRequest], *,

@@ -9,9 +9,10 @@ Memory: the model body runs once per batch; the lm_head and the log-softmax run 
 scored positions in chunks of ``score_chunk_bytes``, so full-vocabulary logits never exist
 for more than one chunk and peak memory does not grow with trace length beyond the model's
 own activations. Deterministic mode chunks the same way (in whole scoring blocks): its
-head and scoring are row-invariant, so the chunks change no bit. While forward hooks watch
-the engine (``on_batch`` set, as :mod:`trace_replay.analysis.capture` does), the default mode runs
-the model's own forward instead, logits included.
+head and scoring are row-invariant, so the chunks change no bit. While ``on_batch`` is set
+(the :class:`~trace_replay.engines.base.Engine` contract for watched forwards), the default
+mode runs the model's own forward instead, logits included, so hooks on its modules see
+``[batch, width, ...]`` activations.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from trace_replay.engines.base import EngineBase, EngineConfig, ReplayRequest, TraceResult
+from trace_replay.engines.base import (Activations, EngineBase, EngineConfig, ReplayRequest,
+                                       TraceResult)
 from trace_replay.engines.results import split_results
 from trace_replay.engines.scoring import TokenScores, collect_rows, scorer_for
 from trace_replay.engines.builtin.threads import engine_threads, intra_op_threads
@@ -83,6 +85,12 @@ class PrefillEngine(EngineBase):
     def close(self) -> None:
         self.lm = self.backend = None
 
+    def activations(self) -> Activations:
+        """``lm``'s own modules, or in deterministic mode the row-wise model's rows."""
+        if self.lm is None:
+            raise RuntimeError(f"engine {self.name!r} is closed")
+        return Activations(self.lm, self.backend.model if self.deterministic else None)
+
     @torch.inference_mode()
     def run(self, requests: Sequence[ReplayRequest], *,
             on_tokens: Callable[[int], None] | None = None) -> list[TraceResult]:
@@ -118,7 +126,7 @@ class PrefillEngine(EngineBase):
         rows_t, cols_t = torch.tensor(rows, device=device), torch.tensor(cols, device=device)
         targets_t = torch.tensor(targets, device=device)
         input_ids, mask = input_ids.to(device), mask.to(device)
-        # hooks watching the forwards (on_batch: trace_replay.analysis.capture) see the model's own
+        # watched forwards (on_batch set) run the model's own modules: the Engine contract
         if self._split and self.on_batch is None:
             states = self.lm.base_model(input_ids=input_ids, attention_mask=mask)
             scored, head = states.last_hidden_state[rows_t, cols_t], self._head
@@ -153,7 +161,7 @@ class PrefillEngine(EngineBase):
     def _chunk_rows(self, multiple: int = 1) -> int:
         """Scored positions per chunk: as many as ``score_chunk_bytes`` holds, rounded down to
         a multiple of ``multiple`` (at least one multiple)."""
-        rows = self.score_chunk_bytes // (self._vocab_size() * _BYTES_PER_LOGIT)
+        rows = self.score_chunk_bytes // (self.vocab_size * _BYTES_PER_LOGIT)
         return max(multiple, rows // multiple * multiple)
 
     def _score_in_chunks(self, states: torch.Tensor, targets: torch.Tensor,
@@ -176,9 +184,6 @@ class PrefillEngine(EngineBase):
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
-
-    def _vocab_size(self) -> int:
-        return self.lm.get_output_embeddings().weight.shape[0]
 
     @torch.inference_mode()
     def _head_is_separable(self) -> bool:

@@ -75,6 +75,7 @@ class ServerEngine(EngineBase):
     """
 
     name = "vllm-server"
+    _pool: ThreadPoolExecutor | None = None  # None until started, and once closed
 
     def __init__(self, config: EngineConfig | None = None, *,
                  engine_args: dict[str, Any] | None = None) -> None:
@@ -165,9 +166,8 @@ class ServerEngine(EngineBase):
 
     def close(self) -> None:
         """Stop the request threads (the server keeps running)."""
-        pool = getattr(self, "_pool", None)
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
     # --- one request --------------------------------------------------------------------------

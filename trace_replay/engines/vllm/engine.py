@@ -264,6 +264,7 @@ class VLLMEngine(EngineBase):
     """
 
     name = "vllm"
+    can_generate = True
 
     def __init__(self, config: EngineConfig | None = None, *, engine_args: dict | None = None,
                  native: bool | None = None, verbose: bool = False) -> None:
@@ -362,6 +363,11 @@ class VLLMEngine(EngineBase):
             self.engine_path = "vllm-logits-processor-forcing"
             self.lengths_only = alone and read_lengths_only(self.llm)
         self.model_runner = model_runner(self.llm)
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Logits per step: the served model's vocabulary (``None`` once closed)."""
+        return None if self.llm is None else int(self.llm.llm_engine.model_config.get_vocab_size())
 
     def weights_digest(self) -> str:
         """The model folder's weight files as they are now (:func:`~trace_replay.models.load.
