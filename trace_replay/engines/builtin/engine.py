@@ -175,7 +175,7 @@ class TorchEngine(EngineBase):
             steps, counts = replay_steps(self.backend, self.slots, idx_mapping, logits,
                                          longest, self.top_k, self.score, progress.forward(1),
                                          cache=self._captured,
-                                         graph=getattr(self.backend, "static_logits", False))
+                                         graph=self.backend.static_logits)
         else:
             method, k = self.speculative
             # trace drafts are all accepted (k + 1 per forward); n-gram ones at least 1

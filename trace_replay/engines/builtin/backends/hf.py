@@ -20,6 +20,7 @@ class HFBackend:
     """Any transformers causal LM: ``DynamicCache`` and a 2-D key mask per row."""
 
     name = "hf"
+    static_logits = False  # each decode returns a new logits tensor
 
     def __init__(self, lm, pad_id: int) -> None:
         self.lm = lm

@@ -50,6 +50,10 @@ class InvariantBackend:
         Passed to :class:`~trace_replay.engines.builtin.backends.invariant_model.InvariantLlama`.
     """
 
+    # the forced step is not captured over its logits: observed or CPU steps run eagerly and
+    # return new tensors
+    static_logits = False
+
     def __init__(self, lm, pad_id: int = 0, *, max_query_len: int = 1,
                  cuda_graphs: bool | None = None, triton: bool | None = None) -> None:
         self.model = InvariantLlama(lm, triton=triton)
