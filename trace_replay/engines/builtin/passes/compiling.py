@@ -28,11 +28,18 @@ def compile_function(fn, **options):
     if "recompile_limit" in inspect.signature(torch.compile).parameters:
         return torch.compile(fn, recompile_limit=limit, **options)
     compiled = torch.compile(fn, **options)
+    config = torch._dynamo.config
+    # the setting's own name (torch >= 2.7; cache_size_limit is its alias there)
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
 
     @functools.wraps(fn)
     def limited(*args, **kwargs):
-        with torch._dynamo.config.patch(cache_size_limit=limit):
+        before = getattr(config, name)  # by hand: cheaper than config.patch, once per call
+        setattr(config, name, limit)
+        try:
             return compiled(*args, **kwargs)
+        finally:
+            setattr(config, name, before)
 
     return limited
 
