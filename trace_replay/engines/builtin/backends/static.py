@@ -14,13 +14,11 @@ decoder layers run compiled by ``torch.compile`` — one compiled region that al
 kind share (the layers differ only in their weights), so start-up compiles one layer per
 shape rather than the whole model. A float32 model's view multiplies on tensor cores with
 the 3xTF32 split (``float32_matmul``); a bfloat16 or float16 model's, at one row (batch-1
-decode steps), through :func:`~trace_replay.kernels.gemv.gemv`, with each gated MLP's gate,
-up and activation in one launch (:func:`~trace_replay.kernels.gated_gemv.gated_gemv`). The view's modules that run these
-kernels are in :mod:`~trace_replay.engines.builtin.passes.kernel_view`. The compiler then puts the linears
-that read the same input (q/k/v, gate/up) in one launch each
-(:mod:`~trace_replay.engines.builtin.passes.linear_groups`), folds an RMSNorm into the one-row GEMVs that
-read it (:mod:`~trace_replay.engines.builtin.passes.norm_folds`) and a residual add into the one-row GEMV
-before it (:mod:`~trace_replay.engines.builtin.passes.residual_adds`). On CPU everything runs eagerly.
+decode steps), through :func:`~trace_replay.kernels.gemv.gemv`, with the batch-1 fusions
+where switched on (:mod:`~trace_replay.engines.builtin.passes.batch1`). The view's modules
+are in :mod:`~trace_replay.engines.builtin.passes.kernel_view`; the compiler puts the
+linears that read the same input (q/k/v, gate/up) in one launch each
+(:mod:`~trace_replay.engines.builtin.passes.linear_groups`). On CPU everything runs eagerly.
 """
 
 from __future__ import annotations
@@ -154,11 +152,11 @@ class StaticCacheBackend:
     * A bfloat16 or float16 model on CUDA multiplies one-row inputs (batch-1 decode steps,
       a batch-1 prefill's last position) with :func:`~trace_replay.kernels.gemv.gemv` and
       everything else with cuBLAS; both accumulate in float32 and round once, in different
-      orders, so they agree to the dtype's rounding. At one row the layer's RMSNorms, the
-      gated MLP's activation and product and the residual adds after a GEMV are computed
-      in float32 inside the GEMV launches and rounded once, where the model rounds each step: closer to the float32
-      result, equal to the model's to the dtype's rounding. ``name`` does not change
-      with it.
+      orders, so they agree to the dtype's rounding. With the batch-1 fusions, at one row
+      the RMSNorms, the gated activation and the residual adds after a GEMV are float32
+      inside the GEMV launches, rounded once where the model rounds each step: closer to
+      the float32 result, equal to the model's to the dtype's rounding. ``name`` does not
+      change with it.
 
     Parameters
     ----------
