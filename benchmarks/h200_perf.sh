@@ -35,10 +35,11 @@ tests)
   # the GPU paths: captured steps (both backends, forced steps), CUDA scoring and top-k, the kernels
   timeout 400 python3 -m pytest -v -p no:cacheprovider -m gpu tests/engines/test_captured_step.py \
     tests/engines/test_decode.py tests/engines/test_static_backend.py tests/engines/test_scoring.py tests/kernels/test_kernels.py tests/kernels/test_state.py \
-    -k "${TESTS:-.}" 2>&1 | grep -E "PASS|FAIL|Error|error|passed|failed" | tee "$out/gpu_tests.txt"
+    tests/engines/test_prefill.py -k "${TESTS:-.}" 2>&1 | grep -E "PASS|FAIL|Error|error|passed|failed" | tee "$out/gpu_tests.txt"
   # the kernels' and the state's CUDA cases are not gpu-marked (a device parameter instead)
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_top_k.py tests/kernels/test_kernels.py tests/kernels/test_state.py tests/kernels/test_cache_attention.py tests/test_fp32_linear.py tests/engines/test_linear_groups.py \
-    tests/kernels/test_gemv.py tests/kernels/test_gated_gemv.py tests/engines/test_residual_adds.py tests/engines/test_norm_folds.py -k cuda 2>&1 | tail -5 | tee -a "$out/gpu_tests.txt"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_top_k.py tests/kernels/test_kernels.py tests/kernels/test_state.py tests/kernels/test_cache_attention.py tests/kernels/test_fp32_linear.py tests/engines/test_linear_groups.py \
+    tests/kernels/test_gemv.py tests/kernels/test_gated_gemv.py tests/engines/test_residual_adds.py tests/engines/test_norm_folds.py \
+    tests/engines/test_invariant_ops.py tests/kernels/test_invariant_kernels.py -k cuda 2>&1 | tail -5 | tee -a "$out/gpu_tests.txt"
   ;;
 vllm)
   # paired ratios over 11 rounds of 256-token traces (~6 min: a call of its own); PROFILE=1
