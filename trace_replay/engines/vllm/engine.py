@@ -381,7 +381,7 @@ class VLLMEngine(EngineBase):
                     "logprobs_mode": "raw_logprobs", "engine_core": self.engine_core,
                     **self.parallel}
         settings["model_runner"] = self.model_runner
-        settings["attention_backend"] = str(self.llm_args.get("attention_backend", "vllm default"))
+        settings["attention_backend"] = str(self.llm_args.get("attention_backend") or "vllm default")
         if self.native_error:
             settings["native_unavailable"] = self.native_error
         if self.engine_path == "vllm-logits-processor-forcing":
