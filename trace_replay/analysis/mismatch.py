@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 __all__ = ["NegativeEstimateWarning", "bit_mismatch", "ulp_distance", "trainer_metrics",
-           "require_comparison", "warn_negative"]
+           "repeated_step", "require_comparison", "warn_negative"]
 
 _COMPARISON = ("trace_id", "step", "logprob_a", "logprob_b", "delta")
 _ASSUMPTION = (
@@ -36,15 +36,23 @@ class NegativeEstimateWarning(UserWarning):
     are not samples of side a."""
 
 
+def repeated_step(frame: pd.DataFrame) -> pd.Series | None:
+    """The first row whose (``trace_id``, ``step``) an earlier row already holds; None when
+    each trace step is there once (a frame without ``step`` counts as once)."""
+    if "step" not in frame.columns:
+        return None
+    twice = frame.duplicated(["trace_id", "step"]).to_numpy()
+    return frame.iloc[int(np.argmax(twice))] if twice.any() else None
+
+
 def require_comparison(cmp: pd.DataFrame, caller: str, *, one: bool = False) -> None:
     """Raise a `ValueError` unless ``cmp`` is a comparison frame from ``compare(a, b)``;
     with ``one``, a single one (each trace step once: per-trace statistics of concatenated
     comparisons would mix them)."""
     missing = [c for c in _COMPARISON if c not in getattr(cmp, "columns", ())]
     if not missing:
-        twice = cmp.duplicated(["trace_id", "step"]).to_numpy() if one else ()
-        if any(twice):
-            row = cmp.iloc[int(np.argmax(twice))]
+        row = repeated_step(cmp) if one else None
+        if row is not None:
             raise ValueError(f"{caller} takes one comparison, but cmp holds trace "
                              f"{row['trace_id']!r} step {row['step']} more than once "
                              f"(comparisons concatenated? {caller} each one; the plots take "

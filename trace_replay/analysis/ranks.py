@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
-from trace_replay.analysis.mismatch import require_comparison
+from trace_replay.analysis.mismatch import repeated_step, require_comparison
 
 __all__ = ["RANK_BUCKETS", "RANK_CUTS", "rank_bucket", "rank_fractions",
            "rank_bucket_transitions", "trace_summary", "engine_table"]
@@ -29,9 +29,8 @@ def _require_replay(df: pd.DataFrame, caller: str) -> None:
     each trace step once: concatenated runs would be counted as one)."""
     missing = [c for c in ("trace_id", "logprob", "rank") if c not in getattr(df, "columns", ())]
     if not missing:
-        twice = df.duplicated(["trace_id", "step"]).to_numpy() if "step" in df.columns else ()
-        if any(twice):
-            row = df.iloc[int(np.argmax(twice))]
+        row = repeated_step(df)
+        if row is not None:
             raise ValueError(f"{caller} takes one run, but df holds trace {row['trace_id']!r} "
                              f"step {row['step']} more than once (runs concatenated? "
                              f"{caller.split(' ')[0]} each one; plot_rank_buckets takes them "
