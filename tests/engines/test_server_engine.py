@@ -490,6 +490,25 @@ def test_an_impossible_answer_keeps_its_batch_mates(crafted, tmp_path):
     assert df["trace_id"].unique().tolist() == ["good", "fine"]
 
 
+def test_a_malformed_answer_keeps_its_batch_mates(crafted, tmp_path):
+    """One request of a batch answered malformed (a step missing): replay raises the
+    ServerError naming its trace, and with a checkpoint the batch mates that finished are
+    saved, so a rerun without it resumes them instead of asking the server again (before,
+    the whole batch was lost with the error)."""
+    traces = [{"id": "good", "prompt_token_ids": [504, 3575], "trace_token_ids": [282, 4649, 314]},
+              {"id": "bad", "prompt_token_ids": [504, 3575], "trace_token_ids": [282, 777, 314]},
+              {"id": "fine", "prompt_token_ids": [504], "trace_token_ids": [300, 301]}]
+    crafted.craft = lambda step, entry: None if entry["token_id"] == 777 else entry
+    options = dict(engine="vllm-server", top_k=2, batch_size=3, progress=False,
+                   checkpoint=tmp_path / "run", engine_args={
+                       "base_url": f"http://127.0.0.1:{crafted.server_port}/v1", "max_retries": 0})
+    with pytest.raises(ServerError, match=r"trace 'bad': "):
+        replay(traces, **options)
+    crafted.craft = None  # a request reaching the server now would fail
+    df = replay([traces[0], traces[2]], **options)
+    assert df["trace_id"].unique().tolist() == ["good", "fine"]
+
+
 @pytest.mark.parametrize("craft, problem", [
     (lambda step, entry: entry if step < 2 else None,
      r"trace 'crafted': .*logprobs.content lists 2 steps where 3 were expected"),

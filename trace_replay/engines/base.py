@@ -19,8 +19,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-__all__ = ["Activations", "ENGINE_MEMBERS", "Engine", "EngineBase", "EngineConfig",
-           "ReplayRequest", "TraceResult", "check_engine"]
+__all__ = ["Activations", "BatchFailed", "ENGINE_MEMBERS", "Engine", "EngineBase",
+           "EngineConfig", "ReplayRequest", "TraceResult", "check_engine"]
 
 
 @dataclass(frozen=True)
@@ -125,13 +125,25 @@ class Activations:
 _CONTEXT = ("__enter__", "__exit__")
 
 
+class BatchFailed(Exception):
+    """``Engine.run`` failed for some of its requests: ``results`` holds one entry per
+    request, in order, the result of each that finished and None for the others; ``error`` is
+    the first failure, which ``replay`` raises once it has kept the finished results."""
+
+    def __init__(self, error: BaseException, results: list[TraceResult | None]) -> None:
+        super().__init__(str(error))
+        self.error, self.results = error, results
+
+
 @runtime_checkable
 class Engine(Protocol):
     """The one interface of every engine: :func:`~trace_replay.runs.replay`, ``record``,
     checkpoints and layer attribution use these members and nothing else.
 
     ``run`` keeps the order of its requests and calls ``on_tokens(n)`` as ``n`` more trace
-    tokens are scored (at least once per batch, so progress moves within a batch).
+    tokens are scored (at least once per batch, so progress moves within a batch). An engine
+    whose requests fail one by one (a server) raises :class:`BatchFailed` with the results
+    that did finish, so that a checkpointed replay keeps them.
     ``settings`` is fixed once the engine is built (two runs with equal settings are
     comparable); ``stats`` accumulates over ``run`` calls. ``close`` releases the model and
     any worker processes; engines are context managers.

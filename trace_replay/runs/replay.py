@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from trace_replay._text import plural
 from trace_replay.runs.checkpoint import Checkpoint, checkpoint_settings
 from trace_replay.engines import ENGINES, make_engine
-from trace_replay.engines.base import Engine, ReplayRequest, check_engine
+from trace_replay.engines.base import BatchFailed, Engine, ReplayRequest, check_engine
 from trace_replay.engines.validate import ImpossibleResult, check_results
 from trace_replay.runs.frame import TokenDecoder, to_frame
 from trace_replay.traces.trace import FIELDS
@@ -292,17 +292,27 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
 
         def run(group: list[ReplayRequest],
                 keep: Callable[[pd.DataFrame], None] | None = None) -> pd.DataFrame:
-            """The checked frame of ``group``; on an impossible result, ``keep`` (when given)
-            gets the frame of the batch's possible traces before the error is raised."""
+            """The checked frame of ``group``; on an impossible result or a failed request,
+            ``keep`` (when given) gets the frame of the batch's finished, possible traces
+            before the error is raised."""
             target = counted + sum(r.trace_len for r in group)
-            results = engine.run(group, on_tokens=advance)
+
+            def keep_possible(done: list[ReplayRequest], results: list) -> None:
+                possible = _possible(done, results, limits)
+                if keep is not None and possible:  # a failed batch loses no finished trace
+                    keep(to_frame(possible, by_id, decode))
+
+            try:
+                results = engine.run(group, on_tokens=advance)
+            except BatchFailed as failed:  # some requests failed; keep those that finished
+                done = [(r, res) for r, res in zip(group, failed.results) if res is not None]
+                keep_possible([r for r, _ in done], [res for _, res in done])
+                raise failed.error from None
             # the one check every engine's output passes before it is stored or returned
             try:
                 check_results(group, results, **limits)
             except ImpossibleResult:
-                possible = _possible(group, results, limits)
-                if keep is not None and possible:  # a failed run loses no finished trace
-                    keep(to_frame(possible, by_id, decode))
+                keep_possible(group, results)
                 raise
             frame = to_frame(results, by_id, decode)
             advance(max(target - counted, 0))  # an engine that reported fewer catches up

@@ -23,13 +23,14 @@ import json
 import math
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
 from typing import Any
 
 import numpy as np
 import torch
 
-from trace_replay.engines.base import EngineBase, EngineConfig, ReplayRequest, TraceResult
+from trace_replay.engines.base import (BatchFailed, EngineBase, EngineConfig, ReplayRequest,
+                                       TraceResult)
 from trace_replay.engines.server.http_client import JsonClient, ServerError
 from trace_replay.engines.server.answers import (RANK_DEPTH, completion_steps, emitted_ids,
                                                  generate_steps)
@@ -151,7 +152,9 @@ class ServerEngine(EngineBase):
         Each request is sent until it gets an answer, and each answer fills its own slot, so
         a retried request yields exactly one result. ``on_tokens`` hears of each answered
         trace, from this thread. Scores are not checked here: ``replay()`` checks each
-        result, so an impossible one does not lose the possible ones beside it.
+        result, so an impossible one does not lose the possible ones beside it. A request
+        that fails (``ServerError``) raises :class:`~trace_replay.engines.base.BatchFailed`
+        once the requests in flight have finished, with their results.
         """
         futures = [self._pool.submit(self._replay_one, r) for r in requests]
         try:
@@ -159,6 +162,12 @@ class ServerEngine(EngineBase):
                 if on_tokens is not None:
                     on_tokens(len(future.result().token_ids))
             return [future.result() for future in futures]
+        except ServerError as error:
+            # requests not sent yet stay unsent; those in flight finish and are kept
+            for future in futures:
+                future.cancel()
+            wait([f for f in futures if not f.cancelled()])
+            raise BatchFailed(error, [_finished(f) for f in futures]) from error
         except BaseException:
             for future in futures:
                 future.cancel()
@@ -311,3 +320,10 @@ def _tokenizer_source(model: Any, card: dict) -> Any:
     raise ModelNotFoundError(f"the server serves {card['id']!r} ({root}), which is not on this "
                              "machine: pass model= (a local folder or cached name of the same "
                              "model) for its tokenizer")
+
+
+def _finished(future: Future) -> TraceResult | None:
+    """A done future's result; None for one cancelled or failed."""
+    if future.cancelled() or future.exception() is not None:
+        return None
+    return future.result()
