@@ -134,6 +134,27 @@ def test_check_engine_names_every_missing_member():
                                                 "stats"}
 
 
+def test_check_engine_evaluates_no_lazy_member():
+    """check_engine counts a member its class defines without reading it: an engine whose
+    tokenizer is loaded on first use (and cannot be, here) passes, and nothing is loaded."""
+
+    class Lazy(EngineBase):
+        name, model_label, engine_path, dtype, device, batch_size, top_k = (
+            "lazy", "m", "lazy", "float32", "cpu", 1, 5)
+        loads = 0
+
+        @property
+        def tokenizer(self):
+            Lazy.loads += 1
+            raise FileNotFoundError("no tokenizer folder")
+
+        def run(self, requests, *, on_tokens=None):
+            return []
+
+    check_engine(Lazy())
+    assert Lazy.loads == 0
+
+
 def test_base_defaults_say_what_an_engine_cannot_do():
     """Without a model in this process an engine cannot generate (``can_generate`` False),
     has no activations to give and no weights to digest; generate and activations raise

@@ -201,14 +201,23 @@ ENGINE_MEMBERS = tuple(sorted({*Engine.__annotations__, *(
 def check_engine(engine: Any) -> None:
     """Raise TypeError naming the :class:`Engine` members ``engine`` lacks (none: it is one).
 
-    Reads each member as a user of the engine would (``hasattr``), so an object that
-    forwards attributes to a wrapped engine passes.
+    A member the object or its class defines counts without being read (a lazy property such
+    as ``tokenizer`` is not evaluated); any other is read as a user would (``hasattr``), so an
+    object that forwards attributes to a wrapped engine passes.
     """
-    missing = [name for name in ENGINE_MEMBERS if not hasattr(engine, name)]
+    missing = [name for name in ENGINE_MEMBERS if not _defines(engine, name)]
     if missing:
         raise TypeError(f"{type(engine).__name__} is not an Engine: it lacks "
                         f"{', '.join(missing)} (subclass trace_replay.engines.base.EngineBase, "
                         "which gives all but run and the provenance attributes)")
+
+
+def _defines(engine: Any, name: str) -> bool:
+    try:
+        inspect.getattr_static(engine, name)
+    except AttributeError:
+        return hasattr(engine, name)
+    return True
 
 
 class EngineBase(ABC):
