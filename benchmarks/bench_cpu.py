@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from trace_replay.traces import datasets
+from trace_replay import datasets
 from trace_replay.engines import make_engine
 from trace_replay.engines.base import ReplayRequest
 from trace_replay.models.load import load_tokenizer

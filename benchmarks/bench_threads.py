@@ -24,7 +24,7 @@ import time
 import torch
 from bench_cpu import timed as median_time  # median of repeats after a warm-up
 
-from trace_replay.traces import datasets
+from trace_replay import datasets
 from trace_replay.engines import make_engine
 from trace_replay.engines.base import ReplayRequest
 from trace_replay.models.load import load_tokenizer

@@ -19,7 +19,7 @@ import platform
 import numpy as np
 import torch
 
-from trace_replay.traces import datasets
+from trace_replay import datasets
 from trace_replay.engines import make_engine
 from trace_replay.models.load import load_model, load_tokenizer
 from trace_replay.runs.replay import replay

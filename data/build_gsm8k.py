@@ -20,7 +20,7 @@ Writes, under ``--out-dir``:
 Usage::
 
     pip install --no-deps lm-eval==0.4.13
-    python data/build_gsm8k.py --limit 8 --out-dir trace_replay/traces/datasets
+    python data/build_gsm8k.py --limit 8 --out-dir trace_replay/datasets
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _meta(i: int, exemplar: dict, source: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--limit", type=int, default=8, help="number of exemplars")
-    parser.add_argument("--out-dir", type=Path, default=Path("trace_replay/traces/datasets"))
+    parser.add_argument("--out-dir", type=Path, default=Path("trace_replay/datasets"))
     parser.add_argument("--max-tokens", type=int, default=256, help="model answer cap")
     parser.add_argument("--batch-size", type=int, default=8)
     args = parser.parse_args()

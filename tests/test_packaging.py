@@ -67,7 +67,7 @@ def test_public_names_resolve():
 
 
 def test_wheel_ships_the_bundled_traces(tmp_path):
-    """A built wheel holds the bundled trace files, and trace_replay.traces.datasets loads all of them
+    """A built wheel holds the bundled trace files, and trace_replay.datasets loads all of them
     from the wheel alone, with no source checkout around (Python imports straight from it)."""
     import shutil
     import zipfile
@@ -83,8 +83,8 @@ def test_wheel_ships_the_bundled_traces(tmp_path):
                    check=True, capture_output=True, cwd=tmp_path, timeout=300)
     (wheel,) = (tmp_path / "dist").glob("trace_replay-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert {"trace_replay/traces/datasets/humaneval_human.jsonl",
-            "trace_replay/traces/datasets/gsm8k_cot_model.jsonl"} <= set(names)
+    assert {"trace_replay/datasets/humaneval_human.jsonl",
+            "trace_replay/datasets/gsm8k_cot_model.jsonl"} <= set(names)
     code = ("import trace_replay as tr; "
             "print(tr.__file__.startswith(sys.argv[1]), len(tr.datasets.load()))")
     out = subprocess.run([sys.executable, "-c", "import sys; " + code, str(wheel)],

@@ -46,7 +46,7 @@ _EXPORTS = {
 }
 
 # modules reached as attributes, e.g. ``tr.datasets.load(...)``
-_SUBMODULES = {"datasets": "trace_replay.traces.datasets"}
+_SUBMODULES = {"datasets": "trace_replay.datasets"}
 
 __all__ = ["__version__", *_EXPORTS, *_SUBMODULES]
 

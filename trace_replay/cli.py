@@ -99,14 +99,14 @@ def _input_file(path: str, what: str) -> str:
 def _bundled(name: str) -> bool:
     """Whether ``name`` means a bundled dataset: one of that name, and no file of that name
     (a folder of that name, e.g. one the results go to, does not count)."""
-    from trace_replay.traces import datasets
+    from trace_replay import datasets
 
     return name in datasets.DATASETS and (not Path(name).exists() or Path(name).is_dir())
 
 
 def _traces_input(name: str):
     """A traces file, else a bundled dataset of that name (:func:`_bundled`)."""
-    from trace_replay.traces import datasets
+    from trace_replay import datasets
 
     if not _bundled(name):
         try:
@@ -247,7 +247,7 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     from trace_replay import __version__
-    from trace_replay.traces.datasets import DATASETS
+    from trace_replay.datasets import DATASETS
 
     parser = _Parser(
         prog="trace-replay", formatter_class=_HelpFormatter,
@@ -518,7 +518,7 @@ def _prepare_outputs(args) -> tuple[list[Path], list[Path]]:
         names = [getattr(args, name) for name in _FILE_OUTPUTS[args.command]]
         inputs = [n for name in names if name for n in ([name] if isinstance(name, str) else name)]
         if args.command == "replay" and _bundled(args.traces):  # it reads the package's files
-            from trace_replay.traces import datasets
+            from trace_replay import datasets
 
             inputs = datasets.files(args.traces)
         made = check_output(args.out, inputs)

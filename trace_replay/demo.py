@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from trace_replay.traces import datasets
+from trace_replay import datasets
 from trace_replay._io import write_atomic, write_target
 from trace_replay._text import plural
 from trace_replay.analysis.metrics import engine_table
@@ -28,7 +28,7 @@ def run_demo(out: str | Path = "out", engines: str = "vllm,prefill",
     engines : str
         Comma-separated engine names, replayed in order; the first two are compared.
     limit : int, optional
-        Traces taken from each bundled file (:func:`trace_replay.traces.datasets.load`).
+        Traces taken from each bundled file (:func:`trace_replay.datasets.load`).
     verbose : bool
         Show vLLM's start-up logging (by default only its errors).
 

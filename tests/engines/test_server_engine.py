@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from trace_replay.traces import datasets
+from trace_replay import datasets
 from trace_replay.engines import make_engine
 from trace_replay.engines.base import check_engine
 from trace_replay.engines.server.http_client import ServerError

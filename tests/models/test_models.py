@@ -103,3 +103,12 @@ def test_loads_leave_the_environment_as_it_was(monkeypatch):
     models.load_model(device="cpu")
     assert dict(os.environ) == before
     assert not hub.HF_HUB_OFFLINE and logging.is_progress_bar_enabled()
+
+
+def test_the_models_package_gives_the_loaders():
+    """``from trace_replay.models import load_model, load_tokenizer`` works, as it did before
+    the package had subfolders, and gives the public functions."""
+    import trace_replay as tr
+    from trace_replay.models import load_model, load_tokenizer
+
+    assert load_model is tr.load_model and load_tokenizer is tr.load_tokenizer

@@ -1,4 +1,4 @@
-"""Tests for trace_replay.traces.datasets: the bundled traces load by name, match data/README.md,
+"""Tests for trace_replay.datasets: the bundled traces load by name, match data/README.md,
 and are what the README says they are."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from trace_replay.traces import datasets
+from trace_replay import datasets
 from trace_replay.traces.sets import load_traces
 
-README = Path(__file__).resolve().parents[2] / "data" / "README.md"
+README = Path(__file__).resolve().parents[1] / "data" / "README.md"
 # (dataset, source) -> (rows, id prefix, max trace tokens), as stated in data/README.md
 FILES = {
     ("humaneval", "human"): (24, "he-human/", 128),
@@ -241,3 +241,14 @@ def test_files_are_what_load_reads():
     assert read == datasets.load("gsm8k_cot").ids
     with pytest.raises(ValueError, match="no bundled dataset 'gsm8k'; choose one of"):
         datasets.files("gsm8k")
+
+
+def test_the_datasets_package_imports_by_its_dotted_name():
+    """``trace_replay.datasets`` (in ``tr.__all__``) is a package of its own: the dotted import
+    and ``from trace_replay.datasets import ...`` work, and are what ``tr.datasets`` gives."""
+    import importlib
+
+    import trace_replay as tr
+
+    module = importlib.import_module("trace_replay.datasets")
+    assert module is tr.datasets and "humaneval" in set(module.available()["dataset"])
