@@ -14,8 +14,8 @@ import torch
 import trace_replay
 from trace_replay.engines import ENGINES
 
-from trace_replay.engines.base import (ENGINE_MEMBERS, Engine, EngineBase, EngineConfig,
-                                       ReplayRequest, check_engine)
+from trace_replay.engines.base import (ENGINE_MEMBERS, PROVENANCE, Engine, EngineBase,
+                                       EngineConfig, ReplayRequest, check_engine)
 
 # --- EngineConfig: checked before any model is loaded ---------------------------------------
 
@@ -153,6 +153,35 @@ def test_check_engine_evaluates_no_lazy_member():
 
     check_engine(Lazy())
     assert Lazy.loads == 0
+
+
+def test_check_engine_names_the_provenance_a_subclass_lacks():
+    """A subclass of EngineBase with ``run`` alone is refused naming every provenance attribute
+    it must set (PROVENANCE), not with an AttributeError from settings() in mid-replay."""
+
+    class Bare(EngineBase):
+        def run(self, requests, *, on_tokens=None):
+            return []
+
+    with pytest.raises(TypeError) as error:
+        check_engine(Bare())
+    lacks = str(error.value).split("it lacks ")[1].split(" (")[0].split(", ")
+    assert set(PROVENANCE) <= set(lacks) and "engine_path" in lacks
+
+
+def test_a_subclass_that_implements_generate_can_generate():
+    """``can_generate`` follows the class: True where it overrides ``generate`` (so ``record``
+    takes it), False where it keeps the base's refusal."""
+
+    class Scorer(EngineBase):
+        def run(self, requests, *, on_tokens=None):
+            return []
+
+    class Writer(Scorer):
+        def generate(self, prompts, *, max_tokens, temperature=0.0, seed=0, eos_token_id=None):
+            return [([1] * max_tokens, [0.0] * max_tokens) for _ in prompts]
+
+    assert not Scorer().can_generate and Writer().can_generate
 
 
 def test_base_defaults_say_what_an_engine_cannot_do():

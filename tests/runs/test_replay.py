@@ -134,6 +134,19 @@ def test_out_of_vocab_is_named(engine):
                progress=False)
 
 
+def test_ids_past_the_models_vocabulary_are_named(tiny_llama):
+    """A token id the tokenizer knows but the model's logits do not reach (a 128-token model
+    beside the embedded 49,152-token tokenizer) is refused naming the trace and the field,
+    not an IndexError from the embedding."""
+    from trace_replay.models.load import load_tokenizer
+
+    with make_engine("torch", tiny_llama) as engine:
+        engine.tokenizer = load_tokenizer()
+        with pytest.raises(TraceError, match=r"past-vocab.*trace_token_ids\[1\] = 500 .*128"):
+            replay([{"id": "past-vocab", "prompt_token_ids": [1, 2],
+                     "trace_token_ids": [3, 500]}], engine=engine, progress=False)
+
+
 @pytest.mark.parametrize(("argument", "value"), [
     ("chunk_size", -1), ("chunk_size", 0), ("shard", (0, 0)), ("shard", (2, 2)),
     ("checkpoint_every", -1.0), ("truncate", "yes")])

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 __all__ = ["Activations", "BatchFailed", "ENGINE_MEMBERS", "Engine", "EngineBase",
-           "EngineConfig", "ReplayRequest", "TraceResult", "check_engine"]
+           "EngineConfig", "PROVENANCE", "ReplayRequest", "TraceResult", "check_engine"]
 
 
 @dataclass(frozen=True)
@@ -205,7 +205,8 @@ def check_engine(engine: Any) -> None:
     as ``tokenizer`` is not evaluated); any other is read as a user would (``hasattr``), so an
     object that forwards attributes to a wrapped engine passes.
     """
-    missing = [name for name in ENGINE_MEMBERS if not _defines(engine, name)]
+    wanted = ENGINE_MEMBERS + (PROVENANCE if isinstance(engine, EngineBase) else ())
+    missing = [name for name in wanted if not _defines(engine, name)]
     if missing:
         raise TypeError(f"{type(engine).__name__} is not an Engine: it lacks "
                         f"{', '.join(missing)} (subclass trace_replay.engines.base.EngineBase, "
@@ -225,8 +226,10 @@ class EngineBase(ABC):
 
     Subclasses implement ``run`` and set the provenance ``name``, ``model_label``,
     ``engine_path``, ``dtype``, ``device``, ``batch_size``, ``top_k`` (the annotated
-    attributes without a value here), and where they differ from the defaults
-    ``deterministic``, ``max_model_len``, ``tokenizer_source``, ``can_generate`` and ``lm``.
+    attributes without a value here, :data:`PROVENANCE`; :func:`check_engine` names those
+    missing), and where they differ from the defaults ``deterministic``, ``max_model_len``,
+    ``tokenizer_source`` and ``lm``; ``can_generate`` is True when the class overrides
+    ``generate``.
     They may extend :meth:`settings` and :meth:`stats`, and override ``generate`` and
     ``activations`` where they can. ``vocab_size`` and ``weights_digest`` read ``lm``;
     engines whose model is elsewhere override them.
@@ -242,7 +245,6 @@ class EngineBase(ABC):
     deterministic: bool = False
     max_model_len: int | None = None
     selected_by: str | None = None  # set by make_engine("auto", ...): how the choice was made
-    can_generate: bool = False
     on_batch: Callable[[Sequence[ReplayRequest]], None] | None = None  # see Engine
     lm: torch.nn.Module | None = None  # the model in this process (None: elsewhere, closed)
     tokenizer_source: Any = None  # what models.load_tokenizer reads (None: the embedded model)
@@ -252,6 +254,11 @@ class EngineBase(ABC):
     def run(self, requests: Sequence[ReplayRequest], *,
             on_tokens: Callable[[int], None] | None = None) -> list[TraceResult]:
         """Score ``requests``; one result each, in the order given (see :class:`Engine`)."""
+
+    @property
+    def can_generate(self) -> bool:
+        """Whether ``generate`` works: by default, whether the class overrides it."""
+        return type(self).generate is not EngineBase.generate
 
     @property
     def tokenizer(self) -> Any:
@@ -333,3 +340,8 @@ class EngineBase(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.engine_path}, {self.dtype}, {self.device})"
+
+
+# what a subclass of EngineBase sets itself: the annotated attributes without a value there
+PROVENANCE = tuple(name for name in EngineBase.__annotations__
+                   if not hasattr(EngineBase, name) and not name.startswith("_"))

@@ -271,7 +271,9 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
         raise ValueError(f"top_k {settings['top_k']} exceeds the model's vocabulary size "
                          f"{vocab_size}: a step has only {vocab_size} alternatives to record")
     tokenizer = engine.tokenizer
-    traceset = traceset.tokenize(tokenizer)
+    # ids must index both the model's logits and the tokenizer that names them
+    bound = len(tokenizer) if vocab_size is None else min(len(tokenizer), vocab_size)
+    traceset = traceset.tokenize(tokenizer, vocab_size=bound)
     requests, cut_notes = prepare_requests(traceset, engine.max_model_len, truncate=truncate)
     by_id = {t.id: t for t in traceset}
     decode = TokenDecoder(tokenizer)
