@@ -471,18 +471,25 @@ def test_no_part_holds_an_impossible_answer(crafted, tmp_path):
     assert not list((tmp_path / "run").glob("**/*.parquet"))
 
 
+def _batch_of_three(crafted, tmp_path):
+    """Traces 'good', 'bad' (its token 777 is the one to craft) and 'fine', and replay options
+    sending them as one checkpointed batch to the crafted server, without retries."""
+    traces = [{"id": "good", "prompt_token_ids": [504, 3575], "trace_token_ids": [282, 4649, 314]},
+              {"id": "bad", "prompt_token_ids": [504, 3575], "trace_token_ids": [282, 777, 314]},
+              {"id": "fine", "prompt_token_ids": [504], "trace_token_ids": [300, 301]}]
+    options = dict(engine="vllm-server", top_k=2, batch_size=3, progress=False,
+                   checkpoint=tmp_path / "run", engine_args={
+                       "base_url": f"http://127.0.0.1:{crafted.server_port}/v1", "max_retries": 0})
+    return traces, options
+
+
 def test_an_impossible_answer_keeps_its_batch_mates(crafted, tmp_path):
     """One request of a batch answered impossibly: replay raises naming its trace, and with a
     checkpoint the batch's possible answers are saved, so a rerun without it resumes them (the
     engine checked its whole batch itself, and lost the others)."""
-    traces = [{"id": "good", "prompt_token_ids": [504, 3575], "trace_token_ids": [282, 4649, 314]},
-              {"id": "bad", "prompt_token_ids": [504, 3575], "trace_token_ids": [282, 777, 314]},
-              {"id": "fine", "prompt_token_ids": [504], "trace_token_ids": [300, 301]}]
     crafted.craft = lambda step, entry: {**entry, "logprob": 0.5} if entry["token_id"] == 777 \
         else entry
-    options = dict(engine="vllm-server", top_k=2, batch_size=3, progress=False,
-                   checkpoint=tmp_path / "run", engine_args={
-                       "base_url": f"http://127.0.0.1:{crafted.server_port}/v1", "max_retries": 0})
+    traces, options = _batch_of_three(crafted, tmp_path)
     with pytest.raises(ImpossibleResult, match=r"trace 'bad', step 1: .*logprob = 0.5"):
         replay(traces, **options)
     crafted.craft = None  # a request reaching the server now would fail
@@ -495,13 +502,8 @@ def test_a_malformed_answer_keeps_its_batch_mates(crafted, tmp_path):
     ServerError naming its trace, and with a checkpoint the batch mates that finished are
     saved, so a rerun without it resumes them instead of asking the server again (before,
     the whole batch was lost with the error)."""
-    traces = [{"id": "good", "prompt_token_ids": [504, 3575], "trace_token_ids": [282, 4649, 314]},
-              {"id": "bad", "prompt_token_ids": [504, 3575], "trace_token_ids": [282, 777, 314]},
-              {"id": "fine", "prompt_token_ids": [504], "trace_token_ids": [300, 301]}]
     crafted.craft = lambda step, entry: None if entry["token_id"] == 777 else entry
-    options = dict(engine="vllm-server", top_k=2, batch_size=3, progress=False,
-                   checkpoint=tmp_path / "run", engine_args={
-                       "base_url": f"http://127.0.0.1:{crafted.server_port}/v1", "max_retries": 0})
+    traces, options = _batch_of_three(crafted, tmp_path)
     with pytest.raises(ServerError, match=r"trace 'bad': "):
         replay(traces, **options)
     crafted.craft = None  # a request reaching the server now would fail
