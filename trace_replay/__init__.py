@@ -46,14 +46,14 @@ _EXPORTS = {
 }
 
 # modules reached as attributes, e.g. ``tr.datasets.load(...)``
-_SUBMODULES = {"datasets": "trace_replay.datasets"}
+_SUBMODULES = ("datasets",)
 
 __all__ = ["__version__", *_EXPORTS, *_SUBMODULES]
 
 
 def __getattr__(name: str):
     if name in _SUBMODULES:
-        value = importlib.import_module(_SUBMODULES[name])
+        value = importlib.import_module(f"trace_replay.{name}")
     elif name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
     else:

@@ -114,9 +114,6 @@ class TraceSet(collections.abc.Sequence):
         """
         traces = []
         for trace in self:
-            if trace.is_tokenized and not trace.is_chat:  # nothing to fill in
-                traces.append(trace)
-                continue
             try:
                 tokenize = tokenize_chat_trace if trace.is_chat else tokenize_text_trace
                 traces.append(tokenize(trace, tokenizer))
@@ -330,9 +327,7 @@ def load_traces(
         traces = source
     else:
         name, rows = read_records(source)
-        if format != "traces":  # server logs: their records become trace records first
-            rows = import_records(rows, format, tokenizer)
-        traces = _build(name, rows, turns)
+        traces = _build(name, import_records(rows, format, tokenizer), turns)
     if tokenizer is not None:
         return traces.tokenize(tokenizer, vocab_size=vocab_size)
     if vocab_size is not None:

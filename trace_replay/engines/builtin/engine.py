@@ -65,8 +65,6 @@ class TorchEngine(EngineBase):
     """
 
     name = "torch"
-    can_generate = True
-
     def __init__(self, config: EngineConfig | None = None, *, speculative: dict | None = None,
                  backend: str = "auto", float32_matmul: str = "3xtf32") -> None:
         config = config or EngineConfig()

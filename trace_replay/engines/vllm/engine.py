@@ -264,8 +264,6 @@ class VLLMEngine(EngineBase):
     """
 
     name = "vllm"
-    can_generate = True
-
     def __init__(self, config: EngineConfig | None = None, *, engine_args: dict | None = None,
                  native: bool | None = None, verbose: bool = False) -> None:
         config = config or EngineConfig()
