@@ -390,7 +390,7 @@ def _compile_layer(fusions: bool):
     compile per backend would compile every shape again (start-up of each engine).
     """
     return compile_function(_layer_forward, fullgraph=True, dynamic=False,
-                            options=layer_passes())
+                            options=layer_passes(fusions))
 
 
 def _bucket(length: int) -> int:

@@ -125,10 +125,10 @@ def fuse_layer(view: torch.nn.Module, layer: torch.nn.Module) -> torch.nn.Module
     return view
 
 
-def passes() -> tuple[list, object | None]:
+def passes(enabled: bool) -> tuple[list, object | None]:
     """The compiler passes of the fusions: (passes before inductor's post-grad passes, the
-    pass after them); none when :data:`ENABLED` is off."""
-    if not ENABLED:
+    pass after them); none when the fusions are off."""
+    if not enabled:
         return [], None
     from trace_replay.engines.builtin.passes.norm_folds import FoldNorms  # these import inductor
     from trace_replay.engines.builtin.passes.residual_adds import FoldResidualAdds
