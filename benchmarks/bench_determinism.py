@@ -76,6 +76,22 @@ def timed(engine, requests, device, repeats: int) -> tuple[float, list]:
     return statistics.median(times), results
 
 
+def profile(engine, requests, label: str, rows: int = 12) -> None:
+    """Kernel launches and the top kernels by device time of one ``engine.run``."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.run(requests)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    launches = sum(e.count for e in kernels)
+    device_us = sum(e.self_device_time_total for e in kernels)
+    print(f"\nprofile of {label}: {launches} kernel launches, {device_us / 1e3:.1f} ms on the device")
+    print(events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=60))
+
+
 def _bits(values: np.ndarray) -> np.ndarray:
     """Per-step rows of raw bits (a float compares by its bit pattern: -0.0 != 0.0)."""
     values = np.ascontiguousarray(values)
@@ -109,6 +125,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-cost", action="store_true", help="checks only")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--unbatched", action="store_true",
+                        help="also time deterministic prefill with one GEMM call per row block")
+    parser.add_argument("--profile", action="store_true",
+                        help="a torch.profiler table of one prefill run per mode (CUDA)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -139,12 +159,27 @@ def main() -> None:
             else:
                 seconds, out = timed(engine, requests, device, args.repeats)
             results[name, deterministic] = out
+            if args.profile and name == "prefill":
+                profile(engine, requests, f"{path} (deterministic={deterministic})")
             rows.append((name, path, deterministic, seconds))
             if name == "torch":  # batch invariance: batch 7, traces reversed
                 small = make_engine(name, lm, batch_size=7, deterministic=deterministic)
                 results["small", deterministic] = small.run(requests[::-1])
             engine.close()
 
+    if args.unbatched and not args.skip_cost:  # deterministic prefill before batched GEMMs
+        from trace_replay.engines.builtin.backends import invariant_ops
+
+        invariant_ops.CUDA_BATCH_MENU = ()
+        engine = make_engine("prefill", lm, batch_size=args.batch, deterministic=True)
+        seconds, out = timed(engine, requests, device, args.repeats)
+        equal, total, _ = agreement(out, results["prefill", True])
+        print(f"one GEMM call per row block: {equal}/{total} tokens bitwise equal to batched")
+        if args.profile:
+            profile(engine, requests, "prefill, one GEMM call per row block")
+        rows.append(("prefill", engine.settings()["engine_path"] + " one call per block", True,
+                     seconds))
+        engine.close()
     if not args.skip_cost:
         print("\n| engine path | deterministic | median s | tokens/s | × default |")
         print("|---|---|---:|---:|---:|")
