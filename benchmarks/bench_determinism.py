@@ -125,8 +125,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-cost", action="store_true", help="checks only")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    parser.add_argument("--unbatched", action="store_true",
-                        help="also time deterministic prefill with one GEMM call per row block")
     parser.add_argument("--profile", action="store_true",
                         help="a torch.profiler table of one prefill run per mode (CUDA)")
     args = parser.parse_args()
@@ -167,19 +165,6 @@ def main() -> None:
                 results["small", deterministic] = small.run(requests[::-1])
             engine.close()
 
-    if args.unbatched and not args.skip_cost:  # deterministic prefill before batched GEMMs
-        from trace_replay.engines.builtin.backends import invariant_ops
-
-        invariant_ops.CUDA_BATCH_MENU = ()
-        engine = make_engine("prefill", lm, batch_size=args.batch, deterministic=True)
-        seconds, out = timed(engine, requests, device, args.repeats)
-        equal, total, _ = agreement(out, results["prefill", True])
-        print(f"one GEMM call per row block: {equal}/{total} tokens bitwise equal to batched")
-        if args.profile:
-            profile(engine, requests, "prefill, one GEMM call per row block")
-        rows.append(("prefill", engine.settings()["engine_path"] + " one call per block", True,
-                     seconds))
-        engine.close()
     if not args.skip_cost:
         print("\n| engine path | deterministic | median s | tokens/s | × default |")
         print("|---|---|---:|---:|---:|")

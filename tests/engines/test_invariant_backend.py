@@ -91,27 +91,3 @@ def test_settings_record_the_arithmetic(lm):
     assert settings["engine_path"] == "teacher-forced-prefill[invariant]"
     assert {"linear", "norm", "attention", "key_block", "score"} <= set(settings["arithmetic"])
     assert make_engine("prefill", lm).settings()["deterministic"] is False
-
-
-def test_batched_gemm_blocks_keep_the_decode_bits(lm, monkeypatch):
-    """Prefill rows that go through batched GEMMs (blocks of 8 rows, 2 or 4 blocks per call,
-    as far as this machine's probe keeps them) get the bits of one-block decode steps."""
-    from dataclasses import replace
-
-    from trace_replay.engines.builtin.backends import invariant_model
-    from trace_replay.engines.builtin.backends.invariant_ops import RowBlocks
-
-    cpu = RowBlocks.for_device(torch.device("cpu"))
-    monkeypatch.setattr(invariant_model.RowBlocks, "for_device",
-                        staticmethod(lambda device: replace(cpu, linear=(8,), batches=(2, 4))))
-    batched = InvariantBackend(lm, max_query_len=1)
-    assert set(batched.describe()["linear_batches"]) <= {2, 4}
-    prompt, fed = PROMPTS[0], list(range(100, 128))  # 32 rows: four blocks of 8
-    with torch.inference_mode():
-        steps = [batched.prefill([prompt], len(fed))[0].clone()]
-        for i, token in enumerate(fed):
-            steps.append(batched.decode(torch.tensor([[token]]),
-                                        torch.tensor([[len(prompt) + i]]))[0, 0].clone())
-        forced = batched.teacher_forced([prompt + fed],
-                                        [range(len(prompt) - 1, len(prompt) + len(fed))])
-    assert all(torch.equal(a, b) for a, b in zip(steps, forced))

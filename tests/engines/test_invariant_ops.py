@@ -13,13 +13,11 @@ import torch
 from trace_replay.engines.builtin.backends.invariant_ops import (
     LINEAR_MENU,
     RowBlocks,
-    probe_batches,
     probe_linear,
     score_rows,
     silu_mul,
 )
 from trace_replay.engines.scoring import score_tokens
-from trace_replay.kernels.invariant_linear import linear_rows_reference
 
 
 def _placed(row: torch.Tensor, rows: int, position: int, seed: int) -> torch.Tensor:
@@ -71,21 +69,6 @@ def test_probe_keeps_the_menu_that_agrees():
     row = torch.randn(64)
     outs = [torch.nn.functional.linear(_placed(row, s, s - 1, s), weight)[s - 1] for s in sizes]
     assert all(torch.equal(o, outs[0]) for o in outs)
-
-
-def test_probe_batches_keeps_counts_that_give_the_one_block_bits():
-    """Every block count the probe keeps gives a row its one-block F.linear bits, whichever
-    block and row of the batched call it sits in."""
-    weight, row = torch.randn(96, 64), torch.randn(64)
-    counts = probe_batches([weight], 16, (2, 3, 4))
-    assert set(counts) <= {2, 3, 4}
-    alone = torch.nn.functional.linear(_placed(row, 16, 5, 0), weight)[5]
-    for count in counts:
-        for block in range(count):
-            place = block * 16 + 5
-            got = linear_rows_reference(_placed(row, count * 16, place, count), weight, (16,),
-                                        (count,))[place]
-            assert torch.equal(got, alone)
 
 
 def test_score_rows_matches_score_tokens():

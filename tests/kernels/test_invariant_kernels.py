@@ -12,7 +12,6 @@ from trace_replay.kernels.invariant_attention import (
     attention_rows_triton,
 )
 from trace_replay.kernels.invariant_linear import (
-    batch_plan,
     block_plan,
     linear_rows_reference,
     linear_rows_triton,
@@ -60,21 +59,6 @@ def test_block_plan_covers_rows_with_menu_sizes():
     assert block_plan(5, (4, 8, 16)) == [(0, 8)]
     assert block_plan(37, (4, 8, 16)) == [(0, 16), (16, 16), (32, 8)]
     assert block_plan(32, (16,)) == [(0, 16), (16, 16)]
-
-
-def test_batch_plan_groups_runs_of_one_size():
-    """Consecutive blocks of one size go by the largest count that fits; none is split."""
-    plan = block_plan(16 * 7 + 3, (4, 16))
-    assert batch_plan(plan, (1, 2, 4)) == [(0, 16, 4), (64, 16, 2), (96, 16, 1), (112, 4, 1)]
-    assert batch_plan(plan, (1,)) == [(start, size, 1) for start, size in plan]
-    assert batch_plan([], (1, 2)) == []
-
-
-@pytest.mark.parametrize("batches", [(), (2,), (2, 4, 8)])
-def test_linear_reference_matches_f_linear_with_batched_blocks(batches):
-    """Runs of blocks as batched GEMMs still compute x @ W.T (padding rows dropped)."""
-    x, w = torch.randn(16 * 9 + 5, 24), torch.randn(10, 24)
-    torch.testing.assert_close(linear_rows_reference(x, w, (16,), batches), x @ w.T)
 
 
 def test_linear_reference_matches_f_linear():

@@ -8,17 +8,12 @@ other rows hold, where row ``r`` sits and how many rows there are.
   constants (no autotuning keyed on the row count, no split-K), so the arithmetic of an
   output element is fixed by ``K`` and its column alone. float32 inputs use IEEE products
   (no TF32).
-* **Reference** (the GEMM library's path): ``F.linear`` over blocks of rows whose sizes
-  come from a fixed menu (:func:`block_plan`). A GEMM library picks its algorithm from the
-  call's shape; a fixed shape fixes the algorithm, and row ``r``'s reduction order then
-  does not depend on the other rows' values or on ``r``'s position in the block (verified
-  at engine start by :func:`~trace_replay.engines.builtin.backends.invariant_ops.probe_linear`,
-  which also checks whether the menu's sizes agree with one another; if they do not, the
-  menu is one size). Runs of whole blocks may go as one batched GEMM (``torch.bmm`` of
-  ``count`` blocks) for the counts where
-  :func:`~trace_replay.engines.builtin.backends.invariant_ops.probe_batches` finds a row's
-  bits equal to its one-block ``F.linear`` bits: fewer launches and fuller waves for long
-  prefills, the same bits as a decode step's single block.
+* **Reference** (the CPU path): ``F.linear`` over blocks of rows whose sizes come from a
+  fixed menu (:func:`block_plan`). A GEMM library picks its algorithm from the call's
+  shape; a fixed shape fixes the algorithm, and row ``r``'s reduction order then does not
+  depend on the other rows' values or on ``r``'s position in the block (verified at engine
+  start by :func:`~trace_replay.engines.builtin.backends.invariant_ops.probe_linear`, which also checks
+  whether the menu's sizes agree with one another; if they do not, the menu is one size).
 """
 
 # No `from __future__ import annotations`: Triton's interpreter must see `tl.constexpr`.
@@ -30,7 +25,7 @@ import torch.nn.functional as F
 
 from trace_replay.kernels._triton import tl, triton
 
-__all__ = ["batch_plan", "block_plan", "linear_rows_reference", "linear_rows_triton"]
+__all__ = ["block_plan", "linear_rows_reference", "linear_rows_triton"]
 
 # Tile of one program. Constants: the arithmetic of an output element must not depend on
 # the number of rows (autotuning keyed on M, or split-K, would make it depend).
@@ -117,34 +112,11 @@ def block_plan(rows: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
     return plan
 
 
-def batch_plan(plan: Sequence[tuple[int, int]],
-               counts: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Group a :func:`block_plan` into calls: ``[(start, size, count), ...]``.
-
-    Consecutive blocks of one size go ``count`` at a time, the largest count of ``counts``
-    (which holds 1) that fits first; a block is never split.
-    """
-    calls, i = [], 0
-    while i < len(plan):
-        start, size = plan[i]
-        run = 1
-        while i + run < len(plan) and plan[i + run][1] == size:
-            run += 1
-        while run:
-            count = max(c for c in counts if c <= run)
-            calls.append((start, size, count))
-            start, i, run = start + count * size, i + count, run - count
-    return calls
-
-
 def linear_rows_reference(x: torch.Tensor, weight: torch.Tensor,
-                          sizes: Sequence[int] = (16,),
-                          batches: Sequence[int] = (1,)) -> torch.Tensor:
+                          sizes: Sequence[int] = (16,)) -> torch.Tensor:
     """``x @ weight.T`` as ``F.linear`` calls on blocks of rows from the menu ``sizes``.
 
-    Every block has ``[size, K]`` rows, zero-padded at the end; the padding rows are dropped.
-    ``count`` consecutive blocks of one size go as one ``torch.bmm`` when ``count`` is in
-    ``batches`` (:func:`batch_plan`; a count of 1 is always one ``F.linear``).
+    Every call has ``[size, K]`` rows, zero-padded at the end; the padding rows are dropped.
 
     Parameters
     ----------
@@ -154,8 +126,6 @@ def linear_rows_reference(x: torch.Tensor, weight: torch.Tensor,
         ``[N, K]``.
     sizes : Sequence[int]
         Row counts a GEMM call may have.
-    batches : Sequence[int]
-        Blocks one batched GEMM may hold (1 is added).
 
     Returns
     -------
@@ -169,17 +139,6 @@ def linear_rows_reference(x: torch.Tensor, weight: torch.Tensor,
     end = plan[-1][0] + plan[-1][1]
     if end > rows:
         x = torch.cat([x, x.new_zeros((end - rows, x.shape[1]))])
-    x = x.contiguous()
-    if len(plan) == 1:
-        return F.linear(x, weight)[:rows]
-    out = x.new_empty((end, weight.shape[0]))
-    k, n = weight.shape[1], weight.shape[0]
-    for start, size, count in batch_plan(plan, (1, *batches)):
-        stop = start + count * size
-        if count == 1:  # the call a single block gets (what decode steps run)
-            out[start:stop] = F.linear(x[start:stop], weight)
-        else:
-            torch.bmm(x[start:stop].view(count, size, k), weight.t().expand(count, k, n),
-                      out=out[start:stop].view(count, size, n))
-    return out[:rows]
+    out = [F.linear(x[start:start + size].contiguous(), weight) for start, size in plan]
+    return torch.cat(out)[:rows] if len(out) > 1 else out[0][:rows]
 

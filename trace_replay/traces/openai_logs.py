@@ -25,20 +25,17 @@ from typing import Any
 
 from trace_replay.traces.trace import TraceError
 
-__all__ = ["FORMATS", "import_records", "openai_records"]
+__all__ = ["import_openai", "openai_records"]
 
-FORMATS = ("traces", "openai")
 _TOKEN_ID = re.compile(r"token_id:(\d+)")  # vLLM --return-tokens-as-token-ids
 # Chat request options that change the prompt in ways rendering `messages` would not repeat.
 _CHAT_OPTIONS = {"add_generation_prompt": True, "continue_final_message": False,
                  "chat_template": None, "chat_template_kwargs": None, "add_special_tokens": False}
 
 
-def import_records(rows: Iterable[tuple[str, Any]], format: str,
-                   tokenizer: Any = None) -> Iterable[tuple[str, Any]]:
-    """Turn ``(location, raw)`` pairs of ``format`` into ``(location, trace record)`` pairs."""
-    if format == "traces":
-        return rows
+def import_openai(rows: Iterable[tuple[str, Any]],
+                  tokenizer: Any = None) -> Iterable[tuple[str, Any]]:
+    """Turn ``(location, log record)`` pairs into ``(location, trace record)`` pairs."""
     vocabulary = _Vocabulary(tokenizer)
     return ((location, record) for location, raw in rows
             for record in openai_records(raw, location, vocabulary))

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from trace_replay._io import write_atomic
 from trace_replay._text import plural
 from trace_replay.traces.chat import tokenize_chat_trace
-from trace_replay.traces.openai_logs import FORMATS, import_records
+from trace_replay.traces.openai_logs import import_openai
 from trace_replay.traces.tokenization import tokenize_text_trace
 from trace_replay.traces.trace import FIELDS, JSON_FIELDS, TURNS, Trace, TraceError
 from trace_replay.traces.sources import open_text, parse_record, read_records
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Trace", "TraceError", "TraceSet", "load_traces"]
 
+FORMATS = ("traces", "openai")  # what load_traces reads: trace records, OpenAI-compatible logs
 _ID_FIELDS = ("prompt_token_ids", "trace_token_ids")
 # one value per trace token: cut together
 _PER_TOKEN = ("trace_token_ids", "ref_logprobs", "trace_turns", "trace_roles")
@@ -327,7 +328,8 @@ def load_traces(
         traces = source
     else:
         name, rows = read_records(source)
-        traces = _build(name, import_records(rows, format, tokenizer), turns)
+        records = rows if format == "traces" else import_openai(rows, tokenizer)
+        traces = _build(name, records, turns)
     if tokenizer is not None:
         return traces.tokenize(tokenizer, vocab_size=vocab_size)
     if vocab_size is not None:

@@ -17,8 +17,7 @@ from typing import Protocol
 import torch
 
 from trace_replay.kernels._triton import HAS_TRITON
-from trace_replay.engines.builtin.backends.invariant_ops import (
-    RowBlocks, probe_batches, probe_linear, score_rows, silu_mul)
+from trace_replay.engines.builtin.backends.invariant_ops import RowBlocks, probe_linear, score_rows, silu_mul
 from trace_replay.engines.scoring import TokenScores
 from trace_replay.kernels.invariant_attention import (
     BLOCK_N, attention_rows_reference, attention_rows_triton)
@@ -120,11 +119,6 @@ class InvariantLlama:
             if not self.triton:
                 raise
             self.triton_linear = True  # the Triton GEMM is row-invariant by construction
-        if not self.triton_linear and self.blocks.batches:  # the head is never batched
-            body = [m.weight for m in self.model.layers.modules()
-                    if isinstance(m, torch.nn.Linear)]
-            self.blocks = replace(self.blocks, batches=probe_batches(
-                body, max(self.blocks.linear), self.blocks.batches))
         # rows of a forward are padded to this once (CUDA: GEMM blocks need no copies)
         self.row_multiple = 1 if not on_cuda or self.triton_linear else min(self.blocks.linear)
         config = lm.config
@@ -139,7 +133,6 @@ class InvariantLlama:
         """The arithmetic choices, for ``settings()`` (results depend on them)."""
         torch_rows = "torch, {} rows per call".format
         return {"linear": "triton" if self.triton_linear else torch_rows(list(self.blocks.linear)),
-                "linear_batches": [] if self.triton_linear else list(self.blocks.batches),
                 "norm": "triton" if self.triton else torch_rows(self.blocks.rowwise),
                 "attention": "triton" if self.triton else torch_rows(self.blocks.attention),
                 "key_block": BLOCK_N, "score": torch_rows(self.blocks.score),
@@ -158,7 +151,7 @@ class InvariantLlama:
         return score_rows(logits, token_ids, top_k, self.blocks.score)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._linear(hidden, self.lm.lm_head, batches=())
+        return self._linear(hidden, self.lm.lm_head)
 
     def forward(self, cache: KVCache, tokens: torch.Tensor, cache_row: torch.Tensor,
                 slot: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -214,14 +207,11 @@ class InvariantLlama:
             return rms_norm_rows_triton(x, norm.weight, eps)
         return rms_norm_rows_reference(x, norm.weight, eps, self.blocks.rowwise)
 
-    def _linear(self, x: torch.Tensor, module: torch.nn.Linear,
-                batches: tuple[int, ...] | None = None) -> torch.Tensor:
-        """A layer's linear (``batches``: the probed block counts unless given)."""
+    def _linear(self, x: torch.Tensor, module: torch.nn.Linear) -> torch.Tensor:
         if self.triton_linear:
             out = linear_rows_triton(x, module.weight)
         else:
-            out = linear_rows_reference(x, module.weight, self.blocks.linear,
-                                        self.blocks.batches if batches is None else batches)
+            out = linear_rows_reference(x, module.weight, self.blocks.linear)
         return out if module.bias is None else out + module.bias
 
     def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

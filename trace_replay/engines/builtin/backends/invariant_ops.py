@@ -17,8 +17,6 @@ an engine starts (:func:`probe_linear`):
   library and dtype; the probe keeps, at start-up, a group of menu sizes that agree
   (:func:`probe_linear`); without one, the Triton GEMM
   (:mod:`~trace_replay.kernels.invariant_linear`, invariant by construction) is used.
-  On CUDA, runs of whole blocks go as one batched GEMM only for the block counts where
-  :func:`probe_batches` finds a row's bits equal to its one-block bits.
 * Reductions over the last dimension (sum, mean, amax, log_softmax, softmax) of a
   ``[rows, n]`` tensor reduce each row with the same code whatever its index, as long as
   there are at least two rows (PyTorch's CPU reductions split a *single* output's reduction
@@ -38,17 +36,12 @@ from dataclasses import dataclass
 import torch
 
 from trace_replay.engines.scoring import TokenScores
-from trace_replay.kernels.invariant_linear import linear_rows_reference
 
-__all__ = ["LINEAR_MENU", "RowBlocks", "probe_batches", "probe_linear", "silu_mul",
-           "score_rows"]
+__all__ = ["LINEAR_MENU", "RowBlocks", "probe_linear", "silu_mul", "score_rows"]
 
 LINEAR_MENU = (4, 8, 16, 32, 64)  # GEMM row counts on CPU, as far as the probe finds them equal
 # on CUDA (cuBLAS); on an H200 bfloat16 rows agree across all, float32 rows at none
 CUDA_LINEAR_MENU = (64, 128, 256, 512, 1024, 2048)
-# blocks per batched GEMM tried on CUDA (cuBLAS launches one 256-row float32 block at a time
-# otherwise: a long prefill is launch-bound and fills a few SMs per call)
-CUDA_BATCH_MENU = (2, 4, 8, 16, 32)
 
 
 @dataclass(frozen=True)
@@ -56,8 +49,7 @@ class RowBlocks:
     """How many rows each kind of call gets; part of an engine's arithmetic (``settings``).
 
     ``linear`` is the menu of GEMM row counts (cut down by :func:`probe_linear`);
-    ``batches`` the blocks of the largest size one batched GEMM may hold (cut down by
-    :func:`probe_batches`; empty: one call per block); ``rowwise`` the rows of a torch norm call; ``attention`` the query rows of a torch
+    ``rowwise`` the rows of a torch norm call; ``attention`` the query rows of a torch
     attention call; ``score`` the rows of a scoring call. On CUDA norms and attention are
     Triton kernels, which take any number of rows.
     """
@@ -66,13 +58,11 @@ class RowBlocks:
     rowwise: int
     attention: int
     score: int
-    batches: tuple[int, ...] = ()
 
     @staticmethod
     def for_device(device: torch.device) -> RowBlocks:
         if device.type == "cuda":
-            return RowBlocks(linear=CUDA_LINEAR_MENU, rowwise=64, attention=64, score=64,
-                             batches=CUDA_BATCH_MENU)
+            return RowBlocks(linear=CUDA_LINEAR_MENU, rowwise=64, attention=64, score=64)
         return RowBlocks(linear=LINEAR_MENU, rowwise=8, attention=8, score=8)
 
 
@@ -125,47 +115,6 @@ def probe_linear(weights: Sequence[torch.Tensor], menu: Sequence[int]) -> tuple[
                            "cannot be guaranteed here")
     best = max(groups.values(), key=lambda g: (g[0] <= 256, len(g), g[0]))
     return tuple(best)
-
-
-def probe_batches(weights: Sequence[torch.Tensor], size: int,
-                  counts: Sequence[int]) -> tuple[int, ...]:
-    """The block counts a batched GEMM of ``size``-row blocks may hold with these weights.
-
-    A count is kept when, for every distinct weight shape, one random row computed by
-    :func:`~trace_replay.kernels.invariant_linear.linear_rows_reference` over ``count``
-    blocks (placed in the first, middle and last block, first and last row, random
-    neighbours) gets exactly the bits ``F.linear`` of one ``size``-row block gives it — the
-    bits a decode step gets. Returns the kept counts, ascending (possibly none).
-    """
-    generator = torch.Generator().manual_seed(1)
-    shapes = {}
-    for weight in weights:
-        shapes.setdefault((tuple(weight.shape), weight.dtype), weight)
-    kept = []
-    with torch.inference_mode():
-        rows = [torch.randn(w.shape[1], generator=generator).to(w) for w in shapes.values()]
-        singles = [_row_bits(w, r, size, generator) for w, r in zip(shapes.values(), rows)]
-        for count in sorted(counts):
-            if None not in singles and all(
-                    _batched_row_bits(w, r, size, count, generator) == bits
-                    for w, r, bits in zip(shapes.values(), rows, singles)):
-                kept.append(count)
-    return tuple(kept)
-
-
-def _batched_row_bits(weight: torch.Tensor, row: torch.Tensor, size: int, count: int,
-                      generator: torch.Generator) -> bytes | None:
-    """The bits ``row`` gets among ``count`` blocks of one batched call, or None if they move."""
-    seen = None
-    for block in sorted({0, count // 2, count - 1}):
-        for position in (0, size - 1):
-            x = torch.randn(count * size, row.shape[0], generator=generator).to(weight)
-            x[block * size + position] = row
-            got = linear_rows_reference(x, weight, (size,), (count,))[block * size + position]
-            if seen is not None and not torch.equal(got, seen):
-                return None
-            seen = got
-    return seen.cpu().view(torch.uint8).numpy().tobytes()
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
