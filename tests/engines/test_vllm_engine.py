@@ -150,6 +150,12 @@ def test_parallel_sizes_are_recorded(result):
     assert result.attrs["pipeline_parallel_size"] == 1
 
 
+def test_quantization_is_recorded(result):
+    """attrs say which quantization vLLM ran (none for the embedded model's float weights),
+    so an FP8 run's frame is never mistaken for a bfloat16 one."""
+    assert result.attrs["quantization"] == "none"
+
+
 def test_a_trace_past_max_model_len_is_refused_naming_it(engine):
     """An engine given a request longer than its context refuses it by the trace's id
     (vLLM would reject it without naming it, or silently cut a native trace)."""

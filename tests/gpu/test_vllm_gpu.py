@@ -233,3 +233,24 @@ def test_deterministic_is_batch_invariant(folder, prompts, greedy):
         engine.close()
     for a, b in zip(batched, alone):
         assert np.array_equal(a.logprob, b.logprob) and np.array_equal(a.rank, b.rank)
+
+
+def test_fp8_replays_the_trace_and_says_it_is_quantized(folder, native, prompts, greedy):
+    """quantization="fp8" (vLLM's dynamic FP8 on the H200): settings say fp8, the bf16
+    greedy traces are replayed exactly, and logprobs stay near bf16's (median |Δ| < 0.1) while
+    not being bf16's (quantization changes the arithmetic)."""
+    engine = make_engine("vllm", folder, dtype="bfloat16", batch_size=16, top_k=5,
+                         engine_args={"skip_tokenizer_init": True, "enforce_eager": True,
+                                      "max_model_len": MAX_MODEL_LEN,
+                                      "gpu_memory_utilization": 0.12, "quantization": "fp8"})
+    try:
+        assert engine.settings()["quantization"] == "fp8"
+        assert native.settings()["quantization"] == "none"
+        traces = [list(g.token_ids) for g in greedy]
+        requests = _requests(prompts, traces, "fp8")
+        fp8, bf16 = engine.run(requests), native.run(requests)
+    finally:
+        engine.close()
+    assert all(r.token_ids.tolist() == t for r, t in zip(fp8, traces))
+    delta = np.abs(np.concatenate([a.logprob - b.logprob for a, b in zip(fp8, bf16)]))
+    assert np.median(delta) < 0.1 and delta.max() > 0

@@ -327,6 +327,8 @@ class VLLMEngine(EngineBase):
               flush=True)
         config = self.llm.llm_engine.model_config
         self.max_model_len = config.max_model_len
+        # what vLLM runs: engine_args' method, or one the checkpoint declares (None: unquantized)
+        self.quantization = str(config.quantization or "none")
         self.batch_size = self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         # in-process on CPU with one rank, vLLM's forward runs on this process's threads
@@ -380,6 +382,7 @@ class VLLMEngine(EngineBase):
                     **self.parallel}
         settings["model_runner"] = self.model_runner
         settings["attention_backend"] = str(self.llm_args.get("attention_backend") or "vllm default")
+        settings["quantization"] = self.quantization
         if self.native_error:
             settings["native_unavailable"] = self.native_error
         if self.engine_path == "vllm-logits-processor-forcing":
