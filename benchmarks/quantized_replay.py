@@ -43,19 +43,6 @@ import torch
 RUNS = ("bf16", "fp8")
 
 
-class IdTokenizer:
-    """Token ids as text (``<7>``) for random-weight models, which have no tokenizer."""
-
-    def __init__(self, vocab_size: int) -> None:
-        self.vocab_size = vocab_size
-
-    def __len__(self) -> int:
-        return self.vocab_size
-
-    def decode(self, ids, **_) -> str:
-        return "".join(f"<{int(i)}>" for i in ids)
-
-
 def shape_folder(shape: str) -> tuple[str, int]:
     """A random bfloat16 model of ``shape`` saved in a folder, and its vocabulary size."""
     from shapes import random_model
@@ -115,6 +102,8 @@ def main() -> None:
     if args.embedded:
         traces = tr.datasets.load()
     else:
+        from files_touched import IdTokenizer  # ids as text: random weights have no tokenizer
+
         for engine in engines.values():
             engine.tokenizer = IdTokenizer(vocab)
         gen = torch.Generator().manual_seed(0)
