@@ -483,28 +483,21 @@ def _batch_of_three(crafted, tmp_path):
     return traces, options
 
 
-def test_an_impossible_answer_keeps_its_batch_mates(crafted, tmp_path):
-    """One request of a batch answered impossibly: replay raises naming its trace, and with a
-    checkpoint the batch's possible answers are saved, so a rerun without it resumes them (the
-    engine checked its whole batch itself, and lost the others)."""
-    crafted.craft = lambda step, entry: {**entry, "logprob": 0.5} if entry["token_id"] == 777 \
-        else entry
+@pytest.mark.parametrize("craft, error, message", [
+    (lambda step, entry: {**entry, "logprob": 0.5} if entry["token_id"] == 777 else entry,
+     ImpossibleResult, r"trace 'bad', step 1: .*logprob = 0.5"),
+    (lambda step, entry: None if entry["token_id"] == 777 else entry,
+     ServerError, r"trace 'bad': "),
+], ids=["impossible", "malformed"])
+def test_a_bad_answer_keeps_its_batch_mates(crafted, tmp_path, craft, error, message):
+    """One request of a batch answered impossibly (logprob 0.5) or malformed (a step
+    missing): replay raises naming its trace (ImpossibleResult, or the ServerError), and with
+    a checkpoint the batch mates that finished are saved, so a rerun without it resumes them
+    instead of asking the server again. Impossible: the engine checked its whole batch itself,
+    and lost the others; malformed: the whole batch was lost with the error (both before)."""
+    crafted.craft = craft
     traces, options = _batch_of_three(crafted, tmp_path)
-    with pytest.raises(ImpossibleResult, match=r"trace 'bad', step 1: .*logprob = 0.5"):
-        replay(traces, **options)
-    crafted.craft = None  # a request reaching the server now would fail
-    df = replay([traces[0], traces[2]], **options)
-    assert df["trace_id"].unique().tolist() == ["good", "fine"]
-
-
-def test_a_malformed_answer_keeps_its_batch_mates(crafted, tmp_path):
-    """One request of a batch answered malformed (a step missing): replay raises the
-    ServerError naming its trace, and with a checkpoint the batch mates that finished are
-    saved, so a rerun without it resumes them instead of asking the server again (before,
-    the whole batch was lost with the error)."""
-    crafted.craft = lambda step, entry: None if entry["token_id"] == 777 else entry
-    traces, options = _batch_of_three(crafted, tmp_path)
-    with pytest.raises(ServerError, match=r"trace 'bad': "):
+    with pytest.raises(error, match=message):
         replay(traces, **options)
     crafted.craft = None  # a request reaching the server now would fail
     df = replay([traces[0], traces[2]], **options)

@@ -162,16 +162,13 @@ class ServerEngine(EngineBase):
                 if on_tokens is not None:
                     on_tokens(len(future.result().token_ids))
             return [future.result() for future in futures]
-        except ServerError as error:
-            # requests not sent yet stay unsent; those in flight finish and are kept
-            for future in futures:
+        except BaseException as error:
+            for future in futures:  # requests not sent yet stay unsent
                 future.cancel()
-            wait([f for f in futures if not f.cancelled()])
+            if not isinstance(error, ServerError):
+                raise
+            wait([f for f in futures if not f.cancelled()])  # those in flight are kept
             raise BatchFailed(error, [_finished(f) for f in futures]) from error
-        except BaseException:
-            for future in futures:
-                future.cancel()
-            raise
 
     def close(self) -> None:
         """Stop the request threads (the server keeps running)."""
