@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from shapes import random_model
 
-PATHS = ("greedy", "native", "forcing")
+PATHS = ("greedy", "greedy-flat", "native", "forcing")
 
 
 def main() -> None:
@@ -66,8 +66,8 @@ def main() -> None:
     parser.add_argument("--model-dir", default=None,
                         help="save the random model here, or reuse the one saved there")
     parser.add_argument("--parts", default=None,
-                        help="speed, agreement, served, comma-separated (default: speed; "
-                        "all three with --tp > 1)")
+                        help="speed, in-process, agreement, served, comma-separated (default: "
+                        "speed; speed, agreement and served with --tp > 1)")
     parser.add_argument("--check-batch", type=int, default=32,
                         help="traces of the agreement part (as many off-policy)")
     args = parser.parse_args()
@@ -76,7 +76,9 @@ def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     folder, vocab = model_folder(args)
     if "speed" in parts:
-        speed(folder, vocab, args)
+        requests, native_seconds = speed(folder, vocab, args)
+        if "in-process" in parts:
+            in_process(folder, requests, native_seconds, args)
     if "agreement" in parts or "served" in parts:
         agreement(folder, vocab, args, "agreement" in parts, "served" in parts)
 
@@ -117,8 +119,13 @@ def random_prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
 
 
-def speed(folder: str, vocab: int, args) -> None:
-    """Greedy, native and forcing side by side at ``--tp``: interleaved rounds, ratio table."""
+def speed(folder: str, vocab: int, args) -> tuple[dict, dict]:
+    """Greedy, native and forcing side by side at ``--tp``: interleaved rounds, ratio table.
+
+    Greedy is timed twice per round: as vLLM gives logprobs by default (a dict and a
+    ``Logprob`` per entry; "greedy", the issue's baseline) and with ``flat_logprobs``, the
+    form the package's engine asks for ("greedy-flat"), so the table shows how much of a
+    ratio is that choice. Returns each batch's requests and native's median seconds."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -143,18 +150,20 @@ def speed(folder: str, vocab: int, args) -> None:
         plain = LLM(**engines["native"].llm_args)
     startup["greedy"] = time.perf_counter() - start
     settings = {p: engines[p].settings() for p in engines}
-    greedy_params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, logprobs=5,
-                                   ignore_eos=True, detokenize=False)
+    greedy_params = {flat: SamplingParams(temperature=0.0, max_tokens=args.new_tokens,
+                                          logprobs=5, ignore_eos=True, detokenize=False,
+                                          flat_logprobs=flat) for flat in (False, True)}
 
     def timed(path, prompts, requests):
         start = time.perf_counter()
-        if path == "greedy":
-            out = plain.generate(prompts, greedy_params, use_tqdm=False)
+        if path.startswith("greedy"):
+            out = plain.generate(prompts, greedy_params[path == "greedy-flat"], use_tqdm=False)
         else:
             out = engines[path].run(requests)
         return time.perf_counter() - start, out
 
     rows = []
+    all_requests, native_seconds = {}, {}
     for batch in batches:
         ids = random_prompts(batch, args.prompt_len, vocab)
         prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
@@ -162,19 +171,25 @@ def speed(folder: str, vocab: int, args) -> None:
         greedy = [o.outputs[0] for o in greedy]
         requests = [ReplayRequest(f"b{batch}-{i}", tuple(p), tuple(g.token_ids))
                     for i, (p, g) in enumerate(zip(ids, greedy))]
+        all_requests[batch] = requests
         want = np.concatenate([[lp[t].logprob for t, lp in zip(g.token_ids, g.logprobs)]
                                for g in greedy])
         seconds = {p: [] for p in PATHS}
         delta = {}
-        for path in PATHS[1:]:  # warm-up, and the numbers against greedy's
+        timed("greedy-flat", prompts, None)  # warm-up
+        for path in PATHS[2:]:  # warm-up, and the numbers against greedy's
             _, results = timed(path, prompts, requests)
             delta[path] = float(np.abs(np.concatenate([r.logprob for r in results]) - want).max())
         for r in range(args.rounds):
-            order = PATHS[r % 3:] + PATHS[:r % 3]  # rotating: no path always runs first
+            shift = r % len(PATHS)
+            order = PATHS[shift:] + PATHS[:shift]  # rotating: no path always runs first
             for path in order:
                 seconds[path].append(timed(path, prompts, requests)[0])
         tokens = batch * args.new_tokens
         ratios = {p: [g / s for g, s in zip(seconds["greedy"], seconds[p])] for p in PATHS[1:]}
+        ratios.update({f"{p}/flat": [g / s for g, s in zip(seconds["greedy-flat"], seconds[p])]
+                       for p in PATHS[2:]})
+        native_seconds[batch] = statistics.median(seconds["native"])
         rows.append((batch, {p: tokens / statistics.median(seconds[p]) for p in PATHS},
                      ratios, delta))
         print(f"  batch {batch}: " + ", ".join(f"{p} {statistics.median(seconds[p]):.3f} s"
@@ -183,7 +198,7 @@ def speed(folder: str, vocab: int, args) -> None:
         engine.close()
 
     print(f"\n{header(args)} · {args.rounds} interleaved rounds · start-up s: "
-          + ", ".join(f"{p} {startup[p]:.0f}" for p in PATHS))
+          + ", ".join(f"{p} {startup[p]:.0f}" for p in startup))
     for path in engines:
         print(f"{path}: {settings[path]['engine_path']}, model runner "
               f"{settings[path]['model_runner']}, engine core {settings[path]['engine_core']}, "
@@ -191,12 +206,49 @@ def speed(folder: str, vocab: int, args) -> None:
     print("\nRatios: replay speed / greedy speed, the median over rounds of each round's "
           "ratio (min–max in brackets). >= 0.97 is the target.")
     print("\n| batch | greedy tok/s | native tok/s | forcing tok/s | native / greedy | "
-          "forcing / greedy | max |Δ logprob| native, forcing vs greedy |")
-    print("|---:|---:|---:|---:|---:|---:|---|")
+          "forcing / greedy | greedy-flat / greedy | native / greedy-flat | "
+          "forcing / greedy-flat | max |Δ logprob| native, forcing vs greedy |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for batch, speed, ratios, delta in rows:
         print(f"| {batch} | {speed['greedy']:,.0f} | {speed['native']:,.0f} | "
               f"{speed['forcing']:,.0f} | {spread(ratios['native'])} | "
-              f"{spread(ratios['forcing'])} | {delta['native']:.1e}, {delta['forcing']:.1e} |")
+              f"{spread(ratios['forcing'])} | {spread(ratios['greedy-flat'])} | "
+              f"{spread(ratios['native/flat'])} | {spread(ratios['forcing/flat'])} | "
+              f"{delta['native']:.1e}, {delta['forcing']:.1e} |")
+    return all_requests, native_seconds
+
+
+def in_process(folder: str, requests: dict, native_seconds: dict, args) -> None:
+    """Native replay with the engine core in this process (the package's default), after
+    the speed part's engines (their cores in their own processes) are shut: the same
+    requests, ``--rounds`` runs per batch, median against native's own-process median.
+    One LLM at a time here: vLLM captures CUDA graphs for one in-process LLM per process."""
+    from trace_replay.engines import make_engine
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    engine_args = {"skip_tokenizer_init": True, "gpu_memory_utilization": args.memory,
+                   "max_model_len": args.prompt_len + args.new_tokens + 16,
+                   "tensor_parallel_size": args.tp}
+    start = time.perf_counter()
+    engine = make_engine("vllm", folder, dtype=args.dtype, batch_size=max(requests),
+                         top_k=5, engine_args=engine_args)
+    print(f"\nin-process native: started in {time.perf_counter() - start:.0f} s, "
+          f"engine core {engine.settings()['engine_core']}")
+    print("\n| batch | native in-process tok/s | in-process / own process (medians) | "
+          "in-process rounds s |")
+    print("|---:|---:|---:|---|")
+    for batch, group in requests.items():
+        engine.run(group)  # warm-up
+        seconds = []
+        for _ in range(args.rounds):
+            start = time.perf_counter()
+            engine.run(group)
+            seconds.append(time.perf_counter() - start)
+        median = statistics.median(seconds)
+        print(f"| {batch} | {batch * args.new_tokens / median:,.0f} | "
+              f"{native_seconds[batch] / median:.2f} | "
+              f"{', '.join(f'{s:.3f}' for s in seconds)} |", flush=True)
+    engine.close()
 
 
 def header(args) -> str:

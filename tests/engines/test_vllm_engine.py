@@ -205,3 +205,36 @@ def test_logprobs_keep_vllm_ranks_and_top_k_order():
     assert rank.tolist() == [1, 40]
     assert top_ids.tolist() == [[5, 8, 1, 0], [3, 9, 4, 0]]
     assert np.isnan(top_lps[:, 3]).all() and top_lps[1, :3].tolist() == [-0.1, -2.0, -2.5]
+
+
+@pytest.mark.parametrize("top_k", [0, 1, 3])
+def test_flat_and_dict_logprobs_give_the_same_arrays(top_k):
+    """vLLM's flat logprobs (asked for: no object per entry) are read to the very arrays its
+    dicts give, each container filled by vLLM's own per-position append from the same
+    sampler numbers: a tied emitted token reported by vLLM at rank 2 but listed first in the
+    top-k is rank 1 in both, an emitted token outside the top-k keeps vLLM's rank."""
+    from vllm.logprobs import append_logprobs_for_next_position, create_sample_logprobs
+
+    from trace_replay.engines.vllm.engine import _Logprobs
+
+    # (emitted and top-k ids, their logprobs, the emitted token's rank as vLLM computed it)
+    positions = [([5, 5, 8, 1], [-0.2, -0.2, -0.2, -3.0], 2),  # tie, listed first
+                 ([8, 5, 8, 1], [-0.2, -0.2, -0.2, -3.0], 2),  # tie, listed second
+                 ([7, 3, 9, 4], [-9.0, -0.1, -2.0, -2.5], 40),  # off the top-k
+                 ([4, 3, 9, 4], [-2.5, -0.1, -2.0, -2.5], 3)]  # third
+    arrays = []
+    for flat in (True, False):
+        container = create_sample_logprobs(flat)
+        for ids, lps, rank in positions:
+            append_logprobs_for_next_position(container, ids[:top_k + 1], lps[:top_k + 1],
+                                              [None] * (top_k + 1), rank, top_k)
+        logprobs = _Logprobs()
+        logprobs.extend(container)
+        arrays.append(logprobs.arrays(top_k))
+    for flat, dicts in zip(*arrays):
+        np.testing.assert_array_equal(flat, dicts)
+    emitted, _, rank, top_ids, _ = arrays[0]
+    assert emitted.tolist() == [5, 8, 7, 4]
+    assert rank.tolist() == {0: [2, 2, 40, 3], 1: [1, 2, 40, 3], 3: [1, 2, 40, 3]}[top_k]
+    assert top_ids.tolist() == [[5, 8, 1][:top_k], [5, 8, 1][:top_k], [3, 9, 4][:top_k],
+                                [3, 9, 4][:top_k]]

@@ -81,6 +81,9 @@ def _has_param(name: str) -> bool:
 
 # vLLM deep-copies every request's SamplingParams unless told not to (older releases cannot)
 _NO_COPY = {"skip_clone": True} if _has_param("skip_clone") else {}
+# logprobs as a few flat lists per request instead of a dict and a Logprob object per entry
+# (older releases cannot; _Logprobs reads both forms alike)
+_FLAT = {"flat_logprobs": True} if _has_param("flat_logprobs") else {}
 
 
 def supports_native_trace_replay() -> bool:
@@ -194,11 +197,13 @@ class _Logprobs:
     """One request's logprobs, kept flat: for each position, the emitted token's entry
     first, then the top-k in rank order.
 
-    vLLM reports a ``{token_id: Logprob}`` per position, the emitted token first; where it is
-    also among the top-k, its entry carries its top-k place (a token tied with a better one
-    is still rank 1 when vLLM listed it first). vLLM's ``flat_logprobs`` would spare those
-    objects but reports such a token's own rank instead (2 for a tie, measured on the
-    H200), so it is not asked for.
+    vLLM gives, per position, the emitted token with its own rank, then the top-k with
+    their places 1..k. Where the emitted token is among those k, the rank reported is its
+    top-k place: vLLM's dict form merges the two entries that way (so a token tied with a
+    better one is rank 1 when vLLM listed it first, as greedy output says), and the flat
+    form (``flat_logprobs``, asked for where vLLM has it: no dict and no ``Logprob`` object
+    per entry, which cost more host time than the rest of a replay step's output at batch
+    256) is read with the same rule, so both forms give the same arrays.
     """
 
     __slots__ = ("token_ids", "logprobs", "ranks", "counts")
@@ -210,7 +215,14 @@ class _Logprobs:
         self.counts: list[int] = []  # entries per position
 
     def extend(self, positions) -> None:
-        """Append vLLM's ``CompletionOutput.logprobs``: one dict per position."""
+        """Append vLLM's ``CompletionOutput.logprobs``: a ``FlatLogprobs``, or one
+        ``{token_id: Logprob}`` per position (emitted token first)."""
+        if hasattr(positions, "start_indices"):  # FlatLogprobs, its entries in vLLM's order
+            self.token_ids += positions.token_ids
+            self.logprobs += positions.logprobs
+            self.ranks += positions.ranks
+            self.counts += map(int.__sub__, positions.end_indices, positions.start_indices)
+            return
         for entries in positions:
             token, first = next(iter(entries.items()))
             top = sorted((e.rank, t, e.logprob) for t, e in entries.items() if e.rank is not None)
@@ -232,7 +244,12 @@ class _Logprobs:
         slot = np.arange(1, top_k + 1)
         at = np.where(slot < counts[:, None], first[:, None] + slot, 0)
         filled = (slot < counts[:, None]) & (ranks[at] <= top_k)  # entries come in rank order
-        return (token_ids[first], logprobs[first], ranks[first],
+        emitted, rank = token_ids[first], ranks[first]
+        if top_k:  # the emitted token's top-k place, where it is listed there
+            listed = filled & (token_ids[at] == emitted[:, None])
+            place = np.take_along_axis(ranks[at], listed.argmax(axis=1)[:, None], axis=1)[:, 0]
+            rank = np.where(listed.any(axis=1), place, rank)
+        return (emitted, logprobs[first], rank,
                 np.where(filled, token_ids[at], 0), np.where(filled, logprobs[at], np.nan))
 
 
@@ -413,7 +430,7 @@ class VLLMEngine(EngineBase):
         # defensive deep copy (of the whole trace, per request) is not needed
         common = dict(temperature=0.0, max_tokens=len(trace),
                       logprobs=self.top_k, ignore_eos=True, stop=[], stop_token_ids=[],
-                      detokenize=False, output_kind=RequestOutputKind.DELTA, **_NO_COPY)
+                      detokenize=False, output_kind=RequestOutputKind.DELTA, **_NO_COPY, **_FLAT)
         if self.engine_path == "vllm-native-trace-replay":
             return SamplingParams(**common, trace_decode_token_ids=trace)
         return SamplingParams(**common, extra_args={TRACE_KEY: trace})
@@ -472,7 +489,7 @@ class VLLMEngine(EngineBase):
         """Free generation for recording: ``(token_ids, raw logprobs)`` per prompt."""
         params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
                                 logprobs=0, detokenize=False,
-                                output_kind=RequestOutputKind.DELTA)
+                                output_kind=RequestOutputKind.DELTA, **_FLAT)
         outputs = self._generate(prompts, [params] * len(prompts), None)
         return [(ids, logprobs.arrays(0)[1].tolist()) for ids, logprobs in outputs]
 
