@@ -238,3 +238,22 @@ def test_flat_and_dict_logprobs_give_the_same_arrays(top_k):
     assert rank.tolist() == {0: [2, 2, 40, 3], 1: [1, 2, 40, 3], 3: [1, 2, 40, 3]}[top_k]
     assert top_ids.tolist() == [[5, 8, 1][:top_k], [5, 8, 1][:top_k], [3, 9, 4][:top_k],
                                 [3, 9, 4][:top_k]]
+
+
+def test_step_progress_counts_running_requests_and_is_exact_at_the_end():
+    """Between finishes each step counts one token per running request, never reaching a
+    request's length before it finishes; a finish counts what it emitted, so a replay
+    (every request emits its whole trace) ends exactly at the tokens done; the count never
+    goes back, even for a request that ends shorter than counted."""
+    from trace_replay.engines.vllm.engine import _StepProgress
+
+    progress = _StepProgress([3, 5, 4])
+    counts = [progress.step([]), progress.step([]), progress.step([(0, 3)]),
+              progress.step([]), progress.step([(2, 4)]), progress.step([(1, 5)])]
+    assert counts == [3, 3, 3, 1, 1, 1]
+    assert sum(counts) == 3 + 5 + 4
+    assert progress.step([]) == 0
+
+    short = _StepProgress([3, 5])
+    counts = [short.step([]), short.step([]), short.step([(0, 3), (1, 1)])]
+    assert counts == [2, 2, 0] and short.reported == 4  # counted past the 1 it emitted
