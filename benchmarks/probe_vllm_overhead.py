@@ -29,6 +29,7 @@ import tempfile
 import time
 
 import torch
+from bench_vllm_gpu import random_prompts, spread
 from shapes import random_model
 
 PATHS = ("greedy", "greedy-flat", "vllm-replay", "engine.run")
@@ -73,9 +74,7 @@ def main() -> None:
           "| × greedy: vllm-replay | engine.run |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for batch in batches:
-        gen = torch.Generator().manual_seed(batch)
-        ids = [torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist()
-               for _ in range(batch)]
+        ids = random_prompts(batch, args.prompt_len, vocab)
         prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
         outs = engine.llm.generate(prompts, greedy[True], use_tqdm=False)
         requests = [ReplayRequest(f"r{i}", tuple(p), tuple(o.outputs[0].token_ids))
@@ -104,9 +103,9 @@ def main() -> None:
             shift = r % len(PATHS)
             for path in PATHS[shift:] + PATHS[:shift]:
                 seconds[path].append(run(path))
+
         def ratio(path, base="greedy-flat"):
-            values = [b / s for b, s in zip(seconds[base], seconds[path])]
-            return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
+            return spread([b / s for b, s in zip(seconds[base], seconds[path])])
 
         tokens = batch * args.new_tokens
         print(f"| {batch} | {tokens / statistics.median(seconds['greedy-flat']):,.0f} | "
