@@ -35,6 +35,11 @@ SHAPES = {
         num_attention_heads=28, num_key_value_heads=4, rope_theta=1000000.0,
         max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
         use_sliding_window=False)),
+    # a forward that costs next to nothing: what is left of a step is the host's work
+    "tiny": ("LlamaConfig", dict(
+        vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+        rms_norm_eps=1e-5, tie_word_embeddings=True)),
 }  # fmt: skip
 
 
