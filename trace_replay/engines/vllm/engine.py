@@ -257,11 +257,12 @@ class _StepProgress:
     """Tokens decoded so far, for progress reports while vLLM's outputs come only as
     requests finish.
 
-    Each engine step decodes one token for every request still running (prompts of one
-    batch are scheduled together; the package sizes the KV cache so none waits), so an
-    unfinished request counts one token per step so far, held one short of its length; a
-    finished request counts the tokens it emitted. The count is exact once all have
-    finished and never goes back.
+    Each engine step decodes one token for every request still running (a batch fits the
+    engine's ``max_num_seqs``, so its requests run together), so an unfinished request
+    counts one token per step so far, held one short of its length; a finished request
+    counts the tokens it emitted. A request that waited (a prompt split over steps, a KV
+    cache too small for the batch) is counted ahead while it runs and set right when it
+    finishes. The count is exact once all have finished and never goes back.
     """
 
     def __init__(self, lengths: Sequence[int]) -> None:
