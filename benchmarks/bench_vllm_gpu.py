@@ -8,8 +8,11 @@ own arguments but no trace flag and no processor ("greedy"), ``make_engine("vllm
 output as the traces (so replay must emit exactly them), then rounds that time each path
 once, in a rotating order; ratios are per round (neighbours in time), their median and
 range printed. Greedy is timed as a user runs it (``LLM.generate``, top-5 raw logprobs,
-``ignore_eos``); replay as ``engine.run`` (the package's requests and result arrays
-included). Weights are random (``shapes.py``); speed does not depend on their values.
+``ignore_eos``), and again with ``flat_logprobs`` (the form the package's engine asks
+for); replay as ``engine.run`` (the package's requests and result arrays included).
+Weights are random (``shapes.py``); speed does not depend on their values. The
+``in-process`` part then times native replay with its engine core in this process (the
+package's default) against the own-process median.
 
 Tensor parallelism (``--tp 2``, issue 33): the three engines run at that size, and the
 ``agreement`` part replays the same on- and off-policy traces (every 7th token replaced)
@@ -27,6 +30,7 @@ next command (speed and agreement in separate commands fit the 10-minute limit).
 Usage (on the H200 with ../shared/tools/vllm-h200, see benchmarks/h200_vllm.sh)::
 
     python3 benchmarks/bench_vllm_gpu.py --shape llama-3.1-8b --batches 1,16,64,256 --rounds 5
+    python3 benchmarks/bench_vllm_gpu.py --shape smollm2-135m --parts speed,in-process
     python3 benchmarks/bench_vllm_gpu.py --tp 2 --shape llama-3.1-70b --layers 40 \
         --model-dir /tmp/m70 --parts speed --batches 1,16,64 --memory 0.3
     python3 benchmarks/bench_vllm_gpu.py --tp 2 --shape llama-3.1-70b --layers 40 \
