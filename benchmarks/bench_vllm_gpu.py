@@ -123,6 +123,13 @@ def random_prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
 
 
+def speed_engine_args(args) -> dict:
+    """The ``engine_args`` of the speed and in-process parts' engines."""
+    return {"skip_tokenizer_init": True, "gpu_memory_utilization": args.memory,
+            "max_model_len": args.prompt_len + args.new_tokens + 16,
+            "tensor_parallel_size": args.tp}
+
+
 def speed(folder: str, vocab: int, args) -> tuple[dict, dict]:
     """Greedy, native and forcing side by side at ``--tp``: interleaved rounds, ratio table.
 
@@ -138,9 +145,7 @@ def speed(folder: str, vocab: int, args) -> tuple[dict, dict]:
     from trace_replay.engines.vllm.inprocess import multicast_off
 
     batches = [int(b) for b in args.batches.split(",")]
-    engine_args = {"skip_tokenizer_init": True, "gpu_memory_utilization": args.memory,
-                   "max_model_len": args.prompt_len + args.new_tokens + 16,
-                   "tensor_parallel_size": args.tp}
+    engine_args = speed_engine_args(args)
 
     startup = {}
     engines = {}
@@ -230,12 +235,9 @@ def in_process(folder: str, requests: dict, native_seconds: dict, args) -> None:
     from trace_replay.engines import make_engine
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    engine_args = {"skip_tokenizer_init": True, "gpu_memory_utilization": args.memory,
-                   "max_model_len": args.prompt_len + args.new_tokens + 16,
-                   "tensor_parallel_size": args.tp}
     start = time.perf_counter()
     engine = make_engine("vllm", folder, dtype=args.dtype, batch_size=max(requests),
-                         top_k=5, engine_args=engine_args)
+                         top_k=5, engine_args=speed_engine_args(args))
     print(f"\nin-process native: started in {time.perf_counter() - start:.0f} s, "
           f"engine core {engine.settings()['engine_core']}")
     print("\n| batch | native in-process tok/s | in-process / own process (medians) | "

@@ -482,7 +482,7 @@ class VLLMEngine(EngineBase):
             engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)), param)
             slots[request_id] = index
         outputs: list = [None] * len(prompts)
-        progress = _StepProgress([p.max_tokens for p in params])
+        progress = _StepProgress([p.max_tokens for p in params]) if on_tokens else None
         try:
             with intra_op_threads(self.threads):
                 while engine.has_unfinished_requests():
@@ -494,8 +494,7 @@ class VLLMEngine(EngineBase):
                         logprobs.extend(completion.logprobs or ())
                         outputs[index] = (list(completion.token_ids), logprobs)
                         finished.append((index, len(completion.token_ids)))
-                    new = progress.step(finished)
-                    if on_tokens is not None and new:
+                    if progress is not None and (new := progress.step(finished)):
                         on_tokens(new)
         except BaseException:
             # an interrupted run must not leave its requests to the next one
