@@ -192,6 +192,9 @@ def main() -> None:
                  ("prefill", deterministic))):
             equal, total, worst = agreement(results[a], results[b])
             print(f"| {label} | {mode} | {equal}/{total} | {worst:.3g} |")
+    # how far deterministic arithmetic moves a token from the default path's
+    _, total, worst = agreement(results["torch", True], results["torch", False])
+    print(f"\ndeterministic vs default decode replay: max |Δ logprob| {worst:.3g} over {total} tokens")
 
 
 if __name__ == "__main__":

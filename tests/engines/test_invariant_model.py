@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import trace_replay.kernels._triton
 from trace_replay.engines.builtin.backends.invariant_model import InvariantLlama, unsupported_reason
 from trace_replay.kernels.invariant_attention import BLOCK_N
 
@@ -67,6 +68,35 @@ def test_describe_names_the_arithmetic(model):
     assert described["linear"].startswith("torch, [")
     assert described["norm"].startswith("torch") and described["attention"].startswith("torch")
     assert described["key_block"] == BLOCK_N and described["row_multiple"] == 1
+
+
+needs_kernels = pytest.mark.skipif(
+    not (torch.cuda.is_available() or trace_replay.kernels._triton.interpreting()),
+    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 set before the first import")
+
+
+@needs_kernels
+def test_3xtf32_linears_are_the_models_own(tiny_llama):
+    """With linear='3xtf32' (the CUDA float32 default: one launch per layer, the
+    configuration fixed by the weight's shape) the forward still agrees with the
+    transformers model; settings name the arithmetic and rows need no padding."""
+    model = InvariantLlama(tiny_llama, triton=True, linear="3xtf32")
+    described = model.describe()
+    assert described["linear"].startswith("triton 3xtf32") and described["row_multiple"] == 1
+    ours = logits_of(model, SEQUENCES).split([len(s) for s in SEQUENCES])
+    with torch.inference_mode():
+        for sequence, logits in zip(SEQUENCES, ours):
+            theirs = tiny_llama(input_ids=torch.tensor([sequence])).logits[0]
+            torch.testing.assert_close(logits, theirs, atol=1e-4, rtol=0)
+
+
+def test_linear_choice_is_checked(tiny_llama):
+    """An unknown linear, or '3xtf32' without the Triton kernels or on a bfloat16 model, is
+    refused by name."""
+    with pytest.raises(ValueError, match="choose '3xtf32' or 'blocks'"):
+        InvariantLlama(tiny_llama, linear="cublas")
+    with pytest.raises(ValueError, match="needs a float32 model and the Triton kernels"):
+        InvariantLlama(tiny_llama, triton=False, linear="3xtf32")
 
 
 @pytest.mark.parametrize("config_name, overrides, reason", [

@@ -11,8 +11,12 @@ from trace_replay.kernels.invariant_attention import (
     attention_rows_reference,
     attention_rows_triton,
 )
+from trace_replay.kernels import fp32_linear
 from trace_replay.kernels.invariant_linear import (
+    INVARIANT_ROWS,
     block_plan,
+    config_3xtf32,
+    linear_rows_3xtf32,
     linear_rows_reference,
     linear_rows_triton,
 )
@@ -110,6 +114,59 @@ def test_linear_triton_row_invariant():
         x = torch.randn(rows, 40, generator=generator).to(DEVICE)
         x[position] = row
         outs.append(linear_rows_triton(x, w)[position])
+    for out in outs[1:]:
+        if DEVICE == "cuda":
+            assert torch.equal(out, outs[0])
+        else:
+            torch.testing.assert_close(out, outs[0])
+
+
+@needs_triton
+@pytest.mark.parametrize("cols, depth", [(50, 200), (576, 96)])
+def test_linear_3xtf32_is_float32_accurate(cols, depth):
+    """The fixed-configuration 3xTF32 GEMM computes x @ W.T to float32 rounding of the
+    float64 product, at a split of K (50 columns) and ragged row counts."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(70, depth, generator=generator).to(DEVICE)
+    w = torch.randn(cols, depth, generator=generator).to(DEVICE)
+    want = (x.double() @ w.double().T).float()
+    torch.testing.assert_close(linear_rows_3xtf32(x, w), want, atol=1e-4, rtol=1e-5)
+
+
+def test_linear_3xtf32_config_ignores_the_row_count():
+    """One configuration per weight shape: fp32_linear's at the decode-sized row count,
+    whatever a call's rows (fp32_linear.blocks itself picks by rows; this must not)."""
+    for cols, depth in ((192, 576), (576, 576), (1536, 576), (49152, 576)):
+        config = config_3xtf32(cols, depth)
+        assert config == fp32_linear.blocks(INVARIANT_ROWS, cols, depth)
+    assert config_3xtf32(192, 576)[5] > 1  # a split K: its sum order must not move either
+
+
+def test_linear_3xtf32_takes_float32_only():
+    """bfloat16 or float16 inputs are refused by name (the split is float32's)."""
+    with pytest.raises(ValueError, match="float32"):
+        linear_rows_3xtf32(torch.randn(2, 8, dtype=torch.bfloat16),
+                           torch.randn(4, 8, dtype=torch.bfloat16))
+
+
+@needs_triton
+@pytest.mark.parametrize("cols", [50, 200])
+def test_linear_3xtf32_row_invariant(cols):
+    """A row's bits do not depend on the number of rows (1 to 700: a decode step to a
+    prefill), its neighbours or its place in a tile, with K split in ranges (cols 50: split
+    above 1) or not.
+
+    Bitwise on CUDA, where a tensor-core product treats every row of a tile alike; in
+    Triton's interpreter ``tl.dot`` is numpy's BLAS, which may round a row by its place
+    (see test_linear_triton_row_invariant), so there the rows agree to float32 rounding."""
+    generator = torch.Generator().manual_seed(2)
+    w = torch.randn(cols, 96, generator=generator).to(DEVICE)
+    row = torch.randn(96, generator=generator).to(DEVICE)
+    outs = []
+    for rows, position in ((1, 0), (3, 2), (64, 10), (130, 129), (700, 333)):
+        x = torch.randn(rows, 96, generator=generator).to(DEVICE)
+        x[position] = row
+        outs.append(linear_rows_3xtf32(x, w)[position])
     for out in outs[1:]:
         if DEVICE == "cuda":
             assert torch.equal(out, outs[0])

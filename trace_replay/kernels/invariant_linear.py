@@ -8,6 +8,13 @@ other rows hold, where row ``r`` sits and how many rows there are.
   constants (no autotuning keyed on the row count, no split-K), so the arithmetic of an
   output element is fixed by ``K`` and its column alone. float32 inputs use IEEE products
   (no TF32).
+* **3xTF32** (CUDA, float32; :func:`linear_rows_3xtf32`): the tensor-core kernel of
+  :mod:`~trace_replay.kernels.fp32_linear` at a configuration fixed by the weight's shape
+  alone (tiles, warps, stages and the split of ``K``: what that module picks for a
+  64-row call), so a row's products and the order its ``K`` partials are added in are the
+  same at 1 row or 10,000. One launch per layer (two at a split above 1), where the
+  reference path makes one call per block of rows; float32 accuracy as the default
+  float32 decode has it (the 3xTF32 split).
 * **Reference** (the CPU path): ``F.linear`` over blocks of rows whose sizes come from a
   fixed menu (:func:`block_plan`). A GEMM library picks its algorithm from the call's
   shape; a fixed shape fixes the algorithm, and row ``r``'s reduction order then does not
@@ -23,9 +30,11 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from trace_replay.kernels import fp32_linear
 from trace_replay.kernels._triton import tl, triton
 
-__all__ = ["block_plan", "linear_rows_reference", "linear_rows_triton"]
+__all__ = ["INVARIANT_ROWS", "block_plan", "config_3xtf32", "linear_rows_3xtf32",
+           "linear_rows_reference", "linear_rows_triton"]
 
 # Tile of one program. Constants: the arithmetic of an output element must not depend on
 # the number of rows (autotuning keyed on M, or split-K, would make it depend).
@@ -96,6 +105,54 @@ def linear_rows_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
                          out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                          IEEE=x.dtype == torch.float32)
     return out
+
+
+# the row count whose fp32_linear configuration every call of linear_rows_3xtf32 uses: a
+# decode step's (a wave of 64 traces), so decode runs at the default path's tiles
+INVARIANT_ROWS = 64
+
+
+def config_3xtf32(cols: int, depth: int) -> tuple[int, int, int, int, int, int]:
+    """The one ``(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split)`` that
+    :func:`linear_rows_3xtf32` runs for a ``[cols, depth]`` weight, whatever the row count:
+    :func:`~trace_replay.kernels.fp32_linear.blocks` at :data:`INVARIANT_ROWS` rows.
+
+    Examples
+    --------
+    >>> config_3xtf32(576, 576) == fp32_linear.blocks(INVARIANT_ROWS, 576, 576)
+    True
+    """
+    return fp32_linear.blocks(INVARIANT_ROWS, cols, depth)
+
+
+def linear_rows_3xtf32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """float32 ``x @ weight.T`` on tensor cores (3xTF32), row ``r`` a function of ``x[r]``.
+
+    Every call for one weight shape runs :func:`config_3xtf32`'s configuration: the same
+    tiles, the same ``K`` ranges, the partials added in the same order (split-K's sum is an
+    elementwise pass), so the number of rows, the other rows and a row's place in its tile
+    do not reach its arithmetic. That a tensor-core product treats every row of a tile
+    alike is the hardware's contract, checked bitwise on CUDA by
+    ``tests/kernels/test_invariant_kernels.py``.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[R, K]`` float32 rows.
+    weight : torch.Tensor
+        ``[N, K]`` float32 ``nn.Linear`` weight.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[R, N]`` float32, within float32 rounding of the float64 product.
+    """
+    if x.dtype != torch.float32 or weight.dtype != torch.float32:
+        raise ValueError(f"linear_rows_3xtf32 takes float32 (got {x.dtype} and {weight.dtype})")
+    if x.shape[0] == 0:
+        return x.new_empty((0, weight.shape[0]))
+    config = config_3xtf32(weight.shape[0], weight.shape[1])
+    return fp32_linear.launch(x, weight.contiguous(), config=config)
 
 
 def block_plan(rows: int, sizes: Sequence[int]) -> list[tuple[int, int]]:

@@ -2,8 +2,10 @@
 
 :class:`InvariantLlama` runs the transformers model's own modules and weights — embedding,
 per layer RMSNorm, q/k/v, rotary, attention, o_proj, MLP, final norm, lm_head — with every
-token a *row* whose bits depend on that row alone: linear layers in fixed row blocks
-(:mod:`~trace_replay.engines.builtin.backends.invariant_ops`, :mod:`~trace_replay.kernels.invariant_linear`),
+token a *row* whose bits depend on that row alone: linear layers by a GEMM whose
+configuration is fixed by the weight's shape (float32 on CUDA: 3xTF32 tensor cores) or in
+fixed row blocks (:mod:`~trace_replay.engines.builtin.backends.invariant_ops`,
+:mod:`~trace_replay.kernels.invariant_linear`),
 norms and attention by row-invariant kernels, rotary cos/sin from one table indexed by
 position. The KV cache belongs to the caller
 (:class:`~trace_replay.engines.builtin.backends.invariant.InvariantBackend`).
@@ -21,7 +23,8 @@ from trace_replay.engines.builtin.backends.invariant_ops import RowBlocks, probe
 from trace_replay.engines.scoring import TokenScores
 from trace_replay.kernels.invariant_attention import (
     BLOCK_N, attention_rows_reference, attention_rows_triton)
-from trace_replay.kernels.invariant_linear import linear_rows_reference, linear_rows_triton
+from trace_replay.kernels.invariant_linear import (
+    linear_rows_3xtf32, linear_rows_reference, linear_rows_triton)
 from trace_replay.kernels.invariant_rms_norm import rms_norm_rows_reference, rms_norm_rows_triton
 
 __all__ = ["InvariantLlama", "KVCache", "RowObserver", "unsupported_reason"]
@@ -96,12 +99,19 @@ class InvariantLlama:
     lm
         A transformers causal LM for which :func:`unsupported_reason` is None.
     triton
-        Norms and attention by the Triton kernels (default: on CUDA with Triton). Linear
-        layers use the GEMM library in fixed row blocks where :func:`probe_linear` finds it
-        row-invariant, else the Triton GEMM (which needs ``triton``).
+        Norms and attention by the Triton kernels (default: on CUDA with Triton).
+    linear
+        How linear layers run: ``"3xtf32"``, one launch per layer of
+        :func:`~trace_replay.kernels.invariant_linear.linear_rows_3xtf32` (float32 only, on
+        tensor cores where Triton compiles; with ``triton``); ``"blocks"``, the GEMM library
+        in fixed row blocks where :func:`probe_linear` finds it row-invariant, else the
+        Triton GEMM of fixed tiles (which needs ``triton``). Default: ``"3xtf32"`` for a
+        float32 model on CUDA with ``triton``, else ``"blocks"``. One launch per layer
+        instead of one per block of rows is what keeps a long prefill from being bound by
+        launches (RESULTS, Deterministic mode).
     """
 
-    def __init__(self, lm, *, triton: bool | None = None) -> None:
+    def __init__(self, lm, *, triton: bool | None = None, linear: str | None = None) -> None:
         reason = unsupported_reason(lm)
         if reason is not None:
             raise ValueError(f"deterministic mode does not support {type(lm).__name__}: {reason}")
@@ -111,16 +121,27 @@ class InvariantLlama:
         on_cuda = self.device.type == "cuda"
         self.triton = (HAS_TRITON and on_cuda) if triton is None else triton
         self.blocks = RowBlocks.for_device(self.device)
-        linears = [m.weight for m in lm.modules() if isinstance(m, torch.nn.Linear)]
-        self.triton_linear = False
-        try:
-            self.blocks = replace(self.blocks, linear=probe_linear(linears, self.blocks.linear))
-        except RuntimeError:
-            if not self.triton:
-                raise
-            self.triton_linear = True  # the Triton GEMM is row-invariant by construction
+        if linear is None:
+            linear = ("3xtf32" if self.triton and on_cuda and self.dtype == torch.float32
+                      else "blocks")
+        if linear not in ("3xtf32", "blocks"):
+            raise ValueError(f"linear={linear!r}; choose '3xtf32' or 'blocks'")
+        if linear == "3xtf32" and (not self.triton or self.dtype != torch.float32):
+            raise ValueError("linear='3xtf32' needs a float32 model and the Triton kernels "
+                             f"(got {self.dtype}, triton={self.triton})")
+        self.linear_kind = linear  # "3xtf32", "blocks" or, below, "triton"
+        if linear == "blocks":
+            linears = [m.weight for m in lm.modules() if isinstance(m, torch.nn.Linear)]
+            try:
+                self.blocks = replace(self.blocks,
+                                      linear=probe_linear(linears, self.blocks.linear))
+            except RuntimeError:
+                if not self.triton:
+                    raise
+                self.linear_kind = "triton"  # the Triton GEMM is row-invariant by construction
         # rows of a forward are padded to this once (CUDA: GEMM blocks need no copies)
-        self.row_multiple = 1 if not on_cuda or self.triton_linear else min(self.blocks.linear)
+        self.row_multiple = (min(self.blocks.linear) if on_cuda and self.linear_kind == "blocks"
+                             else 1)
         config = lm.config
         attn = self.model.layers[0].self_attn
         self.num_layers = len(self.model.layers)
@@ -132,7 +153,9 @@ class InvariantLlama:
     def describe(self) -> dict:
         """The arithmetic choices, for ``settings()`` (results depend on them)."""
         torch_rows = "torch, {} rows per call".format
-        return {"linear": "triton" if self.triton_linear else torch_rows(list(self.blocks.linear)),
+        linear = {"3xtf32": "triton 3xtf32, one configuration per weight shape",
+                  "triton": "triton"}.get(self.linear_kind)
+        return {"linear": linear or torch_rows(list(self.blocks.linear)),
                 "norm": "triton" if self.triton else torch_rows(self.blocks.rowwise),
                 "attention": "triton" if self.triton else torch_rows(self.blocks.attention),
                 "key_block": BLOCK_N, "score": torch_rows(self.blocks.score),
@@ -208,7 +231,9 @@ class InvariantLlama:
         return rms_norm_rows_reference(x, norm.weight, eps, self.blocks.rowwise)
 
     def _linear(self, x: torch.Tensor, module: torch.nn.Linear) -> torch.Tensor:
-        if self.triton_linear:
+        if self.linear_kind == "3xtf32":
+            out = linear_rows_3xtf32(x, module.weight)
+        elif self.linear_kind == "triton":
             out = linear_rows_triton(x, module.weight)
         else:
             out = linear_rows_reference(x, module.weight, self.blocks.linear)
