@@ -9,6 +9,7 @@ import torch
 
 import trace_replay.kernels._triton
 from trace_replay.engines.builtin.backends.invariant_model import InvariantLlama, unsupported_reason
+from trace_replay.engines.builtin.backends.invariant_ops import score_rows
 from trace_replay.kernels.invariant_attention import BLOCK_N
 
 SEQUENCES = [[50, 35, 28, 46, 7], [1], [95, 30, 21], [9, 9, 9, 9, 9, 9, 9]]
@@ -91,6 +92,25 @@ def test_3xtf32_linears_are_the_models_own(tiny_llama):
         for sequence, logits in zip(SEQUENCES, ours):
             theirs = tiny_llama(input_ids=torch.tensor([sequence])).logits[0]
             torch.testing.assert_close(logits, theirs, atol=1e-4, rtol=0)
+
+
+@needs_kernels
+def test_triton_scoring_is_the_blocked_scorings_rule(tiny_llama):
+    """With the Triton kernels, scoring runs one program per row (any row count, top_k up
+    to 32) and gives the torch row blocks' numbers within float32 rounding (top ids may
+    order tied logits otherwise; their logprobs are level); above 32 it is the row blocks
+    themselves."""
+    model = InvariantLlama(tiny_llama, triton=True)
+    assert model.describe()["score"].startswith("triton (top_k <= 32")
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randint(-40, 40, (11, 128), generator=generator) / 8  # exact ties, no near ones
+    tokens = torch.randint(0, 128, (11,), generator=generator)
+    for top_k in (0, 5, 40):
+        got, want = model.score(logits, tokens, top_k), score_rows(logits, tokens, top_k, 8)
+        assert torch.equal(got.rank, want.rank)
+        torch.testing.assert_close(got.logprob, want.logprob, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(got.entropy, want.entropy, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(got.top_logprobs, want.top_logprobs, atol=2e-5, rtol=1e-5)
 
 
 def test_linear_choice_is_checked(tiny_llama):

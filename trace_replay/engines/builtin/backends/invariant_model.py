@@ -26,6 +26,8 @@ from trace_replay.kernels.invariant_attention import (
 from trace_replay.kernels.invariant_linear import (
     linear_rows_3xtf32, linear_rows_reference, linear_rows_triton)
 from trace_replay.kernels.invariant_rms_norm import rms_norm_rows_reference, rms_norm_rows_triton
+from trace_replay.kernels.invariant_score import score_rows_triton
+from trace_replay.kernels.invariant_score import supports as triton_scores
 
 __all__ = ["InvariantLlama", "KVCache", "RowObserver", "unsupported_reason"]
 
@@ -99,7 +101,8 @@ class InvariantLlama:
     lm
         A transformers causal LM for which :func:`unsupported_reason` is None.
     triton
-        Norms and attention by the Triton kernels (default: on CUDA with Triton).
+        Norms, attention and scoring by the Triton kernels (default: on CUDA with Triton;
+        scoring of a ``top_k`` above the top-k kernel's 32 in torch row blocks).
     linear
         How linear layers run: ``"3xtf32"``, one launch per layer of
         :func:`~trace_replay.kernels.invariant_linear.linear_rows_3xtf32` (float32 only, on
@@ -158,7 +161,9 @@ class InvariantLlama:
         return {"linear": linear or torch_rows(list(self.blocks.linear)),
                 "norm": "triton" if self.triton else torch_rows(self.blocks.rowwise),
                 "attention": "triton" if self.triton else torch_rows(self.blocks.attention),
-                "key_block": BLOCK_N, "score": torch_rows(self.blocks.score),
+                "key_block": BLOCK_N,
+                "score": ("triton (top_k <= 32; above, {})".format(torch_rows(self.blocks.score))
+                          if self.triton else torch_rows(self.blocks.score)),
                 "row_multiple": self.row_multiple}
 
     def new_cache(self, rows: int, slots: int) -> KVCache:
@@ -170,7 +175,14 @@ class InvariantLlama:
                        self.dtype, self.device)
 
     def score(self, logits: torch.Tensor, token_ids: torch.Tensor, top_k: int) -> TokenScores:
-        """Row-invariant scoring (:func:`~trace_replay.engines.builtin.backends.invariant_ops.score_rows`)."""
+        """Row-invariant scoring: one Triton program per row
+        (:func:`~trace_replay.kernels.invariant_score.score_rows_triton`) with ``triton``,
+        else torch ops in fixed row blocks
+        (:func:`~trace_replay.engines.builtin.backends.invariant_ops.score_rows`). Which one
+        runs depends on ``top_k`` and the logits' layout, never on the row count, so decode
+        steps and prefill chunks score a row alike."""
+        if self.triton and triton_scores(logits, top_k):
+            return TokenScores(*score_rows_triton(logits, token_ids, top_k))
         return score_rows(logits, token_ids, top_k, self.blocks.score)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:

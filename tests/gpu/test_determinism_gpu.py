@@ -1,0 +1,100 @@
+"""Deterministic mode on a CUDA GPU: the bitwise promises, with the CUDA arithmetic.
+
+On CUDA deterministic mode runs other kernels than on the CPU (float32 linears by the
+3xTF32 Triton GEMM at one configuration per weight shape, Triton norms, attention and
+scoring, decode steps in CUDA graphs), so the CPU suite's bitwise tests do not cover it.
+Run by hand on a GPU machine (``benchmarks/h200_perf.sh tests``); CI skips the module. The
+model is random (a 4-layer Llama of SmolLM2-135M's widths, init 0.3: distributions far
+from uniform), prompts and traces random token ids.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+
+from trace_replay.engines import make_engine  # noqa: E402
+from trace_replay.engines.base import ReplayRequest  # noqa: E402
+
+COLUMNS = ("logprob", "rank", "top_token_ids", "top_logprobs", "entropy")
+
+
+def random_llama(dtype: torch.dtype):
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=2048,
+        initializer_range=0.3, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).to(device="cuda", dtype=dtype).eval()
+
+
+def requests(count: int = 20) -> list[ReplayRequest]:
+    """Prompts of 3-40 tokens, traces of 1-70 (some cross a 32-key block, one a 64-row tile)."""
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(count):
+        prompt = rng.integers(1, 49152, int(rng.integers(3, 41))).tolist()
+        trace = rng.integers(1, 49152, 1 + (i * 7) % 70).tolist()
+        out.append(ReplayRequest(f"t{i}", tuple(prompt), tuple(trace)))
+    return out
+
+
+def same_bits(a, b) -> None:
+    """Every column of every trace bitwise equal (floats by bit pattern)."""
+    by_id = {r.trace_id: r for r in b}
+    for ra in a:
+        rb = by_id[ra.trace_id]
+        for column in COLUMNS:
+            x, y = np.ascontiguousarray(getattr(ra, column)), np.ascontiguousarray(getattr(rb, column))
+            assert x.shape == y.shape and x.tobytes() == y.tobytes(), (ra.trace_id, column)
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def runs(request):
+    """Deterministic decode replay at batch 16 and at batch 5 with the traces reversed,
+    and teacher-forced prefill at batch 3; the arithmetic each engine reports."""
+    lm = random_llama(request.param)
+    reqs = requests()
+    big = make_engine("torch", lm, batch_size=16, deterministic=True)
+    small = make_engine("torch", lm, batch_size=5, deterministic=True)
+    prefill = make_engine("prefill", lm, batch_size=3, deterministic=True)
+    out = {"big": big.run(reqs), "small": small.run(reqs[::-1]), "prefill": prefill.run(reqs),
+           "arithmetic": big.settings()["arithmetic"], "dtype": request.param,
+           "default": make_engine("torch", lm, batch_size=16).run(reqs)}
+    return out
+
+
+def test_arithmetic_is_the_cuda_one(runs):
+    """float32 linears run the 3xTF32 Triton GEMM, bfloat16 cuBLAS in probed row blocks;
+    norms, attention and scoring are the Triton kernels."""
+    arithmetic = runs["arithmetic"]
+    if runs["dtype"] == torch.float32:
+        assert arithmetic["linear"].startswith("triton 3xtf32")
+    else:
+        assert arithmetic["linear"].startswith("torch, [")
+    assert arithmetic["norm"] == "triton" and arithmetic["attention"] == "triton"
+    assert arithmetic["score"].startswith("triton")
+
+
+def test_batch_and_order_do_not_reach_the_bits(runs):
+    """Batch 16 and batch 5 with the traces reversed give the same bits in every column."""
+    same_bits(runs["big"], runs["small"])
+
+
+def test_decode_replay_equals_teacher_forced_prefill(runs):
+    """Step-by-step replay (CUDA graphs) and one teacher-forced forward give the same bits."""
+    same_bits(runs["big"], runs["prefill"])
+
+
+def test_close_to_the_default_path(runs):
+    """Deterministic arithmetic moves a logprob by float32 (bfloat16) rounding only, not
+    more: against the default path's replay of the same traces."""
+    worst = max(float(np.abs(a.logprob - b.logprob).max())
+                for a, b in zip(runs["big"], runs["default"]))
+    assert worst < (1e-3 if runs["dtype"] == torch.float32 else 0.25)
