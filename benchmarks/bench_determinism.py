@@ -20,6 +20,7 @@ Usage::
 
     python benchmarks/bench_determinism.py --device cpu --batch 64 --new-tokens 32
     python benchmarks/bench_determinism.py --device cuda --batch 64 --new-tokens 128 --model random
+    python benchmarks/bench_determinism.py --device cuda ... --attention tiles   # the tiled kernel
 """
 
 from __future__ import annotations
@@ -125,11 +126,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-cost", action="store_true", help="checks only")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--attention", choices=["rows", "tiles"], default=None,
+                        help="deterministic mode's Triton attention (default: the package's, "
+                             "invariant_model.ATTENTION)")
     parser.add_argument("--profile", action="store_true",
                         help="a torch.profiler table of one prefill run per mode (CUDA)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.attention:
+        from trace_replay.engines.builtin.backends import invariant_model
+
+        invariant_model.ATTENTION = args.attention
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     if args.model == "random":

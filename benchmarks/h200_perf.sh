@@ -3,6 +3,7 @@
 #   bash benchmarks/h200_perf.sh torch    # 135M float32 / bfloat16, Llama-3.1-8B shape
 #   bash benchmarks/h200_perf.sh big      # Qwen2.5-7B shape
 #   bash benchmarks/h200_perf.sh tests    # the GPU tests (run these first on new code)
+#   bash benchmarks/h200_perf.sh determinism   # deterministic mode's cost and bits, both attentions
 #   python3 benchmarks/bench_fp32_linear.py [--sweep]      # float32 linears: cuBLAS vs 3xTF32
 #   python3 benchmarks/bench_tf32_split.py                  # 576/1,024-row float32 linears: TF32 splits
 #   bash benchmarks/h200_perf.sh vllm W   # vLLM 0.26 forcing vs greedy; W = the assembled
@@ -27,6 +28,15 @@ fp32)
   # the 3xTF32 tensor-core default beside float32 FMAs (cuBLAS), one run
   LIMIT=200 bench smol_fp32 --shape smollm2-135m --dtype float32 --batch 64 --k 8 --fidelity --profile \
     --backends static,static:ieee
+  ;;
+determinism)
+  # float32, 135M shape, batch 64: cost against the default path and the bitwise checks,
+  # with the per-row and the tiled Triton attention (RESULTS, Deterministic mode)
+  for attention in rows tiles; do
+    LIMIT=240 timeout 240 python3 benchmarks/bench_determinism.py --device cuda --batch 64 \
+      --new-tokens 128 --model random --repeats 5 --profile --attention $attention 2>&1 \
+      | grep -v -i warn | tee "$out/determinism_$attention.txt"
+  done
   ;;
 big)
   LIMIT=400 bench qwen7b --shape qwen2.5-7b --dtype bfloat16 --batch 1,16,64 --k 0 --repeats 2

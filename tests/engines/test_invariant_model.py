@@ -95,6 +95,29 @@ def test_3xtf32_linears_are_the_models_own(tiny_llama):
 
 
 @needs_kernels
+def test_tiled_attention_is_the_models_own(tiny_llama):
+    """attention='tiles' (a prefill's queries a tile of one trace at a time) still gives
+    the transformers model's logits, for sequences of several tiles and of one token."""
+    model = InvariantLlama(tiny_llama, triton=True, attention="tiles")
+    assert model.describe()["attention"].startswith("triton, tiles of")
+    sequences = [*SEQUENCES, list(range(3, 40))]
+    cache = model.new_cache(len(sequences), 64)
+    for row, sequence in enumerate(sequences):
+        cache.valid[row, :len(sequence)] = True
+    tokens = torch.tensor([t for s in sequences for t in s])
+    cache_row = torch.cat([torch.full((len(s),), row) for row, s in enumerate(sequences)])
+    slot = torch.cat([torch.arange(len(s)) for s in sequences])
+    with torch.inference_mode():
+        logits = model.lm_head(model.forward(cache, tokens, cache_row, slot, slot,
+                                             runs=[len(s) for s in sequences]))
+        for sequence, ours in zip(sequences, logits.split([len(s) for s in sequences])):
+            theirs = tiny_llama(input_ids=torch.tensor([sequence])).logits[0]
+            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="choose 'rows' or 'tiles'"):
+        InvariantLlama(tiny_llama, attention="blocks")
+
+
+@needs_kernels
 def test_triton_scoring_is_the_blocked_scorings_rule(tiny_llama):
     """With the Triton kernels, scoring runs one program per row (any row count, top_k up
     to 32) and gives the torch row blocks' numbers within float32 rounding (top ids may

@@ -55,17 +55,27 @@ def same_bits(a, b) -> None:
             assert x.shape == y.shape and x.tobytes() == y.tobytes(), (ra.trace_id, column)
 
 
-@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.fixture(scope="module", params=[(torch.float32, "rows"), (torch.bfloat16, "rows"),
+                                        (torch.float32, "tiles"), (torch.bfloat16, "tiles")],
+                ids=["fp32", "bf16", "fp32-tiled", "bf16-tiled"])
 def runs(request):
     """Deterministic decode replay at batch 16 and at batch 5 with the traces reversed,
-    and teacher-forced prefill at batch 3; the arithmetic each engine reports."""
-    lm = random_llama(request.param)
+    and teacher-forced prefill at batch 3; the arithmetic each engine reports. "tiled":
+    the tiled attention kernel (invariant_model.ATTENTION), which must keep every promise."""
+    from trace_replay.engines.builtin.backends import invariant_model
+
+    dtype, attention = request.param
+    lm = random_llama(dtype)
     reqs = requests()
-    big = make_engine("torch", lm, batch_size=16, deterministic=True)
-    small = make_engine("torch", lm, batch_size=5, deterministic=True)
-    prefill = make_engine("prefill", lm, batch_size=3, deterministic=True)
+    before, invariant_model.ATTENTION = invariant_model.ATTENTION, attention
+    try:
+        big = make_engine("torch", lm, batch_size=16, deterministic=True)
+        small = make_engine("torch", lm, batch_size=5, deterministic=True)
+        prefill = make_engine("prefill", lm, batch_size=3, deterministic=True)
+    finally:
+        invariant_model.ATTENTION = before
     out = {"big": big.run(reqs), "small": small.run(reqs[::-1]), "prefill": prefill.run(reqs),
-           "arithmetic": big.settings()["arithmetic"], "dtype": request.param,
+           "arithmetic": big.settings()["arithmetic"], "dtype": dtype, "attention": attention,
            "default": make_engine("torch", lm, batch_size=16).run(reqs)}
     return out
 
@@ -78,7 +88,9 @@ def test_arithmetic_is_the_cuda_one(runs):
         assert arithmetic["linear"].startswith("triton 3xtf32")
     else:
         assert arithmetic["linear"].startswith("torch, [")
-    assert arithmetic["norm"] == "triton" and arithmetic["attention"] == "triton"
+    assert arithmetic["norm"] == "triton"
+    assert arithmetic["attention"] == ("triton" if runs["attention"] == "rows"
+                                       else "triton, tiles of 16 queries")
     assert arithmetic["score"].startswith("triton")
 
 

@@ -158,7 +158,8 @@ class InvariantBackend:
         cache_row = torch.cat([torch.full((len(s),), b, dtype=torch.long)
                                for b, s in enumerate(ids)]).to(self.device)
         slot = torch.cat([torch.arange(len(s)) for s in ids]).to(self.device)
-        return self.model.forward(self.cache, tokens, cache_row, slot, slot)
+        return self.model.forward(self.cache, tokens, cache_row, slot, slot,
+                                  runs=[len(s) for s in ids])
 
     def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``[B * q, V]`` logits; marks the new slots valid and advances the cursor. Capturable."""

@@ -27,11 +27,17 @@ from trace_replay.kernels.invariant_linear import (
     linear_rows_3xtf32, linear_rows_reference, linear_rows_triton)
 from trace_replay.kernels.invariant_rms_norm import rms_norm_rows_reference, rms_norm_rows_triton
 from trace_replay.kernels.invariant_score import score_rows_triton
+from trace_replay.kernels.invariant_tiled_attention import (
+    BLOCK_Q, attention_tiles_triton, tile_bounds)
 from trace_replay.kernels.invariant_score import supports as triton_scores
 
 __all__ = ["InvariantLlama", "KVCache", "RowObserver", "unsupported_reason"]
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
+# the Triton attention when InvariantLlama is not told: "rows" (one program per query row)
+# or "tiles" (up to BLOCK_Q queries of one trace per program, tensor-core products; not
+# yet measured on a GPU, so not the default; benchmarks/bench_determinism.py --attention)
+ATTENTION = "rows"
 _LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
           "input_layernorm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
           "mlp.down_proj")
@@ -103,6 +109,12 @@ class InvariantLlama:
     triton
         Norms, attention and scoring by the Triton kernels (default: on CUDA with Triton;
         scoring of a ``top_k`` above the top-k kernel's 32 in torch row blocks).
+    attention
+        The Triton attention: ``"rows"``, one program per query row
+        (:mod:`~trace_replay.kernels.invariant_attention`), or ``"tiles"``, a prefill's
+        queries a tile of one trace at a time
+        (:mod:`~trace_replay.kernels.invariant_tiled_attention`); default :data:`ATTENTION`.
+        The two round differently: decode and prefill must share one.
     linear
         How linear layers run: ``"3xtf32"``, one launch per layer of
         :func:`~trace_replay.kernels.invariant_linear.linear_rows_3xtf32` (float32 only, on
@@ -114,7 +126,8 @@ class InvariantLlama:
         launches (RESULTS, Deterministic mode).
     """
 
-    def __init__(self, lm, *, triton: bool | None = None, linear: str | None = None) -> None:
+    def __init__(self, lm, *, triton: bool | None = None, linear: str | None = None,
+                 attention: str | None = None) -> None:
         reason = unsupported_reason(lm)
         if reason is not None:
             raise ValueError(f"deterministic mode does not support {type(lm).__name__}: {reason}")
@@ -124,6 +137,9 @@ class InvariantLlama:
         on_cuda = self.device.type == "cuda"
         self.triton = (HAS_TRITON and on_cuda) if triton is None else triton
         self.blocks = RowBlocks.for_device(self.device)
+        self.attention = ATTENTION if attention is None else attention
+        if self.attention not in ("rows", "tiles"):
+            raise ValueError(f"attention={self.attention!r}; choose 'rows' or 'tiles'")
         if linear is None:
             linear = ("3xtf32" if self.triton and on_cuda and self.dtype == torch.float32
                       else "blocks")
@@ -160,7 +176,9 @@ class InvariantLlama:
                   "triton": "triton"}.get(self.linear_kind)
         return {"linear": linear or torch_rows(list(self.blocks.linear)),
                 "norm": "triton" if self.triton else torch_rows(self.blocks.rowwise),
-                "attention": "triton" if self.triton else torch_rows(self.blocks.attention),
+                "attention": (("triton" if self.attention == "rows"
+                               else f"triton, tiles of {BLOCK_Q} queries")
+                              if self.triton else torch_rows(self.blocks.attention)),
                 "key_block": BLOCK_N,
                 "score": ("triton (top_k <= 32; above, {})".format(torch_rows(self.blocks.score))
                           if self.triton else torch_rows(self.blocks.score)),
@@ -189,12 +207,16 @@ class InvariantLlama:
         return self._linear(hidden, self.lm.lm_head)
 
     def forward(self, cache: KVCache, tokens: torch.Tensor, cache_row: torch.Tensor,
-                slot: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                slot: torch.Tensor, positions: torch.Tensor,
+                runs: list[int] | None = None) -> torch.Tensor:
         """Hidden states after the final norm, ``[R + padding, hidden]``; writes K/V first.
 
         All rows' keys of a layer are in the cache before any row of that layer attends, so
         rows of one sequence may share a call (prefill) or come one per call (decode).
-        Padding rows (token 0 at position 0) sit in the scratch cache row.
+        Padding rows (token 0 at position 0) sit in the scratch cache row. ``runs``, the
+        lengths of consecutive rows that share a cache row (a prefill's sequences), lets
+        tiled attention take them a tile at a time; without it each row is its own tile.
+        It changes no bits, only how many rows a program serves.
         """
         pad = -tokens.shape[0] % self.row_multiple
         if pad:
@@ -203,6 +225,10 @@ class InvariantLlama:
             cache_row = torch.cat([cache_row, cache_row.new_full((pad,), cache.scratch)])
         rows = tokens.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        tiles = None
+        if self.triton and self.attention == "tiles":
+            tiles = (torch.arange(rows + 1, device=self.device) if runs is None else
+                     torch.tensor(tile_bounds([*runs, *[1] * pad]), device=self.device))
         see = self.observer
         if see is not None:
             see.begin(cache_row, positions)
@@ -218,7 +244,8 @@ class InvariantLlama:
             v = self._linear(h, attn.v_proj).view(rows, kv_heads, dim)
             cache.k[i][cache_row, :, slot] = k
             cache.v[i][cache_row, :, slot] = v
-            out = self._attention(q, cache.k[i], cache.v[i], cache.valid, cache_row, slot)
+            out = self._attention(q, cache.k[i], cache.v[i], cache.valid, cache_row, slot,
+                                  tiles)
             attended = self._linear(out.view(rows, heads * dim), attn.o_proj)
             if see is not None:
                 see.site(i, "input_norm", h)
@@ -252,8 +279,11 @@ class InvariantLlama:
         return out if module.bias is None else out + module.bias
 
     def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   valid: torch.Tensor, cache_row: torch.Tensor,
-                   slot: torch.Tensor) -> torch.Tensor:
+                   valid: torch.Tensor, cache_row: torch.Tensor, slot: torch.Tensor,
+                   tiles: torch.Tensor | None) -> torch.Tensor:
+        if tiles is not None:
+            return attention_tiles_triton(q, k_cache, v_cache, valid, cache_row, slot,
+                                          self.scaling, tiles)
         if self.triton:
             return attention_rows_triton(q, k_cache, v_cache, valid, cache_row, slot,
                                          self.scaling)
