@@ -78,10 +78,13 @@ def test_masked_vocabulary_and_no_top_k():
 
 
 def test_what_it_takes():
-    """top_k up to 32 (the top-k kernel's limit) and rows with a last stride of 1; other
-    inputs are refused by name."""
-    logits = grid_logits(2, 64)
-    assert supports(logits, 32) and not supports(logits, 33)
-    assert not supports(logits.t(), 5)
+    """top_k up to 32 (the top-k kernel's limit), whatever the layout: a transposed view
+    scores as its contiguous copy does; a larger top_k is refused by name."""
+    logits = grid_logits(64, 64)
+    assert supports(logits, 32) and not supports(logits, 33) and supports(logits.t(), 5)
+    tokens = torch.arange(64, device=DEVICE)
+    for a, b in zip(score_rows_triton(logits.t(), tokens, 3),
+                    score_rows_triton(logits.t().contiguous(), tokens, 3)):
+        assert torch.equal(a, b)
     with pytest.raises(ValueError, match="top_k <= 32"):
-        score_rows_triton(logits, torch.tensor([0, 1], device=DEVICE), 40)
+        score_rows_triton(logits, tokens, 40)

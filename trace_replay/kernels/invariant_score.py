@@ -75,10 +75,11 @@ def _score_kernel(
 
 
 def supports(logits: torch.Tensor, top_k: int) -> bool:
-    """Whether :func:`score_rows_triton` takes these logits and ``top_k`` (rows contiguous;
-    ``top_k`` up to the top-k kernel's :data:`~trace_replay.kernels.top_k.MAX_TOP_K`)."""
-    return (logits.dim() == 2 and logits.stride(1) == 1
-            and 0 <= top_k <= min(MAX_TOP_K, logits.shape[1]))
+    """Whether :func:`score_rows_triton` takes these ``[R, V]`` logits and ``top_k``: up to
+    the top-k kernel's :data:`~trace_replay.kernels.top_k.MAX_TOP_K` (and ``V``). The answer
+    depends on ``V`` and ``top_k`` alone, never on the rows or their layout, so a caller
+    that picks by it picks alike for a decode step and a prefill chunk."""
+    return logits.dim() == 2 and 0 <= top_k <= min(MAX_TOP_K, logits.shape[1])
 
 
 def score_rows_triton(logits: torch.Tensor, token_ids: torch.Tensor,
@@ -88,7 +89,7 @@ def score_rows_triton(logits: torch.Tensor, token_ids: torch.Tensor,
     Parameters
     ----------
     logits : torch.Tensor
-        ``[R, V]``, any float dtype, rows contiguous.
+        ``[R, V]``, any float dtype (copied first where its last stride is not 1).
     token_ids : torch.Tensor
         ``[R]`` integer.
     top_k : int
@@ -102,8 +103,10 @@ def score_rows_triton(logits: torch.Tensor, token_ids: torch.Tensor,
         ``[R, top_k]`` float32, entropy ``[R]`` float32.
     """
     if not supports(logits, top_k):
-        raise ValueError(f"score_rows_triton takes [R, V] logits with contiguous rows and "
-                         f"top_k <= {MAX_TOP_K} (got {tuple(logits.shape)}, top_k={top_k})")
+        raise ValueError(f"score_rows_triton takes [R, V] logits and top_k <= {MAX_TOP_K} "
+                         f"(got {tuple(logits.shape)}, top_k={top_k})")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
     rows, vocab = logits.shape
     token_ids = token_ids.long().contiguous()
     logprob = torch.empty(rows, dtype=torch.float32, device=logits.device)
