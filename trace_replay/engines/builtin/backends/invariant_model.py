@@ -197,7 +197,7 @@ class InvariantLlama:
         (:func:`~trace_replay.kernels.invariant_score.score_rows_triton`) with ``triton``,
         else torch ops in fixed row blocks
         (:func:`~trace_replay.engines.builtin.backends.invariant_ops.score_rows`). Which one
-        runs depends on ``top_k`` and the logits' layout, never on the row count, so decode
+        runs depends on ``top_k`` and the vocabulary alone, never on the rows, so decode
         steps and prefill chunks score a row alike."""
         if self.triton and triton_scores(logits, top_k):
             return TokenScores(*score_rows_triton(logits, token_ids, top_k))
