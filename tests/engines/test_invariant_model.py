@@ -20,16 +20,19 @@ def model(tiny_llama) -> InvariantLlama:
     return InvariantLlama(tiny_llama)
 
 
-def logits_of(model: InvariantLlama, sequences: list[list[int]], slots: int = 64):
-    """Logits at every token of ``sequences``, each in its own cache row, all in one call."""
+def logits_of(model: InvariantLlama, sequences: list[list[int]], slots: int = 64,
+              runs: bool = False):
+    """Logits at every token of ``sequences``, each in its own cache row, all in one call
+    (``runs``: the forward is told the sequences' lengths, as a prefill tells it)."""
     cache = model.new_cache(len(sequences), slots)
     for row, sequence in enumerate(sequences):
         cache.valid[row, :len(sequence)] = True
     tokens = torch.tensor([t for s in sequences for t in s])
     cache_row = torch.cat([torch.full((len(s),), row) for row, s in enumerate(sequences)])
     slot = torch.cat([torch.arange(len(s)) for s in sequences])
+    lengths = [len(s) for s in sequences] if runs else None
     with torch.inference_mode():
-        return model.lm_head(model.forward(cache, tokens, cache_row, slot, slot))
+        return model.lm_head(model.forward(cache, tokens, cache_row, slot, slot, runs=lengths))
 
 
 def test_forward_is_the_models_own(model, tiny_llama):
@@ -101,15 +104,8 @@ def test_tiled_attention_is_the_models_own(tiny_llama):
     model = InvariantLlama(tiny_llama, triton=True, attention="tiles")
     assert model.describe()["attention"].startswith("triton, tiles of")
     sequences = [*SEQUENCES, list(range(3, 40))]
-    cache = model.new_cache(len(sequences), 64)
-    for row, sequence in enumerate(sequences):
-        cache.valid[row, :len(sequence)] = True
-    tokens = torch.tensor([t for s in sequences for t in s])
-    cache_row = torch.cat([torch.full((len(s),), row) for row, s in enumerate(sequences)])
-    slot = torch.cat([torch.arange(len(s)) for s in sequences])
+    logits = logits_of(model, sequences, runs=True)
     with torch.inference_mode():
-        logits = model.lm_head(model.forward(cache, tokens, cache_row, slot, slot,
-                                             runs=[len(s) for s in sequences]))
         for sequence, ours in zip(sequences, logits.split([len(s) for s in sequences])):
             theirs = tiny_llama(input_ids=torch.tensor([sequence])).logits[0]
             torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)

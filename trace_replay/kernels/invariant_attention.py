@@ -20,7 +20,7 @@ import torch
 
 from trace_replay.kernels._triton import tl, triton
 
-__all__ = ["attention_rows_reference", "attention_rows_triton"]
+__all__ = ["attention_rows_reference", "attention_rows_triton", "launch_args"]
 
 BLOCK_N = 32  # keys per step; fixed, so a row's reduction order depends on its slot alone
 
@@ -113,22 +113,29 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     torch.Tensor
         ``[R, H, D]`` in ``q``'s dtype.
     """
-    rows, heads, dim = q.shape
-    kv_heads, length = k_cache.shape[1], k_cache.shape[2]
-    groups = heads // kv_heads
+    q, out, valid, strides, shape = launch_args(q, k_cache, v_cache, valid)
+    if q.shape[0]:
+        _attention_kernel[(q.shape[0], k_cache.shape[1])](
+            q, k_cache, v_cache, valid, cache_row, slot, out, float(scale), k_cache.shape[2],
+            *strides, **shape, BLOCK_N=BLOCK_N)
+    return out
+
+
+def launch_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                valid: torch.Tensor) -> tuple:
+    """What both attention launchers pass alike: ``(q contiguous, out, valid as int8,
+    strides, shape constants)``; the strides in the kernels' order (q's row and head, the
+    caches' row, head and slot, valid's row, out's row and head), the constants ``G``,
+    ``G_PAD``, ``D`` and ``D_PAD``."""
     q = q.contiguous()
     out = torch.empty_like(q)
-    if rows == 0:
-        return out
     valid = valid.view(torch.int8) if valid.dtype == torch.bool else valid
-    _attention_kernel[(rows, kv_heads)](
-        q, k_cache, v_cache, valid, cache_row, slot, out, float(scale), length,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), valid.stride(0),
-        out.stride(0), out.stride(1),
-        G=groups, G_PAD=triton.next_power_of_2(groups), D=dim,
-        D_PAD=triton.next_power_of_2(dim), BLOCK_N=BLOCK_N)
-    return out
+    groups, dim = q.shape[1] // k_cache.shape[1], q.shape[2]
+    strides = (q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+               valid.stride(0), out.stride(0), out.stride(1))
+    shape = dict(G=groups, G_PAD=triton.next_power_of_2(groups), D=dim,
+                 D_PAD=triton.next_power_of_2(dim))
+    return q, out, valid, strides, shape
 
 
 def attention_rows_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import torch
 
 from trace_replay.kernels._triton import tl, triton
-from trace_replay.kernels.invariant_attention import BLOCK_N
+from trace_replay.kernels.invariant_attention import BLOCK_N, launch_args
 
 __all__ = ["BLOCK_Q", "attention_tiles_triton", "tile_bounds"]
 
@@ -161,19 +161,9 @@ def attention_tiles_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     torch.Tensor
         ``[R, H, D]`` in ``q``'s dtype.
     """
-    rows, heads, dim = q.shape
-    kv_heads, length = k_cache.shape[1], k_cache.shape[2]
-    groups = heads // kv_heads
-    q = q.contiguous()
-    out = torch.empty_like(q)
-    if rows == 0:
-        return out
-    valid = valid.view(torch.int8) if valid.dtype == torch.bool else valid
-    _tiled_attention_kernel[(tiles.shape[0] - 1, kv_heads)](
-        q, k_cache, v_cache, valid, cache_row, slot, tiles, out, float(scale), length,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), valid.stride(0),
-        out.stride(0), out.stride(1),
-        G=groups, G_PAD=triton.next_power_of_2(groups), D=dim,
-        D_PAD=triton.next_power_of_2(dim), BLOCK_Q=BLOCK_Q, BLOCK_N=BLOCK_N)
+    q, out, valid, strides, shape = launch_args(q, k_cache, v_cache, valid)
+    if q.shape[0]:
+        _tiled_attention_kernel[(tiles.shape[0] - 1, k_cache.shape[1])](
+            q, k_cache, v_cache, valid, cache_row, slot, tiles, out, float(scale),
+            k_cache.shape[2], *strides, **shape, BLOCK_Q=BLOCK_Q, BLOCK_N=BLOCK_N)
     return out
