@@ -130,7 +130,7 @@ def main() -> None:
                         help="deterministic mode's Triton attention (default: the package's, "
                              "invariant_model.ATTENTION)")
     parser.add_argument("--profile", action="store_true",
-                        help="a torch.profiler table of one prefill run per mode (CUDA)")
+                        help="a torch.profiler table of one run of each engine (CUDA)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -165,7 +165,7 @@ def main() -> None:
             else:
                 seconds, out = timed(engine, requests, device, args.repeats)
             results[name, deterministic] = out
-            if args.profile and name == "prefill":
+            if args.profile and device.type == "cuda":
                 profile(engine, requests, f"{path} (deterministic={deterministic})")
             rows.append((name, path, deterministic, seconds))
             if name == "torch":  # batch invariance: batch 7, traces reversed
