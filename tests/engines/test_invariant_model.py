@@ -111,6 +111,10 @@ def test_tiled_attention_is_the_models_own(tiny_llama):
             torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="choose 'rows' or 'tiles'"):
         InvariantLlama(tiny_llama, attention="blocks")
+    cache = model.new_cache(1, 64)
+    with pytest.raises(ValueError, match="runs cover 3 rows; the forward has 2"):
+        model.forward(cache, torch.tensor([5, 6]), torch.tensor([0, 0]), torch.tensor([0, 1]),
+                      torch.tensor([0, 1]), runs=[3])
 
 
 @needs_kernels

@@ -218,6 +218,8 @@ class InvariantLlama:
         tiled attention take them a tile at a time; without it each row is its own tile.
         It changes no bits, only how many rows a program serves.
         """
+        if runs is not None and sum(runs) != tokens.shape[0]:
+            raise ValueError(f"runs cover {sum(runs)} rows; the forward has {tokens.shape[0]}")
         pad = -tokens.shape[0] % self.row_multiple
         if pad:
             tokens, slot, positions = (torch.cat([t, t.new_zeros(pad)])
