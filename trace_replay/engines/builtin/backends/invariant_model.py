@@ -27,9 +27,9 @@ from trace_replay.kernels.invariant_linear import (
     linear_rows_3xtf32, linear_rows_reference, linear_rows_triton)
 from trace_replay.kernels.invariant_rms_norm import rms_norm_rows_reference, rms_norm_rows_triton
 from trace_replay.kernels.invariant_score import score_rows_triton
+from trace_replay.kernels.invariant_score import supports as triton_scores
 from trace_replay.kernels.invariant_tiled_attention import (
     BLOCK_Q, attention_tiles_triton, tile_bounds)
-from trace_replay.kernels.invariant_score import supports as triton_scores
 
 __all__ = ["InvariantLlama", "KVCache", "RowObserver", "unsupported_reason"]
 
