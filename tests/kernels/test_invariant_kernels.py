@@ -150,21 +150,23 @@ def test_linear_3xtf32_takes_float32_only():
 
 
 @needs_triton
-@pytest.mark.parametrize("cols", [50, 200])
-def test_linear_3xtf32_row_invariant(cols):
+@pytest.mark.parametrize("cols, depth", [(50, 96), (200, 64)])
+def test_linear_3xtf32_row_invariant(cols, depth):
     """A row's bits do not depend on the number of rows (1 to 700: a decode step to a
-    prefill), its neighbours or its place in a tile, with K split in ranges (cols 50: split
-    above 1) or not.
+    prefill), its neighbours or its place in a tile, with K split in two ranges (K 96: two
+    64-wide steps) or not (K 64: one step).
 
     Bitwise on CUDA, where a tensor-core product treats every row of a tile alike; in
     Triton's interpreter ``tl.dot`` is numpy's BLAS, which may round a row by its place
     (see test_linear_triton_row_invariant), so there the rows agree to float32 rounding."""
+    assert fp32_linear.split_depth(depth, config_3xtf32(cols, depth)[2],
+                                   config_3xtf32(cols, depth)[5])[0] == (2 if depth > 64 else 1)
     generator = torch.Generator().manual_seed(2)
-    w = torch.randn(cols, 96, generator=generator).to(DEVICE)
-    row = torch.randn(96, generator=generator).to(DEVICE)
+    w = torch.randn(cols, depth, generator=generator).to(DEVICE)
+    row = torch.randn(depth, generator=generator).to(DEVICE)
     outs = []
     for rows, position in ((1, 0), (3, 2), (64, 10), (130, 129), (700, 333)):
-        x = torch.randn(rows, 96, generator=generator).to(DEVICE)
+        x = torch.randn(rows, depth, generator=generator).to(DEVICE)
         x[position] = row
         outs.append(linear_rows_3xtf32(x, w)[position])
     for out in outs[1:]:
