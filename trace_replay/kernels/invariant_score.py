@@ -13,9 +13,10 @@ not depend on the rows beside it or on how many there are.
   by its vocabulary size alone. The top-k are :func:`~trace_replay.kernels.top_k.top_k_scores`'s
   (per-row programs too; ties to the lower index; a top token's logprob is the token's
   plus the difference of their logits).
-* **Reference**: the same formulas in torch ops on the whole tensor (for checking the
-  kernel, and for CPU tensors where Triton does not run): equal to the kernel within
-  float32 rounding, not bit for bit (torch sums in another order).
+* **Reference**: the same formulas in torch ops on the whole tensor, for checking the
+  kernel: equal to it within float32 rounding, not bit for bit (torch sums in another
+  order). It is not row-invariant; deterministic mode's CPU path scores with
+  :func:`~trace_replay.engines.builtin.backends.invariant_ops.score_rows` (fixed row blocks).
 """
 
 # No `from __future__ import annotations`: Triton's interpreter must see `tl.constexpr`.
