@@ -53,7 +53,7 @@ tests)
   # deterministic mode's CUDA kernels (their device is the module's, not a parameter) and its
   # bitwise promises end to end with the CUDA arithmetic
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_invariant_kernels.py \
-    tests/kernels/test_invariant_score.py tests/gpu/test_determinism_gpu.py 2>&1 | tail -5 \
+    tests/kernels/test_invariant_epilogues.py tests/kernels/test_invariant_score.py tests/gpu/test_determinism_gpu.py 2>&1 | tail -5 \
     | tee -a "$out/gpu_tests.txt"
   ;;
 vllm)

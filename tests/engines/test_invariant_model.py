@@ -167,3 +167,39 @@ def test_llama_family_is_supported(tiny_llama, make_tiny_lm):
     assert unsupported_reason(tiny_llama) is None
     assert unsupported_reason(make_tiny_lm("Qwen2Config")) is None
     assert unsupported_reason(make_tiny_lm("MistralConfig", sliding_window=None)) is None
+
+
+class _Sites:
+    """A RowObserver that keeps every site's values."""
+
+    def __init__(self):
+        self.values = {}
+
+    def begin(self, cache_row, positions):
+        self.values.clear()
+
+    def site(self, layer, name, values):
+        self.values[layer, name] = values.clone()
+
+
+@needs_kernels
+def test_fused_layers_show_the_observer_their_own_numbers(tiny_llama):
+    """With the Triton kernels (linears' partials summed inside the next kernel) an observer
+    still sees the numbers the forward used: each layer's residual stream is, bitwise, the
+    previous one plus the attention and MLP outputs it was shown, and the final norm is the
+    forward's result; observing changes no bit of it."""
+    model = InvariantLlama(tiny_llama, triton=True, linear="3xtf32")
+    plain = logits_of(model, SEQUENCES)
+    sites = _Sites()
+    model.observer = sites
+    try:
+        observed = logits_of(model, SEQUENCES)
+    finally:
+        model.observer = None
+    assert torch.equal(plain, observed)
+    stream = sites.values[-1, "embeddings"]
+    for layer in range(model.num_layers):
+        stream = (stream + sites.values[layer, "attention"]) + sites.values[layer, "mlp"]
+        assert torch.equal(stream, sites.values[layer, "residual"])
+    with torch.inference_mode():
+        assert torch.equal(model.lm_head(sites.values[model.num_layers, "final_norm"]), plain)

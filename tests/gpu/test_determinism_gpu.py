@@ -76,7 +76,8 @@ def runs(request):
         invariant_model.ATTENTION = before
     out = {"big": big.run(reqs), "small": small.run(reqs[::-1]), "prefill": prefill.run(reqs),
            "arithmetic": big.settings()["arithmetic"], "dtype": dtype, "attention": attention,
-           "default": make_engine("torch", lm, batch_size=16).run(reqs)}
+           "default": make_engine("torch", lm, batch_size=16).run(reqs),
+           "default_prefill": make_engine("prefill", lm, batch_size=3).run(reqs)}
     return out
 
 
@@ -104,9 +105,20 @@ def test_decode_replay_equals_teacher_forced_prefill(runs):
     same_bits(runs["big"], runs["prefill"])
 
 
+def _worst(a, b) -> float:
+    return max(float(np.abs(x.logprob - y.logprob).max()) for x, y in zip(a, b))
+
+
 def test_close_to_the_default_path(runs):
-    """Deterministic arithmetic moves a logprob by float32 (bfloat16) rounding only, not
-    more: against the default path's replay of the same traces."""
-    worst = max(float(np.abs(a.logprob - b.logprob).max())
-                for a, b in zip(runs["big"], runs["default"]))
-    assert worst < (1e-3 if runs["dtype"] == torch.float32 else 0.25)
+    """Deterministic arithmetic moves a logprob by rounding only, not more: against the
+    default path's replay of the same traces. float32: within 1e-3. bfloat16: on this model
+    its rounding alone moves logprobs by units (8.5 at most between float32 and bfloat16
+    over one 40-token prompt, measured on the CPU), so the bound is the default path's own
+    spread, its decode replay against its teacher-forced prefill (other kernels, the same
+    model), doubled for the maximum's spread over ~800 tokens."""
+    worst = _worst(runs["big"], runs["default"])
+    if runs["dtype"] == torch.float32:
+        assert worst < 1e-3
+    else:
+        spread = _worst(runs["default"], runs["default_prefill"])
+        assert 0 < worst <= 2 * spread, (worst, spread)

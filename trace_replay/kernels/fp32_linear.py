@@ -306,13 +306,17 @@ def group_blocks(rows: int, cols: Sequence[int], depth: int,
 
 
 def launch_group_partials(x: torch.Tensor, weights: Sequence[torch.Tensor],
-                          biases: Sequence[torch.Tensor] | None, split: int) -> torch.Tensor:
+                          biases: Sequence[torch.Tensor] | None, split: int, *,
+                          config: tuple[int, ...] | None = None) -> torch.Tensor:
     """Two or three linear layers that read the same ``x`` in one launch (q/k/v, gate/up):
     ``[split, M, N_0 + N_1 (+ N_2)]``, each member's partials (or, at split 1, output with
     its bias) in its own columns, computed as :func:`launch_partials` computes them; the
-    blocks from :func:`group_blocks`, which must not be None."""
+    blocks from :func:`group_blocks` at ``x``'s rows (which must not be None), or
+    ``config``, whose ``BLOCK_N`` must divide the members' first columns (and whose split
+    then replaces ``split``)."""
     rows, depth = x.shape
-    config = group_blocks(rows, [w.shape[0] for w in weights], depth, split)
+    if config is None:
+        config = group_blocks(rows, [w.shape[0] for w in weights], depth, split)
     if config is None:
         raise ValueError("no BLOCK_N puts every member of this group on a tile of its own")
     return _launch(tuple(weights), None if biases is None else tuple(biases), x, config)

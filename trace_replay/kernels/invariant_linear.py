@@ -33,8 +33,9 @@ import torch.nn.functional as F
 from trace_replay.kernels import fp32_linear
 from trace_replay.kernels._triton import tl, triton
 
-__all__ = ["INVARIANT_ROWS", "block_plan", "config_3xtf32", "linear_rows_3xtf32",
-           "linear_rows_reference", "linear_rows_triton"]
+__all__ = ["INVARIANT_ROWS", "block_plan", "config_3xtf32", "group_config_3xtf32",
+           "linear_parts_3xtf32", "linear_rows_3xtf32", "linear_rows_reference",
+           "linear_rows_triton"]
 
 # Tile of one program. Constants: the arithmetic of an output element must not depend on
 # the number of rows (autotuning keyed on M, or split-K, would make it depend).
@@ -153,6 +154,49 @@ def linear_rows_3xtf32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return x.new_empty((0, weight.shape[0]))
     config = config_3xtf32(weight.shape[0], weight.shape[1])
     return fp32_linear.launch(x, weight.contiguous(), config=config)
+
+
+def group_config_3xtf32(cols: Sequence[int], depth: int) -> tuple[int, ...] | None:
+    """The one configuration that :func:`linear_parts_3xtf32` runs for weights of ``cols``
+    output columns each (``[c, depth]``), side by side in one launch, whatever the row count:
+    :func:`~trace_replay.kernels.fp32_linear.group_blocks` at :data:`INVARIANT_ROWS` rows
+    with the split :func:`config_3xtf32` gives their whole output; None when no tile width
+    puts every member on tiles of its own.
+
+    Examples
+    --------
+    >>> group_config_3xtf32([576, 192, 192], 576)[:2], group_config_3xtf32([20, 12], 64)
+    ((64, 32), None)
+    """
+    split = config_3xtf32(sum(cols), depth)[5]
+    return fp32_linear.group_blocks(INVARIANT_ROWS, list(cols), depth, split)
+
+
+def linear_parts_3xtf32(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """float32 ``x @ W.T`` for one to three weights that read ``x`` (q/k/v, gate/up), their
+    outputs side by side, as unsummed ``[S, R, N_0 + N_1 (+ N_2)]`` partials: one launch at
+    :func:`group_config_3xtf32` (one weight: :func:`config_3xtf32`), so row ``r``'s partials
+    depend on ``x[r]`` alone, as in :func:`linear_rows_3xtf32`. The partials' sum in order
+    (:func:`~trace_replay.kernels.fp32_linear.sum_partials`) is the product; the caller adds
+    it in whatever reads it next (:mod:`~trace_replay.kernels.invariant_epilogues`).
+
+    Raises
+    ------
+    ValueError
+        On inputs that are not float32, or weights that no tile width separates
+        (:func:`group_config_3xtf32` is None: launch them one at a time).
+    """
+    if x.dtype != torch.float32 or any(w.dtype != torch.float32 for w in weights):
+        raise ValueError(f"linear_parts_3xtf32 takes float32 (got {x.dtype} and "
+                         f"{[w.dtype for w in weights]})")
+    cols = [w.shape[0] for w in weights]
+    if len(weights) == 1:
+        return fp32_linear.launch_partials(x, weights[0].contiguous(),
+                                           config=config_3xtf32(cols[0], x.shape[1]))
+    config = group_config_3xtf32(cols, x.shape[1])
+    if config is None:
+        raise ValueError(f"no tile width puts every member of {cols} on tiles of its own")
+    return fp32_linear.launch_group_partials(x, weights, None, config[5], config=config)
 
 
 def block_plan(rows: int, sizes: Sequence[int]) -> list[tuple[int, int]]:

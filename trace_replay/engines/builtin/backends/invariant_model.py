@@ -23,8 +23,11 @@ from trace_replay.engines.builtin.backends.invariant_ops import RowBlocks, probe
 from trace_replay.engines.scoring import TokenScores
 from trace_replay.kernels.invariant_attention import (
     BLOCK_N, attention_rows_reference, attention_rows_triton)
+from trace_replay.kernels.invariant_epilogues import (
+    residual_norm_triton, rotary_cache_triton, silu_mul_triton, sum_parts)
 from trace_replay.kernels.invariant_linear import (
-    linear_rows_3xtf32, linear_rows_reference, linear_rows_triton)
+    group_config_3xtf32, linear_parts_3xtf32, linear_rows_3xtf32, linear_rows_reference,
+    linear_rows_triton)
 from trace_replay.kernels.invariant_rms_norm import rms_norm_rows_reference, rms_norm_rows_triton
 from trace_replay.kernels.invariant_score import score_rows_triton
 from trace_replay.kernels.invariant_score import supports as triton_scores
@@ -34,10 +37,11 @@ from trace_replay.kernels.invariant_tiled_attention import (
 __all__ = ["InvariantLlama", "KVCache", "RowObserver", "unsupported_reason"]
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
-# the Triton attention when InvariantLlama is not told: "rows" (one program per query row)
-# or "tiles" (up to BLOCK_Q queries of one trace per program, tensor-core products; not
-# yet measured on a GPU, so not the default; benchmarks/bench_determinism.py --attention)
-ATTENTION = "rows"
+# the Triton attention when InvariantLlama is not told: "tiles" (up to BLOCK_Q queries of
+# one trace per program, tensor-core products) or "rows" (one program per query row).
+# Tiles: teacher-forced prefill 0.92x the default path's time where rows take 1.37x, with
+# the same bitwise promises (H200, RESULTS "Deterministic mode"; bench_determinism.py)
+ATTENTION = "tiles"
 _LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
           "input_layernorm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
           "mlp.down_proj")
@@ -166,6 +170,16 @@ class InvariantLlama:
         self.num_layers = len(self.model.layers)
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        # each layer's projections as the fused path launches them: members side by side
+        self._projections = [
+            {"qkv": (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+             "o": (layer.self_attn.o_proj,), "gate_up": (layer.mlp.gate_proj, layer.mlp.up_proj),
+             "down": (layer.mlp.down_proj,)} for layer in self.model.layers]
+        self._grouped = [{which: len(group) == 1 or group_config_3xtf32(
+            [m.weight.shape[0] for m in group], group[0].weight.shape[1]) is not None
+            for which, group in layer.items()} for layer in self._projections]
+        self._biases = [{which: _joint_bias(group) for which, group in layer.items()}
+                        for layer in self._projections]
         self._cos = self._sin = None
         self.observer: RowObserver | None = None  # see RowObserver; None costs nothing
 
@@ -226,7 +240,6 @@ class InvariantLlama:
                                        for t in (tokens, slot, positions))
             cache_row = torch.cat([cache_row, cache_row.new_full((pad,), cache.scratch)])
         rows = tokens.shape[0]
-        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         tiles = None
         if self.triton and self.attention == "tiles":
             tiles = (torch.arange(rows + 1, device=self.device) if runs is None else
@@ -234,10 +247,49 @@ class InvariantLlama:
         see = self.observer
         if see is not None:
             see.begin(cache_row, positions)
-        cos, sin = self._rotary(positions)
         x = self.model.embed_tokens(tokens)
         if see is not None:
             see.site(-1, "embeddings", x)
+        layers = self._fused_layers if self.triton else self._torch_layers
+        x = layers(x, cache, cache_row, slot, positions, tiles)
+        if see is not None:
+            see.site(self.num_layers, "final_norm", x)
+        return x
+
+    def _fused_layers(self, x, cache, cache_row, slot, positions, tiles) -> torch.Tensor:
+        """The layers with the Triton kernels, ending in the final norm: every linear
+        layer's partials read by the kernel of what follows it
+        (:mod:`~trace_replay.kernels.invariant_epilogues`), nine launches a layer in all."""
+        rows, see, dtype = x.shape[0], self.observer, self.dtype
+        layers = self.model.layers
+        h = self._norm(x, layers[0].input_layernorm)
+        for i, layer in enumerate(layers):
+            parts, bias = self._parts(h, i, "qkv")
+            q = rotary_cache_triton(parts, bias, self._cos, self._sin, positions, cache.k[i],
+                                    cache.v[i], cache_row, slot, self.num_heads, dtype)
+            out = self._attention(q, cache.k[i], cache.v[i], cache.valid, cache_row, slot,
+                                  tiles)
+            if see is not None:
+                see.site(i, "input_norm", h)
+            parts, bias = self._parts(out.view(rows, -1), i, "o")
+            if see is not None:
+                see.site(i, "attention", sum_parts(parts, bias, dtype))
+            x, h = self._residual_norm(parts, bias, x, layer.post_attention_layernorm)
+            parts, bias = self._parts(h, i, "gate_up")
+            parts, bias = self._parts(silu_mul_triton(parts, bias, dtype), i, "down")
+            if see is not None:
+                see.site(i, "mlp", sum_parts(parts, bias, dtype))
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x, h = self._residual_norm(parts, bias, x, norm)
+            if see is not None:
+                see.site(i, "residual", x)
+        return h
+
+    def _torch_layers(self, x, cache, cache_row, slot, positions, tiles) -> torch.Tensor:
+        """The layers in torch ops (the CPU path), ending in the final norm."""
+        rows, see = x.shape[0], self.observer
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        cos, sin = self._rotary(positions)
         for i, layer in enumerate(self.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             h = self._norm(x, layer.input_layernorm)
@@ -260,10 +312,25 @@ class InvariantLlama:
             if see is not None:
                 see.site(i, "mlp", mixed)
                 see.site(i, "residual", x)
-        x = self._norm(x, self.model.norm)
-        if see is not None:
-            see.site(self.num_layers, "final_norm", x)
-        return x
+        return self._norm(x, self.model.norm)
+
+    def _parts(self, x: torch.Tensor, layer: int,
+               which: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(parts, bias)`` of a layer's projection ``which`` (``"qkv"``, ``"o"``,
+        ``"gate_up"``, ``"down"``) of ``x``, members side by side: the 3xTF32 GEMM's
+        unsummed partials and the members' bias (None without one) for the epilogue kernel
+        to add; else each member's output, bias included, as one ``S = 1`` part."""
+        modules = self._projections[layer][which]
+        if self.linear_kind == "3xtf32" and self._grouped[layer][which]:
+            return (linear_parts_3xtf32(x, [m.weight for m in modules]),
+                    self._biases[layer][which])
+        outs = [self._linear(x, m) for m in modules]
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))[None], None
+
+    def _residual_norm(self, parts: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
+                       norm: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+        return residual_norm_triton(parts, bias, x, norm.weight, eps)
 
     def _norm(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
@@ -305,6 +372,14 @@ class InvariantLlama:
         emb = torch.cat([freqs, freqs], dim=-1)
         scaling = getattr(rotary, "attention_scaling", 1.0)
         return (emb.cos() * scaling).to(self.dtype), (emb.sin() * scaling).to(self.dtype)
+
+
+def _joint_bias(modules) -> torch.Tensor | None:
+    """The members' biases side by side (zeros for a member without one), or None."""
+    if all(m.bias is None for m in modules):
+        return None
+    return torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.weight.shape[0])
+                      for m in modules]).detach()
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
