@@ -23,7 +23,7 @@ import itertools
 
 import torch
 import torch.nn.functional as F
-from bench_gemv import L2_BYTES, layers, time_cycle_us
+from bench_gemv import L2_BYTES, layers, read_tb_s, time_cycle_us
 
 from trace_replay.kernels._triton import tl, triton
 
@@ -83,12 +83,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     dtype = torch.bfloat16
-    big = torch.ones(1 << 30, dtype=dtype, device="cuda")
-    read_us = time_cycle_us([big.sum] * 4, args.repeats)
     print(f"{torch.cuda.get_device_name()} · torch {torch.__version__} · triton "
           f"{triton.__version__} · {args.shape} bf16 · torch.sum of 2 GiB: "
-          f"{2**31 / read_us / 1e6:.2f} TB/s\n")
-    del big
+          f"{read_tb_s(dtype, args.repeats):.2f} TB/s\n")
     print("| rows | layer (K → N) | cuBLAS µs | TB/s | Triton best µs | TB/s | cuBLAS / Triton | "
           "max rel Δ | config (BLOCK_N, BLOCK_K, warps, stages, split) |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---|")

@@ -15,10 +15,8 @@ from trace_replay.kernels.invariant_linear import (
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
-    not trace_replay.kernels._triton.HAS_TRITON
-    or not (torch.cuda.is_available() or trace_replay.kernels._triton._INTERPRET),
-    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 set before trace_replay.kernels._triton "
-           "was first imported")
+    not trace_replay.kernels._triton.can_launch(),
+    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 set before the first import")
 DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     DEVICE != "cuda", reason="bfloat16 runs on the GPU in deterministic mode"))]
 

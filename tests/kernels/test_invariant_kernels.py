@@ -27,10 +27,8 @@ from trace_replay.kernels.invariant_rms_norm import (
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
-    not trace_replay.kernels._triton.HAS_TRITON
-    or not (torch.cuda.is_available() or trace_replay.kernels._triton._INTERPRET),
-    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 set before trace_replay.kernels._triton "
-           "was first imported")
+    not trace_replay.kernels._triton.can_launch(),
+    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 set before the first import")
 
 
 def _cache(batch=3, kv_heads=2, length=64, dim=16, seed=0):

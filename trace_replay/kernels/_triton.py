@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     tl = SimpleNamespace(constexpr=_constexpr)
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "interpreting", "triton", "tl", "use_triton"]
+__all__ = ["HAS_TRITON", "can_launch", "interpreting", "triton", "tl", "use_triton"]
 
 # read once, as triton.jit does when it decorates a kernel: setting it later changes neither
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -39,6 +39,12 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 def interpreting() -> bool:
     """Whether kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` at import)."""
     return HAS_TRITON and _INTERPRET
+
+
+def can_launch() -> bool:
+    """Whether this process can run Triton kernels at all: Triton is importable and there is
+    a CUDA device or ``TRITON_INTERPRET=1`` was set before this module was imported."""
+    return HAS_TRITON and (_INTERPRET or torch.cuda.is_available())
 
 
 def use_triton(*tensors: torch.Tensor | None) -> bool:
