@@ -203,3 +203,23 @@ def test_fused_layers_show_the_observer_their_own_numbers(tiny_llama):
         assert torch.equal(stream, sites.values[layer, "residual"])
     with torch.inference_mode():
         assert torch.equal(model.lm_head(sites.values[model.num_layers, "final_norm"]), plain)
+
+
+@needs_kernels
+@pytest.mark.parametrize("linear", ["3xtf32", "blocks"])
+def test_fused_layers_add_every_bias(make_tiny_lm, linear):
+    """Biases on every projection (Llama's attention_bias and mlp_bias; Qwen2 has q/k/v's)
+    reach the logits through the fused kernels as the transformers model adds them, with
+    the linears' partials (3xtf32) or their finished outputs (blocks)."""
+    lm = make_tiny_lm("LlamaConfig", attention_bias=True, mlp_bias=True)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for module in lm.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.copy_(torch.randn(module.bias.shape, generator=generator) * 0.3)
+    model = InvariantLlama(lm, triton=True, linear=linear)
+    ours = logits_of(model, SEQUENCES).split([len(s) for s in SEQUENCES])
+    with torch.inference_mode():
+        for sequence, logits in zip(SEQUENCES, ours):
+            theirs = lm(input_ids=torch.tensor([sequence])).logits[0]
+            torch.testing.assert_close(logits, theirs, atol=1e-4, rtol=0)
