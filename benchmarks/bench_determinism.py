@@ -20,7 +20,7 @@ Usage::
 
     python benchmarks/bench_determinism.py --device cpu --batch 64 --new-tokens 32
     python benchmarks/bench_determinism.py --device cuda --batch 64 --new-tokens 128 --model random
-    python benchmarks/bench_determinism.py --device cuda ... --attention tiles   # the tiled kernel
+    python benchmarks/bench_determinism.py --device cuda ... --attention rows   # the per-row kernel
 """
 
 from __future__ import annotations

@@ -14,8 +14,7 @@ from trace_replay.kernels.invariant_score import (
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
-    not trace_replay.kernels._triton.HAS_TRITON
-    or not (torch.cuda.is_available() or trace_replay.kernels._triton._INTERPRET),
+    not trace_replay.kernels._triton.can_launch(),
     reason="Triton kernels need CUDA or TRITON_INTERPRET=1 set before the first import")
 
 

@@ -14,7 +14,9 @@ other rows hold, where row ``r`` sits and how many rows there are.
   64-row call), so a row's products and the order its ``K`` partials are added in are the
   same at 1 row or 10,000. One launch per layer (two at a split above 1), where the
   reference path makes one call per block of rows; float32 accuracy as the default
-  float32 decode has it (the 3xTF32 split).
+  float32 decode has it (the 3xTF32 split). :func:`linear_parts_3xtf32` is the same
+  kernel for one to three weights side by side (q/k/v, gate/up), its split-K partials
+  left for the kernel that reads the output to add.
 * **Reference** (the CPU path): ``F.linear`` over blocks of rows whose sizes come from a
   fixed menu (:func:`block_plan`). A GEMM library picks its algorithm from the call's
   shape; a fixed shape fixes the algorithm, and row ``r``'s reduction order then does not
@@ -190,6 +192,8 @@ def linear_parts_3xtf32(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> tor
         raise ValueError(f"linear_parts_3xtf32 takes float32 (got {x.dtype} and "
                          f"{[w.dtype for w in weights]})")
     cols = [w.shape[0] for w in weights]
+    if x.shape[0] == 0:
+        return x.new_empty((1, 0, sum(cols)))
     if len(weights) == 1:
         return fp32_linear.launch_partials(x, weights[0].contiguous(),
                                            config=config_3xtf32(cols[0], x.shape[1]))

@@ -139,27 +139,15 @@ def attention_tiles_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float, tiles: torch.Tensor) -> torch.Tensor:
     """Each query row's attention over its own cache row, a tile of rows per program.
 
+    Takes :func:`~trace_replay.kernels.invariant_attention.attention_rows_triton`'s
+    arguments and returns what it returns (``[R, H, D]`` in ``q``'s dtype), plus:
+
     Parameters
     ----------
-    q : torch.Tensor
-        ``[R, H, D]`` query heads of R tokens (rotary applied).
-    k_cache, v_cache : torch.Tensor
-        ``[B, H_kv, L, D]`` one layer's cache; ``H`` is a multiple of ``H_kv`` (GQA).
-    valid : torch.Tensor
-        ``[B, L]`` bool: slots that hold a key in context.
-    cache_row, slot : torch.Tensor
-        ``[R]`` int64: each query's cache row and its own slot there.
-    scale : float
-        Multiplies ``q . k``.
     tiles : torch.Tensor
         ``[T + 1]`` int64 boundaries on ``q``'s device, from 0 to R, increasing, each tile
         at most :data:`BLOCK_Q` rows that share a cache row (not checked: the device would
         have to be read); ``torch.arange(R + 1)`` always qualifies.
-
-    Returns
-    -------
-    torch.Tensor
-        ``[R, H, D]`` in ``q``'s dtype.
     """
     q, out, valid, strides, shape = launch_args(q, k_cache, v_cache, valid)
     if q.shape[0]:

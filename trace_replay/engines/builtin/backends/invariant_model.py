@@ -120,9 +120,10 @@ class InvariantLlama:
         (:mod:`~trace_replay.kernels.invariant_tiled_attention`); default :data:`ATTENTION`.
         The two round differently: decode and prefill must share one.
     linear
-        How linear layers run: ``"3xtf32"``, one launch per layer of
-        :func:`~trace_replay.kernels.invariant_linear.linear_rows_3xtf32` (float32 only, on
-        tensor cores where Triton compiles; with ``triton``); ``"blocks"``, the GEMM library
+        How linear layers run: ``"3xtf32"``, the 3xTF32 tensor-core GEMM at one
+        configuration per weight shape, one launch per projection (q/k/v and gate/up
+        grouped: :func:`~trace_replay.kernels.invariant_linear.linear_parts_3xtf32`; float32
+        only, with ``triton``); ``"blocks"``, the GEMM library
         in fixed row blocks where :func:`probe_linear` finds it row-invariant, else the
         Triton GEMM of fixed tiles (which needs ``triton``). Default: ``"3xtf32"`` for a
         float32 model on CUDA with ``triton``, else ``"blocks"``. One launch per layer
