@@ -72,8 +72,8 @@ class PrefillEngine(EngineBase):
 
     def settings(self) -> dict:
         settings = super().settings()
-        if self.deterministic:
-            settings["arithmetic"] = self.backend.describe()
+        if self.backend is not None:
+            settings.update(self.backend.settings())
         return settings
 
     def stats(self) -> dict:
@@ -89,7 +89,7 @@ class PrefillEngine(EngineBase):
         """``lm``'s own modules, or in deterministic mode the row-wise model's rows."""
         if self.lm is None:
             raise RuntimeError(f"engine {self.name!r} is closed")
-        return Activations(self.lm, self.backend.model if self.deterministic else None)
+        return Activations(self.lm) if self.backend is None else self.backend.activations()
 
     @torch.inference_mode()
     def run(self, requests: Sequence[ReplayRequest], *,

@@ -1,7 +1,7 @@
 """The transformers model's own forward over a static KV cache, compiled and graph-captured on GPU.
 
-The same three calls as :class:`~trace_replay.engines.builtin.backends.hf.HFBackend` (``prefill``,
-``decode``, ``keep``). The forward is the model's own code (embedding, its decoder layers,
+A :class:`~trace_replay.engines.builtin.backends.base.Backend`, like
+:class:`~trace_replay.engines.builtin.backends.hf.HFBackend`. The forward is the model's own code (embedding, its decoder layers,
 norms, rotary, soft-capping, lm_head) run on a *view* of the model: shallow copies down to
 the attention modules, sharing every weight, whose config selects
 :func:`~trace_replay.engines.builtin.backends.static_cache.grouped_attention` and whose layers read and write
@@ -32,29 +32,25 @@ from typing import NamedTuple
 
 import torch
 
+from trace_replay.engines.base import Activations
+from trace_replay.engines.builtin.backends.base import check_float32_matmul
 from trace_replay.engines.builtin.backends.captured_step import StepGraph, capture, capture_step
 from trace_replay.engines.builtin.passes.compiling import compile_function, layer_passes
 from trace_replay.engines.builtin.passes import batch1
 from trace_replay.engines.builtin.passes.kernel_view import KernelLinear, kernel_layer, shallow
 from trace_replay.engines.builtin.backends.static_cache import ATTENTION, StaticKVCache, register_attention
 from trace_replay.kernels.fp32_linear import fp32_linear
+from trace_replay.engines.scoring import scorer_for
 from trace_replay.kernels.gemv import gemv
 
-__all__ = ["FLOAT32_MATMUL", "StaticCacheBackend", "check_float32_matmul", "supports"]
+__all__ = ["StaticCacheBackend", "supports"]
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
-FLOAT32_MATMUL = ("3xtf32", "ieee")
 # prefills of up to this many tokens (rows × padded width) are captured in CUDA graphs
 PREFILL_GRAPH_TOKENS = 16384
 # these rope types recompute inv_freq from the positions seen (data-dependent, host-synced)
 _DYNAMIC_ROPE = ("dynamic", "longrope")
-
-
-def check_float32_matmul(value: str) -> None:
-    """Refuse a ``float32_matmul`` that is not one of :data:`FLOAT32_MATMUL`."""
-    if value not in FLOAT32_MATMUL:
-        raise ValueError(f"float32_matmul={value!r}; choose one of {', '.join(FLOAT32_MATMUL)}")
 
 
 def supports(lm) -> bool:
@@ -203,6 +199,7 @@ class StaticCacheBackend:
             self.product = gemv
         self.name = ("static+compiled" if self.cuda_graphs else "static") + (
             "+3xtf32" if self.tensor_cores else "")
+        self.score = scorer_for(self.device)
         self.forwards = 0
         self.compile_seconds = 0.0
         self.compiling = False
@@ -219,6 +216,16 @@ class StaticCacheBackend:
     def static_logits(self) -> bool:
         """Whether ``decode`` returns the same tensor every step (its graph's output)."""
         return self.cuda_graphs
+
+    def settings(self) -> dict:
+        """Nothing to add: ``name`` says which product ran (``+3xtf32``)."""
+        return {}
+
+    def activations(self) -> Activations:
+        """None to give: the compiled, graph-captured steps call no module."""
+        raise NotImplementedError("the static backend's compiled, graph-captured steps run "
+                                  "no Python forward hooks; build the engine with "
+                                  "backend='hf'")
 
     @property
     def shape(self) -> tuple[int, int] | None:
