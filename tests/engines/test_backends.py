@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from trace_replay.engines import make_engine
 from trace_replay.engines.base import Activations
 from trace_replay.engines.builtin.backends.base import (BACKEND_MEMBERS, KINDS, check_backend,
                                                         make_backend)
@@ -61,6 +62,15 @@ def test_auto_is_hf_off_cuda(tiny_llama):
 def test_an_unknown_kind_is_refused():
     with pytest.raises(ValueError, match="unknown backend kind 'fast'; choose one of auto, hf"):
         make_backend("fast", None, 0)
+
+
+@pytest.mark.parametrize("name", ["torch", "prefill"])
+def test_deterministic_attention_reaches_the_row_wise_model(tiny_llama, name):
+    """The engine option picks the row-wise model's Triton attention (decode and prefill
+    must share one); by default it is "tiles"."""
+    chosen = make_engine(name, tiny_llama, deterministic=True, deterministic_attention="rows")
+    assert chosen.backend.model.attention == "rows"
+    assert make_engine(name, tiny_llama, deterministic=True).backend.model.attention == "tiles"
 
 
 def test_backends_answer_activations_as_the_engine_contract_says(tiny_llama):

@@ -24,7 +24,7 @@ import torch
 
 from trace_replay.engines.base import (Activations, EngineBase, EngineConfig, ReplayRequest,
                                        TraceResult)
-from trace_replay.engines.builtin.backends.base import check_float32_matmul, make_backend
+from trace_replay.engines.builtin.backends.base import BackendOptions, make_backend
 from trace_replay.engines.builtin.decode import generate_steps, replay_steps
 from trace_replay.engines.builtin.drafts import parse_speculative
 from trace_replay.engines.builtin.slots import SlotTable, waves
@@ -58,12 +58,20 @@ class TorchEngine(EngineBase):
         ``"3xtf32"`` (default) or ``"ieee"``: how the static backend multiplies a float32
         model on CUDA (see :class:`~trace_replay.engines.builtin.backends.static.StaticCacheBackend`;
         ``engine_path`` ends ``+3xtf32]`` when tensor cores ran). Ignored elsewhere.
+    batch1_fusions
+        Whether the static backend runs a bfloat16 or float16 model's one-row steps on CUDA
+        with the batch-1 fusions (default; ``settings()["batch1_fusions"]`` is False where
+        they were turned off and would have run). Ignored elsewhere.
+    deterministic_attention
+        ``"tiles"`` (default) or ``"rows"``: the Triton attention of deterministic mode on
+        CUDA (``settings()["arithmetic"]["attention"]`` says which ran). Ignored elsewhere.
     """
 
     name = "torch"
 
     def __init__(self, config: EngineConfig | None = None, *, speculative: dict | None = None,
-                 backend: str = "auto", float32_matmul: str = "3xtf32") -> None:
+                 backend: str = "auto", float32_matmul: str = "3xtf32",
+                 batch1_fusions: bool = True, deterministic_attention: str = "tiles") -> None:
         config = config or EngineConfig()
         if backend not in BACKENDS:
             raise ValueError(f"unknown torch engine backend {backend!r}; choose one of "
@@ -71,8 +79,12 @@ class TorchEngine(EngineBase):
         if config.deterministic and backend != "auto":
             raise ValueError(f"deterministic mode runs its own backend; backend={backend!r} "
                              "cannot be combined with it")
-        check_float32_matmul(float32_matmul)  # before the model loads, whichever backend runs
         self.speculative = parse_speculative(speculative)
+        # checked before the model loads, whichever backend runs
+        options = BackendOptions(
+            max_query_len=1 if self.speculative is None else self.speculative[1] + 1,
+            float32_matmul=float32_matmul, batch1_fusions=batch1_fusions,
+            deterministic_attention=deterministic_attention)
         self.lm, self.model_label, self.tokenizer_source = model_for_engine(
             config.model, dtype=config.dtype, device=config.device)
         weight = next(self.lm.parameters())
@@ -86,10 +98,8 @@ class TorchEngine(EngineBase):
         self.max_model_len = getattr(self.lm.config, "max_position_embeddings", None)
         pad = self.lm.config.pad_token_id
         self.pad_id = 0 if pad is None else int(pad)
-        self.backend = make_backend(
-            "invariant" if self.deterministic else backend, self.lm, self.pad_id,
-            max_query_len=1 if self.speculative is None else self.speculative[1] + 1,
-            float32_matmul=float32_matmul)
+        self.backend = make_backend("invariant" if self.deterministic else backend, self.lm,
+                                    self.pad_id, options)
         self.score = self.backend.score  # one object: a captured step keys on it
         self.slots = SlotTable(self.batch_size, weight.device)
         self.engine_path = f"torch-decode[{self.backend.name}]"

@@ -27,6 +27,7 @@ from trace_replay.engines.base import (Activations, EngineBase, EngineConfig, Re
                                        TraceResult)
 from trace_replay.engines.results import split_results
 from trace_replay.engines.scoring import TokenScores, collect_rows, scorer_for
+from trace_replay.engines.builtin.backends.base import BackendOptions
 from trace_replay.engines.builtin.threads import engine_threads, intra_op_threads
 from trace_replay.models.load import model_for_engine
 
@@ -42,13 +43,18 @@ class PrefillEngine(EngineBase):
 
     ``config`` as for every engine (``batch_size``: traces per forward, default 8 on CPU,
     64 on CUDA; ``deterministic``: batch-invariant arithmetic, Llama-family models).
+    ``deterministic_attention``: as for
+    :class:`~trace_replay.engines.builtin.engine.TorchEngine` (a decode replay and a prefill
+    give the same bits only with the same one).
     """
 
     name = "prefill"
     engine_path = "teacher-forced-prefill"
 
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, *,
+                 deterministic_attention: str = "tiles") -> None:
         config = config or EngineConfig()
+        options = BackendOptions(deterministic_attention=deterministic_attention)  # checked
         self.lm, self.model_label, self.tokenizer_source = model_for_engine(
             config.model, dtype=config.dtype, device=config.device)
         weight = next(self.lm.parameters())
@@ -65,7 +71,8 @@ class PrefillEngine(EngineBase):
         if self.deterministic:
             from trace_replay.engines.builtin.backends.invariant import InvariantBackend
 
-            self.backend = InvariantBackend(self.lm, cuda_graphs=False)
+            self.backend = InvariantBackend(self.lm, cuda_graphs=False,
+                                            attention=options.deterministic_attention)
             self.engine_path += "[invariant]"
         self._forwards = 0
         self._split = self._head_is_separable()

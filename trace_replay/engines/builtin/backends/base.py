@@ -3,14 +3,16 @@
 :class:`~trace_replay.engines.builtin.engine.TorchEngine` and its replay loop
 (:mod:`~trace_replay.engines.builtin.decode`, :mod:`~trace_replay.engines.builtin.verify`)
 use a backend through the members :class:`Backend` declares and nothing else;
-:func:`make_backend` builds one by kind and checks it (:func:`check_backend`). The backends'
-modules are imported only when one of their kind is built, so the CPU path never imports the
-static backend's compiler passes and kernels.
+:func:`make_backend` builds one by kind from :class:`BackendOptions` (the engine's choices,
+checked before any model loads) and checks it (:func:`check_backend`). The backends' modules
+are imported only when one of their kind is built, so the CPU path never imports the static
+backend's compiler passes and kernels.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -18,12 +20,13 @@ import torch
 from trace_replay.engines.base import (Activations, missing_members, protocol_members)
 from trace_replay.engines.scoring import TokenScores
 
-__all__ = ["BACKEND_MEMBERS", "FLOAT32_MATMUL", "KINDS", "Backend", "check_backend",
-           "check_float32_matmul", "make_backend"]
+__all__ = ["BACKEND_MEMBERS", "DETERMINISTIC_ATTENTION", "FLOAT32_MATMUL", "KINDS", "Backend",
+           "BackendOptions", "check_backend", "check_float32_matmul", "make_backend"]
 
 # what make_backend builds: "auto" is static on CUDA where the model is supported, else hf
 KINDS = ("auto", "hf", "static", "invariant")
 FLOAT32_MATMUL = ("3xtf32", "ieee")
+DETERMINISTIC_ATTENTION = ("tiles", "rows")
 
 
 class Backend(Protocol):
@@ -86,8 +89,25 @@ def check_float32_matmul(value: str) -> None:
         raise ValueError(f"float32_matmul={value!r}; choose one of {', '.join(FLOAT32_MATMUL)}")
 
 
-def make_backend(kind: str, lm: torch.nn.Module, pad_id: int, *, max_query_len: int = 1,
-                 float32_matmul: str = "3xtf32") -> Backend:
+@dataclass(frozen=True)
+class BackendOptions:
+    """The engine's choices that reach its backend; refused when made if out of range (before
+    any model loads). A backend ignores those that are not its own."""
+
+    max_query_len: int = 1  # most tokens per row a decode feeds (k + 1 for verify)
+    float32_matmul: str = "3xtf32"  # static: a float32 model's products on CUDA
+    batch1_fusions: bool = True  # static: the batch-1 fusions, half precision on CUDA
+    deterministic_attention: str = "tiles"  # invariant: its Triton attention
+
+    def __post_init__(self) -> None:
+        check_float32_matmul(self.float32_matmul)
+        if self.deterministic_attention not in DETERMINISTIC_ATTENTION:
+            raise ValueError(f"deterministic_attention={self.deterministic_attention!r}; "
+                             f"choose one of {', '.join(DETERMINISTIC_ATTENTION)}")
+
+
+def make_backend(kind: str, lm: torch.nn.Module, pad_id: int,
+                 options: BackendOptions = BackendOptions()) -> Backend:
     """The backend ``kind`` (one of :data:`KINDS`) over ``lm``, checked.
 
     Parameters
@@ -98,14 +118,11 @@ def make_backend(kind: str, lm: torch.nn.Module, pad_id: int, *, max_query_len: 
         A transformers causal LM (the kind decides which it must be).
     pad_id
         Token fed at left padding (the invariant backend pads nothing).
-    max_query_len
-        Most tokens per row a ``decode`` will feed (``k + 1`` for verify).
-    float32_matmul
-        How the static backend multiplies a float32 model on CUDA (:data:`FLOAT32_MATMUL`).
+    options
+        The engine's choices (:class:`BackendOptions`).
     """
     if kind not in KINDS:
         raise ValueError(f"unknown backend kind {kind!r}; choose one of {', '.join(KINDS)}")
-    check_float32_matmul(float32_matmul)
     if kind == "auto":
         kind = "hf"
         if next(lm.parameters()).device.type == "cuda":
@@ -119,11 +136,13 @@ def make_backend(kind: str, lm: torch.nn.Module, pad_id: int, *, max_query_len: 
     elif kind == "static":
         from trace_replay.engines.builtin.backends.static import StaticCacheBackend
 
-        backend = StaticCacheBackend(lm, pad_id, max_query_len=max_query_len,
-                                     float32_matmul=float32_matmul)
+        backend = StaticCacheBackend(lm, pad_id, max_query_len=options.max_query_len,
+                                     float32_matmul=options.float32_matmul,
+                                     batch1_fusions=options.batch1_fusions)
     else:
         from trace_replay.engines.builtin.backends.invariant import InvariantBackend
 
-        backend = InvariantBackend(lm, max_query_len=max_query_len)
+        backend = InvariantBackend(lm, max_query_len=options.max_query_len,
+                                   attention=options.deterministic_attention)
     check_backend(backend)
     return backend

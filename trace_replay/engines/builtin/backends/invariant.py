@@ -45,8 +45,9 @@ class InvariantBackend:
         Most tokens per row a ``decode`` will feed (``k + 1`` for verify).
     cuda_graphs
         Capture decode steps (default: on CUDA).
-    triton
-        Passed to :class:`~trace_replay.engines.builtin.backends.invariant_model.InvariantLlama`.
+    triton, attention
+        Passed to :class:`~trace_replay.engines.builtin.backends.invariant_model.InvariantLlama`
+        (``attention``: its Triton attention, ``"tiles"`` or ``"rows"``).
     """
 
     # the forced step is not captured over its logits: observed or CPU steps run eagerly and
@@ -54,8 +55,9 @@ class InvariantBackend:
     static_logits = False
 
     def __init__(self, lm, *, max_query_len: int = 1,
-                 cuda_graphs: bool | None = None, triton: bool | None = None) -> None:
-        self.model = InvariantLlama(lm, triton=triton)
+                 cuda_graphs: bool | None = None, triton: bool | None = None,
+                 attention: str = "tiles") -> None:
+        self.model = InvariantLlama(lm, triton=triton, attention=attention)
         self.device = self.model.device
         self.max_query_len = max_query_len
         on_cuda = self.device.type == "cuda"

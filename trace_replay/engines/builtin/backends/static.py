@@ -15,7 +15,7 @@ kind share (the layers differ only in their weights), so start-up compiles one l
 shape rather than the whole model. A float32 model's view multiplies on tensor cores with
 the 3xTF32 split (``float32_matmul``); a bfloat16 or float16 model's, at one row (batch-1
 decode steps), through :func:`~trace_replay.kernels.gemv.gemv`, with the batch-1 fusions
-where switched on (:mod:`~trace_replay.engines.builtin.passes.batch1`). The view's modules
+unless turned off (:mod:`~trace_replay.engines.builtin.passes.batch1`). The view's modules
 are in :mod:`~trace_replay.engines.builtin.passes.kernel_view`; the compiler puts the
 linears that read the same input (q/k/v, gate/up) in one launch each
 (:mod:`~trace_replay.engines.builtin.passes.linear_groups`). On CPU everything runs eagerly.
@@ -36,7 +36,6 @@ from trace_replay.engines.base import Activations
 from trace_replay.engines.builtin.backends.base import check_float32_matmul
 from trace_replay.engines.builtin.backends.captured_step import StepGraph, capture, capture_step
 from trace_replay.engines.builtin.passes.compiling import compile_function, layer_passes
-from trace_replay.engines.builtin.passes import batch1
 from trace_replay.engines.builtin.passes.kernel_view import KernelLinear, kernel_layer, shallow
 from trace_replay.engines.builtin.backends.static_cache import ATTENTION, StaticKVCache, register_attention
 from trace_replay.kernels.fp32_linear import fp32_linear
@@ -121,7 +120,7 @@ def _model_view(lm: torch.nn.Module, backend: StaticCacheBackend) -> torch.nn.Mo
         if backend.tensor_cores:
             layer.self_attn.float32_dots = "tf32x3"  # read by grouped_attention
         if backend.product is not None:
-            layer = kernel_layer(layer, backend.product)
+            layer = kernel_layer(layer, backend.product, fusions=backend.batch1_fusions)
         layer.forward = _LayerRunner(layer, index, backend)
         layers.append(layer)
     view.model.layers = torch.nn.ModuleList(layers)
@@ -152,7 +151,7 @@ class StaticCacheBackend:
       the RMSNorms, the gated activation and the residual adds after a GEMV are float32
       inside the GEMV launches, rounded once where the model rounds each step: closer to
       the float32 result, equal to the model's to the dtype's rounding. ``name`` does not
-      change with it.
+      change with them; ``settings()`` says when they were turned off where they run.
 
     Parameters
     ----------
@@ -171,10 +170,14 @@ class StaticCacheBackend:
         to the float64 product as float32 FMAs are; or ``"ieee"``: cuBLAS and the attention
         kernel without tensor cores. Other dtypes and the CPU ignore it. The backend's
         ``name`` says which ran (``+3xtf32``).
+    batch1_fusions
+        Whether a bfloat16 or float16 model on CUDA runs the batch-1 fusions at one row
+        (default: yes). Other dtypes and the CPU ignore it.
     """
 
     def __init__(self, lm, pad_id: int, *, max_query_len: int = 1,
-                 cuda_graphs: bool | None = None, float32_matmul: str = "3xtf32") -> None:
+                 cuda_graphs: bool | None = None, float32_matmul: str = "3xtf32",
+                 batch1_fusions: bool = True) -> None:
         if not supports(lm):
             raise ValueError(f"{type(lm).__name__} is not a model the static backend supports")
         param = next(lm.parameters())
@@ -197,13 +200,14 @@ class StaticCacheBackend:
             self.product = fp32_linear
         elif self.dtype in (torch.bfloat16, torch.float16) and self.device.type == "cuda":
             self.product = gemv
+        self.batch1_fusions = batch1_fusions
         self.name = ("static+compiled" if self.cuda_graphs else "static") + (
             "+3xtf32" if self.tensor_cores else "")
         self.score = scorer_for(self.device)
         self.forwards = 0
         self.compile_seconds = 0.0
         self.compiling = False
-        self.compiled_layer = _compile_layer(batch1.ENABLED) if self.cuda_graphs else None
+        self.compiled_layer = _compile_layer(batch1_fusions) if self.cuda_graphs else None
         self.windows = _windows(lm.config)
         self.view = _model_view(lm, self)
         self.cache: StaticKVCache | None = None
@@ -218,8 +222,10 @@ class StaticCacheBackend:
         return self.cuda_graphs
 
     def settings(self) -> dict:
-        """Nothing to add: ``name`` says which product ran (``+3xtf32``)."""
-        return {}
+        """``{"batch1_fusions": False}`` where they were turned off and would have run (they
+        change numbers); else nothing: ``name`` says which product ran (``+3xtf32``)."""
+        turned_off = self.product is gemv and not self.batch1_fusions
+        return {"batch1_fusions": False} if turned_off else {}
 
     def activations(self) -> Activations:
         """None to give: the compiled, graph-captured steps call no module."""
@@ -391,7 +397,7 @@ class _PrefillGraph(NamedTuple):
 @functools.cache
 def _compile_layer(fusions: bool):
     """``torch.compile`` of a decoder layer's forward, shared by every layer and backend
-    (one per value of the batch-1 fusions' switch, whose passes it compiles with).
+    (one with the batch-1 fusions' passes, one without).
 
     A declared per-process cache: dynamo keeps graphs per code object and backend, so a
     compile per backend would compile every shape again (start-up of each engine).

@@ -6,7 +6,7 @@ and replaces modules only in shallow copies, so the model itself is never modifi
 * each ``nn.Linear`` becomes a :class:`KernelLinear`, whose product is
   :func:`~trace_replay.kernels.fp32_linear.fp32_linear` (float32, 3xTF32 on tensor cores)
   or :func:`~trace_replay.kernels.gemv.gemv` (half precision, one row);
-* with the GEMV, the batch-1 fusions where switched on
+* with the GEMV, the batch-1 fusions unless turned off
   (:mod:`~trace_replay.engines.builtin.passes.batch1`).
 
 :func:`kernel_layer` makes a decoder layer's view.
@@ -65,10 +65,10 @@ def kernel_modules(module: torch.nn.Module, product) -> torch.nn.Module:
     return clone
 
 
-def kernel_layer(layer: torch.nn.Module, product) -> torch.nn.Module:
-    """A decoder layer's view: :func:`kernel_modules`, and with the GEMV the batch-1 fusions
-    where they are switched on (:mod:`~trace_replay.engines.builtin.passes.batch1`)."""
+def kernel_layer(layer: torch.nn.Module, product, *, fusions: bool = True) -> torch.nn.Module:
+    """A decoder layer's view: :func:`kernel_modules`, and with the GEMV and ``fusions`` the
+    batch-1 fusions (:mod:`~trace_replay.engines.builtin.passes.batch1`)."""
     view = kernel_modules(layer, product)
-    if product is not gemv or not batch1.ENABLED:
+    if product is not gemv or not fusions:
         return view
     return batch1.fuse_layer(view if view is not layer else shallow(layer), layer)
