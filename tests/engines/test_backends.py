@@ -85,7 +85,7 @@ def test_backends_answer_activations_as_the_engine_contract_says(tiny_llama):
 
 # modules of the static and deterministic backends alone (the kernels they launch aside)
 _NOT_ON_THE_CPU_PATH = ("backends.static", "backends.captured_step", "backends.invariant",
-                        "passes.batch1", "passes.kernel_view", "passes.linear_groups")
+                        "passes.batch1_fusions", "passes.linear_groups")
 
 
 def test_the_cpu_engine_imports_no_static_backend():

@@ -17,7 +17,7 @@ from trace_replay.kernels.invariant_linear import linear_rows_reference, linear_
 from trace_replay.kernels.invariant_rms_norm import rms_norm_rows_reference, rms_norm_rows_triton
 from trace_replay.kernels.top_k import top_k_indices, top_k_indices_reference
 from trace_replay.kernels.trace_tokens import apply_trace_tokens, apply_trace_tokens_reference
-from trace_replay.kernels.verified import (
+from trace_replay.kernels.trace_tokens_verified import (
     apply_trace_tokens_to_verified,
     apply_trace_tokens_to_verified_reference,
 )

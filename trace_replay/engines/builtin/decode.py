@@ -76,7 +76,7 @@ def forced_step(logits: torch.Tensor, slots: SlotTable, idx_mapping: torch.Tenso
                 trace_token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, TokenScores]:
     """Sample, force the trace token, score it on the unmodified logits, commit it.
 
-    ``trace_token_ids``: see :meth:`~trace_replay.kernels.state.TraceReplayState.apply_trace`.
+    ``trace_token_ids``: see :meth:`~trace_replay.engines.replay_state.TraceReplayState.apply_trace`.
     """
     sampled = greedy_tokens(logits)
     slots.trace_state.apply_trace(sampled, idx_mapping, trace_token_ids=trace_token_ids)

@@ -1,12 +1,14 @@
 """The transformers model's own forward over a static KV cache, compiled and graph-captured on GPU.
 
 A :class:`~trace_replay.engines.builtin.backends.base.Backend`, like
-:class:`~trace_replay.engines.builtin.backends.hf.HFBackend`. The forward is the model's own code (embedding, its decoder layers,
-norms, rotary, soft-capping, lm_head) run on a *view* of the model: shallow copies down to
+:class:`~trace_replay.engines.builtin.backends.hf.HFBackend`. The forward is the model's own
+code (embedding, its decoder layers, norms, rotary, soft-capping, lm_head) run on a *view* of
+the model (:mod:`~trace_replay.engines.builtin.backends.static_view`): shallow copies down to
 the attention modules, sharing every weight, whose config selects
-:func:`~trace_replay.engines.builtin.backends.static_cache.grouped_attention` and whose layers read and write
-a :class:`~trace_replay.engines.builtin.backends.static_cache.StaticKVCache`. The model itself is never
-modified, so other backends can keep using it.
+:func:`~trace_replay.engines.builtin.backends.static_cache.grouped_attention` and whose
+layers read and write a
+:class:`~trace_replay.engines.builtin.backends.static_cache.StaticKVCache`. The model itself
+is never modified, so other backends can keep using it.
 
 On CUDA a decode step is captured once per (rows, cache length, tokens per row) in a CUDA
 graph and replayed: no host synchronization in ``decode`` or ``keep``. Inside the capture the
@@ -15,16 +17,14 @@ kind share (the layers differ only in their weights), so start-up compiles one l
 shape rather than the whole model. A float32 model's view multiplies on tensor cores with
 the 3xTF32 split (``float32_matmul``); a bfloat16 or float16 model's, at one row (batch-1
 decode steps), through :func:`~trace_replay.kernels.gemv.gemv`, with the batch-1 fusions
-unless turned off (:mod:`~trace_replay.engines.builtin.passes.batch1`). The view's modules
-are in :mod:`~trace_replay.engines.builtin.passes.kernel_view`; the compiler puts the
-linears that read the same input (q/k/v, gate/up) in one launch each
+unless turned off (:mod:`~trace_replay.engines.builtin.passes.batch1_fusions`); the compiler
+puts the linears that read the same input (q/k/v, gate/up) in one launch each
 (:mod:`~trace_replay.engines.builtin.passes.linear_groups`). On CPU everything runs eagerly.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import time
 from collections.abc import Sequence
@@ -35,11 +35,11 @@ import torch
 from trace_replay.engines.base import Activations
 from trace_replay.engines.builtin.backends.base import check_float32_matmul
 from trace_replay.engines.builtin.backends.captured_step import StepGraph, capture, capture_step
+from trace_replay.engines.builtin.backends.static_cache import StaticKVCache, register_attention
+from trace_replay.engines.builtin.backends.static_view import layer_forward, model_view
 from trace_replay.engines.builtin.passes.compiling import compile_function, layer_passes
-from trace_replay.engines.builtin.passes.kernel_view import KernelLinear, kernel_layer, shallow
-from trace_replay.engines.builtin.backends.static_cache import ATTENTION, StaticKVCache, register_attention
-from trace_replay.kernels.fp32_linear import fp32_linear
 from trace_replay.engines.scoring import scorer_for
+from trace_replay.kernels.fp32_linear import fp32_linear
 from trace_replay.kernels.gemv import gemv
 
 __all__ = ["StaticCacheBackend", "supports"]
@@ -89,44 +89,6 @@ def _windows(config) -> dict[str, int | None] | None:
     if not getattr(config, "use_sliding_window", True):
         window = None
     return {"": window}
-
-
-def _layer_forward(layer, hidden_states, *args, **kwargs):
-    return type(layer).forward(layer, hidden_states, *args, **kwargs)
-
-
-class _LayerRunner:
-    """A decoder layer's ``forward`` in the view: its own slice of the cache, maybe compiled."""
-
-    def __init__(self, layer: torch.nn.Module, index: int, backend: StaticCacheBackend) -> None:
-        self.layer, self.index, self.backend = layer, index, backend
-
-    def __call__(self, hidden_states, *args, past_key_values=None, **kwargs):
-        cache = self.backend.cache.layer(self.index)
-        run = self.backend.compiled_layer if self.backend.compiling else _layer_forward
-        return run(self.layer, hidden_states, *args, past_key_values=cache, **kwargs)
-
-
-def _model_view(lm: torch.nn.Module, backend: StaticCacheBackend) -> torch.nn.Module:
-    config = copy.copy(lm.config)
-    config._attn_implementation = ATTENTION
-    view = shallow(lm)
-    view.model = shallow(lm.model)
-    layers = []
-    for index, layer in enumerate(lm.model.layers):
-        layer = shallow(layer)
-        layer.self_attn = shallow(layer.self_attn)
-        layer.self_attn.config = config
-        if backend.tensor_cores:
-            layer.self_attn.float32_dots = "tf32x3"  # read by grouped_attention
-        if backend.product is not None:
-            layer = kernel_layer(layer, backend.product, fusions=backend.batch1_fusions)
-        layer.forward = _LayerRunner(layer, index, backend)
-        layers.append(layer)
-    view.model.layers = torch.nn.ModuleList(layers)
-    if backend.product is not None and isinstance(lm.lm_head, torch.nn.Linear):
-        view.lm_head = KernelLinear(lm.lm_head, backend.product)
-    return view
 
 
 class StaticCacheBackend:
@@ -209,7 +171,7 @@ class StaticCacheBackend:
         self.compiling = False
         self.compiled_layer = _compile_layer(batch1_fusions) if self.cuda_graphs else None
         self.windows = _windows(lm.config)
-        self.view = _model_view(lm, self)
+        self.view = model_view(lm, self)
         self.cache: StaticKVCache | None = None
         self._graphs: dict[int, StepGraph] = {}
         self._prefill_shapes: set[tuple[int, int]] = set()  # compiled, not captured
@@ -402,7 +364,7 @@ def _compile_layer(fusions: bool):
     A declared per-process cache: dynamo keeps graphs per code object and backend, so a
     compile per backend would compile every shape again (start-up of each engine).
     """
-    return compile_function(_layer_forward, fullgraph=True, dynamic=False,
+    return compile_function(layer_forward, fullgraph=True, dynamic=False,
                             options=layer_passes(fusions))
 
 

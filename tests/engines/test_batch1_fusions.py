@@ -1,4 +1,4 @@
-"""Tests for trace_replay.engines.builtin.passes.batch1: the batch-1 fusions apply to a gated MLP
+"""Tests for trace_replay.engines.builtin.passes.batch1_fusions: the batch-1 fusions apply to a gated MLP
 and a layer's own norms with the GEMV only, are their float32 values to bfloat16 rounding at one
 row and the model's own computation at more rows; ``fusions=False`` turns views and passes off."""
 
@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 
-from trace_replay.engines.builtin.passes.batch1 import GatedMLP, KernelRMSNorm, gated_activation
+from trace_replay.engines.builtin.passes.batch1_fusions import GatedMLP, KernelRMSNorm, gated_activation
 from trace_replay.engines.builtin.passes.compiling import layer_passes
-from trace_replay.engines.builtin.passes.kernel_view import kernel_layer
+from trace_replay.engines.builtin.backends.static_view import kernel_layer
 from trace_replay.kernels._triton import use_triton
 from trace_replay.kernels.fp32_linear import fp32_linear
 from trace_replay.kernels.gemv import gemv

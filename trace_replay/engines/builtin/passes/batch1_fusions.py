@@ -12,7 +12,7 @@ are closer to float32 than the model's own bf16 steps.
 
 They are on unless the engine is built with ``batch1_fusions=False`` (the static backend's
 ``batch1_fusions``), which reaches the view (:func:`fuse_layer`, called by
-:func:`~trace_replay.engines.builtin.passes.kernel_view.kernel_layer`) and the compiled layer
+:func:`~trace_replay.engines.builtin.backends.static_view.kernel_layer`) and the compiled layer
 (:func:`passes`). On: 8B bf16 batch 1 at 4.20 ms/step, 4.34 without (H200,
 benchmarks/RESULTS.md, "Batch-1 fusions").
 """
