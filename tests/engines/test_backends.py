@@ -83,14 +83,18 @@ def test_backends_answer_activations_as_the_engine_contract_says(tiny_llama):
         make_backend("static", tiny_llama, 0).activations()
 
 
-# modules of the static and deterministic backends alone (the kernels they launch aside)
+# modules of the static and deterministic backends alone, and the kernels only they launch
 _NOT_ON_THE_CPU_PATH = ("backends.static", "backends.captured_step", "backends.invariant",
-                        "passes.batch1_fusions", "passes.linear_groups")
+                        "passes.batch1_fusions", "passes.linear_groups", "kernels.gemv",
+                        "kernels.gated_gemv", "kernels.grouped_members", "kernels.fp32_linear",
+                        "kernels.rms_norm", "kernels.cache_attention", "kernels.top_k",
+                        "kernels.invariant")
 
 
 def test_the_cpu_engine_imports_no_static_backend():
     """A torch engine on CPU (hf backend) imports neither the static backend nor the
-    deterministic one, nor their compiler passes: their module bodies are not on its path."""
+    deterministic one, nor their compiler passes and kernels: their module bodies are not on
+    its path."""
     code = (
         "import sys, transformers\n"
         "from trace_replay.engines import make_engine\n"
