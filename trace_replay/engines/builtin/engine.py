@@ -101,6 +101,7 @@ class TorchEngine(EngineBase):
         self.backend = make_backend("invariant" if self.deterministic else backend, self.lm,
                                     self.pad_id, options)
         self.score = self.backend.score  # one object: a captured step keys on it
+        self._backend_settings = self.backend.settings()  # fixed once built, kept after close
         self.slots = SlotTable(self.batch_size, weight.device)
         self.engine_path = f"torch-decode[{self.backend.name}]"
         if self.speculative is not None:
@@ -113,7 +114,7 @@ class TorchEngine(EngineBase):
         if self.speculative is not None:
             method, k = self.speculative
             settings["speculative"] = {"method": method, "num_tokens": k}
-        settings.update(self.backend.settings())
+        settings.update(self._backend_settings)
         return settings
 
     def stats(self) -> dict[str, Any]:

@@ -68,19 +68,20 @@ class PrefillEngine(EngineBase):
         self.score_chunk_bytes = SCORE_CHUNK_BYTES
         self.deterministic = config.deterministic
         self.backend = None
+        self._backend_settings: dict = {}  # fixed once built, kept after close
         if self.deterministic:
             from trace_replay.engines.builtin.backends.invariant import InvariantBackend
 
             self.backend = InvariantBackend(self.lm, cuda_graphs=False,
                                             attention=options.deterministic_attention)
             self.engine_path += "[invariant]"
+            self._backend_settings = self.backend.settings()
         self._forwards = 0
         self._split = self._head_is_separable()
 
     def settings(self) -> dict:
         settings = super().settings()
-        if self.backend is not None:
-            settings.update(self.backend.settings())
+        settings.update(self._backend_settings)
         return settings
 
     def stats(self) -> dict:
