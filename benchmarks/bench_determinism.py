@@ -127,17 +127,13 @@ def main() -> None:
     parser.add_argument("--skip-cost", action="store_true", help="checks only")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--attention", choices=["rows", "tiles"], default=None,
-                        help="deterministic mode's Triton attention (default: the package's, "
-                             "invariant_model.ATTENTION)")
+                        help="deterministic mode's Triton attention (default: the engines', "
+                             "deterministic_attention='tiles')")
     parser.add_argument("--profile", action="store_true",
                         help="a torch.profiler table of one run of each engine (CUDA)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.attention:
-        from trace_replay.engines.builtin.backends import invariant_model
-
-        invariant_model.ATTENTION = args.attention
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     if args.model == "random":
@@ -154,9 +150,12 @@ def main() -> None:
           f"{args.dtype}, {len(requests)} traces, {tokens} tokens, batch {args.batch}")
 
     results, rows = {}, []
+    # decode and prefill share the attention: their bits agree only then
+    attention = {"deterministic_attention": args.attention} if args.attention else {}
     for name in ("torch", "prefill"):
         for deterministic in (False, True):
-            engine = make_engine(name, lm, batch_size=args.batch, deterministic=deterministic)
+            engine = make_engine(name, lm, batch_size=args.batch, deterministic=deterministic,
+                                 **attention)
             path = engine.settings()["engine_path"]
             if deterministic and name == "torch":
                 print("deterministic arithmetic:", engine.settings()["arithmetic"])
@@ -169,7 +168,8 @@ def main() -> None:
                 profile(engine, requests, f"{path} (deterministic={deterministic})")
             rows.append((name, path, deterministic, seconds))
             if name == "torch":  # batch invariance: batch 7, traces reversed
-                small = make_engine(name, lm, batch_size=7, deterministic=deterministic)
+                small = make_engine(name, lm, batch_size=7, deterministic=deterministic,
+                                    **attention)
                 results["small", deterministic] = small.run(requests[::-1])
             engine.close()
 

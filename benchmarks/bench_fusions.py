@@ -1,6 +1,6 @@
-"""The batch-1 fusions on and off (``passes/batch1.py``'s switch): the built-in engine's static
-backend at the Llama-3.1-8B shape, bfloat16, random weights, 16-token prompts, a 128-token greedy
-trace per row. Two engines on one model, one built with the switch on and one with it off, run
+"""The batch-1 fusions on and off (the torch engine's ``batch1_fusions``): its static backend
+at the Llama-3.1-8B shape, bfloat16, random weights, 16-token prompts, a 128-token greedy
+trace per row. Two engines on one model, one built with the fusions and one without, run
 interleaved; prints ms/step per round, the median and the paired ratio (off / on).
 
 Usage (CUDA only; the fusions run at one half-precision row)::
@@ -21,7 +21,6 @@ from shapes import hbm_bound_seconds, random_model
 
 from trace_replay.engines import make_engine
 from trace_replay.engines.base import ReplayRequest
-from trace_replay.engines.builtin.passes import batch1
 
 
 def main() -> None:
@@ -36,11 +35,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(args.batch)
     prompts = [torch.randint(3, lm.config.vocab_size, (16,), generator=gen).tolist()
                for _ in range(args.batch)]
-    engines = {}
-    for enabled in (True, False):
-        batch1.ENABLED = enabled  # read as the engine builds its view and compiles its layer
-        engines[enabled] = make_engine("torch", lm, batch_size=args.batch, backend="static")
-    batch1.ENABLED = True
+    engines = {enabled: make_engine("torch", lm, batch_size=args.batch, backend="static",
+                                    batch1_fusions=enabled) for enabled in (True, False)}
     traces = [ids for ids, _ in engines[True].generate(prompts, max_tokens=args.new_tokens)]
     requests = [ReplayRequest(str(i), tuple(p), tuple(t))
                 for i, (p, t) in enumerate(zip(prompts, traces))]

@@ -37,7 +37,7 @@ from trace_replay.kernels import (  # noqa: E402
     apply_trace_tokens_to_verified,
     apply_trace_tokens_to_verified_reference,
 )
-from trace_replay.kernels.state import RequestState, TraceReplayState  # noqa: E402
+from trace_replay.engines.replay_state import RequestState, TraceReplayState  # noqa: E402
 
 NUM_REQS = (1, 4, 16, 64, 256, 1024, 4096)
 

@@ -16,7 +16,7 @@ from torch._inductor.utils import run_and_get_code
 from trace_replay.kernels._triton import use_triton
 from trace_replay.engines.builtin.passes import compiling
 from trace_replay.engines.builtin.passes.compiling import compile_function, layer_passes
-from trace_replay.engines.builtin.passes.kernel_view import kernel_layer
+from trace_replay.engines.builtin.backends.static_view import kernel_layer
 from trace_replay.kernels.gemv import gemv
 
 

@@ -37,10 +37,11 @@ def test_make_engine_refuses_an_unknown_engine():
 def test_make_engine_refuses_options_the_engine_does_not_take():
     """An option of another engine is refused, naming what this one takes; None is no option."""
     with pytest.raises(ValueError, match=r"engine 'prefill' does not take speculative \(it takes "
-                                         r"no options\)"):
+                                         r"deterministic_attention\)"):
         make_engine("prefill", speculative={"method": "trace"})
     with pytest.raises(ValueError, match=r"'torch' does not take engine_args \(it takes "
-                                         r"speculative, backend, float32_matmul\)"):
+                                         r"speculative, backend, float32_matmul, batch1_fusions, "
+                                         r"deterministic_attention\)"):
         make_engine("torch", engine_args={})
 
 
@@ -48,6 +49,14 @@ def test_bad_settings_fail_before_the_model_loads(tmp_path):
     """A bad setting is reported even when the model does not exist: nothing was loaded yet."""
     with pytest.raises(ValueError, match="top_k"):
         make_engine("torch", tmp_path / "no-such-model", top_k=-1)
+
+
+@pytest.mark.parametrize("name", ["torch", "prefill"])
+def test_a_bad_deterministic_attention_fails_before_the_model_loads(tmp_path, name):
+    """deterministic_attention is checked, naming its choices, before any model is read."""
+    with pytest.raises(ValueError, match="deterministic_attention='cols'; choose one of "
+                                         "tiles, rows"):
+        make_engine(name, tmp_path / "no-such-model", deterministic_attention="cols")
 
 
 @pytest.mark.slow

@@ -109,7 +109,7 @@ def test_tiled_attention_is_the_models_own(tiny_llama):
         for sequence, ours in zip(sequences, logits.split([len(s) for s in sequences])):
             theirs = tiny_llama(input_ids=torch.tensor([sequence])).logits[0]
             torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
-    with pytest.raises(ValueError, match="choose 'rows' or 'tiles'"):
+    with pytest.raises(ValueError, match="attention='blocks'; choose one of tiles, rows"):
         InvariantLlama(tiny_llama, attention="blocks")
     cache = model.new_cache(1, 64)
     with pytest.raises(ValueError, match="runs cover 3 rows; the forward has 2"):

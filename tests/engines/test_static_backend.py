@@ -316,6 +316,32 @@ def test_compiled_half_precision_at_one_row_runs_the_gemv(arch, dtype, tiny_mode
     assert ours_error <= 2 * cublas_error + slack, (ours_error, cublas_error, slack)
 
 
+def test_fusions_off_where_they_change_nothing_are_not_recorded(tiny_model):
+    """On CPU the batch-1 fusions never run, so turning them off leaves the settings (and
+    with them a checkpoint's key) as they were."""
+    lm = tiny_model("llama")
+    on = make_engine("torch", lm, batch_size=1, backend="static")
+    off = make_engine("torch", lm, batch_size=1, backend="static", batch1_fusions=False)
+    assert off.backend.batch1_fusions is False
+    assert off.settings() == on.settings() and "batch1_fusions" not in off.settings()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_fusions_off_reach_the_view_and_the_settings(tiny_model):
+    """A bfloat16 engine built with ``batch1_fusions=False`` has a view without the fused
+    modules and says so in its settings (the fusions change numbers); by default the view
+    has them and the settings do not name them."""
+    lm = copy.deepcopy(tiny_model("llama")).to("cuda", torch.bfloat16)
+    engines = {fusions: make_engine("torch", lm, batch_size=1, backend="static",
+                                    batch1_fusions=fusions) for fusions in (True, False)}
+    kinds = {fusions: {type(m).__name__ for m in engine.backend.view.modules()}
+             for fusions, engine in engines.items()}
+    assert "GatedMLP" in kinds[True] and "GatedMLP" not in kinds[False]
+    assert "batch1_fusions" not in engines[True].settings()
+    assert engines[False].settings()["batch1_fusions"] is False
+
+
 def _process_state() -> tuple:
     """The process-wide settings an engine could change: environment, dynamo, inductor,
     warning filters."""

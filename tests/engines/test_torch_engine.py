@@ -132,3 +132,15 @@ def test_every_backend_declares_whether_its_logits_are_static():
 
     assert HFBackend.static_logits is False and InvariantBackend.static_logits is False
     assert isinstance(StaticCacheBackend.static_logits, property)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("name", ["torch", "prefill"])
+def test_settings_are_fixed_once_built(tiny_llama, name, deterministic):
+    """``settings()`` (with what the backend adds: deterministic mode's arithmetic) reads the
+    same after ``close`` released the backend: a caller may record them last."""
+    engine = make_engine(name, tiny_llama, deterministic=deterministic)
+    before = engine.settings()
+    assert ("arithmetic" in before) == deterministic
+    engine.close()
+    assert engine.settings() == before

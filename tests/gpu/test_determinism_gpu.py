@@ -61,19 +61,15 @@ def same_bits(a, b) -> None:
 def runs(request):
     """Deterministic decode replay at batch 16 and at batch 5 with the traces reversed,
     and teacher-forced prefill at batch 3; the arithmetic each engine reports. "tiled":
-    the tiled attention kernel (invariant_model.ATTENTION), which must keep every promise."""
-    from trace_replay.engines.builtin.backends import invariant_model
-
+    the tiled attention kernel (``deterministic_attention="tiles"``, the default), which must
+    keep every promise."""
     dtype, attention = request.param
     lm = random_llama(dtype)
     reqs = requests()
-    before, invariant_model.ATTENTION = invariant_model.ATTENTION, attention
-    try:
-        big = make_engine("torch", lm, batch_size=16, deterministic=True)
-        small = make_engine("torch", lm, batch_size=5, deterministic=True)
-        prefill = make_engine("prefill", lm, batch_size=3, deterministic=True)
-    finally:
-        invariant_model.ATTENTION = before
+    options = {"deterministic": True, "deterministic_attention": attention}
+    big = make_engine("torch", lm, batch_size=16, **options)
+    small = make_engine("torch", lm, batch_size=5, **options)
+    prefill = make_engine("prefill", lm, batch_size=3, **options)
     out = {"big": big.run(reqs), "small": small.run(reqs[::-1]), "prefill": prefill.run(reqs),
            "arithmetic": big.settings()["arithmetic"], "dtype": dtype, "attention": attention,
            "default": make_engine("torch", lm, batch_size=16).run(reqs),

@@ -25,8 +25,9 @@ __all__ = ["ENGINES", "ENGINE_OPTIONS", "Engine", "EngineConfig", "make_engine"]
 ENGINES = ("auto", "torch", "prefill", "vllm", "vllm-server")
 # keyword options each engine takes beyond EngineConfig
 ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {
-    "torch": ("speculative", "backend", "float32_matmul"),
-    "prefill": (),
+    "torch": ("speculative", "backend", "float32_matmul", "batch1_fusions",
+              "deterministic_attention"),
+    "prefill": ("deterministic_attention",),
     "vllm": ("engine_args", "native"),  # and verbose, which every engine takes
     "vllm-server": ("engine_args",),
 }
@@ -53,7 +54,8 @@ def make_engine(name: str, model: Any = None, *, dtype=None, device=None,
         Show the engine's own start-up logging (vLLM prints ~30 lines); by default only
         its errors are shown.
     **options
-        Engine-specific: ``speculative``, ``backend``, ``float32_matmul`` (torch);
+        Engine-specific: ``speculative``, ``backend``, ``float32_matmul``,
+        ``batch1_fusions`` (torch); ``deterministic_attention`` (torch and prefill);
         ``engine_args``, ``native``
         (vllm); ``engine_args`` (vllm-server: ``base_url``, ``api``, ``api_key``,
         ``timeout_s``, ``max_retries``). ``None`` values count as not given.
@@ -81,7 +83,7 @@ def make_engine(name: str, model: Any = None, *, dtype=None, device=None,
     if name == "prefill":
         from trace_replay.engines.builtin.prefill import PrefillEngine
 
-        return PrefillEngine(config)
+        return PrefillEngine(config, **options)
     if name == "vllm-server":  # the server's own logging stays in the server
         from trace_replay.engines.server.engine import ServerEngine
 

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 __all__ = ["Activations", "BatchFailed", "ENGINE_MEMBERS", "Engine", "EngineBase",
-           "EngineConfig", "PROVENANCE", "ReplayRequest", "TraceResult", "check_engine"]
+           "EngineConfig", "PROVENANCE", "ReplayRequest", "TraceResult", "check_engine",
+           "missing_members", "protocol_members"]
 
 
 @dataclass(frozen=True)
@@ -192,32 +193,47 @@ class Engine(Protocol):
     def __exit__(self, *exc_info: object) -> None: ...
 
 
+def protocol_members(protocol: type, dunders: Sequence[str] = ()) -> tuple[str, ...]:
+    """Every member ``protocol`` declares, sorted: its annotated attributes and its public
+    methods, with the special methods named in ``dunders``."""
+    return tuple(sorted({*protocol.__annotations__, *(
+        name for name, value in vars(protocol).items()
+        if inspect.isfunction(value) and (not name.startswith("_") or name in dunders))}))
+
+
+def missing_members(obj: Any, names: Sequence[str]) -> list[str]:
+    """The ``names`` that ``obj`` lacks, in order.
+
+    A member the object or its class defines counts without being read (a lazy property is
+    not evaluated); any other is read as a user would (``hasattr``), so an object that
+    forwards attributes to a wrapped one has them.
+    """
+    return [name for name in names if not _defines(obj, name)]
+
+
 # every member of the protocol, attributes and methods (what check_engine asks for)
-ENGINE_MEMBERS = tuple(sorted({*Engine.__annotations__, *(
-    name for name, value in vars(Engine).items()
-    if inspect.isfunction(value) and (not name.startswith("_") or name in _CONTEXT))}))
+ENGINE_MEMBERS = protocol_members(Engine, _CONTEXT)
 
 
 def check_engine(engine: Any) -> None:
     """Raise TypeError naming the :class:`Engine` members ``engine`` lacks (none: it is one).
 
-    A member the object or its class defines counts without being read (a lazy property such
-    as ``tokenizer`` is not evaluated); any other is read as a user would (``hasattr``), so an
-    object that forwards attributes to a wrapped engine passes.
+    Members are looked up as :func:`missing_members` does: the ``tokenizer`` property is not
+    evaluated, and an object that forwards attributes to a wrapped engine passes.
     """
     wanted = ENGINE_MEMBERS + (PROVENANCE if isinstance(engine, EngineBase) else ())
-    missing = [name for name in wanted if not _defines(engine, name)]
+    missing = missing_members(engine, wanted)
     if missing:
         raise TypeError(f"{type(engine).__name__} is not an Engine: it lacks "
                         f"{', '.join(missing)} (subclass trace_replay.engines.base.EngineBase, "
                         "which gives all but run and the provenance attributes)")
 
 
-def _defines(engine: Any, name: str) -> bool:
+def _defines(obj: Any, name: str) -> bool:
     try:
-        inspect.getattr_static(engine, name)
+        inspect.getattr_static(obj, name)
     except AttributeError:
-        return hasattr(engine, name)
+        return hasattr(obj, name)
     return True
 
 

@@ -5,38 +5,44 @@ tensors without ``TRITON_INTERPRET=1``, or Triton not installed). The batch-inva
 kernels (``invariant_*``) return new tensors and leave the choice to their caller
 (:class:`~trace_replay.engines.builtin.backends.invariant_model.InvariantLlama`): their reference is the CPU
 path of deterministic mode, whose bits differ from the kernel's.
+
+The names below are resolved from their modules on first use, so importing one kernel (the
+trace kernels of a CPU replay) runs no other kernel module's body. The static backend's
+attention is not among them: its function would share the name of its module
+(``from trace_replay.kernels.cache_attention import cache_attention``).
 """
 
-from trace_replay.kernels.cache_attention import cache_attention, cache_attention_reference
-from trace_replay.kernels.force_logits import force_trace_logits, force_trace_logits_reference
-from trace_replay.kernels.invariant_attention import (
-    attention_rows_reference,
-    attention_rows_triton,
-)
-from trace_replay.kernels.invariant_linear import linear_rows_reference, linear_rows_triton
-from trace_replay.kernels.invariant_rms_norm import rms_norm_rows_reference, rms_norm_rows_triton
-from trace_replay.kernels.top_k import top_k_indices, top_k_indices_reference
-from trace_replay.kernels.trace_tokens import apply_trace_tokens, apply_trace_tokens_reference
-from trace_replay.kernels.verified import (
-    apply_trace_tokens_to_verified,
-    apply_trace_tokens_to_verified_reference,
-)
+from __future__ import annotations
 
-__all__ = [
-    "cache_attention",
-    "cache_attention_reference",
-    "force_trace_logits",
-    "force_trace_logits_reference",
-    "attention_rows_reference",
-    "attention_rows_triton",
-    "linear_rows_reference",
-    "linear_rows_triton",
-    "rms_norm_rows_reference",
-    "rms_norm_rows_triton",
-    "top_k_indices",
-    "top_k_indices_reference",
-    "apply_trace_tokens",
-    "apply_trace_tokens_reference",
-    "apply_trace_tokens_to_verified",
-    "apply_trace_tokens_to_verified_reference",
-]
+import importlib
+
+_EXPORTS = {
+    "force_trace_logits": "force_logits",
+    "force_trace_logits_reference": "force_logits",
+    "attention_rows_reference": "invariant_attention",
+    "attention_rows_triton": "invariant_attention",
+    "linear_rows_reference": "invariant_linear",
+    "linear_rows_triton": "invariant_linear",
+    "rms_norm_rows_reference": "invariant_rms_norm",
+    "rms_norm_rows_triton": "invariant_rms_norm",
+    "top_k_indices": "top_k",
+    "top_k_indices_reference": "top_k",
+    "apply_trace_tokens": "trace_tokens",
+    "apply_trace_tokens_reference": "trace_tokens",
+    "apply_trace_tokens_to_verified": "trace_tokens_verified",
+    "apply_trace_tokens_to_verified_reference": "trace_tokens_verified",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'trace_replay.kernels' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"trace_replay.kernels.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

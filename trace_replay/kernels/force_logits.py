@@ -15,7 +15,7 @@ import functools
 import torch
 
 from trace_replay.kernels._triton import tl, triton, use_triton
-from trace_replay.kernels._position import active_rows, position_args, trace_position
+from trace_replay.kernels.trace_tokens import active_rows, position_args, trace_position
 
 __all__ = ["force_trace_logits", "force_trace_logits_reference"]
 

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from trace_replay.kernels._triton import tl, triton, use_triton
-from trace_replay.kernels._members import members, tile_member
+from trace_replay.kernels.grouped_members import members, tile_member
 
 __all__ = ["blocks", "fp32_linear", "fp32_linear_reference", "group_blocks", "launch",
            "launch_group_partials", "launch_partials", "split_depth", "sum_partials"]

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from trace_replay.kernels._triton import tl, triton
 from trace_replay.kernels import gemv as _gemv
-from trace_replay.kernels._row_input import norm_scale, row_step
+from trace_replay.kernels.gemv_input import norm_scale, row_step
 from trace_replay.kernels.rms_norm import Norm
 
 __all__ = ["ACTIVATIONS", "blocks", "gated_gemv", "gated_gemv_reference", "launch", "runs"]

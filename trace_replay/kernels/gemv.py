@@ -21,7 +21,7 @@ What a compiled layer folds into a launch (each a compiler pass, not the model's
 the residual add that follows a projection (``residual``: ``trace_replay::gemv_add``,
 :mod:`~trace_replay.engines.builtin.passes.residual_adds`) and the RMSNorm before it (``norm``:
 ``trace_replay::gemv_normed``, :mod:`~trace_replay.engines.builtin.passes.norm_folds`; every program norms
-the row itself, :mod:`~trace_replay.kernels._row_input`). Each saves a launch of its own:
+the row itself, :mod:`~trace_replay.kernels.gemv_input`). Each saves a launch of its own:
 at the 8B shape those cost ~1-2 µs each, 64-96 per step.
 
 Rows. The kernel runs one program per (row, column tile), rows fastest, so a second row
@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 
 from trace_replay.kernels._triton import tl, triton, use_triton
-from trace_replay.kernels._members import members, tile_member
-from trace_replay.kernels._row_input import norm_scale, row_step
+from trace_replay.kernels.grouped_members import members, tile_member
+from trace_replay.kernels.gemv_input import norm_scale, row_step
 from trace_replay.kernels.rms_norm import Norm
 
 __all__ = ["MAX_ROWS", "blocks", "gemv", "gemv_reference", "launch", "runs"]

@@ -27,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from trace_replay.engines.builtin.backends.captured_step import capture
+from trace_replay.engines.builtin.backends.base import Backend
 from trace_replay.engines.builtin.slots import SlotTable
 from trace_replay.engines.scoring import TokenScores, greedy_tokens, score_tokens
 
@@ -52,7 +52,7 @@ class StepRunner(Protocol):
         another forward is needed."""
 
 
-def replay_forwards(backend, runner: StepRunner, logits: torch.Tensor,
+def replay_forwards(backend: Backend, runner: StepRunner, logits: torch.Tensor,
                     on_forward: Callable[[int], None] | None = None) -> int:
     """The replay loop: ``runner`` steps on each forward's logits, ``backend`` runs the next.
 
@@ -76,7 +76,7 @@ def forced_step(logits: torch.Tensor, slots: SlotTable, idx_mapping: torch.Tenso
                 trace_token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, TokenScores]:
     """Sample, force the trace token, score it on the unmodified logits, commit it.
 
-    ``trace_token_ids``: see :meth:`~trace_replay.kernels.state.TraceReplayState.apply_trace`.
+    ``trace_token_ids``: see :meth:`~trace_replay.engines.replay_state.TraceReplayState.apply_trace`.
     """
     sampled = greedy_tokens(logits)
     slots.trace_state.apply_trace(sampled, idx_mapping, trace_token_ids=trace_token_ids)
@@ -84,8 +84,8 @@ def forced_step(logits: torch.Tensor, slots: SlotTable, idx_mapping: torch.Tenso
     return sampled, score(logits, sampled, top_k)
 
 
-def replay_steps(backend, slots: SlotTable, idx_mapping: torch.Tensor, logits: torch.Tensor,
-                 num_steps: int, top_k: int, score: Scorer = score_tokens,
+def replay_steps(backend: Backend, slots: SlotTable, idx_mapping: torch.Tensor,
+                 logits: torch.Tensor, num_steps: int, top_k: int, score: Scorer = score_tokens,
                  on_step: Callable[[int], None] | None = None, *, cache: dict | None = None,
                  graph: bool = False) -> tuple[Steps, torch.Tensor]:
     """Forced decoding for ``num_steps`` steps, one token per row per step.
@@ -158,6 +158,8 @@ class ForcedSteps:
             if forward > 1:
                 raise RuntimeError("the backend's decode moved its logits within a wave; "
                                    "captured forcing needs a static logits tensor")
+            from trace_replay.engines.builtin.backends.captured_step import capture  # CUDA only
+
             state = (self.slots.req_states.total_len, self.cursor)
             self._graph, _ = capture(lambda: self._step(logits), state)
             self._logits = logits
@@ -203,9 +205,9 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.data_ptr(), a.shape, a.stride()) == (b.data_ptr(), b.shape, b.stride())
 
 
-def generate_steps(backend, slots: SlotTable, idx_mapping: torch.Tensor, logits: torch.Tensor,
-                   *, max_tokens: int, temperature: float, generator: torch.Generator,
-                   eos_token_id: int | None,
+def generate_steps(backend: Backend, slots: SlotTable, idx_mapping: torch.Tensor,
+                   logits: torch.Tensor, *, max_tokens: int, temperature: float,
+                   generator: torch.Generator, eos_token_id: int | None,
                    score: Scorer = score_tokens) -> tuple[torch.Tensor, torch.Tensor]:
     """Free generation (no trace): ``([B, T] token ids, [B, T] raw logprobs)``, T <= ``max_tokens``.
 

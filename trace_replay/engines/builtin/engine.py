@@ -5,9 +5,11 @@ prompts together, replays it in the one replay loop (:mod:`~trace_replay.engines
 the steps of :mod:`~trace_replay.engines.builtin.verify` under ``speculative``) and turns the
 scores into results (:mod:`~trace_replay.engines.results`). Each step the model's greedy
 choice is overwritten by ``TraceReplayState.apply_trace`` and scored on the unmodified logits.
-The forward pass itself is a backend: ``hf`` (the transformers model with a growing cache)
-or ``static`` (whose CUDA graphs also take the per-step forcing and scoring,
-:class:`~trace_replay.engines.builtin.decode.ForcedSteps`); with ``deterministic`` it is
+The forward pass itself is a backend
+(:class:`~trace_replay.engines.builtin.backends.base.Backend`, the only members used):
+``hf`` (the transformers model with a growing cache) or ``static`` (whose CUDA graphs also
+take the per-step forcing and scoring, :class:`~trace_replay.engines.builtin.decode.ForcedSteps`);
+with ``deterministic`` it is
 :class:`~trace_replay.engines.builtin.backends.invariant.InvariantBackend`, which also does
 the scoring, so that no number of a trace depends on its batch.
 """
@@ -22,19 +24,13 @@ import torch
 
 from trace_replay.engines.base import (Activations, EngineBase, EngineConfig, ReplayRequest,
                                        TraceResult)
+from trace_replay.engines.builtin.backends.base import BackendOptions, make_backend
 from trace_replay.engines.builtin.decode import generate_steps, replay_steps
 from trace_replay.engines.builtin.drafts import parse_speculative
-from trace_replay.engines.builtin.backends.hf import HFBackend
-from trace_replay.engines.results import wave_results
-from trace_replay.engines.scoring import scorer_for
 from trace_replay.engines.builtin.slots import SlotTable, waves
-from trace_replay.engines.builtin.backends.static import (
-    StaticCacheBackend,
-    check_float32_matmul,
-    supports,
-)
 from trace_replay.engines.builtin.threads import engine_threads, intra_op_threads
 from trace_replay.engines.builtin.verify import verify_steps
+from trace_replay.engines.results import wave_results
 from trace_replay.models.load import model_for_engine
 
 __all__ = ["BACKENDS", "TorchEngine"]
@@ -62,17 +58,33 @@ class TorchEngine(EngineBase):
         ``"3xtf32"`` (default) or ``"ieee"``: how the static backend multiplies a float32
         model on CUDA (see :class:`~trace_replay.engines.builtin.backends.static.StaticCacheBackend`;
         ``engine_path`` ends ``+3xtf32]`` when tensor cores ran). Ignored elsewhere.
+    batch1_fusions
+        Whether the static backend runs a bfloat16 or float16 model's one-row steps on CUDA
+        with the batch-1 fusions (default; ``settings()["batch1_fusions"]`` is False where
+        they were turned off and would have run). Ignored elsewhere.
+    deterministic_attention
+        ``"tiles"`` (default) or ``"rows"``: the Triton attention of deterministic mode on
+        CUDA (``settings()["arithmetic"]["attention"]`` says which ran). Ignored elsewhere.
     """
 
     name = "torch"
+
     def __init__(self, config: EngineConfig | None = None, *, speculative: dict | None = None,
-                 backend: str = "auto", float32_matmul: str = "3xtf32") -> None:
+                 backend: str = "auto", float32_matmul: str = "3xtf32",
+                 batch1_fusions: bool = True, deterministic_attention: str = "tiles") -> None:
         config = config or EngineConfig()
         if backend not in BACKENDS:
             raise ValueError(f"unknown torch engine backend {backend!r}; choose one of "
                              f"{', '.join(BACKENDS)}")
-        check_float32_matmul(float32_matmul)  # before the model loads, whichever backend runs
+        if config.deterministic and backend != "auto":
+            raise ValueError(f"deterministic mode runs its own backend; backend={backend!r} "
+                             "cannot be combined with it")
         self.speculative = parse_speculative(speculative)
+        # checked before the model loads, whichever backend runs
+        options = BackendOptions(
+            max_query_len=1 if self.speculative is None else self.speculative[1] + 1,
+            float32_matmul=float32_matmul, batch1_fusions=batch1_fusions,
+            deterministic_attention=deterministic_attention)
         self.lm, self.model_label, self.tokenizer_source = model_for_engine(
             config.model, dtype=config.dtype, device=config.device)
         weight = next(self.lm.parameters())
@@ -86,9 +98,10 @@ class TorchEngine(EngineBase):
         self.max_model_len = getattr(self.lm.config, "max_position_embeddings", None)
         pad = self.lm.config.pad_token_id
         self.pad_id = 0 if pad is None else int(pad)
-        self.float32_matmul = float32_matmul
-        self.backend = self._make_backend(backend)
-        self.score = self.backend.score if self.deterministic else scorer_for(weight.device)
+        self.backend = make_backend("invariant" if self.deterministic else backend, self.lm,
+                                    self.pad_id, options)
+        self.score = self.backend.score  # one object: a captured step keys on it
+        self._backend_settings = self.backend.settings()  # fixed once built, kept after close
         self.slots = SlotTable(self.batch_size, weight.device)
         self.engine_path = f"torch-decode[{self.backend.name}]"
         if self.speculative is not None:
@@ -96,29 +109,12 @@ class TorchEngine(EngineBase):
         self._drafted = self._accepted = 0
         self._captured: dict = {}  # the last forced-step graph, for the next wave
 
-    def _make_backend(self, backend: str):
-        max_query_len = 1 if self.speculative is None else self.speculative[1] + 1
-        if self.deterministic:
-            if backend != "auto":
-                raise ValueError(f"deterministic mode runs its own backend; backend={backend!r} "
-                                 "cannot be combined with it")
-            from trace_replay.engines.builtin.backends.invariant import InvariantBackend
-
-            return InvariantBackend(self.lm, self.pad_id, max_query_len=max_query_len)
-        if backend == "auto":
-            backend = "static" if self.torch_device.type == "cuda" and supports(self.lm) else "hf"
-        if backend == "hf":
-            return HFBackend(self.lm, self.pad_id)
-        return StaticCacheBackend(self.lm, self.pad_id, max_query_len=max_query_len,
-                                  float32_matmul=self.float32_matmul)
-
     def settings(self) -> dict[str, Any]:
         settings = super().settings()
         if self.speculative is not None:
             method, k = self.speculative
             settings["speculative"] = {"method": method, "num_tokens": k}
-        if self.deterministic:
-            settings["arithmetic"] = self.backend.describe()
+        settings.update(self._backend_settings)
         return settings
 
     def stats(self) -> dict[str, Any]:
@@ -136,17 +132,11 @@ class TorchEngine(EngineBase):
         self._captured.clear()
 
     def activations(self) -> Activations:
-        """``lm``'s own modules (hf backend), or in deterministic mode the row-wise model's
-        rows; the static backend's compiled steps call no module, so it has none to give."""
+        """The backend's: ``lm``'s own modules (hf), the row-wise model's rows
+        (deterministic); the static backend's compiled steps call no module."""
         if self.lm is None:
             raise RuntimeError(f"engine {self.name!r} is closed")
-        if self.deterministic:
-            return Activations(self.lm, self.backend.model)
-        if not isinstance(self.backend, HFBackend):
-            raise NotImplementedError("the static backend's compiled, graph-captured steps run "
-                                      "no Python forward hooks; build the engine with "
-                                      "backend='hf'")
-        return Activations(self.lm)
+        return self.backend.activations()
 
     @torch.inference_mode()
     def run(self, requests: Sequence[ReplayRequest], *,

@@ -27,6 +27,7 @@ from trace_replay.engines.base import (Activations, EngineBase, EngineConfig, Re
                                        TraceResult)
 from trace_replay.engines.results import split_results
 from trace_replay.engines.scoring import TokenScores, collect_rows, scorer_for
+from trace_replay.engines.builtin.backends.base import BackendOptions
 from trace_replay.engines.builtin.threads import engine_threads, intra_op_threads
 from trace_replay.models.load import model_for_engine
 
@@ -42,13 +43,18 @@ class PrefillEngine(EngineBase):
 
     ``config`` as for every engine (``batch_size``: traces per forward, default 8 on CPU,
     64 on CUDA; ``deterministic``: batch-invariant arithmetic, Llama-family models).
+    ``deterministic_attention``: as for
+    :class:`~trace_replay.engines.builtin.engine.TorchEngine` (a decode replay and a prefill
+    give the same bits only with the same one).
     """
 
     name = "prefill"
     engine_path = "teacher-forced-prefill"
 
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, *,
+                 deterministic_attention: str = "tiles") -> None:
         config = config or EngineConfig()
+        options = BackendOptions(deterministic_attention=deterministic_attention)  # checked
         self.lm, self.model_label, self.tokenizer_source = model_for_engine(
             config.model, dtype=config.dtype, device=config.device)
         weight = next(self.lm.parameters())
@@ -62,18 +68,20 @@ class PrefillEngine(EngineBase):
         self.score_chunk_bytes = SCORE_CHUNK_BYTES
         self.deterministic = config.deterministic
         self.backend = None
+        self._backend_settings: dict = {}  # fixed once built, kept after close
         if self.deterministic:
             from trace_replay.engines.builtin.backends.invariant import InvariantBackend
 
-            self.backend = InvariantBackend(self.lm, cuda_graphs=False)
+            self.backend = InvariantBackend(self.lm, cuda_graphs=False,
+                                            attention=options.deterministic_attention)
             self.engine_path += "[invariant]"
+            self._backend_settings = self.backend.settings()
         self._forwards = 0
         self._split = self._head_is_separable()
 
     def settings(self) -> dict:
         settings = super().settings()
-        if self.deterministic:
-            settings["arithmetic"] = self.backend.describe()
+        settings.update(self._backend_settings)
         return settings
 
     def stats(self) -> dict:
@@ -89,7 +97,7 @@ class PrefillEngine(EngineBase):
         """``lm``'s own modules, or in deterministic mode the row-wise model's rows."""
         if self.lm is None:
             raise RuntimeError(f"engine {self.name!r} is closed")
-        return Activations(self.lm, self.backend.model if self.deterministic else None)
+        return Activations(self.lm) if self.backend is None else self.backend.activations()
 
     @torch.inference_mode()
     def run(self, requests: Sequence[ReplayRequest], *,

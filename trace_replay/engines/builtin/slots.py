@@ -1,8 +1,9 @@
 """Slot admission for the built-in engine: which requests decode together, in which slots.
 
 A wave is up to ``num_slots`` requests decoded as one batch; slot ``b`` is batch row ``b``.
-Admission stages each request's trace in :class:`~trace_replay.kernels.state.TraceReplayState` and
-sets its lengths in :class:`~trace_replay.kernels.state.RequestState`; slots left over from a larger
+Admission stages each request's trace in
+:class:`~trace_replay.engines.replay_state.TraceReplayState` and sets its lengths in
+:class:`~trace_replay.engines.replay_state.RequestState`; slots left over from a larger
 previous wave are released.
 """
 
@@ -13,7 +14,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from trace_replay.engines.base import ReplayRequest
-from trace_replay.kernels.state import RequestState, TraceReplayState
+from trace_replay.engines.replay_state import RequestState, TraceReplayState
 
 __all__ = ["SlotTable", "waves"]
 

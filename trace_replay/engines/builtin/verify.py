@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from trace_replay.engines.base import ReplayRequest
+from trace_replay.engines.builtin.backends.base import Backend
 from trace_replay.engines.builtin.decode import Scorer, Steps, forced_step, replay_forwards
 from trace_replay.engines.builtin.drafts import ngram_drafts
 from trace_replay.engines.builtin.slots import SlotTable
@@ -33,9 +34,9 @@ class VerifyResult:
     accepted: int
 
 
-def verify_steps(backend, slots: SlotTable, idx_mapping: torch.Tensor, logits: torch.Tensor,
-                 wave: Sequence[ReplayRequest], *, method: str, k: int, top_k: int,
-                 score: Scorer = score_tokens,
+def verify_steps(backend: Backend, slots: SlotTable, idx_mapping: torch.Tensor,
+                 logits: torch.Tensor, wave: Sequence[ReplayRequest], *, method: str, k: int,
+                 top_k: int, score: Scorer = score_tokens,
                  on_forward: Callable[[int], None] | None = None) -> VerifyResult:
     """Replay ``wave`` verifying ``k`` drafts per forward; the first step is a plain one.
 
@@ -57,7 +58,7 @@ class VerifySteps:
     ones are data-dependent: one host read per forward (not per token) says whether to go on.
     """
 
-    def __init__(self, backend, slots: SlotTable, idx_mapping: torch.Tensor,
+    def __init__(self, backend: Backend, slots: SlotTable, idx_mapping: torch.Tensor,
                  wave: Sequence[ReplayRequest], *, method: str, k: int, top_k: int,
                  score: Scorer) -> None:
         self.backend, self.slots, self.idx_mapping = backend, slots, idx_mapping

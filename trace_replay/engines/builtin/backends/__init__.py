@@ -1,4 +1,6 @@
-"""Forward passes of the built-in engine: ``hf`` (eager transformers), ``static`` (compiled,
-graph-captured), ``invariant`` with ``invariant_model`` and ``invariant_ops`` (batch-invariant),
-``static_cache`` (the KV cache), ``captured_step`` (CUDA-graph capture shared by two backends).
+"""Forward passes of the built-in engine: ``base`` (the ``Backend`` protocol, its check and
+``make_backend``), ``hf`` (eager transformers), ``static`` with ``static_view`` and
+``static_cache`` (compiled, graph-captured), ``invariant`` with ``invariant_model`` and
+``invariant_ops`` (batch-invariant), ``captured_step`` (CUDA-graph capture shared by two
+backends).
 """

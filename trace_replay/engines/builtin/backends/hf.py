@@ -1,10 +1,9 @@
 """The forward pass of the built-in engine: a transformers model with a growing KV cache.
 
-A backend holds one wave's KV cache and answers three calls: ``prefill`` (left-padded
-prompts → next-token logits), ``decode`` (q new tokens per row at given positions → logits
-for each) and ``keep`` (which of the last decoded tokens stay in context). Rows of a wave
-advance by different amounts in the verify path; a dropped token stays in the cache but is
-masked out of attention for every later step.
+A :class:`~trace_replay.engines.builtin.backends.base.Backend`. Rows of a wave advance by
+different amounts in the verify path; a dropped token stays in the cache but is masked out
+of attention for every later step. Its forwards call the model's own modules, so it is the
+backend whose activations can be watched.
 """
 
 from __future__ import annotations
@@ -12,6 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from trace_replay.engines.base import Activations
+from trace_replay.engines.scoring import scorer_for
 
 __all__ = ["HFBackend"]
 
@@ -26,6 +28,7 @@ class HFBackend:
         self.lm = lm
         self.pad_id = pad_id
         self.device = next(lm.parameters()).device
+        self.score = scorer_for(self.device)
         self.forwards = 0
         self._cache = None
         self._mask = None
@@ -58,3 +61,11 @@ class HFBackend:
     def keep(self, keep: torch.Tensor) -> None:
         """``keep`` ``[B, q]`` bool: which tokens of the last ``decode`` stay in context."""
         self._mask[:, -keep.shape[1]:] = keep.to(self._mask.dtype)
+
+    def settings(self) -> dict:
+        """Nothing to add: the model's own forward, no choice of the backend's."""
+        return {}
+
+    def activations(self) -> Activations:
+        """The model's own modules: every forward calls them."""
+        return Activations(self.lm)

@@ -1,9 +1,9 @@
 """The deterministic forward pass: every token's numbers depend on its own trace alone.
 
-Same calls as :class:`~trace_replay.engines.builtin.backends.hf.HFBackend` (``prefill``, ``decode``,
-``keep``; plus ``teacher_forced`` / ``teacher_forced_states``, ``lm_head`` and ``score`` for
-the prefill engine), computed by
-:class:`~trace_replay.engines.builtin.backends.invariant_model.InvariantLlama`.
+A :class:`~trace_replay.engines.builtin.backends.base.Backend` (and, for the prefill engine,
+``teacher_forced`` / ``teacher_forced_states`` and ``lm_head``), computed by
+:class:`~trace_replay.engines.builtin.backends.invariant_model.InvariantLlama`; it scores
+with that model's row-invariant scoring.
 
 Design contract:
 
@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
+from trace_replay.engines.base import Activations
 from trace_replay.engines.builtin.backends.captured_step import StepGraph, capture_step
 from trace_replay.engines.builtin.backends.invariant_model import InvariantLlama, KVCache
 from trace_replay.engines.scoring import TokenScores
@@ -39,24 +40,24 @@ class InvariantBackend:
     Parameters
     ----------
     lm
-        A Llama-family transformers causal LM.
-    pad_id
-        Unused (rows need no padding token); kept for the backend interface.
+        A Llama-family transformers causal LM. Rows need no padding token.
     max_query_len
         Most tokens per row a ``decode`` will feed (``k + 1`` for verify).
     cuda_graphs
         Capture decode steps (default: on CUDA).
-    triton
-        Passed to :class:`~trace_replay.engines.builtin.backends.invariant_model.InvariantLlama`.
+    triton, attention
+        Passed to :class:`~trace_replay.engines.builtin.backends.invariant_model.InvariantLlama`
+        (``attention``: its Triton attention, ``"tiles"`` or ``"rows"``).
     """
 
     # the forced step is not captured over its logits: observed or CPU steps run eagerly and
     # return new tensors
     static_logits = False
 
-    def __init__(self, lm, pad_id: int = 0, *, max_query_len: int = 1,
-                 cuda_graphs: bool | None = None, triton: bool | None = None) -> None:
-        self.model = InvariantLlama(lm, triton=triton)
+    def __init__(self, lm, *, max_query_len: int = 1,
+                 cuda_graphs: bool | None = None, triton: bool | None = None,
+                 attention: str = "tiles") -> None:
+        self.model = InvariantLlama(lm, triton=triton, attention=attention)
         self.device = self.model.device
         self.max_query_len = max_query_len
         on_cuda = self.device.type == "cuda"
@@ -69,9 +70,13 @@ class InvariantBackend:
         self.shape: tuple[int, int] | None = None  # (rows, slots) of the cache
         self._graphs: dict[int, StepGraph] = {}
 
-    def describe(self) -> dict:
-        """The arithmetic choices, for ``settings()`` (results depend on them)."""
-        return self.model.describe()
+    def settings(self) -> dict:
+        """The arithmetic choices, under ``"arithmetic"`` (results depend on them)."""
+        return {"arithmetic": self.model.describe()}
+
+    def activations(self) -> Activations:
+        """The row-wise model's rows (its ``observer``), over the model's weights."""
+        return Activations(self.model.lm, self.model)
 
     def score(self, logits: torch.Tensor, token_ids: torch.Tensor, top_k: int) -> TokenScores:
         """Row-invariant scoring of ``token_ids`` under ``logits``."""

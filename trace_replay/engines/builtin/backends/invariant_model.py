@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from trace_replay.engines.builtin.backends.base import DETERMINISTIC_ATTENTION
 from trace_replay.kernels._triton import HAS_TRITON
 from trace_replay.engines.builtin.backends.invariant_ops import RowBlocks, probe_linear, score_rows, silu_mul
 from trace_replay.engines.scoring import TokenScores
@@ -37,11 +38,6 @@ from trace_replay.kernels.invariant_tiled_attention import (
 __all__ = ["InvariantLlama", "KVCache", "RowObserver", "unsupported_reason"]
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
-# the Triton attention when InvariantLlama is not told: "tiles" (up to BLOCK_Q queries of
-# one trace per program, tensor-core products) or "rows" (one program per query row).
-# Tiles: teacher-forced prefill 0.92x the default path's time where rows take 1.37x, with
-# the same bitwise promises (H200, RESULTS "Deterministic mode"; bench_determinism.py)
-ATTENTION = "tiles"
 _LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
           "input_layernorm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
           "mlp.down_proj")
@@ -114,11 +110,13 @@ class InvariantLlama:
         Norms, attention and scoring by the Triton kernels (default: on CUDA with Triton;
         scoring of a ``top_k`` above the top-k kernel's 32 in torch row blocks).
     attention
-        The Triton attention: ``"rows"``, one program per query row
-        (:mod:`~trace_replay.kernels.invariant_attention`), or ``"tiles"``, a prefill's
-        queries a tile of one trace at a time
-        (:mod:`~trace_replay.kernels.invariant_tiled_attention`); default :data:`ATTENTION`.
-        The two round differently: decode and prefill must share one.
+        The Triton attention: ``"tiles"`` (default), a prefill's queries a tile of one trace
+        at a time (:mod:`~trace_replay.kernels.invariant_tiled_attention`, tensor-core
+        products), or ``"rows"``, one program per query row
+        (:mod:`~trace_replay.kernels.invariant_attention`). Tiles: teacher-forced prefill
+        0.92x the default path's time where rows take 1.37x, with the same bitwise promises
+        (H200, RESULTS "Deterministic mode"; bench_determinism.py). The two round
+        differently: decode and prefill must share one.
     linear
         How linear layers run: ``"3xtf32"``, the 3xTF32 tensor-core GEMM at one
         configuration per weight shape, one launch per projection (q/k/v and gate/up
@@ -132,7 +130,7 @@ class InvariantLlama:
     """
 
     def __init__(self, lm, *, triton: bool | None = None, linear: str | None = None,
-                 attention: str | None = None) -> None:
+                 attention: str = "tiles") -> None:
         reason = unsupported_reason(lm)
         if reason is not None:
             raise ValueError(f"deterministic mode does not support {type(lm).__name__}: {reason}")
@@ -142,9 +140,10 @@ class InvariantLlama:
         on_cuda = self.device.type == "cuda"
         self.triton = (HAS_TRITON and on_cuda) if triton is None else triton
         self.blocks = RowBlocks.for_device(self.device)
-        self.attention = ATTENTION if attention is None else attention
-        if self.attention not in ("rows", "tiles"):
-            raise ValueError(f"attention={self.attention!r}; choose 'rows' or 'tiles'")
+        if attention not in DETERMINISTIC_ATTENTION:
+            raise ValueError(f"attention={attention!r}; choose one of "
+                             f"{', '.join(DETERMINISTIC_ATTENTION)}")
+        self.attention = attention
         if linear is None:
             linear = ("3xtf32" if self.triton and on_cuda and self.dtype == torch.float32
                       else "blocks")

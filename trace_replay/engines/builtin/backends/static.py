@@ -1,12 +1,14 @@
 """The transformers model's own forward over a static KV cache, compiled and graph-captured on GPU.
 
-The same three calls as :class:`~trace_replay.engines.builtin.backends.hf.HFBackend` (``prefill``,
-``decode``, ``keep``). The forward is the model's own code (embedding, its decoder layers,
-norms, rotary, soft-capping, lm_head) run on a *view* of the model: shallow copies down to
+A :class:`~trace_replay.engines.builtin.backends.base.Backend`, like
+:class:`~trace_replay.engines.builtin.backends.hf.HFBackend`. The forward is the model's own
+code (embedding, its decoder layers, norms, rotary, soft-capping, lm_head) run on a *view* of
+the model (:mod:`~trace_replay.engines.builtin.backends.static_view`): shallow copies down to
 the attention modules, sharing every weight, whose config selects
-:func:`~trace_replay.engines.builtin.backends.static_cache.grouped_attention` and whose layers read and write
-a :class:`~trace_replay.engines.builtin.backends.static_cache.StaticKVCache`. The model itself is never
-modified, so other backends can keep using it.
+:func:`~trace_replay.engines.builtin.backends.static_cache.grouped_attention` and whose
+layers read and write a
+:class:`~trace_replay.engines.builtin.backends.static_cache.StaticKVCache`. The model itself
+is never modified, so other backends can keep using it.
 
 On CUDA a decode step is captured once per (rows, cache length, tokens per row) in a CUDA
 graph and replayed: no host synchronization in ``decode`` or ``keep``. Inside the capture the
@@ -15,16 +17,14 @@ kind share (the layers differ only in their weights), so start-up compiles one l
 shape rather than the whole model. A float32 model's view multiplies on tensor cores with
 the 3xTF32 split (``float32_matmul``); a bfloat16 or float16 model's, at one row (batch-1
 decode steps), through :func:`~trace_replay.kernels.gemv.gemv`, with the batch-1 fusions
-where switched on (:mod:`~trace_replay.engines.builtin.passes.batch1`). The view's modules
-are in :mod:`~trace_replay.engines.builtin.passes.kernel_view`; the compiler puts the
-linears that read the same input (q/k/v, gate/up) in one launch each
+unless turned off (:mod:`~trace_replay.engines.builtin.passes.batch1_fusions`); the compiler
+puts the linears that read the same input (q/k/v, gate/up) in one launch each
 (:mod:`~trace_replay.engines.builtin.passes.linear_groups`). On CPU everything runs eagerly.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import time
 from collections.abc import Sequence
@@ -32,29 +32,24 @@ from typing import NamedTuple
 
 import torch
 
+from trace_replay.engines.base import Activations
+from trace_replay.engines.builtin.backends.base import check_float32_matmul
 from trace_replay.engines.builtin.backends.captured_step import StepGraph, capture, capture_step
+from trace_replay.engines.builtin.backends.static_cache import StaticKVCache, register_attention
+from trace_replay.engines.builtin.backends.static_view import layer_forward, model_view
 from trace_replay.engines.builtin.passes.compiling import compile_function, layer_passes
-from trace_replay.engines.builtin.passes import batch1
-from trace_replay.engines.builtin.passes.kernel_view import KernelLinear, kernel_layer, shallow
-from trace_replay.engines.builtin.backends.static_cache import ATTENTION, StaticKVCache, register_attention
+from trace_replay.engines.scoring import scorer_for
 from trace_replay.kernels.fp32_linear import fp32_linear
 from trace_replay.kernels.gemv import gemv
 
-__all__ = ["FLOAT32_MATMUL", "StaticCacheBackend", "check_float32_matmul", "supports"]
+__all__ = ["StaticCacheBackend", "supports"]
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
-FLOAT32_MATMUL = ("3xtf32", "ieee")
 # prefills of up to this many tokens (rows × padded width) are captured in CUDA graphs
 PREFILL_GRAPH_TOKENS = 16384
 # these rope types recompute inv_freq from the positions seen (data-dependent, host-synced)
 _DYNAMIC_ROPE = ("dynamic", "longrope")
-
-
-def check_float32_matmul(value: str) -> None:
-    """Refuse a ``float32_matmul`` that is not one of :data:`FLOAT32_MATMUL`."""
-    if value not in FLOAT32_MATMUL:
-        raise ValueError(f"float32_matmul={value!r}; choose one of {', '.join(FLOAT32_MATMUL)}")
 
 
 def supports(lm) -> bool:
@@ -96,44 +91,6 @@ def _windows(config) -> dict[str, int | None] | None:
     return {"": window}
 
 
-def _layer_forward(layer, hidden_states, *args, **kwargs):
-    return type(layer).forward(layer, hidden_states, *args, **kwargs)
-
-
-class _LayerRunner:
-    """A decoder layer's ``forward`` in the view: its own slice of the cache, maybe compiled."""
-
-    def __init__(self, layer: torch.nn.Module, index: int, backend: StaticCacheBackend) -> None:
-        self.layer, self.index, self.backend = layer, index, backend
-
-    def __call__(self, hidden_states, *args, past_key_values=None, **kwargs):
-        cache = self.backend.cache.layer(self.index)
-        run = self.backend.compiled_layer if self.backend.compiling else _layer_forward
-        return run(self.layer, hidden_states, *args, past_key_values=cache, **kwargs)
-
-
-def _model_view(lm: torch.nn.Module, backend: StaticCacheBackend) -> torch.nn.Module:
-    config = copy.copy(lm.config)
-    config._attn_implementation = ATTENTION
-    view = shallow(lm)
-    view.model = shallow(lm.model)
-    layers = []
-    for index, layer in enumerate(lm.model.layers):
-        layer = shallow(layer)
-        layer.self_attn = shallow(layer.self_attn)
-        layer.self_attn.config = config
-        if backend.tensor_cores:
-            layer.self_attn.float32_dots = "tf32x3"  # read by grouped_attention
-        if backend.product is not None:
-            layer = kernel_layer(layer, backend.product)
-        layer.forward = _LayerRunner(layer, index, backend)
-        layers.append(layer)
-    view.model.layers = torch.nn.ModuleList(layers)
-    if backend.product is not None and isinstance(lm.lm_head, torch.nn.Linear):
-        view.lm_head = KernelLinear(lm.lm_head, backend.product)
-    return view
-
-
 class StaticCacheBackend:
     """A transformers model's own forward over a static KV cache; compiled CUDA graphs on GPU.
 
@@ -156,7 +113,7 @@ class StaticCacheBackend:
       the RMSNorms, the gated activation and the residual adds after a GEMV are float32
       inside the GEMV launches, rounded once where the model rounds each step: closer to
       the float32 result, equal to the model's to the dtype's rounding. ``name`` does not
-      change with it.
+      change with them; ``settings()`` says when they were turned off where they run.
 
     Parameters
     ----------
@@ -175,10 +132,14 @@ class StaticCacheBackend:
         to the float64 product as float32 FMAs are; or ``"ieee"``: cuBLAS and the attention
         kernel without tensor cores. Other dtypes and the CPU ignore it. The backend's
         ``name`` says which ran (``+3xtf32``).
+    batch1_fusions
+        Whether a bfloat16 or float16 model on CUDA runs the batch-1 fusions at one row
+        (default: yes). Other dtypes and the CPU ignore it.
     """
 
     def __init__(self, lm, pad_id: int, *, max_query_len: int = 1,
-                 cuda_graphs: bool | None = None, float32_matmul: str = "3xtf32") -> None:
+                 cuda_graphs: bool | None = None, float32_matmul: str = "3xtf32",
+                 batch1_fusions: bool = True) -> None:
         if not supports(lm):
             raise ValueError(f"{type(lm).__name__} is not a model the static backend supports")
         param = next(lm.parameters())
@@ -201,14 +162,16 @@ class StaticCacheBackend:
             self.product = fp32_linear
         elif self.dtype in (torch.bfloat16, torch.float16) and self.device.type == "cuda":
             self.product = gemv
+        self.batch1_fusions = batch1_fusions
         self.name = ("static+compiled" if self.cuda_graphs else "static") + (
             "+3xtf32" if self.tensor_cores else "")
+        self.score = scorer_for(self.device)
         self.forwards = 0
         self.compile_seconds = 0.0
         self.compiling = False
-        self.compiled_layer = _compile_layer(batch1.ENABLED) if self.cuda_graphs else None
+        self.compiled_layer = _compile_layer(batch1_fusions) if self.cuda_graphs else None
         self.windows = _windows(lm.config)
-        self.view = _model_view(lm, self)
+        self.view = model_view(lm, self)
         self.cache: StaticKVCache | None = None
         self._graphs: dict[int, StepGraph] = {}
         self._prefill_shapes: set[tuple[int, int]] = set()  # compiled, not captured
@@ -219,6 +182,18 @@ class StaticCacheBackend:
     def static_logits(self) -> bool:
         """Whether ``decode`` returns the same tensor every step (its graph's output)."""
         return self.cuda_graphs
+
+    def settings(self) -> dict:
+        """``{"batch1_fusions": False}`` where they were turned off and would have run (they
+        change numbers); else nothing: ``name`` says which product ran (``+3xtf32``)."""
+        turned_off = self.product is gemv and not self.batch1_fusions
+        return {"batch1_fusions": False} if turned_off else {}
+
+    def activations(self) -> Activations:
+        """None to give: the compiled, graph-captured steps call no module."""
+        raise NotImplementedError("the static backend's compiled, graph-captured steps run "
+                                  "no Python forward hooks; build the engine with "
+                                  "backend='hf'")
 
     @property
     def shape(self) -> tuple[int, int] | None:
@@ -384,12 +359,12 @@ class _PrefillGraph(NamedTuple):
 @functools.cache
 def _compile_layer(fusions: bool):
     """``torch.compile`` of a decoder layer's forward, shared by every layer and backend
-    (one per value of the batch-1 fusions' switch, whose passes it compiles with).
+    (one with the batch-1 fusions' passes, one without).
 
     A declared per-process cache: dynamo keeps graphs per code object and backend, so a
     compile per backend would compile every shape again (start-up of each engine).
     """
-    return compile_function(_layer_forward, fullgraph=True, dynamic=False,
+    return compile_function(layer_forward, fullgraph=True, dynamic=False,
                             options=layer_passes(fusions))
 
 

@@ -1,4 +1,4 @@
 """Compiler passes over the static backend's model: ``compiling`` (what every compile needs),
-``graph_nodes`` (shared helpers), ``linear_groups``, ``norm_folds``, ``residual_adds`` (batch-1
-fusions), ``kernel_view`` (modules that run the package's kernels).
+``graph_nodes`` (shared helpers), ``linear_groups``; ``batch1_fusions`` (the batch-1 fusions'
+modules) with their passes ``norm_folds`` and ``residual_adds``.
 """

@@ -44,18 +44,18 @@ def compile_function(fn, **options):
     return limited
 
 
-def layer_passes(fusions: bool | None = None) -> dict:
+def layer_passes(fusions: bool = True) -> dict:
     """Inductor options that add the package's graph passes to a decoder layer's compile:
     before inductor's own post-grad passes the linears that read one input go into one launch
-    (:class:`~trace_replay.engines.builtin.passes.linear_groups.GroupLinears`), then the
-    batch-1 fusions' passes where they are on (:func:`~trace_replay.engines.builtin.passes.
-    batch1.passes`; ``fusions`` None: as the switch is now). A graph without the package's
-    operators is left as it was.
+    (:class:`~trace_replay.engines.builtin.passes.linear_groups.GroupLinears`), then, with
+    ``fusions``, the batch-1 fusions' passes
+    (:func:`~trace_replay.engines.builtin.passes.batch1_fusions.passes`). A graph without
+    the package's operators is left as it was.
     """
-    from trace_replay.engines.builtin.passes import batch1
+    from trace_replay.engines.builtin.passes import batch1_fusions
     from trace_replay.engines.builtin.passes.linear_groups import GroupLinears  # imports inductor
 
-    pre, post = batch1.passes(batch1.ENABLED if fusions is None else fusions)
+    pre, post = batch1_fusions.passes(fusions)
     options = {"post_grad_custom_pre_pass": _in_order(GroupLinears(), *pre)}
     if post is not None:
         options["post_grad_custom_post_pass"] = post

@@ -5,7 +5,7 @@ gate/up. At one row the static backend's view runs the norm as the opaque
 ``trace_replay::rms_norm`` (:mod:`~trace_replay.kernels.rms_norm`) and the projections as
 the GEMV operators, so the norm is a launch of its own: 64 per step at Llama-3.1-8B's
 shape, ~2.2 µs each for 8 KiB of data. Every GEMV program reads the whole input row
-anyway, so it can norm the row itself (:mod:`~trace_replay.kernels._row_input`).
+anyway, so it can norm the row itself (:mod:`~trace_replay.kernels.gemv_input`).
 
 :class:`FoldNorms`, an inductor post-grad pass run after
 :class:`~trace_replay.engines.builtin.passes.linear_groups.GroupLinears`, rewrites ``gemv(rms_norm(x))``,

@@ -1,33 +1,32 @@
-"""Tests for trace_replay.engines.builtin.passes.batch1: the batch-1 fusions apply to a gated MLP
+"""Tests for trace_replay.engines.builtin.passes.batch1_fusions: the batch-1 fusions apply to a gated MLP
 and a layer's own norms with the GEMV only, are their float32 values to bfloat16 rounding at one
-row and the model's own computation at more rows; the switch turns views and passes off."""
+row and the model's own computation at more rows; ``fusions=False`` turns views and passes off."""
 
 import copy
 
 import pytest
 import torch
 
-from trace_replay.engines.builtin.passes import batch1
-from trace_replay.engines.builtin.passes.batch1 import GatedMLP, KernelRMSNorm, gated_activation
+from trace_replay.engines.builtin.passes.batch1_fusions import GatedMLP, KernelRMSNorm, gated_activation
 from trace_replay.engines.builtin.passes.compiling import layer_passes
-from trace_replay.engines.builtin.passes.kernel_view import kernel_layer
+from trace_replay.engines.builtin.backends.static_view import kernel_layer
 from trace_replay.kernels._triton import use_triton
 from trace_replay.kernels.fp32_linear import fp32_linear
 from trace_replay.kernels.gemv import gemv
 
 
-def test_the_switch_turns_the_fusions_off(make_tiny_lm, monkeypatch):
-    """With ENABLED off, a GEMV view has neither GatedMLP nor KernelRMSNorm (its norms and MLP
-    are the model's own, on kernel linears) and the layer compiles with the linear groups
-    only; on, both modules are there and the residual-add pass follows inductor's."""
+def test_fusions_false_turns_the_fusions_off(make_tiny_lm):
+    """With ``fusions=False`` a GEMV view has neither GatedMLP nor KernelRMSNorm (its norms
+    and MLP are the model's own, on kernel linears) and the layer compiles with the linear
+    groups only; by default both modules are there and the residual-add pass follows
+    inductor's."""
     layer = make_tiny_lm("LlamaConfig").to(torch.bfloat16).model.layers[0]
     fused = {type(m).__name__ for m in kernel_layer(layer, gemv).modules()}
     assert {"GatedMLP", "KernelRMSNorm"} <= fused
     assert "post_grad_custom_post_pass" in layer_passes()
-    monkeypatch.setattr(batch1, "ENABLED", False)
-    plain = {type(m).__name__ for m in kernel_layer(layer, gemv).modules()}
+    plain = {type(m).__name__ for m in kernel_layer(layer, gemv, fusions=False).modules()}
     assert not {"GatedMLP", "KernelRMSNorm"} & plain and "KernelLinear" in plain
-    assert "post_grad_custom_post_pass" not in layer_passes()
+    assert "post_grad_custom_post_pass" not in layer_passes(fusions=False)
 
 
 @pytest.mark.parametrize("config, act", [("LlamaConfig", "silu"), ("GemmaConfig", "gelu_tanh")])

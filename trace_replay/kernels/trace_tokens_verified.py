@@ -11,7 +11,7 @@ draft that agrees with the trace.
 import torch
 
 from trace_replay.kernels._triton import tl, triton, use_triton
-from trace_replay.kernels._position import active_rows, position_args, trace_position
+from trace_replay.kernels.trace_tokens import active_rows, position_args, trace_position
 
 __all__ = ["apply_trace_tokens_to_verified", "apply_trace_tokens_to_verified_reference"]
 

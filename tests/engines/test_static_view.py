@@ -1,10 +1,10 @@
-"""Tests for trace_replay.engines.builtin.passes.kernel_view: the view's kernel modules share the
+"""Tests for trace_replay.engines.builtin.backends.static_view: the view's kernel modules share the
 model's weights and leave its modules unchanged."""
 
 import torch
 
-from trace_replay.engines.builtin.passes.batch1 import GatedMLP
-from trace_replay.engines.builtin.passes.kernel_view import KernelLinear, kernel_modules
+from trace_replay.engines.builtin.passes.batch1_fusions import GatedMLP
+from trace_replay.engines.builtin.backends.static_view import KernelLinear, kernel_modules
 from trace_replay.kernels.fp32_linear import fp32_linear
 
 

@@ -1,4 +1,4 @@
-"""The batch-1 fusions of the static backend's half-precision view, behind one switch.
+"""The batch-1 fusions of the static backend's half-precision view.
 
 At one half-precision row (8B batch-1 decode) three fusions take launches out of each layer,
 on top of the one-row GEMV: gate, up and the activation in one launch (:class:`GatedMLP`,
@@ -10,10 +10,11 @@ one-row GEMV inside the GEMV
 nothing changes. Everything after the weight loads is float32, rounded once, so fused results
 are closer to float32 than the model's own bf16 steps.
 
-:data:`ENABLED` is the switch: read when a view is built (:func:`fuse_layer`, called by
-:func:`~trace_replay.engines.builtin.passes.kernel_view.kernel_layer`) and when the layer is
-compiled (:func:`passes`); an engine built after it changes gets the other code (the compiled
-layer is cached per value). Measured on the H200: benchmarks/RESULTS.md, "Batch-1 fusions".
+They are on unless the engine is built with ``batch1_fusions=False`` (the static backend's
+``batch1_fusions``), which reaches the view (:func:`fuse_layer`, called by
+:func:`~trace_replay.engines.builtin.backends.static_view.kernel_layer`) and the compiled layer
+(:func:`passes`). On: 8B bf16 batch 1 at 4.20 ms/step, 4.34 without (H200,
+benchmarks/RESULTS.md, "Batch-1 fusions").
 """
 
 from __future__ import annotations
@@ -25,10 +26,7 @@ from trace_replay.kernels.gated_gemv import runs as gated_runs
 from trace_replay.kernels.gemv import runs as gemv_runs
 from trace_replay.kernels.rms_norm import Norm, rms_norm
 
-__all__ = ["ENABLED", "GatedMLP", "KernelRMSNorm", "fuse_layer", "gated_activation", "passes"]
-
-# the switch: True keeps the three fusions (8B bf16 batch 1: 4.20 vs 4.34 ms/step without)
-ENABLED = True
+__all__ = ["GatedMLP", "KernelRMSNorm", "fuse_layer", "gated_activation", "passes"]
 
 # MLP classes whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``
 GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "GemmaMLP", "Gemma2MLP",

@@ -1,12 +1,13 @@
-"""Tests for trace_replay.kernels.state: staging, slot reuse, ragged storage and compaction."""
+"""Tests for trace_replay.engines.replay_state: staging, slot reuse, ragged storage and
+compaction."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import trace_replay.kernels.state as state_module
-from trace_replay.kernels.state import RequestState, TraceReplayState
+import trace_replay.engines.replay_state as state_module
+from trace_replay.engines.replay_state import RequestState, TraceReplayState
 
 NOT_REPLAYED = -7
 

@@ -1,0 +1,148 @@
+"""The interface every forward pass of the built-in engine implements, its check, its maker.
+
+:class:`~trace_replay.engines.builtin.engine.TorchEngine` and its replay loop
+(:mod:`~trace_replay.engines.builtin.decode`, :mod:`~trace_replay.engines.builtin.verify`)
+use a backend through the members :class:`Backend` declares and nothing else;
+:func:`make_backend` builds one by kind from :class:`BackendOptions` (the engine's choices,
+checked before any model loads) and checks it (:func:`check_backend`). The backends' modules
+are imported only when one of their kind is built, so the CPU path never imports the static
+backend's compiler passes and kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from trace_replay.engines.base import (Activations, missing_members, protocol_members)
+from trace_replay.engines.scoring import TokenScores
+
+__all__ = ["BACKEND_MEMBERS", "DETERMINISTIC_ATTENTION", "FLOAT32_MATMUL", "KINDS", "Backend",
+           "BackendOptions", "check_backend", "check_float32_matmul", "make_backend"]
+
+# what make_backend builds: "auto" is static on CUDA where the model is supported, else hf
+KINDS = ("auto", "hf", "static", "invariant")
+FLOAT32_MATMUL = ("3xtf32", "ieee")
+DETERMINISTIC_ATTENTION = ("tiles", "rows")
+
+
+class Backend(Protocol):
+    """A forward pass holding one wave's KV cache, and how its steps are scored.
+
+    Design contract:
+
+    * ``prefill`` starts a wave: left-padded prompts in, ``[B, V]`` next-token logits out.
+      ``decode`` feeds ``tokens`` ``[B, q]`` at ``positions`` ``[B, q]`` and returns
+      ``[B, q, V]`` logits; ``keep`` ``[B, q]`` says which of the last decoded tokens stay in
+      context (verify: a rejected draft is never attended again). A replay never reads back
+      to the host inside them.
+    * ``static_logits``: ``decode`` returns the same tensor every step (a captured graph's
+      output), so the replay loop may capture its forced step over it.
+    * ``score(logits, token_ids, top_k)`` scores a step: the engines' shared scorer for the
+      device, or the backend's own where its numbers must not depend on the batch.
+    * ``settings()`` is what the backend adds to the engine's ``settings()``: its choices
+      that change numbers, nothing for those left at their defaults.
+    * ``activations()`` answers ``Engine.activations`` (where the forwards can be watched);
+      a backend whose steps call no Python module raises NotImplementedError naming the one
+      to build instead.
+    * ``name`` goes into the engine path (``torch-decode[<name>]``); ``forwards`` counts the
+      forwards run, prefills included.
+    """
+
+    name: str
+    forwards: int
+    static_logits: bool
+
+    def prefill(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> torch.Tensor: ...
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+    def keep(self, keep: torch.Tensor) -> None: ...
+
+    def score(self, logits: torch.Tensor, token_ids: torch.Tensor,
+              top_k: int) -> TokenScores: ...
+
+    def settings(self) -> dict[str, Any]: ...
+
+    def activations(self) -> Activations: ...
+
+
+# every member of the protocol (what check_backend asks for)
+BACKEND_MEMBERS = protocol_members(Backend)
+
+
+def check_backend(backend: Any) -> None:
+    """Raise TypeError naming the :class:`Backend` members ``backend`` lacks (none: it is one)."""
+    missing = missing_members(backend, BACKEND_MEMBERS)
+    if missing:
+        raise TypeError(f"{type(backend).__name__} is not a built-in engine backend: it lacks "
+                        f"{', '.join(missing)} (see trace_replay.engines.builtin.backends."
+                        "base.Backend)")
+
+
+def check_float32_matmul(value: str) -> None:
+    """Refuse a ``float32_matmul`` that is not one of :data:`FLOAT32_MATMUL`."""
+    if value not in FLOAT32_MATMUL:
+        raise ValueError(f"float32_matmul={value!r}; choose one of {', '.join(FLOAT32_MATMUL)}")
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """The engine's choices that reach its backend; refused when made if out of range (before
+    any model loads). A backend ignores those that are not its own."""
+
+    max_query_len: int = 1  # most tokens per row a decode feeds (k + 1 for verify)
+    float32_matmul: str = "3xtf32"  # static: a float32 model's products on CUDA
+    batch1_fusions: bool = True  # static: the batch-1 fusions, half precision on CUDA
+    deterministic_attention: str = "tiles"  # invariant: its Triton attention
+
+    def __post_init__(self) -> None:
+        check_float32_matmul(self.float32_matmul)
+        if self.deterministic_attention not in DETERMINISTIC_ATTENTION:
+            raise ValueError(f"deterministic_attention={self.deterministic_attention!r}; "
+                             f"choose one of {', '.join(DETERMINISTIC_ATTENTION)}")
+
+
+def make_backend(kind: str, lm: torch.nn.Module, pad_id: int,
+                 options: BackendOptions = BackendOptions()) -> Backend:
+    """The backend ``kind`` (one of :data:`KINDS`) over ``lm``, checked.
+
+    Parameters
+    ----------
+    kind
+        ``"hf"``, ``"static"``, ``"invariant"`` (deterministic mode) or ``"auto"``.
+    lm
+        A transformers causal LM (the kind decides which it must be).
+    pad_id
+        Token fed at left padding (the invariant backend pads nothing).
+    options
+        The engine's choices (:class:`BackendOptions`).
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown backend kind {kind!r}; choose one of {', '.join(KINDS)}")
+    if kind == "auto":
+        kind = "hf"
+        if next(lm.parameters()).device.type == "cuda":
+            from trace_replay.engines.builtin.backends.static import supports
+
+            kind = "static" if supports(lm) else "hf"
+    if kind == "hf":
+        from trace_replay.engines.builtin.backends.hf import HFBackend
+
+        backend = HFBackend(lm, pad_id)
+    elif kind == "static":
+        from trace_replay.engines.builtin.backends.static import StaticCacheBackend
+
+        backend = StaticCacheBackend(lm, pad_id, max_query_len=options.max_query_len,
+                                     float32_matmul=options.float32_matmul,
+                                     batch1_fusions=options.batch1_fusions)
+    else:
+        from trace_replay.engines.builtin.backends.invariant import InvariantBackend
+
+        backend = InvariantBackend(lm, max_query_len=options.max_query_len,
+                                   attention=options.deterministic_attention)
+    check_backend(backend)
+    return backend
