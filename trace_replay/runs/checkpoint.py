@@ -111,6 +111,9 @@ class Checkpoint:
         Engine calls take whole batches of this many traces where they can.
     max_traces, every_s
         A part at least every ``max_traces`` traces and ``every_s`` seconds.
+    vocab_size
+        The engine's vocabulary size: parts are checked against its bounds (ranks, token
+        ids, the most likely token's logprob) as the engine's results were; ``None``: not.
     """
 
     poll_s = 0.5  # how often a run waiting on other runs' claims looks again
@@ -120,13 +123,14 @@ class Checkpoint:
                  requests: Sequence[ReplayRequest],
                  traces: Mapping[str, Trace] | None = None, *,
                  batch_size: int = 1,
-                 max_traces: int = 32, every_s: float = 10.0) -> None:
+                 max_traces: int = 32, every_s: float = 10.0,
+                 vocab_size: int | None = None) -> None:
         self.path = Path(path)
         if self.path.exists() and not self.path.is_dir():
             raise ValueError(f"checkpoint {self.path} exists and is not a folder")
         self.path.mkdir(parents=True, exist_ok=True)
         self.key = settings_key(settings)
-        self.top_k = settings.get("top_k")
+        self.top_k, self.vocab_size = settings.get("top_k"), vocab_size
         self.batch_size, self.max_traces, self.every_s = batch_size, max_traces, every_s
         traces = traces or {}
         self._labelled = any(t.trace_roles is not None for t in traces.values())
@@ -287,7 +291,8 @@ class Checkpoint:
         wrong with the others (:func:`~trace_replay.runs.parts.check_rows`)."""
         frame = frame.assign(trace_digest=frame["trace_id"].map(self._digest_of))
         # what a read would refuse is never written, so no trace comes back to compute
-        failed = check_rows(frame, top_k=self.top_k, requests=self._requests)
+        failed = check_rows(frame, top_k=self.top_k, requests=self._requests,
+                            vocab_size=self.vocab_size)
         frame = frame[~frame["trace_id"].isin(failed)]
         if frame.empty:
             return failed
@@ -342,7 +347,8 @@ class Checkpoint:
                                         if d in self._requests and not self._held[d]))
 
     def _load(self, path: Path) -> pd.DataFrame:
-        return read_part(path, top_k=self.top_k, requests=self._requests)
+        return read_part(path, top_k=self.top_k, requests=self._requests,
+                         vocab_size=self.vocab_size)
 
     def _check_settings(self, settings: dict) -> None:
         """Store ``settings`` on first use, else refuse other ones. Call under the lock."""
