@@ -138,8 +138,6 @@ class TorchEngine(EngineBase):
     def activations(self) -> Activations:
         """``lm``'s own modules (hf backend), or in deterministic mode the row-wise model's
         rows; the static backend's compiled steps call no module, so it has none to give."""
-        if self.lm is None:
-            raise RuntimeError(f"engine {self.name!r} is closed")
         if self.deterministic:
             return Activations(self.lm, self.backend.model)
         if not isinstance(self.backend, HFBackend):

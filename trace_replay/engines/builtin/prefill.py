@@ -87,8 +87,6 @@ class PrefillEngine(EngineBase):
 
     def activations(self) -> Activations:
         """``lm``'s own modules, or in deterministic mode the row-wise model's rows."""
-        if self.lm is None:
-            raise RuntimeError(f"engine {self.name!r} is closed")
         return Activations(self.lm, self.backend.model if self.deterministic else None)
 
     @torch.inference_mode()
