@@ -170,18 +170,20 @@ def test_server_matches_offline_vllm_request_for_request(base_url, traces, refer
 def test_concurrent_completions_rank_within_the_top_20(base_url, traces, reference):
     """Four requests in flight through /v1/completions: every token comes back; logprobs
     agree with offline vLLM within 1e-4, the spread batch composition alone gives (offline
-    batch 1 vs 8: 4.5e-5); ranks are exact within the top 20 and a flagged bound (21) beyond."""
+    batch 1 vs 8: 4.5e-5); ranks are exact within the top 20 and a flagged lower bound
+    beyond (21, or 20 for the last token listed: a server listing fewer than asked would put
+    the token there too)."""
     df = replay(traces, engine="vllm-server", batch_size=4, progress=False,
                 engine_args={"base_url": base_url, "api": "completions"})
     expected = reference["batched"]
     assert df.attrs["engine_path"] == "vllm-server-forcing[completions]"
-    assert df.attrs["rank"].startswith("exact within the top 20")
+    assert df.attrs["rank"].startswith("exact where the server lists a token no more likely")
     _assert_same_tokens(df, traces)
     np.testing.assert_allclose(df["logprob"], expected["logprob"], atol=1e-4, rtol=0)
     exact = df["rank_exact"].to_numpy()
     _assert_ranks_agree(df["rank"][exact], expected["rank"][exact])
-    assert (~exact).any() and (df["rank"][~exact] == 21).all()
-    assert (expected["rank"][~exact] >= 20).all()
+    assert (~exact).any() and df["rank"][~exact].isin([20, 21]).all()
+    assert (expected["rank"][~exact] >= df["rank"][~exact] - 1).all()  # a near-tie may swap
 
 
 class DroppingProxy:

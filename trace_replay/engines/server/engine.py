@@ -8,8 +8,10 @@ as token ids and ``max_tokens`` = the trace length. Two of the server's APIs are
 * ``"generate"`` — ``/inference/v1/generate`` (``vllm serve --enable-scale-out``), token ids in
   and out, each logprob with its exact rank;
 * ``"completions"`` — ``/v1/completions``, on every vLLM server. It returns logprobs but no
-  rank: the rank is counted among the top 20 alternatives it returns, exact when the trace
-  token is within them and else a lower bound (21), which the ``rank_exact`` column flags.
+  rank: the rank is counted among the top 20 alternatives it returns, exact when it lists a
+  token no more likely than the trace token (so every likelier one is listed) and else a
+  lower bound, which the ``rank_exact`` column flags — also where a server returns fewer
+  alternatives than asked for (:func:`~trace_replay.engines.server.answers.completion_steps`).
 
 ``"auto"`` takes generate when the server offers it. At start-up the engine checks that the
 server's tokenizer encodes like the local one, that it forces traces (two one-token traces
@@ -131,8 +133,8 @@ class ServerEngine(EngineBase):
 
     def settings(self) -> dict[str, Any]:
         rank = "exact" if self.api == "generate" else (
-            f"exact within the top {max(self.top_k, RANK_DEPTH)}, else a lower bound "
-            "(rank_exact is False)")
+            f"exact where the server lists a token no more likely than the trace's among the "
+            f"{max(self.top_k, RANK_DEPTH)} asked for, else a lower bound (rank_exact is False)")
         return {**super().settings(), "server_api": self.api, "vllm_version": self.vllm_version,
                 "logprobs_mode": "raw_logprobs", "rank": rank}
 
@@ -202,7 +204,8 @@ class ServerEngine(EngineBase):
             if self.api == "generate":
                 steps = generate_steps(choice["logprobs"]["content"], self.top_k, len(trace))
             else:
-                steps = completion_steps(choice["logprobs"], self.top_k, len(trace))
+                steps = completion_steps(choice["logprobs"], self.top_k, len(trace),
+                                         token_ids=emitted)
         except (ServerError, AttributeError, KeyError, IndexError, OverflowError, TypeError,
                 ValueError) as error:
             raise ServerError(f"trace {request.trace_id!r}: {type(error).__name__}: {error}",
