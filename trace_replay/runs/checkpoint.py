@@ -47,7 +47,9 @@ def checkpoint_settings(engine: Engine) -> dict:
     """What a folder of ``engine``'s replays is keyed on: its settings and, where the engine
     reads its weights (``weights_digest()``), their digest, read now. A model edited or
     retrained in place under the same name is then refused by the folder as other
-    settings, never served the rows of its old weights."""
+    settings, never served the rows of its old weights; so is another server, or another
+    model behind the same server address (a server engine digests its address and its
+    scores of a fixed probe)."""
     settings = engine.settings()
     weights = engine.weights_digest()
     return settings if weights is None else {**settings, "weights_digest": weights}
@@ -368,8 +370,11 @@ class Checkpoint:
         if stored != settings:
             changed = sorted(k for k in set(stored) | set(settings)
                              if stored.get(k) != settings.get(k))
+            weights = ("; weights_digest is of the weights as they were when it was started, "
+                       "for vllm-server of the server's address and its scores of a fixed "
+                       "probe" if "weights_digest" in changed else "")
             raise ValueError(f"checkpoint {self.path} was written with other settings "
-                             f"({', '.join(changed)}); use a new folder")
+                             f"({', '.join(changed)}{weights}); use a new folder")
 
 
     def _check_parts_settings(self) -> None:
