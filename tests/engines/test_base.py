@@ -102,9 +102,10 @@ def test_with_block_closes_the_engine_even_on_error():
 
 def test_every_subclass_refuses_work_once_closed():
     """EngineBase marks any subclass's engine closed when its own close() has run: run,
-    weights_digest and the class's own generate then raise EngineClosed naming the engine
-    and the method, before the subclass's code runs; settings still answer. A subclass of a
-    subclass, whose close() calls its parent's, is closed as well."""
+    weights_digest, activations and generate (the class's own or the default) then raise
+    EngineClosed naming the engine and the method, before any of their code runs; settings
+    still answer. A subclass of a subclass, whose close() calls its parent's, is closed as
+    well."""
     class Writer(Counting):
         def generate(self, prompts, *, max_tokens, temperature=0.0, seed=0, eos_token_id=None):
             return []
@@ -117,12 +118,12 @@ def test_every_subclass_refuses_work_once_closed():
         engine.close()
         assert engine.closed == 1
         for call, method in ((lambda: engine.run([]), "run"),
-                             (engine.weights_digest, "weights_digest")):
+                             (engine.weights_digest, "weights_digest"),
+                             (engine.activations, "activations"),
+                             (lambda: engine.generate([[1]], max_tokens=1), "generate")):
             with pytest.raises(EngineClosed, match=rf"engine 'counting' is closed: {method}\(\)"):
                 call()
         assert engine.settings()["engine"] == "counting"
-    with pytest.raises(EngineClosed, match=r"is closed: generate\(\)"):
-        engine.generate([[1]], max_tokens=1)
 
 
 def test_a_subclass_with_run_is_an_engine(tokenizer):

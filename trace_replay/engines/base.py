@@ -357,6 +357,7 @@ class EngineBase(ABC):
                 digest.update(sample.cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return digest.hexdigest()[:32]
 
+    @_refused_when_closed
     def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int,
                  temperature: float = 0.0, seed: int = 0,
                  eos_token_id: int | None = None) -> list[tuple[list[int], list[float]]]:
@@ -365,6 +366,7 @@ class EngineBase(ABC):
         raise NotImplementedError(f"engine {self.name!r} cannot generate (can_generate is "
                                   "False)")
 
+    @_refused_when_closed
     def activations(self) -> Activations:
         """Where this engine's forwards can be watched (:class:`Activations`); this default
         raises NotImplementedError: the model runs outside this process."""
