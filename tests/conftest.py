@@ -56,13 +56,17 @@ def _synthetic_replay(n_traces: int, n_steps: int, seed: int, top_k: int = 5) ->
     rows = []
     for t in range(n_traces):
         for step in range(n_steps):
-            top_lp = np.sort(rng.uniform(-8.0, -0.05, top_k))[::-1]
+            # the j-th most likely token has p <= 1/j: 0.25 below it, a second run's drift
+            # (_second_run) keeps every rank possible
+            bound = -np.log(np.arange(1, top_k + 1)) - np.r_[0.0, np.full(top_k - 1, 0.25)]
+            top_lp = np.minimum(np.sort(rng.uniform(-8.0, -0.05, top_k))[::-1], bound)
             top_ids = rng.choice(5000, top_k, replace=False)
             rank = int(rng.choice([1, 1, 1, 2, 3, 15, 250, 4000]))
             if rank <= top_k:
                 token_id, logprob = int(top_ids[rank - 1]), float(top_lp[rank - 1])
             else:
-                token_id, logprob = int(rng.integers(5000, 6000)), float(top_lp[-1] - rank / 500)
+                token_id = int(rng.integers(5000, 6000))
+                logprob = min(float(top_lp[-1] - rank / 500), -np.log(rank) - 0.25)
             rows.append(
                 dict(trace_id=f"t{t}", step=step, position=10 + step, token_id=token_id,
                      token=_VOCAB[token_id % len(_VOCAB)], logprob=logprob, rank=rank,
@@ -96,7 +100,9 @@ def _second_run(replay: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
         late = (b["trace_id"] == trace_id) & (b["step"] >= start)
         drift[late.to_numpy()] = rng.normal(0, 0.05, late.sum())
     b["logprob"] = b["logprob"] + drift
-    b.loc[(b["trace_id"] == "t2") & (b["step"] == 25), "rank"] = 2
+    moved = (b["trace_id"] == "t2") & (b["step"] == 25)
+    b.loc[moved, "rank"] = 2
+    b.loc[moved, "logprob"] = b.loc[moved, "logprob"].clip(upper=-np.log(2))  # 2 p <= 1
     b.attrs = {**replay.attrs, "engine": "vllm", "dtype": "bfloat16"}
     return replay.drop(columns="ref_logprob"), b
 

@@ -15,7 +15,8 @@ import trace_replay
 from trace_replay.engines import ENGINES
 
 from trace_replay.engines.base import (ENGINE_MEMBERS, PROVENANCE, Engine, EngineBase,
-                                       EngineConfig, ReplayRequest, check_engine)
+                                       EngineClosed, EngineConfig, ReplayRequest,
+                                       check_engine)
 
 # --- EngineConfig: checked before any model is loaded ---------------------------------------
 
@@ -97,6 +98,32 @@ def test_with_block_closes_the_engine_even_on_error():
         with engine:
             raise KeyError("boom")
     assert engine.closed == 2
+
+
+def test_every_subclass_refuses_work_once_closed():
+    """EngineBase marks any subclass's engine closed when its own close() has run: run,
+    weights_digest, activations and generate (the class's own or the default) then raise
+    EngineClosed naming the engine and the method, before any of their code runs; settings
+    still answer. A subclass of a subclass, whose close() calls its parent's, is closed as
+    well."""
+    class Writer(Counting):
+        def generate(self, prompts, *, max_tokens, temperature=0.0, seed=0, eos_token_id=None):
+            return []
+
+        def close(self) -> None:
+            super().close()
+
+    for engine in (Counting(), Writer()):
+        assert engine.run([]) == [] and engine.weights_digest() is None
+        engine.close()
+        assert engine.closed == 1
+        for call, method in ((lambda: engine.run([]), "run"),
+                             (engine.weights_digest, "weights_digest"),
+                             (engine.activations, "activations"),
+                             (lambda: engine.generate([[1]], max_tokens=1), "generate")):
+            with pytest.raises(EngineClosed, match=rf"engine 'counting' is closed: {method}\(\)"):
+                call()
+        assert engine.settings()["engine"] == "counting"
 
 
 def test_a_subclass_with_run_is_an_engine(tokenizer):

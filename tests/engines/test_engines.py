@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from trace_replay.engines import ENGINES, Engine, make_engine
-from trace_replay.engines.base import ReplayRequest, check_engine
+from trace_replay.engines.base import EngineClosed, ReplayRequest, check_engine
 
 COMMON_SETTINGS = {"engine", "engine_path", "model", "dtype", "device", "batch_size", "top_k"}
 TOP_K = 3
@@ -147,3 +147,31 @@ def test_stats_are_apart_from_settings(engine, requests):
     for key, value in first.items():
         if isinstance(value, (int, np.integer)):
             assert second[key] >= value, key
+
+
+# --- last: a closed engine (this closes the module's engine; its teardown closes it again) ---
+
+
+def test_a_closed_engine_says_it_is_closed(engine, requests, real_traces, tmp_path):
+    """After close(), run, generate, weights_digest, activations and replay, with or without
+    a checkpoint, raise EngineClosed naming the engine and what was asked, not an
+    AttributeError from the model it released; settings still answer. (Last in this module:
+    it closes the engine the tests above share.)"""
+    from trace_replay.runs.replay import replay
+
+    engine.close()
+    closed = rf"engine '{engine.name}' is closed: "
+    with pytest.raises(EngineClosed, match=closed + r"run\(\) needs what close\(\)"):
+        engine.run(requests[:1])
+    for method in ("weights_digest", "activations"):
+        with pytest.raises(EngineClosed, match=closed + method):
+            getattr(engine, method)()
+    if engine.can_generate:
+        with pytest.raises(EngineClosed, match=closed + "generate"):
+            engine.generate([[1, 2]], max_tokens=2)
+    with pytest.raises(EngineClosed, match=closed + "run"):
+        replay(real_traces, engine=engine, progress=False)
+    with pytest.raises(EngineClosed, match=closed + "weights_digest"):
+        replay(real_traces, engine=engine, progress=False, checkpoint=tmp_path / "run")
+    assert not list(tmp_path.glob("run/*"))  # refused before the folder took its settings
+    assert engine.settings()["engine"] == engine.name

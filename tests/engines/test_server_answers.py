@@ -41,9 +41,10 @@ GENERATE = json.loads("""{
 
 def test_completion_steps_rank_the_emitted_token_among_the_alternatives():
     """Rank is 1 + the alternatives with a strictly higher logprob (a tie shares the rank);
-    top-k is the best alternatives, best first; ranks are exact when the map is not full."""
+    top-k is the best alternatives, best first; ranks are exact when a listed alternative is
+    no more likely than the emitted token (every likelier one is then listed)."""
     logprob, rank, top_ids, top_lps, exact = completion_steps(
-        COMPLETION["choices"][0]["logprobs"], top_k=2)
+        COMPLETION["choices"][0]["logprobs"], top_k=2, token_ids=[7042, 30])
     np.testing.assert_array_equal(logprob, [-0.25, -2.5])
     np.testing.assert_array_equal(rank, [1, 3])  # -0.5 and -1.0 beat -2.5; -2.5 ties
     np.testing.assert_array_equal(top_ids, [[7042, 11], [11, 2]])
@@ -57,17 +58,46 @@ def test_completion_rank_is_a_lower_bound_past_the_depth():
     alternatives = {f"token_id:{100 + i}": -0.1 * (i + 1) for i in range(RANK_DEPTH)}
     logprobs = {"token_logprobs": [-9.0],
                 "top_logprobs": [{**alternatives, "token_id:5": -9.0}]}
-    _, rank, top_ids, _, exact = completion_steps(logprobs, top_k=3)
+    _, rank, top_ids, _, exact = completion_steps(logprobs, top_k=3, token_ids=[5])
     assert rank.tolist() == [RANK_DEPTH + 1] and exact.tolist() == [False]
     assert top_ids.tolist() == [[100, 101, 102]]
 
 
+def test_a_rank_past_fewer_alternatives_than_asked_is_a_lower_bound():
+    """A server answering 5 alternatives where 20 were asked, all likelier than the emitted
+    token: the token may lie anywhere past them, so its rank 6 is a lower bound (it was
+    recorded as exact), and the top-k leaves the token out (its place in it is unknown)."""
+    alternatives = {f"token_id:{100 + i}": -0.5 * (i + 1) for i in range(5)}
+    logprobs = {"token_logprobs": [-4.0], "top_logprobs": [{**alternatives, "token_id:7": -4.0}]}
+    _, rank, top_ids, _, exact = completion_steps(logprobs, top_k=5, token_ids=[7])
+    assert rank.tolist() == [6] and exact.tolist() == [False]
+    assert top_ids.tolist() == [[100, 101, 102, 103, 104]]
+
+
+@pytest.mark.parametrize("listed, top_k", [(3, 5), (0, 0)])
+def test_too_few_alternatives_for_the_top_k_are_an_error(listed, top_k):
+    """Fewer alternatives than top_k likelier than the emitted token (or none at all), so the
+    top-k list cannot be filled, nor the token ranked: an error naming the step and the
+    count, where NaN-padded lists went on to a puzzling impossible-score error."""
+    alternatives = {f"token_id:{100 + i}": -0.5 * (i + 1) for i in range(listed)}
+    logprobs = {"token_logprobs": [-0.1, -4.0],
+                "top_logprobs": [{"token_id:7": -0.1, "token_id:100": -3.0,
+                                  **{f"token_id:{200 + i}": -5.0 - i for i in range(5)}},
+                                 {**alternatives, "token_id:7": -4.0}]}
+    with pytest.raises(ValueError, match=rf"step 1: the server listed {listed} alternatives "
+                       "to the emitted token, too few"):
+        completion_steps(logprobs, top_k=top_k, token_ids=[7, 7])
+
+
 def test_floor_logprobs_are_minus_infinity():
-    """vLLM writes -inf as -9999.0 in JSON; both answer kinds read it back as -inf."""
+    """vLLM writes -inf as -9999.0 in JSON; both answer kinds read it back as -inf (a token
+    at -inf shares the rank of the others there)."""
     logprobs = {"token_logprobs": [-9999.0],
-                "top_logprobs": [{"token_id:1": -0.01, "token_id:4": -9999.0}]}
-    logprob, rank, _, top_lps, _ = completion_steps(logprobs, top_k=2)
-    assert logprob[0] == -math.inf and top_lps[0, 1] == -math.inf and rank[0] == 2
+                "top_logprobs": [{"token_id:1": -0.01, "token_id:2": -5.0,
+                                  "token_id:3": -9999.0, "token_id:4": -9999.0}]}
+    logprob, rank, _, top_lps, exact = completion_steps(logprobs, top_k=3, token_ids=[4])
+    assert logprob[0] == -math.inf and top_lps[0, 2] == -math.inf and rank[0] == 3
+    assert exact.tolist() == [True]
     content = [{"token_id": 4, "logprob": -9999.0, "rank": 9,
                 "top_logprobs": [{"token_id": 4, "logprob": -9999.0, "rank": 9}]}]
     assert generate_steps(content, top_k=1)[0][0] == -math.inf
@@ -116,10 +146,12 @@ def test_text_tokens_are_refused():
 
 
 @pytest.mark.parametrize("read, problem", [
-    (lambda: completion_steps(COMPLETION["choices"][0]["logprobs"], top_k=2, steps=3),
+    (lambda: completion_steps(COMPLETION["choices"][0]["logprobs"], top_k=2, steps=3,
+                              token_ids=[7042, 30]),
      "logprobs.token_logprobs lists 2 steps where 3 were expected"),
     (lambda: completion_steps({**COMPLETION["choices"][0]["logprobs"],
-                               "top_logprobs": [{"token_id:1": -0.1}]}, top_k=2),
+                               "top_logprobs": [{"token_id:1": -0.1}]}, top_k=2,
+                              token_ids=[7042, 30]),
      "logprobs.top_logprobs lists 1 step where 2 were expected"),
     (lambda: generate_steps(GENERATE["choices"][0]["logprobs"]["content"], top_k=2, steps=3),
      "logprobs.content lists 2 steps where 3 were expected"),

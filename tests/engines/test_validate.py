@@ -52,9 +52,10 @@ def test_possible_scores_pass():
     ({"entropy": -0.1}, "entropy"),
     ({"entropy": 10.9}, "entropy"),  # above log(49152) = 10.80, the uniform distribution's
     ({"entropy": np.inf}, "entropy"),
-    ({"logprob": -0.1, "top_logprobs": [-0.1, -0.1]}, "top_logprobs"),  # 0.90 + 0.90 > 1
-    ({"logprob": -0.1, "rank": 3, "top_token_ids": [100, 101], "top_logprobs": [-0.05, -0.1]},
-     "top_logprobs"),  # the token ranked past two listed ones: 0.95 + 0.90 + 0.90 > 1
+    ({"logprob": -0.1, "rank": 1, "top_token_ids": [8, 100], "top_logprobs": [-0.1, -0.1]},
+     "top_logprobs"),  # 0.90 + 0.90 > 1
+    ({"logprob": -1.2, "rank": 3, "top_token_ids": [100, 101], "top_logprobs": [-0.05, -0.1]},
+     "top_logprobs"),  # the token ranked past two listed ones: 0.95 + 0.90 + 0.30 > 1
     ({"top_token_ids": [8, 100], "top_logprobs": [-0.5, -1.0]},
      "top_logprobs"),  # token 8 listed first at -0.5, its own logprob -1.0
     ({"top_token_ids": [100, 100]}, "top_token_ids"),  # a token listed twice
@@ -70,6 +71,55 @@ def test_impossible_scores_are_named(change, field):
         check_results([REQUEST], [result(**change)], top_k=2, vocab_size=49152)
     assert (error.value.trace_id, error.value.step, error.value.field) == ("t", 1, field)
     assert f"{field} = {np.asarray(change[field]).tolist()!r}" in str(error.value)
+
+
+@pytest.mark.parametrize("change, vocab_size", [
+    ({"logprob": -20.0, "rank": 1, "top_token_ids": [8, 100], "top_logprobs": [-20.0, -21.0]},
+     49152),  # a server's rank-1 logprob below -log(49152) = -10.80
+    ({"logprob": -math.inf, "rank": 1, "top_token_ids": [8, 100],
+      "top_logprobs": [-math.inf, -math.inf]}, None),  # -9999 from a server: any vocabulary
+    # past the top-k list, where the other rules see nothing wrong (the top 2 and the
+    # token sum to 0.97 and 0.96): 5 tokens of p >= 0.27, 10 of p >= 0.135
+    ({"logprob": -1.3, "rank": 5, "top_token_ids": [100, 101], "top_logprobs": [-1.0, -1.1]},
+     None),
+    ({"logprob": -2.0, "rank": 10, "top_token_ids": [100, 101], "top_logprobs": [-0.5, -1.5]},
+     None),
+])  # fmt: skip
+def test_a_rank_bounds_its_logprob(change, vocab_size):
+    """r tokens are at least as likely as a token at rank r, so its logprob is at most
+    -log(r); the most likely of V tokens has probability at least 1/V, so rank 1 has a logprob
+    of at least -log(V) and never -inf. A logprob beyond either bound is an error naming the
+    trace, the step, the rank and the logprob."""
+    with pytest.raises(ImpossibleResult, match=r"^trace 't', step 1: the engine returned "
+                       rf"rank = {change['rank']} with logprob {change['logprob']}, which is "
+                       "impossible: .*rank") as error:
+        check_results([REQUEST], [result(**change)], top_k=2, vocab_size=vocab_size)
+    assert (error.value.trace_id, error.value.step, error.value.field) == ("t", 1, "rank")
+
+
+def test_the_first_top_k_logprob_is_at_least_minus_log_v():
+    """The first top-k logprob is the most likely token's: below -log(V), or -inf, it is
+    impossible even when the scored token ranks past the list."""
+    for top, vocab_size in (([-11.0, -12.0], 49152), ([-math.inf, -math.inf], None)):
+        change = {"logprob": -math.inf, "rank": 40, "top_token_ids": [100, 101],
+                  "top_logprobs": top}
+        with pytest.raises(ImpossibleResult, match=r"step 1: .*top_logprobs = .*the most "
+                           "likely token's") as error:
+            check_results([REQUEST], [result(**change)], top_k=2, vocab_size=vocab_size)
+        assert error.value.field == "top_logprobs"
+
+
+def test_a_uniform_distribution_is_possible():
+    """The bounds are tight, not off by one: a uniform distribution over V tokens gives rank
+    1 the logprob -log(V) exactly (rounded in float32), and r tokens tied at 1/r give rank r
+    the logprob -log(r)."""
+    uniform = float(np.float32(-np.log(np.float32(49152))))
+    check_results([REQUEST], [result(logprob=uniform, rank=1, top_token_ids=[8, 100],
+                                     top_logprobs=[uniform, uniform])], top_k=2,
+                  vocab_size=49152)
+    half = float(np.float32(-np.log(2)))
+    check_results([REQUEST], [result(logprob=half, rank=2, top_logprobs=[half, half])],
+                  top_k=2)
 
 
 @pytest.mark.parametrize("broken, problem", [

@@ -161,6 +161,22 @@ def test_report_refuses_impossible_scores(tmp_path, frames, column, value, probl
     assert not (tmp_path / "r.html").exists()
 
 
+@pytest.mark.parametrize("logprob, vocab_size", [(-20.0, 49152), (float("-inf"), None)])
+def test_report_refuses_a_rank_1_logprob_no_distribution_gives(tmp_path, frames, logprob,
+                                                                vocab_size):
+    """Rank 1 is the most likely of V tokens, so its logprob is at least -log(V) (the
+    vocabulary size the result's attrs record) and never -inf (-9999 from a server), whatever
+    V: such a file is refused naming the trace and step, not reported."""
+    damaged = frames[0].copy()
+    damaged.loc[damaged.index[5], ["rank", "logprob"]] = [1, logprob]
+    damaged.attrs = {**damaged.attrs, "vocab_size": vocab_size}
+    damaged.to_parquet(tmp_path / "damaged.parquet")
+    with pytest.raises(ValueError, match=r"trace 't0', step 5: rank 1 is impossible \(rank 1 is "
+                       "the most likely token"):
+        write_report(tmp_path / "damaged.parquet", out=tmp_path / "r.html")
+    assert not (tmp_path / "r.html").exists()
+
+
 def test_a_partial_result_is_marked_at_the_top(tmp_path, frames):
     """An incomplete merge (attrs complete False) is said so at the top of the page, naming
     its missing shards, and with a warning; so is a single shard; a whole run is not."""

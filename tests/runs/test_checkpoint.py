@@ -88,6 +88,26 @@ def test_implausible_values_are_refused(engine, records, tmp_path):
     assert got["rank"].max() < 49152
 
 
+def test_a_part_is_held_to_the_vocabulary_bound(engine, records, tmp_path):
+    """A part whose rank-1 row has logprob -20, below -log(49152) = -10.8 (as a server's
+    answer was written before the bound was checked), its top-k agreeing, is not served: the
+    checkpoint reads parts back with the engine's vocabulary size."""
+    from trace_replay.runs.parts import write_part
+
+    want = replay(records, engine=engine, progress=False, checkpoint=tmp_path)
+    [part] = tmp_path.glob("part-*.parquet")
+    bad = pd.read_parquet(part)
+    row = bad.index[bad["rank"] == 1][0]
+    bad.at[row, "logprob"] = -20.0
+    bad.at[row, "top_logprobs"] = np.array([-20.0, -21.0, -22.0])
+    part.unlink()
+    write_part(tmp_path, bad)
+    with pytest.warns(RuntimeWarning, match=r"rank 1 is impossible: rank 1 is the most likely "
+                      r"token: its logprob is finite and >= -log\(vocabulary size 49152\)"):
+        got = replay(records, engine=engine, progress=False, checkpoint=tmp_path)
+    assert_same_replay(got, want)
+
+
 def test_unreadable_settings_are_named(engine, records, tmp_path):
     """A damaged settings.json is an error naming the file, not a traceback from json."""
     (tmp_path / "settings.json").write_text('{"engine": "pre')

@@ -9,6 +9,7 @@ attribution use nothing else. :class:`EngineBase` implements all but ``run``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 from abc import ABC, abstractmethod
@@ -20,8 +21,8 @@ import numpy as np
 import torch
 
 __all__ = ["Activations", "BatchFailed", "ENGINE_MEMBERS", "Engine", "EngineBase",
-           "EngineConfig", "PROVENANCE", "ReplayRequest", "TraceResult", "check_engine",
-           "missing_members", "protocol_members"]
+           "EngineClosed", "EngineConfig", "PROVENANCE", "ReplayRequest", "TraceResult",
+           "check_engine", "missing_members", "protocol_members"]
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,11 @@ class BatchFailed(Exception):
         self.error, self.results = error, results
 
 
+class EngineClosed(RuntimeError):
+    """An engine was asked to score, generate, digest its weights or give its activations
+    after ``close()`` (or its ``with`` block) released what it needs."""
+
+
 @runtime_checkable
 class Engine(Protocol):
     """The one interface of every engine: :func:`~trace_replay.runs.replay`, ``record``,
@@ -147,7 +153,9 @@ class Engine(Protocol):
     that did finish, so that a checkpointed replay keeps them.
     ``settings`` is fixed once the engine is built (two runs with equal settings are
     comparable); ``stats`` accumulates over ``run`` calls. ``close`` releases the model and
-    any worker processes; engines are context managers.
+    any worker processes; engines are context managers. A closed :class:`EngineBase` raises
+    :class:`EngineClosed` from ``run``, ``generate``, ``weights_digest`` and ``activations``;
+    ``settings`` and ``stats`` still answer.
 
     ``on_batch`` is set by a caller that watches the forwards (layer attribution) and reset
     to None after. While it is set, an engine whose forwards run in this process
@@ -237,6 +245,38 @@ def _defines(obj: Any, name: str) -> bool:
     return True
 
 
+# what a closed engine refuses: each needs the model (or worker, or connection) it released
+_NEEDS_OPEN = ("run", "generate", "weights_digest", "activations")
+
+
+def _refused_when_closed(method: Callable) -> Callable:
+    """``method``, raising :class:`EngineClosed` instead on an engine that is closed."""
+    @functools.wraps(method)
+    def guarded(self: EngineBase, *args: Any, **kwargs: Any) -> Any:
+        if self._closed:
+            raise EngineClosed(f"engine {self.name!r} is closed: {method.__name__}() needs "
+                               "what close() (or the end of its with block) released; build "
+                               "a new engine")
+        return method(self, *args, **kwargs)
+
+    guarded._guarded = True
+    return guarded
+
+
+def _marking_closed(close: Callable) -> Callable:
+    """``close``, marking the engine closed once it has run (or failed part way: a half
+    released engine is no more usable)."""
+    @functools.wraps(close)
+    def marking(self: EngineBase) -> None:
+        try:
+            close(self)
+        finally:
+            self._closed = True
+
+    marking._guarded = True
+    return marking
+
+
 class EngineBase(ABC):
     """Shared plumbing: every :class:`Engine` member but ``run``.
 
@@ -249,6 +289,10 @@ class EngineBase(ABC):
     They may extend :meth:`settings` and :meth:`stats`, and override ``generate`` and
     ``activations`` where they can. ``vocab_size`` and ``weights_digest`` read ``lm``;
     engines whose model is elsewhere override them.
+
+    Once ``close`` has run, ``run``, ``generate``, ``weights_digest`` and ``activations``
+    raise :class:`EngineClosed`, in every subclass: each class's own ``close`` and those
+    methods are wrapped when the class is defined, so no engine repeats the check.
     """
 
     name: str = "engine"
@@ -265,6 +309,15 @@ class EngineBase(ABC):
     lm: torch.nn.Module | None = None  # the model in this process (None: elsewhere, closed)
     tokenizer_source: Any = None  # what models.load_tokenizer reads (None: the embedded model)
     _tokenizer: Any = None
+    _closed: bool = False  # set by close(); then _NEEDS_OPEN methods raise EngineClosed
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in (*_NEEDS_OPEN, "close"):
+            method = vars(cls).get(name)
+            if callable(method) and not getattr(method, "_guarded", False):
+                wrap = _marking_closed if name == "close" else _refused_when_closed
+                setattr(cls, name, wrap(method))
 
     @abstractmethod
     def run(self, requests: Sequence[ReplayRequest], *,
@@ -295,6 +348,7 @@ class EngineBase(ABC):
         head = None if self.lm is None else self.lm.get_output_embeddings()
         return None if head is None else int(head.weight.shape[0])
 
+    @_refused_when_closed
     def weights_digest(self) -> str | None:
         """A digest of the weights the engine scores with, read now; ``None`` where the
         engine cannot read them (a server). A checkpoint keys on it, so rows computed with
@@ -318,6 +372,7 @@ class EngineBase(ABC):
                 digest.update(sample.cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return digest.hexdigest()[:32]
 
+    @_refused_when_closed
     def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int,
                  temperature: float = 0.0, seed: int = 0,
                  eos_token_id: int | None = None) -> list[tuple[list[int], list[float]]]:
@@ -326,6 +381,7 @@ class EngineBase(ABC):
         raise NotImplementedError(f"engine {self.name!r} cannot generate (can_generate is "
                                   "False)")
 
+    @_refused_when_closed
     def activations(self) -> Activations:
         """Where this engine's forwards can be watched (:class:`Activations`); this default
         raises NotImplementedError: the model runs outside this process."""
@@ -345,8 +401,10 @@ class EngineBase(ABC):
     def stats(self) -> dict[str, Any]:
         return {}
 
+    @_marking_closed
     def close(self) -> None:
-        """Release what the engine holds; a closed engine cannot run again."""
+        """Release what the engine holds; a closed engine cannot run again
+        (:class:`EngineClosed`)."""
 
     def __enter__(self) -> EngineBase:
         return self

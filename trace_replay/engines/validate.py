@@ -5,8 +5,12 @@ before anything is stored or returned, whatever the engine; a checkpoint part's 
 checked again by the same rules when read back (:mod:`trace_replay.runs.parts`).
 
 A possible score: ``logprob`` is not NaN and at most 0 (``-inf`` is probability 0, which a
-server writes as -9999.0); ``rank`` is an integer from 1 to the vocabulary size; the top-k
-logprobs are not NaN, at most 0 and in descending order; the rank agrees with them (rank
+server writes as -9999.0); ``rank`` is an integer from 1 to the vocabulary size ``V``; the
+rank agrees with the logprob: ``r`` tokens (the token and the ``r - 1`` ranked above it, ties
+either way) are at least as likely, so ``r * p <= 1``, that is ``logprob <= -log(r)``, and the
+most likely of ``V`` tokens has ``p >= 1/V``, so rank 1 has ``logprob >= -log(V)`` (never
+``-inf``, whatever ``V``); the top-k logprobs are not NaN, at most 0 and in descending order,
+the first one (the most likely token's) at least ``-log(V)``; the rank agrees with them (rank
 ``r <= k``: the r-th listed logprob is the token's own, ties included; ``r > k``: every
 listed one is at least the token's); a listed token has its own logprob there; the top-k
 probabilities (with the token's when it is ranked past them) sum to at most 1; the top-k token
@@ -73,12 +77,23 @@ def impossible(logprob: np.ndarray, rank: np.ndarray, top_logprobs: np.ndarray,
         # a NaN or -inf logprob gets the slack of 0, so it cannot excuse its other fields
         slack = ROUNDING * np.maximum(1.0, np.where(np.isfinite(logprob), np.abs(logprob), 0))
         whole = np.isfinite(rank) & (rank == np.round(rank))
+        past_first = whole & (rank > 1)
         highest = np.inf if vocab_size is None else vocab_size
         bound = "" if vocab_size is None else f" and <= the vocabulary size {vocab_size}"
+        floor = ("" if vocab_size is None else
+                 f" and >= -log(vocabulary size {vocab_size}) = {-np.log(vocab_size):.4f}")
         rules = [
             ("logprob", "a logprob is a number <= 0", np.isnan(logprob) | (logprob > slack)),
             ("rank", f"a rank is an integer >= 1{bound}",
              ~whole | (rank < 1) | (rank > highest)),
+            # r tokens are at least as likely as the token (ranks counting ties either way):
+            # r * p <= 1; rank 1 says no more than the logprob rule
+            ("rank", "a token at rank r has logprob <= -log(r) (r tokens at least as likely "
+             "cannot all have probability above 1/r)", past_first & (logprob > slack - np.log(
+                 np.where(past_first, rank, 1).astype(np.float64)))),
+            # the most likely of V tokens has p >= 1/V; with V unknown, still p > 0
+            ("rank", f"rank 1 is the most likely token: its logprob is finite{floor}",
+             (rank == 1) & _below_floor(logprob, slack, highest)),
             # the uniform distribution's log V is the most; without V, any finite value
             ("entropy", "an entropy is >= 0 and at most log(vocabulary size), finite (NaN: not "
              "computed)", (entropy < -ROUNDING) | np.isposinf(entropy)
@@ -90,6 +105,10 @@ def impossible(logprob: np.ndarray, rank: np.ndarray, top_logprobs: np.ndarray,
                           (np.isnan(top) | (top > slack[:, None])).any(axis=1)))
             rules.append(("top_logprobs", "top-k logprobs are in descending order",
                           (np.diff(top, axis=1) > slack[:, None]).any(axis=1)))
+            first = top[:, 0]
+            rules.append(("top_logprobs", "the first top-k logprob is the most likely token's: "
+                          f"finite{floor}", _below_floor(first, ROUNDING * np.maximum(
+                              1.0, np.where(np.isfinite(first), np.abs(first), 0)), highest)))
             within = whole & (rank >= 1) & (rank <= k)
             at_rank = top[np.arange(len(top)), np.clip(np.nan_to_num(rank), 1, k).astype(int) - 1]
             # rank r <= k: r - 1 listed logprobs are greater (or tied), so the r-th is the token's
@@ -118,6 +137,12 @@ def impossible(logprob: np.ndarray, rank: np.ndarray, top_logprobs: np.ndarray,
                           | (ordered[:, 0] < 0) | (ordered[:, -1] >= highest)
                           | (np.diff(ordered, axis=1) == 0).any(axis=1)))
     return rules
+
+
+def _below_floor(logprob: np.ndarray, slack: np.ndarray, vocab_size: float) -> np.ndarray:
+    """Where ``logprob`` is below what the most likely of ``vocab_size`` tokens has:
+    ``-log(vocab_size)`` less ``slack``, or ``-inf`` (NaN is left to the other rules)."""
+    return np.isneginf(logprob) | (logprob < -np.log(vocab_size) - slack)
 
 
 def check_results(requests: Sequence[ReplayRequest], results: Sequence[TraceResult], *,
@@ -149,9 +174,10 @@ def _check_scores(result: TraceResult, vocab_size: int | None) -> None:
         if rows.any():
             step = int(np.argmax(rows))
             shown = f"{field} = {_show(values[field][step])}"
-            if field == "rank" and "top-k" in rule:
-                shown += (f" with logprob {_show(result.logprob[step])} and top_logprobs "
-                          f"{_show(result.top_logprobs[step])}")
+            if field == "rank":  # a rank is possible or not beside its logprob (and top-k)
+                shown += f" with logprob {_show(result.logprob[step])}"
+                if "top-k" in rule:
+                    shown += f" and top_logprobs {_show(result.top_logprobs[step])}"
             raise ImpossibleResult(f"trace {result.trace_id!r}, step {step}: the engine "
                                    f"returned {shown}, which is impossible: {rule}",
                                    trace_id=result.trace_id, step=step, field=field)

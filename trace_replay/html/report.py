@@ -79,7 +79,8 @@ def _load(x: pd.DataFrame | str | os.PathLike, side: str) -> tuple[pd.DataFrame,
 
 def _check_scores(frame: pd.DataFrame, name: str) -> None:
     """Refuse scores no replay writes (:func:`~trace_replay.engines.validate.impossible`:
-    a logprob that is NaN or > 0, a rank that is not an integer >= 1, columns that are not
+    a logprob that is NaN or > 0, a rank that is not an integer >= 1, a rank its logprob
+    contradicts, bounded by the vocabulary size ``attrs`` records; columns that are not
     numbers), naming the trace and step, so a damaged file never reports as a run."""
     for column in ("logprob", "rank"):
         if not is_numeric_dtype(frame[column]) or is_bool_dtype(frame[column]):
@@ -88,8 +89,12 @@ def _check_scores(frame: pd.DataFrame, name: str) -> None:
     if frame.empty:
         return
     entropy = frame["entropy"] if "entropy" in frame else pd.Series(np.nan, index=frame.index)
+    vocab_size = frame.attrs.get("vocab_size")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        vocab_size = None  # not recorded (older results): the bounds it gives are not checked
     for field, rule, rows in impossible(frame["logprob"].to_numpy(), frame["rank"].to_numpy(),
-                                        np.zeros((len(frame), 0)), entropy.to_numpy()):
+                                        np.zeros((len(frame), 0)), entropy.to_numpy(),
+                                        vocab_size=vocab_size):
         if rows.any():
             row = frame[rows].iloc[0]
             value, step = np.asarray(row[field]).tolist(), np.asarray(row["step"]).tolist()

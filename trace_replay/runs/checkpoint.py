@@ -47,7 +47,9 @@ def checkpoint_settings(engine: Engine) -> dict:
     """What a folder of ``engine``'s replays is keyed on: its settings and, where the engine
     reads its weights (``weights_digest()``), their digest, read now. A model edited or
     retrained in place under the same name is then refused by the folder as other
-    settings, never served the rows of its old weights."""
+    settings, never served the rows of its old weights; so is another server, or another
+    model behind the same server address (a server engine digests its address and its
+    scores of a fixed probe)."""
     settings = engine.settings()
     weights = engine.weights_digest()
     return settings if weights is None else {**settings, "weights_digest": weights}
@@ -111,6 +113,9 @@ class Checkpoint:
         Engine calls take whole batches of this many traces where they can.
     max_traces, every_s
         A part at least every ``max_traces`` traces and ``every_s`` seconds.
+    vocab_size
+        The engine's vocabulary size: parts are checked against its bounds (ranks, token
+        ids, the most likely token's logprob) as the engine's results were; ``None``: not.
     """
 
     poll_s = 0.5  # how often a run waiting on other runs' claims looks again
@@ -120,13 +125,14 @@ class Checkpoint:
                  requests: Sequence[ReplayRequest],
                  traces: Mapping[str, Trace] | None = None, *,
                  batch_size: int = 1,
-                 max_traces: int = 32, every_s: float = 10.0) -> None:
+                 max_traces: int = 32, every_s: float = 10.0,
+                 vocab_size: int | None = None) -> None:
         self.path = Path(path)
         if self.path.exists() and not self.path.is_dir():
             raise ValueError(f"checkpoint {self.path} exists and is not a folder")
         self.path.mkdir(parents=True, exist_ok=True)
         self.key = settings_key(settings)
-        self.top_k = settings.get("top_k")
+        self.top_k, self.vocab_size = settings.get("top_k"), vocab_size
         self.batch_size, self.max_traces, self.every_s = batch_size, max_traces, every_s
         traces = traces or {}
         self._labelled = any(t.trace_roles is not None for t in traces.values())
@@ -287,7 +293,8 @@ class Checkpoint:
         wrong with the others (:func:`~trace_replay.runs.parts.check_rows`)."""
         frame = frame.assign(trace_digest=frame["trace_id"].map(self._digest_of))
         # what a read would refuse is never written, so no trace comes back to compute
-        failed = check_rows(frame, top_k=self.top_k, requests=self._requests)
+        failed = check_rows(frame, top_k=self.top_k, requests=self._requests,
+                            vocab_size=self.vocab_size)
         frame = frame[~frame["trace_id"].isin(failed)]
         if frame.empty:
             return failed
@@ -342,7 +349,8 @@ class Checkpoint:
                                         if d in self._requests and not self._held[d]))
 
     def _load(self, path: Path) -> pd.DataFrame:
-        return read_part(path, top_k=self.top_k, requests=self._requests)
+        return read_part(path, top_k=self.top_k, requests=self._requests,
+                         vocab_size=self.vocab_size)
 
     def _check_settings(self, settings: dict) -> None:
         """Store ``settings`` on first use, else refuse other ones. Call under the lock."""
@@ -362,8 +370,11 @@ class Checkpoint:
         if stored != settings:
             changed = sorted(k for k in set(stored) | set(settings)
                              if stored.get(k) != settings.get(k))
+            weights = ("; weights_digest is of the weights as they were when it was started, "
+                       "for vllm-server of the server's address and its scores of a fixed "
+                       "probe" if "weights_digest" in changed else "")
             raise ValueError(f"checkpoint {self.path} was written with other settings "
-                             f"({', '.join(changed)}); use a new folder")
+                             f"({', '.join(changed)}{weights}); use a new folder")
 
 
     def _check_parts_settings(self) -> None:

@@ -73,7 +73,8 @@ def part_settings_key(path: Path) -> str | None:
 
 
 def read_part(path: Path, *, top_k: int | None = None,
-              requests: Mapping[str, ReplayRequest] | None = None) -> pd.DataFrame:
+              requests: Mapping[str, ReplayRequest] | None = None,
+              vocab_size: int | None = None) -> pd.DataFrame:
     """A part's rows, once its SHA-256, page checksums and values are verified.
 
     Parameters
@@ -84,6 +85,9 @@ def read_part(path: Path, *, top_k: int | None = None,
         The top-k list length every row must have (``None``: not checked).
     requests
         By digest: the traces whose rows must carry exactly their tokens.
+    vocab_size
+        The engine's vocabulary size, which bounds ranks, token ids and the most likely
+        token's logprob (``None``: those bounds are not checked).
 
     Raises
     ------
@@ -101,21 +105,22 @@ def read_part(path: Path, *, top_k: int | None = None,
         frame = pq.read_table(pa.BufferReader(data), page_checksum_verification=True).to_pandas()
     except (pa.ArrowException, OSError, ValueError) as error:
         raise CorruptPart(f"unreadable: {error}") from None
-    failed = check_rows(frame, top_k=top_k, requests=requests)
+    failed = check_rows(frame, top_k=top_k, requests=requests, vocab_size=vocab_size)
     if failed:
         raise CorruptPart(describe(failed))
     return frame
 
 
 def check_rows(frame: pd.DataFrame, *, top_k: int | None = None,
-               requests: Mapping[str, ReplayRequest] | None = None) -> dict[str, list[str]]:
+               requests: Mapping[str, ReplayRequest] | None = None,
+               vocab_size: int | None = None) -> dict[str, list[str]]:
     """What is wrong with each trace's rows: complete, plausible, and its request's tokens.
 
     Parameters
     ----------
     frame
         Rows of whole traces, with ``trace_digest``, in any order.
-    top_k, requests
+    top_k, requests, vocab_size
         As for :func:`read_part`.
 
     Returns
@@ -145,7 +150,7 @@ def check_rows(frame: pd.DataFrame, *, top_k: int | None = None,
          frame.groupby("trace_digest").cumcount().to_numpy() != step, None),
         ("positions are not prompt_len + step",
          (offsets.transform("first") != frame["position"] - frame["step"]).to_numpy(), None),
-        *_impossible_scores(frame, top_k),
+        *_impossible_scores(frame, top_k, vocab_size),
         *_other_tokens(frame, requests or {}),
     ]
     failed: dict[str, list[str]] = {}
@@ -177,7 +182,8 @@ def _other_tokens(frame: pd.DataFrame, requests: Mapping[str, ReplayRequest]) ->
             ("tokens differ from its digest's", other, None)]
 
 
-def _impossible_scores(frame: pd.DataFrame, top_k: int | None) -> list[tuple]:
+def _impossible_scores(frame: pd.DataFrame, top_k: int | None,
+                       vocab_size: int | None) -> list[tuple]:
     """The rows whose top-k lists are not ``top_k`` long (``None``: all of one length), or
     whose scores an engine's result could not hold (:func:`~trace_replay.engines.validate.
     impossible`: the same rules)."""
@@ -190,8 +196,8 @@ def _impossible_scores(frame: pd.DataFrame, top_k: int | None) -> list[tuple]:
            if whole else np.zeros((len(frame), 0)))
     top_ids = np.stack(frame["top_token_ids"].to_numpy()) if whole else None
     rules = impossible(frame["logprob"].to_numpy(), frame["rank"].to_numpy(), top,
-                       frame["entropy"].to_numpy(), token_ids=frame["token_id"].to_numpy(),
-                       top_token_ids=top_ids)
+                       frame["entropy"].to_numpy(), vocab_size=vocab_size,
+                       token_ids=frame["token_id"].to_numpy(), top_token_ids=top_ids)
     return [("top-k lists of the wrong length", wrong, None),
             *((rule, rows, field) for field, rule, rows in rules)]
 

@@ -326,8 +326,8 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
             result = pd.concat(frames, ignore_index=True) if frames else None
         else:
             with Checkpoint(checkpoint, checkpoint_settings(engine), requests, by_id,
-                            batch_size=batch,
-                            max_traces=chunk, every_s=checkpoint_every) as store:
+                            batch_size=batch, max_traces=chunk, every_s=checkpoint_every,
+                            vocab_size=vocab_size) as store:
                 resumed = store.resumed
                 advance(store.resumed_tokens)
                 if resumed and progress:
@@ -351,6 +351,7 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
         **settings,
         **engine.stats(),
         "settings_keys": sorted(settings),  # which attrs make two runs comparable (merge)
+        "vocab_size": None if vocab_size is None else int(vocab_size),  # report checks ranks
         "num_traces": len(requests),
         "resumed_traces": resumed,
         "truncated": cut_notes,

@@ -134,8 +134,6 @@ class TorchEngine(EngineBase):
     def activations(self) -> Activations:
         """The backend's: ``lm``'s own modules (hf), the row-wise model's rows
         (deterministic); the static backend's compiled steps call no module."""
-        if self.lm is None:
-            raise RuntimeError(f"engine {self.name!r} is closed")
         return self.backend.activations()
 
     @torch.inference_mode()

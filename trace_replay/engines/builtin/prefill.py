@@ -95,8 +95,6 @@ class PrefillEngine(EngineBase):
 
     def activations(self) -> Activations:
         """``lm``'s own modules, or in deterministic mode the row-wise model's rows."""
-        if self.lm is None:
-            raise RuntimeError(f"engine {self.name!r} is closed")
         return Activations(self.lm) if self.backend is None else self.backend.activations()
 
     @torch.inference_mode()

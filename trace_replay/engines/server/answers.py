@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -70,29 +71,40 @@ def generate_steps(content: list[dict], top_k: int, steps: int | None = None) ->
     return logprob, rank, top_ids, top_lps, np.ones(steps, dtype=bool)
 
 
-def completion_steps(logprobs: dict, top_k: int, steps: int | None = None) -> Steps:
+def completion_steps(logprobs: dict, top_k: int, steps: int | None = None, *,
+                     token_ids: Sequence[int]) -> Steps:
     """Per-step arrays from /v1/completions logprobs (``token_id:N`` keys, no ranks).
 
-    Each step's map holds the emitted token and the top ``depth`` alternatives; rank is
-    1 + the alternatives with a strictly greater logprob, exact when fewer than ``depth``
-    are (every better token is then among them), else the lower bound ``depth + 1``.
-    ``steps``: how many entries each list must hold (``None``: as many as
-    ``token_logprobs``).
+    Each step's map holds the server's ``n`` best alternatives (``n`` as asked, or fewer from a
+    server that caps it) and the emitted token ``token_ids[step]``, added when it is not among
+    them. Rank is 1 + the listed alternatives with a strictly greater logprob. It is exact
+    when another listed token is at most as likely as the emitted one: that token is among the
+    best ``n``, so every token more likely than the emitted one is listed too. Otherwise the
+    emitted token may lie past the listed ones, and its rank is the lower bound
+    ``1 + listed``, flagged inexact whatever was asked for. The top-k list is the best listed
+    tokens, the emitted one among them only where its rank is exact; a step listing fewer than
+    ``max(top_k, 1)`` such tokens is an error naming it. ``steps``: how many entries each list
+    must hold (``None``: as many as ``token_logprobs``).
     """
     steps = len(_listed(logprobs["token_logprobs"], "logprobs.token_logprobs", steps))
     _listed(logprobs["top_logprobs"], "logprobs.top_logprobs", steps)
+    _listed(list(token_ids), "the emitted token ids", steps)
     logprob = np.array([_logprob(v) for v in logprobs["token_logprobs"]], dtype=np.float64)
     rank = np.empty(steps, dtype=np.int64)
     exact = np.empty(steps, dtype=bool)
     top_ids = np.zeros((steps, top_k), dtype=np.int64)
     top_lps = np.full((steps, top_k), np.nan)
-    depth = max(top_k, RANK_DEPTH)
     for step, alternatives in enumerate(logprobs["top_logprobs"]):
-        ordered = sorted((-_logprob(v), int(key.removeprefix("token_id:")))
-                         for key, v in alternatives.items())
-        best = ordered[:depth]  # the emitted token is one more when it is not among them
-        greater = sum(-neg > logprob[step] for neg, _ in best)
-        rank[step], exact[step] = 1 + greater, greater < depth
-        for j, (neg, token_id) in enumerate(best[:top_k]):
+        listed = sorted((-_logprob(v), int(key.removeprefix("token_id:")))
+                        for key, v in alternatives.items())
+        others = [(neg, token) for neg, token in listed if token != token_ids[step]]
+        greater = sum(-neg > logprob[step] for neg, _ in others)
+        rank[step], exact[step] = 1 + greater, greater < len(others)
+        known = listed if exact[step] else others  # the best tokens, in order
+        if len(known) < max(top_k, 1):
+            raise ValueError(f"step {step}: the server listed {len(others)} alternatives to the "
+                             f"emitted token, too few to rank it among the top {max(top_k, 1)} "
+                             "(is it started with --max-logprobs 20?)")
+        for j, (neg, token_id) in enumerate(known[:top_k]):
             top_ids[step, j], top_lps[step, j] = token_id, -neg
     return logprob, rank, top_ids, top_lps, exact

@@ -8,13 +8,19 @@ as token ids and ``max_tokens`` = the trace length. Two of the server's APIs are
 * ``"generate"`` — ``/inference/v1/generate`` (``vllm serve --enable-scale-out``), token ids in
   and out, each logprob with its exact rank;
 * ``"completions"`` — ``/v1/completions``, on every vLLM server. It returns logprobs but no
-  rank: the rank is counted among the top 20 alternatives it returns, exact when the trace
-  token is within them and else a lower bound (21), which the ``rank_exact`` column flags.
+  rank: the rank is counted among the top 20 alternatives it returns, exact when it lists a
+  token no more likely than the trace token (so every likelier one is listed) and else a
+  lower bound, which the ``rank_exact`` column flags — also where a server returns fewer
+  alternatives than asked for (:func:`~trace_replay.engines.server.answers.completion_steps`).
 
 ``"auto"`` takes generate when the server offers it. At start-up the engine checks that the
 server's tokenizer encodes like the local one, that it forces traces (two one-token traces
 of different tokens must both come back), and that its logprobs are raw (two forced tokens
-cannot both be likely). This module never imports vllm.
+cannot both be likely); a server failing a check (an HTTP error, no answer, an answer that
+cannot be read) is a :class:`~trace_replay.engines.server.http_client.ServerError` naming
+its address. A checkpoint keys on the server's address and its scores of that probe
+(:mod:`~trace_replay.engines.server.probe`), so rows computed against one server are never
+served for another. This module never imports vllm.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from trace_replay.engines.base import (BatchFailed, EngineBase, EngineConfig, Re
 from trace_replay.engines.server.http_client import JsonClient, ServerError
 from trace_replay.engines.server.answers import (RANK_DEPTH, completion_steps, emitted_ids,
                                                  generate_steps)
+from trace_replay.engines.server.probe import PROBE_TEXT, fingerprint, probe_requests
 from trace_replay.engines.validate import check_results
 from trace_replay.models.load import EMBEDDED_MODEL, ModelNotFoundError, hf_folder
 from trace_replay.engines.server.serve import FORCING_PROCESSOR, TRACE_KEY
@@ -43,7 +50,6 @@ __all__ = ["APIS", "SERVER_OPTIONS", "ServerEngine"]
 APIS = ("auto", "generate", "completions")
 # engine_args this engine takes
 SERVER_OPTIONS = ("base_url", "api", "api_key", "timeout_s", "max_retries")
-_PROBE_TEXT = "Replay checks the tokenizer: déjà vu, 3.14 ✓\n    return x"
 # sampling settings a server's generation_config could otherwise change; with forcing they
 # cannot change the emitted token, and raw logprobs are computed before any of them
 _NEUTRAL = {"temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
@@ -131,8 +137,8 @@ class ServerEngine(EngineBase):
 
     def settings(self) -> dict[str, Any]:
         rank = "exact" if self.api == "generate" else (
-            f"exact within the top {max(self.top_k, RANK_DEPTH)}, else a lower bound "
-            "(rank_exact is False)")
+            f"exact where the server lists a token no more likely than the trace's among the "
+            f"{max(self.top_k, RANK_DEPTH)} asked for, else a lower bound (rank_exact is False)")
         return {**super().settings(), "server_api": self.api, "vllm_version": self.vllm_version,
                 "logprobs_mode": "raw_logprobs", "rank": rank}
 
@@ -140,6 +146,13 @@ class ServerEngine(EngineBase):
     def vocab_size(self) -> int | None:
         """The vocabulary of the local model folder named for the tokenizer (``None``: none)."""
         return self._vocab_size
+
+    def weights_digest(self) -> str:
+        """What the server serves, read now: a digest of ``base_url`` and of the scores it
+        gives the fixed probe, rounded (:func:`~trace_replay.engines.server.probe.
+        fingerprint`). A checkpoint keys on it, so rows computed against another server, or
+        against this address before a restart with other weights, are never served."""
+        return fingerprint(self.base_url, self._score_probe())
 
     def stats(self) -> dict[str, Any]:
         return {"server_url": self.base_url, "server_requests": self.client.requests,
@@ -202,7 +215,8 @@ class ServerEngine(EngineBase):
             if self.api == "generate":
                 steps = generate_steps(choice["logprobs"]["content"], self.top_k, len(trace))
             else:
-                steps = completion_steps(choice["logprobs"], self.top_k, len(trace))
+                steps = completion_steps(choice["logprobs"], self.top_k, len(trace),
+                                         token_ids=emitted)
         except (ServerError, AttributeError, KeyError, IndexError, OverflowError, TypeError,
                 ValueError) as error:
             raise ServerError(f"trace {request.trace_id!r}: {type(error).__name__}: {error}",
@@ -253,6 +267,10 @@ class ServerEngine(EngineBase):
             self.client.post("/inference/v1/generate", {})  # empty: refused as invalid when there
             status = 200
         except ServerError as error:
+            if error.status is None or error.status >= 500:  # no answer, or a broken server
+                raise ServerError(f"the server at {self.base_url} failed its start-up check "
+                                  f"(is /inference/v1/generate offered?): {error}",
+                                  error.status) from None
             status = error.status
         if status in (400, 422):
             return "generate"
@@ -266,25 +284,37 @@ class ServerEngine(EngineBase):
         """The server's tokenizer must encode text as the local one does."""
         try:
             theirs = self.client.post("/tokenize", {"model": self.served_model,
-                                                    "prompt": _PROBE_TEXT})["tokens"]
+                                                    "prompt": PROBE_TEXT})["tokens"]
         except ServerError as error:
             if error.status == 404:
                 return  # no tokenize endpoint: nothing to compare with
             raise
-        ours = list(self.tokenizer.encode(_PROBE_TEXT))
+        except (KeyError, TypeError) as error:
+            raise ServerError(f"the server at {self.base_url} answered /tokenize without a "
+                              f"list of tokens ({type(error).__name__}: {error})") from None
+        ours = list(self.tokenizer.encode(PROBE_TEXT))
         if theirs != ours:
             local = self.tokenizer_source or EMBEDDED_MODEL
             raise ValueError(f"the server's model {self.served_model!r} tokenizes text unlike "
                              f"the local tokenizer of {str(local)!r} ({theirs[:8]} vs "
                              f"{ours[:8]}): pass model= naming the server's model")
 
+    def _score_probe(self) -> list[TraceResult]:
+        """The server's scores of the probe, checked possible; a request that fails is a
+        ServerError naming the server."""
+        probes = probe_requests(self.tokenizer)
+        try:  # one at a time: on an idle server each runs alone in its batch, the same bits
+            results = [self.run([probe])[0] for probe in probes]
+        except BatchFailed as failed:
+            raise ServerError(f"the server at {self.base_url} failed its check on the fixed "
+                              f"one-token probe traces: {failed.error}",
+                              getattr(failed.error, "status", None)) from None
+        check_results(probes, results, top_k=self.top_k, vocab_size=self.vocab_size)
+        return results
+
     def _check_forcing(self) -> None:
         """Two one-token traces of different tokens: both forced, not both likely."""
-        ids = list(self.tokenizer.encode(_PROBE_TEXT))
-        probes = [ReplayRequest(f"<server check {t}>", tuple(ids[:4]), (t,))
-                  for t in list(dict.fromkeys(ids))[:2]]
-        results = self.run(probes)
-        check_results(probes, results, top_k=self.top_k, vocab_size=self.vocab_size)
+        results = self._score_probe()
         if all(r.logprob[0] > math.log(0.5) for r in results):
             raise RuntimeError(
                 f"the server at {self.base_url} reports logprobs after the forcing processor "
