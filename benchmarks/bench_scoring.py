@@ -1,7 +1,7 @@
 """Per-step scoring cost: what a replay step pays beyond greedy decoding, and ways to cut it.
 
 Every decode step of a replay scores its rows' forced tokens on the full distribution
-(logprob, rank, top-k, entropy: ``trace_replay.engines.scoring.score_tokens``); greedy
+(logprob, rank, top-k, entropy: ``trace_replay.engines.builtin.scoring.score_tokens``); greedy
 decoding with logprobs pays the same minus the top-k. This script times, on random logits
 of the decode shapes the performance issue names, per call (CUDA events, median of
 ``--repeats`` bursts of ``--calls`` calls):
@@ -31,7 +31,7 @@ import argparse
 import torch
 from bench_kernels import time_eager_us, time_graph_us  # µs per call: eager, in a CUDA graph
 
-from trace_replay.engines.scoring import score_tokens, scorer_for
+from trace_replay.engines.builtin.scoring import score_tokens, scorer_for
 from trace_replay.kernels.top_k import CHUNK, GROUP, NUM_WARPS, top_k_indices
 
 CHUNKS = (128, 256, 512, 1024)

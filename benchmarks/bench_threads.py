@@ -2,7 +2,7 @@
 
 One bundled trace cut to ``--length`` tokens, replayed by the torch engine (batch 1) at
 torch's default intra-op threads and at the engine's own choice
-(:mod:`trace_replay.engines.builtin.threads`): alone, beside a busy process (a Python busy loop),
+(:mod:`trace_replay.engines.threads`): alone, beside a busy process (a Python busy loop),
 and right after a vLLM replay with the vLLM engine alive. Medians of ``--repeats``;
 ratios from this one run.
 

@@ -64,7 +64,7 @@ def main() -> None:
 
     from trace_replay.engines import make_engine
     from trace_replay.engines.base import ReplayRequest
-    from trace_replay.engines.builtin.threads import intra_op_threads
+    from trace_replay.engines.threads import intra_op_threads
 
     cuda = args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32

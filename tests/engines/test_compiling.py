@@ -60,7 +60,7 @@ def test_importing_the_engines_leaves_the_process_as_it_was():
         before = state()
         for name in ("trace_replay", "trace_replay.engines.builtin.engine",
                      "trace_replay.engines.builtin.backends.static", "trace_replay.kernels",
-                     "trace_replay.engines.scoring", "trace_replay.models.load"):
+                     "trace_replay.engines.builtin.scoring", "trace_replay.models.load"):
             importlib.import_module(name)
         print(state() == before)
     """

@@ -17,7 +17,7 @@ from trace_replay.engines.builtin.backends.invariant_ops import (
     score_rows,
     silu_mul,
 )
-from trace_replay.engines.scoring import score_tokens
+from trace_replay.engines.builtin.scoring import score_tokens
 
 
 def _placed(row: torch.Tensor, rows: int, position: int, seed: int) -> torch.Tensor:

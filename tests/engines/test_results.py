@@ -1,4 +1,4 @@
-"""Tests for trace_replay.engines.results: which scored positions become each trace's steps."""
+"""Tests for trace_replay.engines.builtin.results: which scored positions become each trace's steps."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import torch
 
 from trace_replay.engines.base import ReplayRequest
-from trace_replay.engines.results import split_results, wave_results
-from trace_replay.engines.scoring import score_tokens
+from trace_replay.engines.builtin.results import split_results, wave_results
+from trace_replay.engines.builtin.scoring import score_tokens
 
 GEN = torch.Generator().manual_seed(0)
 

@@ -1,4 +1,4 @@
-"""Tests for trace_replay.engines.scoring: the one rule every engine scores a token by."""
+"""Tests for trace_replay.engines.builtin.scoring: the one rule every engine scores a token by."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from trace_replay.engines.scoring import (chunked_argmax, collect_rows, greedy_tokens,
+from trace_replay.engines.builtin.scoring import (chunked_argmax, collect_rows, greedy_tokens,
                                           score_tokens, score_with_top, scorer_for,
                                           top_from_logprob)
 

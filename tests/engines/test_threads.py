@@ -1,4 +1,4 @@
-"""Intra-op threads of a CPU engine (trace_replay.engines.builtin.threads): one core left free, and the
+"""Intra-op threads of a CPU engine (trace_replay.engines.threads): one core left free, and the
 caller's own setting always put back."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from trace_replay.engines.builtin.threads import available_cpus, engine_threads, intra_op_threads
+from trace_replay.engines.threads import available_cpus, engine_threads, intra_op_threads
 
 
 @pytest.fixture

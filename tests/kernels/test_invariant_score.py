@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import trace_replay.kernels._triton
-from trace_replay.engines.scoring import score_tokens
+from trace_replay.engines.builtin.scoring import score_tokens
 from trace_replay.kernels.invariant_score import (
     score_rows_reference,
     score_rows_triton,

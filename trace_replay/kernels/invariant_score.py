@@ -1,6 +1,6 @@
 """Scoring of a token under its row of logits, the result a function of that row alone.
 
-The quantities of :func:`~trace_replay.engines.scoring.score_tokens`: the token's logprob
+The quantities of :func:`~trace_replay.engines.builtin.scoring.score_tokens`: the token's logprob
 (float32), its rank (1 + the number of tokens of strictly greater logprob), the entropy of
 the row's distribution, and the top-k, for deterministic mode, where a row's numbers must
 not depend on the rows beside it or on how many there are.
@@ -99,7 +99,7 @@ def score_rows_triton(logits: torch.Tensor, token_ids: torch.Tensor,
     Returns
     -------
     tuple of torch.Tensor
-        In :class:`~trace_replay.engines.scoring.TokenScores`' order: logprob ``[R]``
+        In :class:`~trace_replay.engines.builtin.scoring.TokenScores`' order: logprob ``[R]``
         float32, rank ``[R]`` int64, top ids ``[R, top_k]`` int64, top logprobs
         ``[R, top_k]`` float32, entropy ``[R]`` float32.
     """

@@ -183,7 +183,7 @@ def top_k_scores(logits: torch.Tensor, k: int, token_ids: torch.Tensor,
 
     A top token's logprob is taken from the scored token's: ``token_logprob + (logit_top -
     logit_token)`` in float32, the rule of
-    :func:`~trace_replay.engines.scoring.top_from_logprob` (same operations, same order),
+    :func:`~trace_replay.engines.builtin.scoring.top_from_logprob` (same operations, same order),
     computed by the kernel that picks the top-k.
 
     Examples

@@ -29,7 +29,7 @@ import torch
 
 from trace_replay.engines.builtin.backends.base import Backend
 from trace_replay.engines.builtin.slots import SlotTable
-from trace_replay.engines.scoring import TokenScores, greedy_tokens, score_tokens
+from trace_replay.engines.builtin.scoring import TokenScores, greedy_tokens, score_tokens
 
 __all__ = ["Scorer", "Steps", "StepRunner", "ForcedSteps", "replay_forwards", "replay_steps",
            "forced_step", "generate_steps"]

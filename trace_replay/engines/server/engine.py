@@ -43,7 +43,7 @@ from trace_replay.engines.server.answers import (RANK_DEPTH, completion_steps, e
 from trace_replay.engines.server.probe import PROBE_TEXT, fingerprint, probe_requests
 from trace_replay.engines.validate import check_results
 from trace_replay.models.load import EMBEDDED_MODEL, ModelNotFoundError, hf_folder
-from trace_replay.engines.server.serve import FORCING_PROCESSOR, TRACE_KEY
+from trace_replay.engines.vllm_contract import FORCING_PROCESSOR, TRACE_KEY
 
 __all__ = ["APIS", "SERVER_OPTIONS", "ServerEngine"]
 

@@ -14,7 +14,8 @@ Parallelism is vLLM's own (``--tensor-parallel-size 2`` among the extra options)
 more than one rank starts with NVLink multicast off (:data:`MULTICAST_OFF`, where the user has
 not set those variables), see :func:`serve_environment`.
 
-This module imports only the standard library; the model is resolved when a command is built.
+This module imports only the standard library and the constants of
+:mod:`~trace_replay.engines.vllm_contract`; the model is resolved when a command is built.
 """
 
 from __future__ import annotations
@@ -30,17 +31,13 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from trace_replay.engines.vllm_contract import FORCING_PROCESSOR, MULTICAST_OFF, TRACE_KEY
+
 __all__ = ["FORCING_PROCESSOR", "MULTICAST_OFF", "TRACE_KEY", "serve_args", "serve_command",
            "serve_environment", "server_ranks", "start_server", "stop_server", "wait_for_server"]
 
-FORCING_PROCESSOR = "trace_replay.engines.vllm.engine:TraceForcingProcessor"
-TRACE_KEY = "trace_replay_token_ids"  # the SamplingParams.extra_args key the processor reads
 _CPU_ARGS = ("--enforce-eager", "--gpu-memory-utilization", "0.3")  # as engine="vllm" on CPU
 _ENTRY = "vllm.entrypoints.launchers.api_server.entry"  # what `vllm serve` runs, as a module
-# NVLink multicast off in NCCL, PyTorch's symmetric memory and NVSHMEM: on a shared multi-GPU
-# host a program that uses it can put the host's GPUs out of service
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                 "NVSHMEM_DISABLE_NVLS": "1"}
 # vllm serve's parallelism options, long and short spellings
 _RANK_OPTIONS = (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp"),
                  ("--data-parallel-size", "-dp"))

@@ -1,4 +1,4 @@
-"""vLLM replay: the only module that imports vllm (with its forcing half, vllm_forcing).
+"""vLLM replay: with its forcing half (forcing.py), the only module that imports vllm.
 
 Two paths, chosen at start-up and recorded in ``settings()["engine_path"]``:
 
@@ -60,13 +60,13 @@ from vllm.sampling_params import RequestOutputKind
 from trace_replay.engines.base import EngineBase, EngineConfig, ReplayRequest, TraceResult
 from trace_replay.engines.vllm.inprocess import (QuietLogs, engine_core_mode, hosted_startup,
                                             multicast_off)
-from trace_replay.engines.builtin.threads import engine_threads, intra_op_threads
+from trace_replay.engines.threads import engine_threads, intra_op_threads
 from trace_replay.engines.vllm.forcing import (
     FORCED_LOGIT, WORKER_EXTENSION, ForcingWorkerExtension, TraceForcingProcessor, model_runner,
     read_lengths_only)
 from trace_replay.engines.vllm.invariance import batch_invariance_unavailable, batch_invariant_env
 from trace_replay.models.load import folder_digest, hf_folder, model_label, resolve_dtype
-from trace_replay.engines.server.serve import TRACE_KEY
+from trace_replay.engines.vllm_contract import TRACE_KEY
 from trace_replay.traces.trace import TraceError
 
 __all__ = ["FORCED_LOGIT", "PARALLEL_OPTIONS", "VLLMEngine", "TraceForcingProcessor",

@@ -23,8 +23,8 @@ from vllm.v1.worker.gpu.sample.logits_processor.interface import (
     LogitsProcessor as V2LogitsProcessor,
 )
 
-from trace_replay.engines.server.serve import TRACE_KEY
-from trace_replay.kernels.state import RequestState, TraceReplayState
+from trace_replay.engines.vllm_contract import TRACE_KEY
+from trace_replay.engines.replay_state import RequestState, TraceReplayState
 
 __all__ = ["FORCED_LOGIT", "ForcingWorkerExtension", "TraceForcingProcessor", "V1TraceForcing",
            "V2TraceForcing", "WORKER_EXTENSION", "model_runner", "read_lengths_only"]

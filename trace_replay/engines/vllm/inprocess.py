@@ -48,7 +48,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from trace_replay.engines.server.serve import MULTICAST_OFF
+from trace_replay.engines.vllm_contract import MULTICAST_OFF
 from trace_replay.models.load import offline
 
 __all__ = ["IN_PROCESS_ENV", "MULTICAST_OFF", "QuietLogs", "engine_core_mode", "hosted_startup",

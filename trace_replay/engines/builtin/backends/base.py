@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from trace_replay.engines.base import (Activations, missing_members, protocol_members)
-from trace_replay.engines.scoring import TokenScores
+from trace_replay.engines.builtin.scoring import TokenScores
 
 __all__ = ["BACKEND_MEMBERS", "DETERMINISTIC_ATTENTION", "FLOAT32_MATMUL", "KINDS", "Backend",
            "BackendOptions", "check_backend", "check_float32_matmul", "make_backend"]

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from trace_replay.engines.base import Activations
-from trace_replay.engines.scoring import scorer_for
+from trace_replay.engines.builtin.scoring import scorer_for
 
 __all__ = ["HFBackend"]
 

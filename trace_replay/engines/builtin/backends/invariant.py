@@ -29,7 +29,7 @@ import torch
 from trace_replay.engines.base import Activations
 from trace_replay.engines.builtin.backends.captured_step import StepGraph, capture_step
 from trace_replay.engines.builtin.backends.invariant_model import InvariantLlama, KVCache
-from trace_replay.engines.scoring import TokenScores
+from trace_replay.engines.builtin.scoring import TokenScores
 
 __all__ = ["InvariantBackend"]
 

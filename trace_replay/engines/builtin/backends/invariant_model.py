@@ -21,7 +21,7 @@ import torch
 from trace_replay.engines.builtin.backends.base import DETERMINISTIC_ATTENTION
 from trace_replay.kernels._triton import HAS_TRITON
 from trace_replay.engines.builtin.backends.invariant_ops import RowBlocks, probe_linear, score_rows, silu_mul
-from trace_replay.engines.scoring import TokenScores
+from trace_replay.engines.builtin.scoring import TokenScores
 from trace_replay.kernels.invariant_attention import (
     BLOCK_N, attention_rows_reference, attention_rows_triton)
 from trace_replay.kernels.invariant_epilogues import (

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trace_replay.engines.scoring import TokenScores
+from trace_replay.engines.builtin.scoring import TokenScores
 
 __all__ = ["LINEAR_MENU", "RowBlocks", "probe_linear", "silu_mul", "score_rows"]
 
@@ -124,7 +124,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def score_rows(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int,
                rows: int) -> TokenScores:
-    """:func:`~trace_replay.engines.scoring.score_tokens` made row-invariant.
+    """:func:`~trace_replay.engines.builtin.scoring.score_tokens` made row-invariant.
 
     The same quantities (log-softmax in float32, rank = 1 + strictly greater, top-k,
     entropy), computed in blocks of exactly ``rows`` rows; entropy is

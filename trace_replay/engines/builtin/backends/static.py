@@ -38,7 +38,7 @@ from trace_replay.engines.builtin.backends.captured_step import StepGraph, captu
 from trace_replay.engines.builtin.backends.static_cache import StaticKVCache, register_attention
 from trace_replay.engines.builtin.backends.static_view import layer_forward, model_view
 from trace_replay.engines.builtin.passes.compiling import compile_function, layer_passes
-from trace_replay.engines.scoring import scorer_for
+from trace_replay.engines.builtin.scoring import scorer_for
 from trace_replay.kernels.fp32_linear import fp32_linear
 from trace_replay.kernels.gemv import gemv
 

@@ -9,7 +9,7 @@ import torch
 
 from trace_replay.engines.base import ReplayRequest, TraceResult
 from trace_replay.engines.builtin.decode import Steps
-from trace_replay.engines.scoring import TokenScores, collect_rows
+from trace_replay.engines.builtin.scoring import TokenScores, collect_rows
 
 __all__ = ["split_results", "wave_results"]
 
