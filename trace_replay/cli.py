@@ -177,7 +177,8 @@ def _cmd_record(args) -> None:
 def _cmd_merge(args) -> None:
     from trace_replay.runs.merge import merge_results
 
-    merged = merge_results(args.parts, allow_incomplete=args.allow_incomplete)
+    merged = merge_results(args.parts, allow_incomplete=args.allow_incomplete,
+                           allow_unknown_weights=args.allow_unknown_weights)
     _write_frame(merged, args.out)
     print(f"{plural(len(args.parts), 'part')}, {plural(merged.attrs['num_traces'], 'trace')} "
           f"-> {args.out}")
@@ -330,10 +331,13 @@ def _parser() -> argparse.ArgumentParser:
                  "  trace-replay merge part0.parquet part1.parquet part2.parquet part3.parquet "
                  "--out all.parquet", _cmd_merge)
     p.add_argument("parts", nargs="+", help="result files of one run (same engine, model, "
-                   "dtype, top-k…; refused otherwise)")
+                   "weights, dtype, top-k…; refused otherwise, as are files failing the "
+                   "checks report runs)")
     p.add_argument("--out", required=True, help="merged result file (.parquet) to write")
     p.add_argument("--allow-incomplete", action="store_true", help="merge although shards of "
                    "the split are missing; the result is marked incomplete (attrs)")
+    p.add_argument("--allow-unknown-weights", action="store_true", help="merge parts written "
+                   "before results recorded their weights' digest (a warning names them)")
 
     p = _command(sub, "report", "write a self-contained HTML report of one result, or of two "
                  "compared", "  trace-replay report fp32.parquet --out fp32.html\n"

@@ -377,3 +377,22 @@ def test_weights_edited_under_the_same_name_are_not_served(lm, records, tmp_path
         replay(records[:2], engine=engine, progress=False, checkpoint=tmp_path)
     fresh = replay(records[:2], engine=engine, progress=False, checkpoint=tmp_path / "new")
     assert_same_replay(fresh, replay(records[:2], engine=engine, progress=False))
+
+
+def test_a_deterministic_folder_resumes_at_another_batch_size(lm, records, tmp_path):
+    """Deterministic mode gives every trace the same bits whatever the batch size, so a
+    folder written at batch 1 serves every trace to a rerun at batch 3, bit for bit; without
+    deterministic mode another batch size is other settings, refused."""
+    first = replay(records, engine=make_engine("prefill", lm, batch_size=1, top_k=3,
+                                               deterministic=True),
+                   progress=False, checkpoint=tmp_path / "det")
+    resumed = replay(records, engine=make_engine("prefill", lm, batch_size=3, top_k=3,
+                                                 deterministic=True),
+                     progress=False, checkpoint=tmp_path / "det")
+    assert resumed.attrs["resumed_traces"] == len(records) and resumed.attrs["batch_size"] == 3
+    pd.testing.assert_frame_equal(resumed, first)
+    replay(records, engine=make_engine("prefill", lm, batch_size=1, top_k=3),
+           progress=False, checkpoint=tmp_path / "plain")
+    with pytest.raises(ValueError, match=r"other settings \(batch_size\)"):
+        replay(records, engine=make_engine("prefill", lm, batch_size=3, top_k=3),
+               progress=False, checkpoint=tmp_path / "plain")

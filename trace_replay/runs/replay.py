@@ -166,7 +166,10 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
         message's role for tokens of other turns, ``"template"`` for the chat template's
         own tokens around an assistant turn; null for non-chat traces). Through a server's
         completions API, ``rank_exact`` flags ranks that are only a lower bound.
-        Provenance is in ``df.attrs``.
+        Provenance is in ``df.attrs``: the engine's settings, ``weights_digest`` (of the
+        weights scored with, read at the start; ``None`` where the engine cannot read
+        them), the trace set's ``traces_digest``, ``num_traces``, ``num_tokens``, package
+        ``versions``, the shard and the run's times.
 
     Examples
     --------
@@ -265,7 +268,8 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
             checkpoint: str | os.PathLike | None, shard: tuple[int, int] | None,
             truncate: bool, chunk_size: int | None, checkpoint_every: float,
             started: str, digest: str) -> pd.DataFrame:
-    settings = engine.settings()
+    # with the weights' digest, read once: merge and checkpoints refuse other weights
+    settings = checkpoint_settings(engine)
     vocab_size = engine.vocab_size
     if vocab_size is not None and settings.get("top_k", 0) > vocab_size:
         raise ValueError(f"top_k {settings['top_k']} exceeds the model's vocabulary size "
@@ -325,7 +329,7 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
                       for start in range(0, len(requests), chunk)]
             result = pd.concat(frames, ignore_index=True) if frames else None
         else:
-            with Checkpoint(checkpoint, checkpoint_settings(engine), requests, by_id,
+            with Checkpoint(checkpoint, settings, requests, by_id,
                             batch_size=batch,
                             max_traces=chunk, every_s=checkpoint_every) as store:
                 resumed = store.resumed
@@ -350,8 +354,12 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
     result.attrs = {
         **settings,
         **engine.stats(),
-        "settings_keys": sorted(settings),  # which attrs make two runs comparable (merge)
+        # None: the engine cannot read its weights (a server); absent only in older results
+        "weights_digest": settings.get("weights_digest"),
+        # which attrs make two runs comparable (merge)
+        "settings_keys": sorted({*settings, "weights_digest"}),
         "num_traces": len(requests),
+        "num_tokens": len(result),  # rows, so that a result file missing one is refused
         "resumed_traces": resumed,
         "truncated": cut_notes,
         "shard": list(shard) if shard is not None else None,
