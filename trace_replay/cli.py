@@ -150,9 +150,16 @@ def _cmd_replay(args) -> None:
           f"({df.attrs.get('engine_path')}) -> {args.out}")
 
 
+# what record writes, each a kind replay reads back: JSONL (gzipped too) or Parquet
+_RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+
+
 def _cmd_record(args) -> None:
     from trace_replay.traces.recording import record
 
+    if not args.out.lower().endswith(_RECORD_SUFFIXES):  # before the model loads
+        raise ValueError(f"--out {args.out}: a traces file ends in "
+                         f"{', '.join(_RECORD_SUFFIXES)}, the kinds replay reads")
     path = Path(_input_file(args.prompts, "prompts file"))
     lines = path.read_text().splitlines()
     if path.suffix != ".jsonl":
@@ -170,7 +177,7 @@ def _cmd_record(args) -> None:
                     temperature=args.temperature, seed=args.seed, top_k=args.top_k,
                     batch_size=args.batch_size, engine_args=dict(args.engine_arg) or None,
                     verbose=args.verbose)
-    (traces.to_parquet if args.out.endswith(".parquet") else traces.to_jsonl)(args.out)
+    (traces.to_parquet if args.out.lower().endswith(".parquet") else traces.to_jsonl)(args.out)
     print(f"{plural(len(traces), 'trace')} -> {args.out}")
 
 
@@ -318,7 +325,8 @@ def _parser() -> argparse.ArgumentParser:
                  "--temperature 0.7 --seed 1 --out traces.parquet", _cmd_record)
     p.add_argument("prompts", help="a .txt file (one prompt per line) or a .jsonl file of "
                    "records with id and prompt (or prompt_token_ids)")
-    p.add_argument("--out", required=True, help="traces file to write (.jsonl or .parquet)")
+    p.add_argument("--out", required=True, help="traces file to write: .jsonl, .jsonl.gz or "
+                   ".parquet (what replay reads; other names are refused)")
     p.add_argument("--max-tokens", type=_positive_int, required=True,
                    help="tokens generated per prompt at most (stops earlier at EOS)")
     p.add_argument("--engine", default="vllm", choices=["vllm", "torch"],
