@@ -136,9 +136,9 @@ def test_edited_chat_labels_are_recomputed(engine, records, tokenizer, tmp_path)
     """A rerun after editing only a chat trace's roles serves the new roles, not the old."""
     replay([chat_record(tokenizer, "assistant"), records[1]], engine=engine, progress=False,
            checkpoint=tmp_path)
-    resumed = replay([chat_record(tokenizer, "tool"), records[1]], engine=engine,
+    resumed = replay([chat_record(tokenizer, "template"), records[1]], engine=engine,
                      progress=False, checkpoint=tmp_path)
-    assert set(resumed.loc[resumed["trace_id"] == "chat", "role"]) == {"tool"}
+    assert set(resumed.loc[resumed["trace_id"] == "chat", "role"]) == {"template"}
     assert resumed.attrs["resumed_traces"] == 1  # the plain trace alone is unchanged
 
 
@@ -175,7 +175,7 @@ def test_digest_covers_every_trace_field_its_rows_copy(tokenizer):
              "trace_token_ids": (3, 6), "ref_logprobs": (-1.0, -2.5), "meta": {"k": 2},
              "messages": messages[:1] + [{"role": "assistant", "content": "Ye"}],
              "tools": [], "turns": "last", "trace_turns": (1, 2),
-             "trace_roles": ("assistant", "tool")}
+             "trace_roles": ("assistant", "template")}
     decode = TokenDecoder(tokenizer)
 
     def rows_and_digest(trace):
