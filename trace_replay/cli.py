@@ -561,11 +561,15 @@ def _warn(message, category, filename, lineno, file=None, line=None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from trace_replay.runs.kept_engines import KeptEngineWarning, close_engines
+
     args = _parser().parse_args(argv)
     made, created, status = [], [], None
     with warnings.catch_warnings():
         if not args.debug:
             warnings.showwarning = _warn
+        # one command a process: an engine replay keeps is closed when the command ends
+        warnings.simplefilter("ignore", KeptEngineWarning)
         replaced = _catch_signals()
         try:
             made, created = _prepare_outputs(args)
@@ -588,6 +592,7 @@ def main(argv: list[str] | None = None) -> int:
                   "(rerun with --debug for the traceback)", file=sys.stderr)
             status = 1
         finally:
+            close_engines()
             if status != 0:  # a failed run leaves none of the folders it made empty
                 _remove_empty(created)
             if status not in _SIGNALLED:  # else later signals stay ignored while it exits

@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 
 from trace_replay._text import plural
 from trace_replay.runs.checkpoint import Checkpoint, checkpoint_settings
-from trace_replay.engines import ENGINES, make_engine
+from trace_replay.engines import ENGINES
+from trace_replay.runs.kept_engines import kept_engine
 from trace_replay.engines.base import BatchFailed, Engine, ReplayRequest, check_engine
 from trace_replay.engines.validate import ImpossibleResult, check_results
 from trace_replay.runs.frame import TokenDecoder, to_frame
@@ -107,11 +108,14 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
         ``model`` only names its tokenizer (``None``: the server's folder, when it is here).
     engine
         ``"auto"``, ``"vllm"``, ``"torch"``, ``"prefill"``, ``"vllm-server"`` (a running vLLM
-        server, see ``engine_args``; built for this call and closed after it), or an
-        :class:`~trace_replay.engines.Engine` built earlier with
-        :func:`~trace_replay.engines.make_engine` to reuse its loaded model; its own
-        settings (model, dtype, batch size, top-k) then apply and the arguments that
-        configure an engine are not used. An engine of your own must have every member of
+        server, see ``engine_args``), or an :class:`~trace_replay.engines.Engine` built
+        earlier with :func:`~trace_replay.engines.make_engine`; its own settings (model,
+        dtype, batch size, top-k) then apply, the arguments that configure an engine are not
+        used, and replay never closes it. A name starts an engine the first time and keeps
+        it for later calls with the same name, model and settings in this process (a
+        warning says so once; :func:`~trace_replay.close_engines` releases kept engines,
+        exit closes them; ``vllm-server`` and ``nn.Module`` models are built per call:
+        :mod:`~trace_replay.runs.kept_engines`). An engine of your own must have every member of
         the protocol (a TypeError names those it lacks); subclass
         :class:`~trace_replay.engines.base.EngineBase` and write ``run``.
     top_k
@@ -192,12 +196,10 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
             warnings.warn(f"shard {shard[0]}/{shard[1]} holds none of the "
                           f"{plural(total, 'trace')} of "
                           f"{traceset.source}: its result is empty on purpose", stacklevel=2)
-    if isinstance(engine, str):
-        engine_obj = make_engine(engine, model, dtype=dtype, device=device,
-                                 batch_size=batch_size, top_k=top_k, speculative=speculative,
-                                 engine_args=engine_args, deterministic=deterministic,
-                                 verbose=verbose)
-        with engine_obj:
+    if isinstance(engine, str):  # started once per process, reused by later calls
+        with kept_engine(engine, model, dtype=dtype, device=device, batch_size=batch_size,
+                         top_k=top_k, speculative=speculative, engine_args=engine_args,
+                         deterministic=deterministic, verbose=verbose) as engine_obj:
             return _replay(traceset, engine_obj, progress=progress, checkpoint=checkpoint,
                            shard=shard, truncate=truncate, chunk_size=chunk_size,
                            checkpoint_every=checkpoint_every, started=started, digest=digest)
