@@ -19,8 +19,8 @@ from tqdm.auto import tqdm
 
 from trace_replay._text import plural
 from trace_replay.runs.checkpoint import Checkpoint, checkpoint_settings
-from trace_replay.engines import ENGINES
 from trace_replay.runs.kept_engines import kept_engine
+from trace_replay.engines import ENGINES
 from trace_replay.engines.base import BatchFailed, Engine, ReplayRequest, check_engine
 from trace_replay.engines.validate import ImpossibleResult, check_results
 from trace_replay.runs.frame import TokenDecoder, to_frame

@@ -107,6 +107,8 @@ def read_result(path: str | os.PathLike, name: str) -> pd.DataFrame:
 
 
 def _check_numbers(frame: pd.DataFrame, name: str) -> None:
+    if frame.empty:  # an empty shard's columns hold no values, of whatever dtype
+        return
     for column in ("logprob", "rank"):
         if not is_numeric_dtype(frame[column]) or is_bool_dtype(frame[column]):
             raise ValueError(f"{name}: column {column!r} holds {frame[column].dtype} values, "
