@@ -178,7 +178,7 @@ def _close(engine: Any) -> None:
     try:
         engine.close()
     except Exception as error:  # noqa: BLE001 - a failing close must not hide what went on
-        warnings.warn(f"closing the kept {getattr(engine, 'name', 'engine')} engine failed: "
+        warnings.warn(f"closing the kept {engine.name} engine failed: "
                       f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=3)
 
 
