@@ -67,6 +67,7 @@ def _synthetic_replay(n_traces: int, n_steps: int, seed: int, top_k: int = 5) ->
             else:
                 token_id = int(rng.integers(5000, 6000))
                 logprob = min(float(top_lp[-1] - rank / 500), -np.log(rank) - 0.25)
+            logprob, top_lp = _within_one(logprob, top_lp, listed=rank <= top_k)
             rows.append(
                 dict(trace_id=f"t{t}", step=step, position=10 + step, token_id=token_id,
                      token=_VOCAB[token_id % len(_VOCAB)], logprob=logprob, rank=rank,
@@ -92,6 +93,15 @@ def replay_df() -> pd.DataFrame:
     return _synthetic_replay(n_traces=3, n_steps=40, seed=0)
 
 
+def _within_one(logprob: float, top_lp: np.ndarray, *, listed: bool) -> tuple[float, np.ndarray]:
+    """The scores moved down together so that the top-k (and the token's own, when ranked
+    past them) hold a probability mass <= 1, as a distribution's do."""
+    excess = np.log(np.exp(top_lp).sum() + (0 if listed else np.exp(logprob)))
+    if excess <= 0:
+        return logprob, top_lp
+    return float(logprob - excess - 1e-3), top_lp - excess - 1e-3
+
+
 def _second_run(replay: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     b = replay.drop(columns="ref_logprob").copy()
     rng = np.random.default_rng(1)
@@ -99,12 +109,31 @@ def _second_run(replay: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     for trace_id, start in (("t1", 7), ("t2", 20)):
         late = (b["trace_id"] == trace_id) & (b["step"] >= start)
         drift[late.to_numpy()] = rng.normal(0, 0.05, late.sum())
-    b["logprob"] = b["logprob"] + drift
-    moved = (b["trace_id"] == "t2") & (b["step"] == 25)
-    b.loc[moved, "rank"] = 2
-    b.loc[moved, "logprob"] = b.loc[moved, "logprob"].clip(upper=-np.log(2))  # 2 p <= 1
+    # the whole distribution drifts, so that b's rows stay possible scores
+    rows = [_within_one(lp + d, np.asarray(top) + d, listed=rank <= len(top))
+            for lp, top, d, rank in zip(b["logprob"], b["top_logprobs"], drift, b["rank"])]
+    b["logprob"] = [lp for lp, _ in rows]
+    b["top_logprobs"] = [list(top) for _, top in rows]
+    for row in b.index[(b["trace_id"] == "t2") & (b["step"] == 25)]:
+        _second_behind_another(b, row)
     b.attrs = {**replay.attrs, "engine": "vllm", "dtype": "bfloat16"}
     return replay.drop(columns="ref_logprob"), b
+
+
+def _second_behind_another(frame: pd.DataFrame, row: int) -> None:
+    """Make ``row``'s token rank 2, behind a token none of the others is (id 6000); tokens
+    6001… fill the list where too few were below it."""
+    token, logprob = frame.at[row, "token_id"], frame.at[row, "logprob"]
+    width = len(frame.at[row, "top_token_ids"])
+    below = [(i, lp) for i, lp in zip(frame.at[row, "top_token_ids"], frame.at[row, "top_logprobs"])
+             if i != token and lp < logprob]
+    below += [(6001 + j, logprob - 0.5 * (j + 1) - 10) for j in range(width)]
+    top = [(6000, logprob + 0.1), (token, logprob), *below][:width]
+    logprob, top_lp = _within_one(logprob, np.array([lp for _, lp in top]), listed=True)
+    ids = [int(i) for i, _ in top]
+    frame.at[row, "logprob"], frame.at[row, "rank"] = logprob, 2
+    frame.at[row, "top_token_ids"], frame.at[row, "top_logprobs"] = ids, list(top_lp)
+    frame.at[row, "top_tokens"] = [_VOCAB[i % len(_VOCAB)] for i in ids]
 
 
 @pytest.fixture(scope="session")

@@ -547,6 +547,19 @@ def test_a_bad_speculative_value_says_the_form_expected(capsys):
     assert "'trace:x'" in err and "_speculative" not in err and err.count("\n") == 1, err
 
 
+def test_record_refuses_an_out_that_replay_cannot_read(tmp_path, capsys):
+    """record --out x.txt (JSONL under a name replay refuses) stops before any model is
+    loaded, one line naming the kinds replay reads; nothing is written."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Hi\n")
+    out = tmp_path / "x.txt"
+    assert main(["record", str(prompts), "--max-tokens", "1", "--engine", "torch",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}: a traces file ends in .jsonl, .jsonl.gz, .parquet" in err, err
+    assert err.count("\n") == 1 and not out.exists()
+
+
 def test_record_max_tokens_must_be_at_least_one(capsys):
     """record --max-tokens 0 or negative stops the parser naming the flag (exit 2), before a
     model is loaded."""

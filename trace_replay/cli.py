@@ -150,9 +150,16 @@ def _cmd_replay(args) -> None:
           f"({df.attrs.get('engine_path')}) -> {args.out}")
 
 
+# what record writes, each a kind replay reads back: JSONL (gzipped too) or Parquet
+_RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+
+
 def _cmd_record(args) -> None:
     from trace_replay.traces.recording import record
 
+    if not args.out.lower().endswith(_RECORD_SUFFIXES):  # before the model loads
+        raise ValueError(f"--out {args.out}: a traces file ends in "
+                         f"{', '.join(_RECORD_SUFFIXES)}, the kinds replay reads")
     path = Path(_input_file(args.prompts, "prompts file"))
     lines = path.read_text().splitlines()
     if path.suffix != ".jsonl":
@@ -170,14 +177,15 @@ def _cmd_record(args) -> None:
                     temperature=args.temperature, seed=args.seed, top_k=args.top_k,
                     batch_size=args.batch_size, engine_args=dict(args.engine_arg) or None,
                     verbose=args.verbose)
-    (traces.to_parquet if args.out.endswith(".parquet") else traces.to_jsonl)(args.out)
+    (traces.to_parquet if args.out.lower().endswith(".parquet") else traces.to_jsonl)(args.out)
     print(f"{plural(len(traces), 'trace')} -> {args.out}")
 
 
 def _cmd_merge(args) -> None:
     from trace_replay.runs.merge import merge_results
 
-    merged = merge_results(args.parts, allow_incomplete=args.allow_incomplete)
+    merged = merge_results(args.parts, allow_incomplete=args.allow_incomplete,
+                           allow_unknown_weights=args.allow_unknown_weights)
     _write_frame(merged, args.out)
     print(f"{plural(len(args.parts), 'part')}, {plural(merged.attrs['num_traces'], 'trace')} "
           f"-> {args.out}")
@@ -317,7 +325,8 @@ def _parser() -> argparse.ArgumentParser:
                  "--temperature 0.7 --seed 1 --out traces.parquet", _cmd_record)
     p.add_argument("prompts", help="a .txt file (one prompt per line) or a .jsonl file of "
                    "records with id and prompt (or prompt_token_ids)")
-    p.add_argument("--out", required=True, help="traces file to write (.jsonl or .parquet)")
+    p.add_argument("--out", required=True, help="traces file to write: .jsonl, .jsonl.gz or "
+                   ".parquet (what replay reads; other names are refused)")
     p.add_argument("--max-tokens", type=_positive_int, required=True,
                    help="tokens generated per prompt at most (stops earlier at EOS)")
     p.add_argument("--engine", default="vllm", choices=["vllm", "torch"],
@@ -330,10 +339,13 @@ def _parser() -> argparse.ArgumentParser:
                  "  trace-replay merge part0.parquet part1.parquet part2.parquet part3.parquet "
                  "--out all.parquet", _cmd_merge)
     p.add_argument("parts", nargs="+", help="result files of one run (same engine, model, "
-                   "dtype, top-k…; refused otherwise)")
+                   "weights, dtype, top-k…; refused otherwise, as are files failing the "
+                   "checks report runs)")
     p.add_argument("--out", required=True, help="merged result file (.parquet) to write")
     p.add_argument("--allow-incomplete", action="store_true", help="merge although shards of "
                    "the split are missing; the result is marked incomplete (attrs)")
+    p.add_argument("--allow-unknown-weights", action="store_true", help="merge parts written "
+                   "before results recorded their weights' digest (a warning names them)")
 
     p = _command(sub, "report", "write a self-contained HTML report of one result, or of two "
                  "compared", "  trace-replay report fp32.parquet --out fp32.html\n"
@@ -549,11 +561,15 @@ def _warn(message, category, filename, lineno, file=None, line=None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from trace_replay.runs.kept_engines import KeptEngineWarning, close_engines
+
     args = _parser().parse_args(argv)
     made, created, status = [], [], None
     with warnings.catch_warnings():
         if not args.debug:
             warnings.showwarning = _warn
+        # one command a process: an engine replay keeps is closed when the command ends
+        warnings.simplefilter("ignore", KeptEngineWarning)
         replaced = _catch_signals()
         try:
             made, created = _prepare_outputs(args)
@@ -576,6 +592,7 @@ def main(argv: list[str] | None = None) -> int:
                   "(rerun with --debug for the traceback)", file=sys.stderr)
             status = 1
         finally:
+            close_engines()
             if status != 0:  # a failed run leaves none of the folders it made empty
                 _remove_empty(created)
             if status not in _SIGNALLED:  # else later signals stay ignored while it exits

@@ -26,7 +26,9 @@ def run_demo(out: str | Path = "out", engines: str = "vllm,prefill",
         Each file must be new or a regular file (a link is written through): checked
         before any replay.
     engines : str
-        Comma-separated engine names, replayed in order; the first two are compared.
+        Comma-separated engine names, replayed in order, each engine built for its replay and
+        closed after it; the first two are compared. Checked before any replay: every name
+        an engine that needs no options (not ``vllm-server``), none twice.
     limit : int, optional
         Traces taken from each bundled file (:func:`trace_replay.datasets.load`).
     verbose : bool
@@ -36,17 +38,24 @@ def run_demo(out: str | Path = "out", engines: str = "vllm,prefill",
     -------
     dict of str to DataFrame
         The replay frame of each engine.
+
+    Raises
+    ------
+    ValueError
+        Naming an engine that is unknown, needs options, or is given twice, or a path of
+        ``out`` that cannot be written; before any replay.
     """
     import matplotlib.pyplot as plt
 
     from trace_replay.analysis.metrics import compare, summarize
     from trace_replay.plots.frames import plot_divergence_heatmap, plot_trace
+    from trace_replay.engines import make_engine
     from trace_replay.runs.replay import replay
 
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"out {out} is not a folder")
-    names = [e.strip() for e in engines.split(",") if e.strip()]
+    names = _engine_names(engines)
     files = {name: out / f"results_{name}.parquet" for name in names}
     for path in [*files.values(), out / "demo.png"]:
         write_target(path)
@@ -56,7 +65,8 @@ def run_demo(out: str | Path = "out", engines: str = "vllm,prefill",
     results = {}
     for name in names:
         start = time.perf_counter()
-        df = replay(traces, engine=name, verbose=verbose)
+        with make_engine(name, verbose=verbose) as engine:  # released before the next starts
+            df = replay(traces, engine=engine)
         df.attrs["wall_s"] = round(time.perf_counter() - start, 1)
         write_atomic(files[name], lambda temporary: df.to_parquet(temporary, index=False))
         results[name] = df
@@ -88,3 +98,24 @@ def run_demo(out: str | Path = "out", engines: str = "vllm,prefill",
     plt.close(fig)
     print(f"\nresults and figure in {out}/")
     return results
+
+
+def _engine_names(engines: str) -> list[str]:
+    """The comma-separated names, each an engine the demo can build, none twice."""
+    from trace_replay.engines import ENGINES
+
+    names = [name.strip() for name in engines.split(",") if name.strip()]
+    usable = [name for name in ENGINES if name != "vllm-server"]
+    for name in names:
+        if name == "vllm-server":
+            raise ValueError("engines: vllm-server needs a server's base_url, which the demo "
+                             "does not take; replay through it with trace-replay replay "
+                             "--engine vllm-server --engine-arg base_url=…")
+        if name not in ENGINES:
+            raise ValueError(f"engines: unknown engine {name!r}; choose from "
+                             f"{', '.join(usable)}")
+        if names.count(name) > 1:
+            raise ValueError(f"engines: {name!r} is named twice; each engine replays once")
+    if not names:
+        raise ValueError(f"engines: name at least one engine ({', '.join(usable)})")
+    return names

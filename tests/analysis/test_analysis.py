@@ -410,6 +410,36 @@ def test_a_negative_estimate_within_its_noise_does_not_warn():
         assert summarize(cmp)["mean_k1"].iloc[0] == pytest.approx(-5e-7)
 
 
+def test_a_rounding_bias_on_the_models_own_traces_does_not_warn():
+    """compare(df, "ref") of the model's own traces, replayed by another float32 engine: every
+    delta ~1e-7 of one sign (rounding that does not average out) puts mean_k1 hundreds of
+    standard errors below zero, yet below what the logprobs resolve (ROUNDING_NATS a token):
+    no NegativeEstimateWarning from dataset_summary or summarize."""
+    import warnings
+
+    rng = np.random.default_rng(0)
+    replayed = rng.uniform(-3.0, -0.01, 400)
+    df = frame(list(replayed), ref_logprob=replayed - 1e-7 + rng.normal(0, 1e-8, 400))
+    cmp = compare(df, "ref")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NegativeEstimateWarning)
+        table = dataset_summary(cmp)
+        summary = summarize(cmp)
+    standard_error = cmp["k1"].std() / math.sqrt(len(cmp))
+    assert metric(table, "mean_k1") < -100 * standard_error  # far beyond sampling noise
+    assert summary["mean_k1"].iloc[0] == pytest.approx(-1e-7, rel=0.1)
+
+
+def test_the_warning_mentions_an_unknown_error_only_when_there_is_one():
+    """The warning explains 'nan' only when a named estimate's standard error is NaN (a mean
+    of one value); with every standard error known it says nothing of NaN."""
+    with pytest.warns(NegativeEstimateWarning) as caught:
+        dataset_summary(fixed_trace_pair())
+    assert "nan" not in str(caught[0].message).lower()
+    with pytest.warns(NegativeEstimateWarning, match="nan: a mean of one value"):
+        dataset_summary(compare(frame([-2.0]), frame([-1.5])))
+
+
 def test_nonnegative_estimates_do_not_warn():
     """Identical runs (k1 = chi2 = 0) raise no NegativeEstimateWarning."""
     import warnings

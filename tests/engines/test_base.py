@@ -224,6 +224,25 @@ def test_base_defaults_say_what_an_engine_cannot_do():
         engine.activations()
 
 
+def test_weights_are_read_again_only_when_they_may_have_changed(monkeypatch):
+    """The full pass over the weights runs once while they stay as they are (every replay
+    asks); an in-place edit of one unsampled element (its edit count) or a rescale through
+    ``.data`` (its sample) is read again and changes the digest."""
+    engine = Counting()
+    engine.lm = torch.nn.Linear(256, 512)  # 131,072 weights: every 128th is sampled
+    passes = []
+    read = EngineBase._read_weights
+    monkeypatch.setattr(EngineBase, "_read_weights", lambda self: passes.append(1) or read(self))
+    first = engine.weights_digest()
+    assert engine.weights_digest() == first and len(passes) == 1
+    with torch.no_grad():
+        engine.lm.weight[0, 5] += 1.0  # element 5: between samples 0 and 128
+    second = engine.weights_digest()
+    assert second != first and len(passes) == 2
+    engine.lm.weight.data.mul_(2.0)  # .data: no edit counted, the sample changes
+    assert engine.weights_digest() not in (first, second) and len(passes) == 3
+
+
 def test_tokenizer_loads_once_from_its_source(tokenizer):
     """The tokenizer is loaded from ``tokenizer_source`` (None: the embedded model) on first
     use and kept; assigning one replaces it."""

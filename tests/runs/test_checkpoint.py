@@ -156,9 +156,9 @@ def test_edited_chat_labels_are_recomputed(engine, records, tokenizer, tmp_path)
     """A rerun after editing only a chat trace's roles serves the new roles, not the old."""
     replay([chat_record(tokenizer, "assistant"), records[1]], engine=engine, progress=False,
            checkpoint=tmp_path)
-    resumed = replay([chat_record(tokenizer, "tool"), records[1]], engine=engine,
+    resumed = replay([chat_record(tokenizer, "template"), records[1]], engine=engine,
                      progress=False, checkpoint=tmp_path)
-    assert set(resumed.loc[resumed["trace_id"] == "chat", "role"]) == {"tool"}
+    assert set(resumed.loc[resumed["trace_id"] == "chat", "role"]) == {"template"}
     assert resumed.attrs["resumed_traces"] == 1  # the plain trace alone is unchanged
 
 
@@ -195,7 +195,7 @@ def test_digest_covers_every_trace_field_its_rows_copy(tokenizer):
              "trace_token_ids": (3, 6), "ref_logprobs": (-1.0, -2.5), "meta": {"k": 2},
              "messages": messages[:1] + [{"role": "assistant", "content": "Ye"}],
              "tools": [], "turns": "last", "trace_turns": (1, 2),
-             "trace_roles": ("assistant", "tool")}
+             "trace_roles": ("assistant", "template")}
     decode = TokenDecoder(tokenizer)
 
     def rows_and_digest(trace):
@@ -397,3 +397,22 @@ def test_weights_edited_under_the_same_name_are_not_served(lm, records, tmp_path
         replay(records[:2], engine=engine, progress=False, checkpoint=tmp_path)
     fresh = replay(records[:2], engine=engine, progress=False, checkpoint=tmp_path / "new")
     assert_same_replay(fresh, replay(records[:2], engine=engine, progress=False))
+
+
+def test_a_deterministic_folder_resumes_at_another_batch_size(lm, records, tmp_path):
+    """Deterministic mode gives every trace the same bits whatever the batch size, so a
+    folder written at batch 1 serves every trace to a rerun at batch 3, bit for bit; without
+    deterministic mode another batch size is other settings, refused."""
+    first = replay(records, engine=make_engine("prefill", lm, batch_size=1, top_k=3,
+                                               deterministic=True),
+                   progress=False, checkpoint=tmp_path / "det")
+    resumed = replay(records, engine=make_engine("prefill", lm, batch_size=3, top_k=3,
+                                                 deterministic=True),
+                     progress=False, checkpoint=tmp_path / "det")
+    assert resumed.attrs["resumed_traces"] == len(records) and resumed.attrs["batch_size"] == 3
+    pd.testing.assert_frame_equal(resumed, first)
+    replay(records, engine=make_engine("prefill", lm, batch_size=1, top_k=3),
+           progress=False, checkpoint=tmp_path / "plain")
+    with pytest.raises(ValueError, match=r"other settings \(batch_size\)"):
+        replay(records, engine=make_engine("prefill", lm, batch_size=3, top_k=3),
+               progress=False, checkpoint=tmp_path / "plain")

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
+import torch
 
 from trace_replay.runs.merge import merge_results
 
 SETTINGS = {"engine": "torch", "engine_path": "torch-decode[hf]", "model": "SmolLM2",
-            "dtype": "float32", "device": "cpu", "batch_size": 8, "top_k": 5}
+            "dtype": "float32", "device": "cpu", "batch_size": 8, "top_k": 5,
+            "deterministic": False, "weights_digest": "d" * 32}
 
 
 @pytest.fixture
@@ -16,12 +18,13 @@ def write_part(tmp_path, make_replay):
     """``write_part(name, trace_ids, shard, **attrs)``: a result file as replay writes it."""
 
     def write(name, trace_ids, shard, **changes):
-        frame = make_replay(len(trace_ids), 4, seed=len(name))
+        settings = {**SETTINGS, **{k: v for k, v in changes.items() if k in SETTINGS}}
+        frame = make_replay(len(trace_ids), 4, seed=len(name), top_k=settings["top_k"])
         frame["trace_id"] = frame["trace_id"].map(dict(zip(frame["trace_id"].unique(),
                                                             trace_ids)))
-        settings = {**SETTINGS, **{k: v for k, v in changes.items() if k in SETTINGS}}
         frame.attrs = {**settings, "forwards": 4, "settings_keys": sorted(settings),
-                       "num_traces": len(trace_ids), "resumed_traces": 1, "truncated": [],
+                       "num_traces": len(trace_ids), "num_tokens": len(frame),
+                       "resumed_traces": 1, "truncated": [],
                        "shard": list(shard), "source": "traces.jsonl",
                        "versions": {"python": "3.11.7", "torch": "2.13.0"},
                        "started_at": f"2026-11-30T10:0{shard[0]}:00+00:00",
@@ -96,6 +99,7 @@ def test_a_shard_given_twice_is_refused(write_part):
                        write_part("s2.parquet", ["c"], (2, 3))])
 
 
+@pytest.mark.slow
 def test_replayed_shards_of_two_datasets_are_refused(lm, tmp_path):
     """Real results: shard 0/2 of one trace set and 1/2 of another are refused; the two
     shards of one set merge complete."""
@@ -188,9 +192,81 @@ def test_a_part_missing_rows_of_a_trace_it_records_is_refused(write_part):
     that is not a replay result."""
     parts = [write_part("s0.parquet", ["a", "b"], (0, 2)),
              write_part("s1.parquet", ["c"], (1, 2), num_traces=2)]
-    with pytest.raises(ValueError, match=r"s1\.parquet records 2 traces but holds rows of 1"):
+    with pytest.raises(ValueError, match=r"s1\.parquet records 2 traces \(num_traces\) but "
+                       "holds 1 trace"):
         merge_results(parts)
     other = pd.read_parquet(parts[0]).drop(columns="logprob")
     other.to_parquet(parts[0])
-    with pytest.raises(ValueError, match=r"s0\.parquet lacks replay columns \['logprob'\]"):
+    with pytest.raises(ValueError, match=r"s0\.parquet is not a replay result file: it lacks "
+                       r"replay columns \['logprob'\]"):
         merge_results(parts)
+
+
+def test_parts_of_other_weights_are_refused(write_part):
+    """Two shards of one model name scored with different weights (a model retrained in place)
+    are refused, naming weights_digest and both files."""
+    a = write_part("s0.parquet", ["a"], (0, 2))
+    b = write_part("s1.parquet", ["b"], (1, 2), weights_digest="e" * 32)
+    with pytest.raises(ValueError, match="weights_digest differs .*other weights") as error:
+        merge_results([a, b])
+    assert a in str(error.value) and b in str(error.value)
+
+
+def test_parts_recording_no_weights_digest_merge_only_when_allowed(write_part, tmp_path):
+    """A part written before results recorded the weights' digest is refused, naming it and
+    the way on; allow_unknown_weights merges it with a warning, and parts that do record a
+    digest must still agree."""
+    a = write_part("s0.parquet", ["a"], (0, 2))
+    old = pd.read_parquet(write_part("s1.parquet", ["b"], (1, 2)))
+    old.attrs = {k: v for k, v in old.attrs.items() if k != "weights_digest"}
+    old.attrs["settings_keys"].remove("weights_digest")
+    old.to_parquet(tmp_path / "s1.parquet", index=False)
+    b = str(tmp_path / "s1.parquet")
+    with pytest.raises(ValueError, match=rf"{b} records no weights_digest .*"
+                                         "allow_unknown_weights=True"):
+        merge_results([a, b])
+    with pytest.warns(UserWarning, match="merged on trust"):
+        merged = merge_results([a, b], allow_unknown_weights=True)
+    assert merged.attrs["num_traces"] == 2
+    c = write_part("s2.parquet", ["c"], (0, 2), weights_digest="e" * 32)
+    with pytest.raises(ValueError, match="weights_digest differs"), pytest.warns(UserWarning):
+        merge_results([a, c, b], allow_unknown_weights=True)
+
+
+def test_batch_size_counts_only_where_it_changes_the_numbers(write_part):
+    """Shards replayed at other batch sizes are refused unless every part is batch-invariant
+    (deterministic mode), whose numbers do not depend on it; the merged attrs then keep each
+    part's batch size."""
+    parts = [write_part("s0.parquet", ["a"], (0, 2)),
+             write_part("s1.parquet", ["b"], (1, 2), batch_size=64)]
+    with pytest.raises(ValueError, match="batch_size differs"):
+        merge_results(parts)
+    parts = [write_part("d0.parquet", ["a"], (0, 2), deterministic=True),
+             write_part("d1.parquet", ["b"], (1, 2), deterministic=True, batch_size=64)]
+    assert merge_results(parts).attrs["batch_size"] == [8, 64]
+
+
+@pytest.mark.slow
+def test_replayed_shards_of_other_weights_are_refused(lm, tmp_path):
+    """Real results: each records the digest of the weights it scored with; shard 1/2 replayed
+    after a weight of the same model changed in place is refused beside shard 0/2."""
+    from trace_replay.engines import make_engine
+    from trace_replay.runs.replay import replay
+
+    traces = [{"id": f"t{i}", "prompt": "Hi", "completion": f" red {i}"} for i in (0, 1, 4, 5)]
+    engine = make_engine("prefill", lm, top_k=2)
+    first = replay(traces, engine=engine, shard=(0, 2), progress=False)
+    assert first.attrs["weights_digest"] == engine.weights_digest()
+    first.to_parquet(tmp_path / "s0.parquet")
+    weight = lm.model.norm.weight
+    kept = weight.detach().clone()
+    try:
+        with torch.no_grad():
+            weight.mul_(1.01)
+        replay(traces, engine=engine, shard=(1, 2), progress=False).to_parquet(
+            tmp_path / "s1.parquet")
+    finally:
+        with torch.no_grad():
+            weight.copy_(kept)
+    with pytest.raises(ValueError, match="weights_digest differs"):
+        merge_results([tmp_path / "s0.parquet", tmp_path / "s1.parquet"])

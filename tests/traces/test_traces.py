@@ -144,6 +144,27 @@ BAD_RECORDS = {
                      "trace_turns has 2 values for 1 trace tokens"),
     "roles alone": ({**GOOD, "id": "bad", "trace_roles": ["assistant"]},
                     "trace_turns and trace_roles come together"),
+    "labels without messages": ({**GOOD, "id": "bad", "trace_turns": [1],
+                                 "trace_roles": ["assistant"]},
+                                "trace_turns and trace_roles label the tokens of a chat trace: "
+                                "give its 'messages'"),
+    "turn past the messages": ({**GOOD, "id": "bad", "messages": CHAT, "trace_turns": [3],
+                                "trace_roles": ["assistant"]},
+                               "trace_turns[0] = 3 is no message: messages has 2 (0-1; 2 is "
+                               "the reply to them)"),
+    "role not the message's": ({**GOOD, "id": "bad", "messages": CHAT, "trace_turns": [0],
+                                "trace_roles": ["assistant"]},
+                               "trace_roles[0] = 'assistant', but trace_turns[0] = 0 is "
+                               "messages[0], role 'user': the label must be 'user'"),
+    "template on a user turn": ({**GOOD, "id": "bad", "messages": CHAT, "trace_turns": [0],
+                                 "trace_roles": ["template"]},
+                                "trace_roles[0] = 'template', but trace_turns[0] = 0 is "
+                                "messages[0], role 'user': the label must be 'user'"),
+    "reply not the assistant's": ({**GOOD, "id": "bad", "messages": CHAT, "trace_turns": [2],
+                                   "trace_roles": ["user"]},
+                                  "trace_roles[0] = 'user', but trace_turns[0] = 2 is the "
+                                  "reply, role 'assistant': the label must be 'assistant' or "
+                                  "'template'"),
 }
 
 
@@ -175,10 +196,12 @@ def test_malformed_json_file_names_its_line(tmp_path):
 @pytest.mark.parametrize(
     ("trace_id", "problem"),
     [(None, "missing 'id'"), (3.0, "id must be a str or int, got float 3.0"),
-     (True, "id must be a str or int, got bool True"), ("", "id must be a non-empty str")],
+     (True, "id must be a str or int, got bool True"), ("", "id must be a non-empty str"),
+     ("   ", "id must be a non-empty str, not only whitespace, got '   '"),
+     ("\t\n", "id must be a non-empty str, not only whitespace")],
 )
 def test_bad_trace_id_is_rejected_at_its_line(trace_id, problem, tmp_path):
-    """A missing, float, bool or empty id is an error at the record's line."""
+    """A missing, float, bool, empty or whitespace-only id is an error at the record's line."""
     record = {"prompt": "p", "completion": "c"} if trace_id is None else {**GOOD, "id": trace_id}
     path = write_jsonl(tmp_path / "x.jsonl", [GOOD, record])
     with pytest.raises(TraceError, match=rf"^{path}:2: {problem}"):
@@ -284,7 +307,7 @@ def chat_traces(draw, trace_id: str) -> Trace:
 @st.composite
 def trace_sets(draw) -> TraceSet:
     traces = []
-    for trace_id in draw(st.lists(texts.filter(bool), unique=True, max_size=5)):
+    for trace_id in draw(st.lists(texts.filter(str.strip), unique=True, max_size=5)):
         if draw(st.integers(0, 3)) == 0:
             traces.append(draw(chat_traces(trace_id)))
             continue

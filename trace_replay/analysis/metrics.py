@@ -62,6 +62,7 @@ import pandas as pd
 from trace_replay._text import plural
 from trace_replay.analysis.mismatch import (
     NOISE_SE,
+    ROUNDING_NATS,
     NegativeEstimateWarning,
     bit_mismatch,
     require_comparison,
@@ -371,12 +372,13 @@ def summarize(cmp: pd.DataFrame, *, tol: float = 1e-3) -> pd.DataFrame:
 
 def _warn_negative_traces(mean_k1: pd.Series, se: pd.Series) -> None:
     """One warning for the traces whose mean_k1 is negative beyond its standard error."""
-    negative = mean_k1[mean_k1 < -NOISE_SE * se.fillna(0)]
+    # a rounding of ROUNDING_NATS on every delta moves a mean of them by as much
+    negative = mean_k1[mean_k1 < -(NOISE_SE * se.fillna(0) + ROUNDING_NATS)]
     if len(negative):
         lowest = negative.idxmin()
         name = (f"mean_k1 of {len(negative)} of {plural(len(mean_k1), 'trace')} "
                 f"(lowest: trace {lowest!r})")
-        warn_negative({name: (negative[lowest], se[lowest])}, stacklevel=4)
+        warn_negative({name: (negative[lowest], se[lowest], ROUNDING_NATS)}, stacklevel=4)
 
 
 def dataset_summary(cmp: pd.DataFrame) -> pd.DataFrame:

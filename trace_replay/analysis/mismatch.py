@@ -15,8 +15,9 @@ from collections.abc import Mapping
 import numpy as np
 import pandas as pd
 
-__all__ = ["NegativeEstimateWarning", "bit_mismatch", "ulp_distance", "trainer_metrics",
-           "repeated_step", "require_comparison", "warn_negative"]
+__all__ = ["NOISE_SE", "ROUNDING_NATS", "NegativeEstimateWarning", "bit_mismatch",
+           "ulp_distance", "trainer_metrics", "repeated_step", "require_comparison",
+           "warn_negative"]
 
 _COMPARISON = ("trace_id", "step", "logprob_a", "logprob_b", "delta")
 _ASSUMPTION = (
@@ -29,6 +30,12 @@ _ASSUMPTION = (
 # a negative estimate warns when it is below zero by more than NOISE_SE standard errors: on
 # side a's own samples an estimate of a value >= 0 rarely falls that far (~0.1 %)
 NOISE_SE = 3.0
+# ... and by more than a rounding bias of ROUNDING_NATS on every token could move it. Float32
+# engines of one model score one token ~1e-6 nats apart (mean |delta| 1.0e-6 to 2.3e-6 for the
+# torch, prefill and vLLM engines against the embedded model's recorded logprobs), and that
+# rounding need not average out: its mean can sit many standard errors from zero while being
+# far below what the logprobs resolve, so its sign is no evidence about the traces.
+ROUNDING_NATS = 1e-6
 
 
 class NegativeEstimateWarning(UserWarning):
@@ -70,23 +77,29 @@ def require_comparison(cmp: pd.DataFrame, caller: str, *, one: bool = False) -> 
                      f"{', '.join(_COMPARISON)}); lacking {missing}, got {got}")
 
 
-def warn_negative(estimates: Mapping[str, tuple[float, float]], *,
+def warn_negative(estimates: Mapping[str, tuple[float, float, float]], *,
                   stacklevel: int = 3) -> None:
     """Warn once (`NegativeEstimateWarning`) naming every estimate below zero by more than
-    :data:`NOISE_SE` standard errors, with its value and standard error.
+    :data:`NOISE_SE` standard errors plus its rounding floor, with its value and standard
+    error.
 
     ``estimates`` maps a name (``mean_k1``, ``chi2_token``, a per-trace description) to a
-    k1 or chi-squared estimate (a mean) and its standard error (NaN: unknown, as for a mean
-    of one value, when any negative value warns). An estimate within its noise of zero, as on
-    side a's own samples scored by two engines of one model, does not warn; NaN never does.
+    k1 or chi-squared estimate (a mean), its standard error (NaN: unknown, as for a mean of
+    one value, when only the floor counts) and its floor: how far a rounding bias of
+    :data:`ROUNDING_NATS` on every token's delta moves the estimate. An estimate within its
+    noise or its floor of zero, as on side a's own samples scored by two engines of one
+    model, does not warn; NaN never does.
     """
-    negative = {name: (value, se) for name, (value, se) in estimates.items()
-                if value < -NOISE_SE * np.nan_to_num(se)}
+    negative = {name: (value, se) for name, (value, se, floor) in estimates.items()
+                if value < -(NOISE_SE * np.nan_to_num(se) + floor)}
     if negative:
         listed = ", ".join(f"{name} = {value:.4g}" for name, (value, _) in negative.items())
         errors = ", ".join(f"{se:.2g}" for _, se in negative.values())
+        unknown = ("; nan: a mean of one value, whose error is unknown"
+                   if any(np.isnan(se) for _, se in negative.values()) else "")
         warnings.warn(f"negative estimate: {listed}. {_ASSUMPTION}; below zero by more than "
-                      f"{NOISE_SE:g} standard errors ({errors}; nan: one value), so not noise",
+                      f"{NOISE_SE:g} standard errors ({errors}{unknown}) and than a rounding "
+                      f"of {ROUNDING_NATS:g} nats per token could move it, so not noise",
                       NegativeEstimateWarning, stacklevel=stacklevel)
 
 
@@ -231,9 +244,10 @@ def trainer_metrics(cmp: pd.DataFrame) -> dict[str, float]:
     delta = cmp["delta"].to_numpy(dtype="float64", na_value=np.nan)
     finite = np.isfinite(delta)
     d = delta[finite]
+    trace_ids = cmp["trace_id"].to_numpy()[finite]
+    samples = _divergence_terms(d, trace_ids)
     with np.errstate(over="ignore", invalid="ignore"):
         w = np.exp(d)
-        seq_sum = pd.Series(d).groupby(cmp["trace_id"].to_numpy()[finite], sort=False).sum()
         probs = np.abs(np.exp(_values(cmp, "logprob_b")) - np.exp(_values(cmp, "logprob_a")))
     probs = probs[np.isfinite(probs)]
     ulps = cmp["ulp_distance"].astype("Float64").dropna().to_numpy(dtype="float64")
@@ -244,10 +258,10 @@ def trainer_metrics(cmp: pd.DataFrame) -> dict[str, float]:
         return float(fn(values)) if values.size else np.nan
 
     metrics = {
-        "mean_k1": stat(np.mean, -d),
+        "mean_k1": stat(np.mean, samples["mean_k1"]),
         "mean_k3": stat(np.mean, np.expm1(d) - d),
-        "chi2_token": stat(np.mean, w**2) - 1.0,
-        "chi2_seq": stat(np.mean, np.exp(2.0 * seq_sum.to_numpy())) - 1.0,
+        "chi2_token": stat(np.mean, samples["chi2_token"]) - 1.0,
+        "chi2_seq": stat(np.mean, samples["chi2_seq"]) - 1.0,
         "mean_ratio": stat(np.mean, w),
         "std_ratio": stat(np.std, w),
         "min_ratio": stat(np.min, w),
@@ -262,10 +276,20 @@ def trainer_metrics(cmp: pd.DataFrame) -> dict[str, float]:
         "mean_ulp_distance": stat(np.mean, ulps),
         "max_ulp_distance": stat(np.max, ulps),
     }
-    samples = {"mean_k1": -d, "chi2_token": w**2, "chi2_seq": np.exp(2.0 * seq_sum.to_numpy())}
-    warn_negative({name: (metrics[name], standard_error(values))
+    rounded = _divergence_terms(d + ROUNDING_NATS, trace_ids)  # every token rounded one way
+    warn_negative({name: (metrics[name], standard_error(values),
+                          abs(float(np.mean(rounded[name]) - np.mean(values))) if values.size
+                          else 0.0)
                    for name, values in samples.items()})
     return metrics
+
+
+def _divergence_terms(d: np.ndarray, trace_ids: np.ndarray) -> dict[str, np.ndarray]:
+    """The samples whose means are the k1 and chi-squared estimates (chi-squared's minus 1):
+    per token for ``mean_k1`` and ``chi2_token``, per trace for ``chi2_seq``."""
+    with np.errstate(over="ignore"):
+        seq_sum = pd.Series(d).groupby(trace_ids, sort=False).sum().to_numpy()
+        return {"mean_k1": -d, "chi2_token": np.exp(2.0 * d), "chi2_seq": np.exp(2.0 * seq_sum)}
 
 
 def _values(cmp: pd.DataFrame, column: str) -> np.ndarray:

@@ -309,6 +309,7 @@ class EngineBase(ABC):
     lm: torch.nn.Module | None = None  # the model in this process (None: elsewhere, closed)
     tokenizer_source: Any = None  # what models.load_tokenizer reads (None: the embedded model)
     _tokenizer: Any = None
+    _weights_seen: tuple[bytes, str] | None = None  # (glance, digest): see weights_digest
     _closed: bool = False  # set by close(); then _NEEDS_OPEN methods raise EngineClosed
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -352,24 +353,39 @@ class EngineBase(ABC):
     def weights_digest(self) -> str | None:
         """A digest of the weights the engine scores with, read now; ``None`` where the
         engine cannot read them (a server). A checkpoint keys on it, so rows computed with
-        other weights under the same model name are never served.
+        other weights under the same model name are never served; every replay records it.
 
         For a model in memory (``lm``): per parameter, its name, shape, dtype, float64 sum
         and sum of squares, and the exact bytes of a strided sample of 1,024 elements — one
         pass over the weights on their device, changed by any edit short of a contrived one.
+        That pass takes seconds on a CPU (float64 sums of 135M float32 weights), so its
+        digest is kept while a glance at the weights stays the same: per parameter its
+        storage, its count of in-place edits (``Tensor._version``, which autograd keeps:
+        an optimizer step, ``load_state_dict``, an edit under ``torch.no_grad``) and the
+        sample. An edit through ``.data`` counts no edit; it is seen when it changes a
+        sampled element (a rescale, a reload, a training step do).
         """
         if self.lm is None:
             return None
+        glance = hashlib.sha256()
+        for name, weight in self.lm.named_parameters():
+            glance.update(f"{name}:{weight.data_ptr()}:{weight._version}".encode())
+            glance.update(_sample(weight))
+        if self._weights_seen is None or self._weights_seen[0] != glance.digest():
+            self._weights_seen = (glance.digest(), self._read_weights())
+        return self._weights_seen[1]
+
+    def _read_weights(self) -> str:
+        """:meth:`weights_digest`'s full pass over ``lm``'s parameters."""
         digest = hashlib.sha256()
         with torch.no_grad():
             for name, weight in self.lm.named_parameters():
                 flat = weight.detach().reshape(-1)
-                sample = flat[::max(1, flat.numel() // 1024)][:1024]
                 sums = torch.stack([flat.sum(dtype=torch.float64),
                                     flat.double().square().sum()]).cpu().numpy()
                 digest.update(f"{name}:{tuple(weight.shape)}:{weight.dtype}".encode())
                 digest.update(sums.tobytes())
-                digest.update(sample.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+                digest.update(_sample(weight))
         return digest.hexdigest()[:32]
 
     @_refused_when_closed
@@ -414,6 +430,14 @@ class EngineBase(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.engine_path}, {self.dtype}, {self.device})"
+
+
+def _sample(weight: torch.Tensor) -> bytes:
+    """The exact bytes of 1,024 elements of ``weight``, strided over all of it."""
+    with torch.no_grad():
+        flat = weight.detach().reshape(-1)
+        sample = flat[::max(1, flat.numel() // 1024)][:1024]
+        return sample.cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
 
 # what a subclass of EngineBase sets itself: the annotated attributes without a value there

@@ -16,11 +16,9 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
-from pandas.api.types import is_bool_dtype, is_numeric_dtype
 
 from trace_replay.plots._figures import run_label
 from trace_replay._io import write_atomic, write_target
@@ -32,7 +30,6 @@ from trace_replay.analysis.metrics import (
     summarize,
     trace_summary,
 )
-from trace_replay.engines.validate import impossible
 from trace_replay.plots.frames import (
     plot_delta_hist,
     plot_divergence_heatmap,
@@ -42,6 +39,7 @@ from trace_replay.plots.frames import (
     plot_trace,
 )
 from trace_replay.html.tokens import render_tokens
+from trace_replay.runs.result_file import check_scores, read_result
 
 __all__ = ["write_report"]
 
@@ -64,42 +62,16 @@ table.tr-table th{background:#f5f5f5;overflow-wrap:anywhere;vertical-align:botto
 def _load(x: pd.DataFrame | str | os.PathLike, side: str) -> tuple[pd.DataFrame, str | None]:
     """The frame and, for a file, its stem (the name the user gave the run).
 
-    A frame or file without the replay columns is refused naming the file (or the side)
-    and the columns it lacks.
+    A file passes every check ``merge`` runs on it
+    (:func:`~trace_replay.runs.result_file.read_result`); a frame in memory, which may be a
+    slice of a result on purpose, needs the replay columns and possible scores. Either is
+    refused naming the side (and the file) and what is wrong.
     """
     if isinstance(x, pd.DataFrame):
         _check_frame(x, side)
-        _check_scores(x, side)
+        check_scores(x, side)
         return x, None
-    frame = pd.read_parquet(x)
-    _check_frame(frame, f"{side}: {x} is not a replay result file: it")
-    _check_scores(frame, f"{side}: {x}")
-    return frame, Path(x).stem
-
-
-def _check_scores(frame: pd.DataFrame, name: str) -> None:
-    """Refuse scores no replay writes (:func:`~trace_replay.engines.validate.impossible`:
-    a logprob that is NaN or > 0, a rank that is not an integer >= 1, a rank its logprob
-    contradicts, bounded by the vocabulary size ``attrs`` records; columns that are not
-    numbers), naming the trace and step, so a damaged file never reports as a run."""
-    for column in ("logprob", "rank"):
-        if not is_numeric_dtype(frame[column]) or is_bool_dtype(frame[column]):
-            raise ValueError(f"{name}: column {column!r} holds {frame[column].dtype} values, "
-                             "not numbers: not a replay result")
-    if frame.empty:
-        return
-    entropy = frame["entropy"] if "entropy" in frame else pd.Series(np.nan, index=frame.index)
-    vocab_size = frame.attrs.get("vocab_size")
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
-        vocab_size = None  # not recorded (older results): the bounds it gives are not checked
-    for field, rule, rows in impossible(frame["logprob"].to_numpy(), frame["rank"].to_numpy(),
-                                        np.zeros((len(frame), 0)), entropy.to_numpy(),
-                                        vocab_size=vocab_size):
-        if rows.any():
-            row = frame[rows].iloc[0]
-            value, step = np.asarray(row[field]).tolist(), np.asarray(row["step"]).tolist()
-            raise ValueError(f"{name}: trace {row['trace_id']!r}, step {step}: {field} "
-                             f"{value!r} is impossible ({rule}): not a replay result")
+    return read_result(x, f"{side}:"), Path(x).stem
 
 
 def _partial_notes(sides: list[tuple[str, dict]]) -> list[str]:

@@ -30,13 +30,34 @@ from trace_replay.runs.parts import (PART_NAME, CorruptPart, check_rows, describ
                                 read_part, write_part)
 from trace_replay.traces.trace import Trace
 
-__all__ = ["ROW_FIELDS", "Checkpoint", "checkpoint_settings", "settings_key", "trace_digest"]
+__all__ = ["BATCH_SETTINGS", "ROW_FIELDS", "Checkpoint", "batch_invariant", "checkpoint_settings",
+           "number_settings", "settings_key", "trace_digest"]
+
+# settings that size the engine's batches: they change no number of a batch-invariant run
+BATCH_SETTINGS = ("batch_size",)
 
 
 def settings_key(settings: dict) -> str:
     """A digest of the settings that decide the numbers (engine, model, dtype, top_k…)."""
     text = json.dumps(settings, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def batch_invariant(settings: dict) -> bool:
+    """Whether a run with these engine settings gives every trace the same bits whatever
+    its batch: deterministic mode (torch and prefill engines), or vLLM's batch-invariant
+    mode where it ran (``settings["batch_invariant"]``; False where the platform has none)."""
+    return bool(settings.get("batch_invariant", settings.get("deterministic")))
+
+
+def number_settings(settings: dict) -> dict:
+    """``settings`` without those that change none of a trace's numbers: a batch-invariant
+    run (:func:`batch_invariant`) drops :data:`BATCH_SETTINGS`, since deterministic mode
+    guarantees every column of a trace's rows whatever ``batch_size`` (as well as
+    ``chunk_size``, ``shard`` and the other traces, which are no engine settings)."""
+    if not batch_invariant(settings):
+        return dict(settings)
+    return {key: value for key, value in settings.items() if key not in BATCH_SETTINGS}
 
 
 # the Trace fields that to_frame copies into a trace's rows (ref_logprob, turn, role columns)
@@ -104,7 +125,8 @@ class Checkpoint:
     path
         The folder (created if missing).
     settings
-        The engine's ``settings()``.
+        The engine's :func:`checkpoint_settings`; the folder is keyed on their
+        :func:`number_settings` (a deterministic run's folder takes any batch size).
     requests
         What this run replays; trace ids are unique.
     traces
@@ -131,6 +153,7 @@ class Checkpoint:
         if self.path.exists() and not self.path.is_dir():
             raise ValueError(f"checkpoint {self.path} exists and is not a folder")
         self.path.mkdir(parents=True, exist_ok=True)
+        settings = number_settings(settings)
         self.key = settings_key(settings)
         self.top_k, self.vocab_size = settings.get("top_k"), vocab_size
         self.batch_size, self.max_traces, self.every_s = batch_size, max_traces, every_s

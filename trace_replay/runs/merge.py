@@ -1,13 +1,22 @@
 """Join the result files of one sharded run into one result with provenance that fits it.
 
-Parts are refused unless they come from the same configuration: every engine setting
-(engine, path, model, dtype, device, batch size, top-k… as ``replay`` records them in
-``attrs["settings_keys"]``) and the versions of the numerical packages must agree, so two
-runs never mix silently. They must also be shards of one trace set (``traces_digest``, or
-``source`` for results that do not record it) and of one split, each shard once; a set
-missing a shard is refused unless asked for, and then marked incomplete. The merged
-``attrs`` describe the whole: its trace count, the shards it covers, whether it is complete,
-its start and end, and the files it came from.
+Each part is read with :func:`~trace_replay.runs.result_file.read_result`, the checks a
+``report`` runs on a file too: a part with an impossible score, a step missing, or other
+counts than its ``attrs`` record is refused naming the file, the trace, the step and the
+field.
+
+Parts are refused unless they come from the same configuration: every engine setting that
+changes the numbers (engine, path, model, dtype, device, batch size, top-k… as ``replay``
+records them in ``attrs["settings_keys"]``; batch size not, where every part is
+batch-invariant: :func:`~trace_replay.runs.checkpoint.number_settings`), the digest of the
+weights scored with (``weights_digest``: the same model name with other weights) and the
+versions of the numerical packages must agree, so two runs never mix silently. A part
+written before results recorded the weights' digest is refused unless asked for
+(``allow_unknown_weights``): its weights cannot be checked. Parts must also be shards of one
+trace set (``traces_digest``, or ``source`` for results that do not record it) and of one
+split, each shard once; a set missing a shard is refused unless asked for, and then marked
+incomplete. The merged ``attrs`` describe the whole: its trace and token counts, the
+shards it covers, whether it is complete, its start and end, and the files it came from.
 """
 
 from __future__ import annotations
@@ -15,41 +24,23 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from trace_replay._text import plural
-from trace_replay.analysis.metrics import _check_frame
+from trace_replay.runs.checkpoint import BATCH_SETTINGS, batch_invariant
+from trace_replay.runs.result_file import read_result
 
 __all__ = ["merge_results"]
 
 # what a part says about its own run rather than about the configuration
-_RUN_KEYS = {"num_traces", "resumed_traces", "truncated", "shard", "source", "versions",
-             "started_at", "finished_at", "merged_from", "settings_keys", "wall_s",
-             "forwards", "acceptance_rate", "threads", "traces_digest", "complete",
+_RUN_KEYS = {"num_traces", "num_tokens", "resumed_traces", "truncated", "shard", "source",
+             "versions", "started_at", "finished_at", "merged_from", "settings_keys",
+             "wall_s", "forwards", "acceptance_rate", "threads", "traces_digest", "complete",
              "missing_shards"}
 _SUMMED = ("num_traces", "resumed_traces", "forwards")
 # versions that do not change the numbers
 _IGNORED_VERSIONS = {"python", "trace-replay"}
-
-
-def _read(part: str | os.PathLike) -> pd.DataFrame:
-    """A result file whose rows hold the traces its ``num_traces`` records, each once."""
-    path = Path(part)
-    if path.exists() and not path.is_file():
-        raise ValueError(f"merge: result file {path} is not a regular file")
-    if not path.is_file():
-        raise FileNotFoundError(f"merge: result file {path} does not exist")
-    frame = pd.read_parquet(path)
-    _check_frame(frame, f"merge: result file {path}")
-    recorded, held = frame.attrs.get("num_traces"), frame["trace_id"].nunique()
-    if isinstance(recorded, int) and held != recorded:  # rows lost or added since replay
-        raise ValueError(f"merge: result file {path} records {plural(recorded, 'trace')} "
-                         f"but holds rows of {held}: it is damaged or was edited; replay "
-                         "it again")
-    return frame
 
 
 def _settings_keys(attrs: dict) -> set[str]:
@@ -57,18 +48,43 @@ def _settings_keys(attrs: dict) -> set[str]:
     return set(keys) if keys is not None else set(attrs) - _RUN_KEYS
 
 
+def _check_weights_known(frames: Sequence[pd.DataFrame], names: Sequence[str],
+                         allow_unknown: bool) -> None:
+    """Refuse parts that record no weights digest (older results) beside other parts, unless
+    ``allow_unknown``: then warn naming them. A part alone mixes nothing."""
+    unknown = [name for name, f in zip(names, frames) if "weights_digest" not in f.attrs]
+    if not unknown or len(frames) == 1:
+        return
+    what = (f"{', '.join(unknown)} record{'s' if len(unknown) == 1 else ''} no weights_digest "
+            "(written before results recorded it)")
+    if not allow_unknown:
+        raise ValueError(f"cannot merge: {what}, so the weights behind its numbers cannot "
+                         "be checked against the other parts'; replay it again, or pass "
+                         "allow_unknown_weights=True (CLI --allow-unknown-weights) if you "
+                         "know every part scored the same weights")
+    warnings.warn(f"merge: {what}; merged on trust that every part scored the same weights",
+                  stacklevel=3)
+
+
 def _check_same_run(frames: Sequence[pd.DataFrame], names: Sequence[str]) -> None:
-    """Raise naming the first setting (or package version) in which the parts differ."""
-    keys = sorted(set().union(*(_settings_keys(f.attrs) for f in frames)))
+    """Raise naming the first setting (or package version) in which the parts differ; the
+    weights' digest is compared between the parts that record one."""
+    keys = set().union(*(_settings_keys(f.attrs) for f in frames))
+    if all(batch_invariant(f.attrs) for f in frames):  # same numbers whatever the batch size
+        keys -= set(BATCH_SETTINGS)
     versions = [{k: v for k, v in (f.attrs.get("versions") or {}).items()
                  if k not in _IGNORED_VERSIONS} for f in frames]
-    checks = [(key, [f.attrs.get(key) for f in frames]) for key in keys]
-    checks += [(f"{package} version", [v.get(package) for v in versions])
+    checks = [(key, [(f.attrs.get(key), name) for f, name in zip(frames, names)
+                     if key != "weights_digest" or key in f.attrs]) for key in sorted(keys)]
+    checks += [(f"{package} version", [(v.get(package), name) for v, name in zip(versions, names)])
                for package in sorted(set().union(*versions))]
-    for what, values in checks:
-        if any(value != values[0] for value in values):
-            seen = "; ".join(f"{value!r} in {name}" for value, name in zip(values, names))
-            raise ValueError(f"cannot merge results of different runs: {what} differs ({seen})")
+    for what, seen in checks:
+        if any(value != seen[0][0] for value, _ in seen):
+            listed = "; ".join(f"{value!r} in {name}" for value, name in seen)
+            hint = (": the same model name scored with other weights (a model edited or "
+                    "retrained in place?)" if what == "weights_digest" else "")
+            raise ValueError(f"cannot merge results of different runs: {what} differs "
+                             f"({listed}){hint}")
 
 
 def _check_same_traces(frames: Sequence[pd.DataFrame], names: Sequence[str]) -> None:
@@ -124,6 +140,7 @@ def _merged_attrs(frames: Sequence[pd.DataFrame], names: Sequence[str], merged: 
         if all(isinstance(v, int) for v in values):
             attrs[key] = sum(values)
     attrs["num_traces"] = int(merged["trace_id"].nunique())
+    attrs["num_tokens"] = len(merged)
     attrs["truncated"] = [note for f in frames for note in (f.attrs.get("truncated") or [])]
     shards = sorted({shard for f in frames for shard in _shards(f.attrs)})
     attrs["complete"] = not missing
@@ -137,8 +154,8 @@ def _merged_attrs(frames: Sequence[pd.DataFrame], names: Sequence[str], merged: 
     return attrs
 
 
-def merge_results(parts: Sequence[str | os.PathLike], *,
-                  allow_incomplete: bool = False) -> pd.DataFrame:
+def merge_results(parts: Sequence[str | os.PathLike], *, allow_incomplete: bool = False,
+                  allow_unknown_weights: bool = False) -> pd.DataFrame:
     """Concatenate the shard results of one run.
 
     Parameters
@@ -149,12 +166,15 @@ def merge_results(parts: Sequence[str | os.PathLike], *,
     allow_incomplete
         Merge shards although some of the split are missing (with a warning); the result
         is marked incomplete.
+    allow_unknown_weights
+        Merge parts that record no ``weights_digest`` (written by an older version), with a
+        warning naming them; parts that record one must still agree.
 
     Returns
     -------
     pandas.DataFrame
         The rows of every part in the order given; ``attrs`` hold the common settings,
-        ``num_traces`` of the merged rows, ``complete`` (every shard present),
+        ``num_traces`` and ``num_tokens`` of the merged rows, ``complete`` (every shard present),
         ``missing_shards`` (``[index, n]`` each), ``shard`` ``None`` when complete (else
         the list merged), summed counters, the earliest start, the latest finish and
         ``merged_from``.
@@ -162,11 +182,14 @@ def merge_results(parts: Sequence[str | os.PathLike], *,
     Raises
     ------
     ValueError
-        When the parts differ in a setting or a package version, replayed different trace
-        sets (naming it and the files), come from different shard splits, repeat a shard,
-        miss one (unless ``allow_incomplete``), or hold the same trace twice; when a part is
-        not a result file (naming the columns it lacks) or holds rows of other than the
-        ``num_traces`` it records (rows deleted or added).
+        When the parts differ in a setting that changes the numbers, the weights' digest or
+        a package version, replayed different trace sets (naming it and the files), come
+        from different shard splits, repeat a shard, miss one (unless
+        ``allow_incomplete``), record no weights digest (unless ``allow_unknown_weights``),
+        or hold the same trace twice; when a part fails a check of
+        :func:`~trace_replay.runs.result_file.read_result` (not a result file, an
+        impossible score, a step missing, rows of other than the traces and tokens it
+        records), naming the file, trace, step and field.
     FileNotFoundError
         When a part does not exist.
 
@@ -187,7 +210,8 @@ def merge_results(parts: Sequence[str | os.PathLike], *,
     if not parts:
         raise ValueError("merge: no result files given")
     names = [str(p) for p in parts]
-    frames = [_read(p) for p in parts]
+    frames = [read_result(p, "merge: result file") for p in parts]
+    _check_weights_known(frames, names, allow_unknown_weights)
     _check_same_run(frames, names)
     _check_same_traces(frames, names)
     missing = _missing_shards(frames, names)

@@ -113,15 +113,19 @@ def read_part(path: Path, *, top_k: int | None = None,
 
 def check_rows(frame: pd.DataFrame, *, top_k: int | None = None,
                requests: Mapping[str, ReplayRequest] | None = None,
-               vocab_size: int | None = None) -> dict[str, list[str]]:
+               vocab_size: int | None = None,
+               by: str = "trace_digest") -> dict[str, list[str]]:
     """What is wrong with each trace's rows: complete, plausible, and its request's tokens.
 
     Parameters
     ----------
     frame
-        Rows of whole traces, with ``trace_digest``, in any order.
+        Rows of whole traces, with the column ``by``, in any order.
     top_k, requests, vocab_size
-        As for :func:`read_part`.
+        As for :func:`read_part` (``requests`` keyed by the values of ``by``).
+    by
+        The column that tells traces apart: ``trace_digest`` in a part, ``trace_id`` in a
+        result file.
 
     Returns
     -------
@@ -135,39 +139,41 @@ def check_rows(frame: pd.DataFrame, *, top_k: int | None = None,
     CorruptPart
         When a column is missing.
     """
-    need = {"trace_id", "trace_digest", "step", "position", "token_id", "logprob", "rank",
+    need = {"trace_id", by, "step", "position", "token_id", "logprob", "rank",
             "top_token_ids", "top_logprobs", "entropy"}
     if not need <= set(frame.columns):
         raise CorruptPart(f"columns {sorted(need - set(frame.columns))} missing")
     if frame.empty:
         return {}
-    frame = frame.sort_values(["trace_digest", "step"], kind="stable").reset_index(drop=True)
-    digests = frame["trace_digest"]
+    frame = frame.sort_values([by, "step"], kind="stable").reset_index(drop=True)
+    digests = frame[by]
     step = frame["step"].to_numpy()
     offsets = (frame["position"] - frame["step"]).groupby(digests)
     problems = [  # (what is wrong, the rows showing it, the column whose value it shows)
-        ("steps are not 0, 1, 2…",
-         frame.groupby("trace_digest").cumcount().to_numpy() != step, None),
+        ("steps are not 0, 1, 2… (a step is missing or repeated)",
+         frame.groupby(by).cumcount().to_numpy() != step, None),
         ("positions are not prompt_len + step",
          (offsets.transform("first") != frame["position"] - frame["step"]).to_numpy(), None),
         *_impossible_scores(frame, top_k, vocab_size),
-        *_other_tokens(frame, requests or {}),
+        *_other_tokens(frame, requests or {}, by),
     ]
     failed: dict[str, list[str]] = {}
     for problem, bad, field in problems:
         for row in frame.index[bad].to_series().groupby(digests[bad]).first():
+            what = problem
             if field is not None:
                 value = np.asarray(frame.at[row, field]).tolist()
-                problem = f"{field} {value} is impossible: {problem}"
+                what = f"{field} {value} is impossible: {problem}"
             failed.setdefault(frame.at[row, "trace_id"], []).append(
-                f"step {frame.at[row, 'step']}: {problem}")
+                f"step {frame.at[row, 'step']}: {what}")
     return failed
 
 
-def _other_tokens(frame: pd.DataFrame, requests: Mapping[str, ReplayRequest]) -> list[tuple]:
+def _other_tokens(frame: pd.DataFrame, requests: Mapping[str, ReplayRequest],
+                  by: str) -> list[tuple]:
     """Each trace's first row not at its request's prompt length or not its request's token."""
     moved, other = np.zeros(len(frame), bool), np.zeros(len(frame), bool)
-    for digest, rows in frame.groupby("trace_digest", sort=False).groups.items():
+    for digest, rows in frame.groupby(by, sort=False).groups.items():
         request = requests.get(digest)
         if request is None:
             continue

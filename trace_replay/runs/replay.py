@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 
 from trace_replay._text import plural
 from trace_replay.runs.checkpoint import Checkpoint, checkpoint_settings
-from trace_replay.engines import ENGINES, make_engine
+from trace_replay.runs.kept_engines import kept_engine
+from trace_replay.engines import ENGINES
 from trace_replay.engines.base import BatchFailed, Engine, ReplayRequest, check_engine
 from trace_replay.engines.validate import ImpossibleResult, check_results
 from trace_replay.runs.frame import TokenDecoder, to_frame
@@ -107,11 +108,14 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
         ``model`` only names its tokenizer (``None``: the server's folder, when it is here).
     engine
         ``"auto"``, ``"vllm"``, ``"torch"``, ``"prefill"``, ``"vllm-server"`` (a running vLLM
-        server, see ``engine_args``; built for this call and closed after it), or an
-        :class:`~trace_replay.engines.Engine` built earlier with
-        :func:`~trace_replay.engines.make_engine` to reuse its loaded model; its own
-        settings (model, dtype, batch size, top-k) then apply and the arguments that
-        configure an engine are not used. An engine of your own must have every member of
+        server, see ``engine_args``), or an :class:`~trace_replay.engines.Engine` built
+        earlier with :func:`~trace_replay.engines.make_engine`; its own settings (model,
+        dtype, batch size, top-k) then apply, the arguments that configure an engine are not
+        used, and replay never closes it. A name starts an engine the first time and keeps
+        it for later calls with the same name, model and settings in this process (a
+        warning says so once; :func:`~trace_replay.close_engines` releases kept engines,
+        exit closes them; ``vllm-server`` and ``nn.Module`` models are built per call:
+        :mod:`~trace_replay.runs.kept_engines`). An engine of your own must have every member of
         the protocol (a TypeError names those it lacks); subclass
         :class:`~trace_replay.engines.base.EngineBase` and write ``run``.
     top_k
@@ -166,7 +170,10 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
         message's role for tokens of other turns, ``"template"`` for the chat template's
         own tokens around an assistant turn; null for non-chat traces). Through a server's
         completions API, ``rank_exact`` flags ranks that are only a lower bound.
-        Provenance is in ``df.attrs``.
+        Provenance is in ``df.attrs``: the engine's settings, ``weights_digest`` (of the
+        weights scored with, read at the start; ``None`` where the engine cannot read
+        them), the trace set's ``traces_digest``, ``num_traces``, ``num_tokens``, package
+        ``versions``, the shard and the run's times.
 
     Examples
     --------
@@ -189,12 +196,10 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
             warnings.warn(f"shard {shard[0]}/{shard[1]} holds none of the "
                           f"{plural(total, 'trace')} of "
                           f"{traceset.source}: its result is empty on purpose", stacklevel=2)
-    if isinstance(engine, str):
-        engine_obj = make_engine(engine, model, dtype=dtype, device=device,
-                                 batch_size=batch_size, top_k=top_k, speculative=speculative,
-                                 engine_args=engine_args, deterministic=deterministic,
-                                 verbose=verbose)
-        with engine_obj:
+    if isinstance(engine, str):  # started once per process, reused by later calls
+        with kept_engine(engine, model, dtype=dtype, device=device, batch_size=batch_size,
+                         top_k=top_k, speculative=speculative, engine_args=engine_args,
+                         deterministic=deterministic, verbose=verbose) as engine_obj:
             return _replay(traceset, engine_obj, progress=progress, checkpoint=checkpoint,
                            shard=shard, truncate=truncate, chunk_size=chunk_size,
                            checkpoint_every=checkpoint_every, started=started, digest=digest)
@@ -265,7 +270,8 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
             checkpoint: str | os.PathLike | None, shard: tuple[int, int] | None,
             truncate: bool, chunk_size: int | None, checkpoint_every: float,
             started: str, digest: str) -> pd.DataFrame:
-    settings = engine.settings()
+    # with the weights' digest, read once: merge and checkpoints refuse other weights
+    settings = checkpoint_settings(engine)
     vocab_size = engine.vocab_size
     if vocab_size is not None and settings.get("top_k", 0) > vocab_size:
         raise ValueError(f"top_k {settings['top_k']} exceeds the model's vocabulary size "
@@ -325,7 +331,7 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
                       for start in range(0, len(requests), chunk)]
             result = pd.concat(frames, ignore_index=True) if frames else None
         else:
-            with Checkpoint(checkpoint, checkpoint_settings(engine), requests, by_id,
+            with Checkpoint(checkpoint, settings, requests, by_id,
                             batch_size=batch, max_traces=chunk, every_s=checkpoint_every,
                             vocab_size=vocab_size) as store:
                 resumed = store.resumed
@@ -350,9 +356,13 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
     result.attrs = {
         **settings,
         **engine.stats(),
-        "settings_keys": sorted(settings),  # which attrs make two runs comparable (merge)
+        # None: the engine cannot read its weights (a server); absent only in older results
+        "weights_digest": settings.get("weights_digest"),
+        # which attrs make two runs comparable (merge)
+        "settings_keys": sorted({*settings, "weights_digest"}),
         "vocab_size": None if vocab_size is None else int(vocab_size),  # report checks ranks
         "num_traces": len(requests),
+        "num_tokens": len(result),  # rows, so that a result file missing one is refused
         "resumed_traces": resumed,
         "truncated": cut_notes,
         "shard": list(shard) if shard is not None else None,

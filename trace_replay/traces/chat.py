@@ -19,13 +19,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from trace_replay.traces.tokenization import common_prefix_length, encode
-from trace_replay.traces.trace import Trace, TraceError
+from trace_replay.traces.trace import TEMPLATE_ROLE, Trace, TraceError
 
 __all__ = ["ChatTokens", "TEMPLATE_ROLE", "tokenize_chat", "tokenize_chat_prompt",
            "tokenize_chat_trace"]
-
-TEMPLATE_ROLE = "template"  # tokens the chat template adds around an assistant turn
-
 
 @dataclass(frozen=True)
 class ChatTokens:

@@ -162,7 +162,7 @@ class TraceSet(collections.abc.Sequence):
     def to_jsonl(self, path: str | os.PathLike) -> None:
         """Write one JSON record per line (gzip-compressed if ``path`` ends in ``.gz``)."""
         def write(temporary: Path) -> None:
-            with open_text(temporary, "w", gzipped=str(path).endswith(".gz")) as file:
+            with open_text(temporary, "w", gzipped=str(path).lower().endswith(".gz")) as file:
                 for trace in self:
                     file.write(json.dumps(_record(trace), ensure_ascii=False) + "\n")
 

@@ -9,9 +9,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import NoReturn
 
-__all__ = ["FIELDS", "JSON_FIELDS", "TURNS", "VLLM_NEG_INF", "Trace", "TraceError"]
+__all__ = ["FIELDS", "JSON_FIELDS", "TEMPLATE_ROLE", "TURNS", "VLLM_NEG_INF", "Trace",
+           "TraceError"]
 
 TURNS = ("last", "all")  # which assistant turns of a chat trace are replayed
+TEMPLATE_ROLE = "template"  # tokens the chat template adds around an assistant turn
 _LOGPROB_SLACK = 1e-6  # producers round log(1) to tiny positive values; more is no logprob
 VLLM_NEG_INF = -9999.0  # vLLM writes a -inf logprob as this in JSON (and nothing below it)
 
@@ -56,7 +58,10 @@ class Trace:
     ``trace_turns`` and ``trace_roles`` label each trace token of a tokenized chat trace with
     the index of the message it belongs to and that message's role; tokens the chat template
     adds around an assistant turn (its header, its formatting after the end-of-turn token)
-    have role ``"template"``. Plain text and token traces leave both ``None``.
+    have role ``"template"``. Turn ``len(messages)`` is the reply to the messages (a chat
+    request's trace), an assistant turn. Plain text and token traces leave both ``None``.
+    Given labels are checked against ``messages``: each turn is a message (or the reply),
+    and each role is its message's, or ``"template"`` on an assistant turn.
     """
 
     id: str
@@ -73,8 +78,8 @@ class Trace:
     trace_roles: tuple[str, ...] | None = None  # per trace token: its message's role
 
     def __post_init__(self) -> None:
-        if not isinstance(self.id, str) or not self.id:
-            raise TraceError(f"id must be a non-empty str, got {self.id!r}")
+        if not isinstance(self.id, str) or not self.id.strip():  # a blank id names nothing
+            raise TraceError(f"id must be a non-empty str, not only whitespace, got {self.id!r}")
         for name in ("prompt", "completion", "turns"):
             if not isinstance(getattr(self, name), (str, type(None))):
                 self._fail(f"{name} must be a str, got {type(getattr(self, name)).__name__}")
@@ -224,6 +229,25 @@ class Trace:
                 self._fail(f"trace_roles[{i}] = {role!r} is not a str")
         object.__setattr__(self, "trace_turns", tuple(int(turn) for turn in turns))
         object.__setattr__(self, "trace_roles", roles)
+        self._check_labels_match_messages()
+
+    def _check_labels_match_messages(self) -> None:
+        """Each labelled turn is a message or the reply to them (``len(messages)``), and each
+        role is that turn's own, or the template's on an assistant turn."""
+        if self.messages is None:
+            self._fail("trace_turns and trace_roles label the tokens of a chat trace: give "
+                       "its 'messages'")
+        reply = len(self.messages)
+        for i, (turn, role) in enumerate(zip(self.trace_turns, self.trace_roles)):
+            if turn > reply:
+                self._fail(f"trace_turns[{i}] = {turn} is no message: messages has {reply} "
+                           f"(0-{reply - 1}; {reply} is the reply to them)")
+            own = "assistant" if turn == reply else self.messages[turn]["role"]
+            if role != own and not (role == TEMPLATE_ROLE and own == "assistant"):
+                turn_is = "the reply" if turn == reply else f"messages[{turn}]"
+                also = " or 'template'" if own == "assistant" else ""
+                self._fail(f"trace_roles[{i}] = {role!r}, but trace_turns[{i}] = {turn} is "
+                           f"{turn_is}, role {own!r}: the label must be {own!r}{also}")
 
 
 FIELDS = tuple(f.name for f in fields(Trace))  # a record's keys, in order
