@@ -171,7 +171,7 @@ def test_report_refuses_a_rank_1_logprob_no_distribution_gives(tmp_path, frames,
     damaged.loc[damaged.index[5], ["rank", "logprob"]] = [1, logprob]
     damaged.attrs = {**damaged.attrs, "vocab_size": vocab_size}
     damaged.to_parquet(tmp_path / "damaged.parquet")
-    with pytest.raises(ValueError, match=r"trace 't0', step 5: rank 1 is impossible \(rank 1 is "
+    with pytest.raises(ValueError, match=r"trace 't0', step 5: rank 1 is impossible: rank 1 is "
                        "the most likely token"):
         write_report(tmp_path / "damaged.parquet", out=tmp_path / "r.html")
     assert not (tmp_path / "r.html").exists()
