@@ -53,7 +53,7 @@ def record_chat(requests: list[dict], *, max_tokens: int, batch_size: int) -> Tr
     """
     engine = trace_replay.make_engine("torch", deterministic=True, batch_size=batch_size)
     try:
-        recorded = trace_replay.traces.recording(
+        recorded = trace_replay.runs.recording(
             [{"id": r["id"], "messages": [{"role": "user", "content": r["user"]}],
               "meta": r["meta"]} for r in requests],
             engine=engine, max_tokens=max_tokens, temperature=0.0, seed=0)

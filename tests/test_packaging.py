@@ -50,7 +50,7 @@ def test_import_is_light():
 def test_functions_named_like_their_modules_stay_functions():
     """tr.replay and tr.record are the functions even when their modules were imported first
     (importing a submodule binds it on the package under the same name)."""
-    code = ("import trace_replay.runs.replay, trace_replay.traces.recording, trace_replay as tr; "
+    code = ("import trace_replay.runs.replay, trace_replay.runs.recording, trace_replay as tr; "
             "from trace_replay import replay; "
             "print(type(tr.replay).__name__, type(tr.record).__name__, type(replay).__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

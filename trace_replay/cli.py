@@ -25,7 +25,7 @@ import warnings
 from pathlib import Path
 from typing import NoReturn
 
-from trace_replay._text import plural
+from trace_replay.wording import plural
 
 __all__ = ["main"]
 
@@ -155,7 +155,7 @@ _RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 
 
 def _cmd_record(args) -> None:
-    from trace_replay.traces.recording import record
+    from trace_replay.runs.recording import record
 
     if not args.out.lower().endswith(_RECORD_SUFFIXES):  # before the model loads
         raise ValueError(f"--out {args.out}: a traces file ends in "

@@ -9,7 +9,7 @@ import pandas as pd
 
 from trace_replay import datasets
 from trace_replay._io import write_atomic, write_target
-from trace_replay._text import plural
+from trace_replay.wording import plural
 from trace_replay.analysis.metrics import engine_table
 
 __all__ = ["run_demo"]

@@ -12,7 +12,8 @@ import numpy as np
 import pandas as pd
 
 from trace_replay.analysis.metrics import summarize, trace_summary
-from trace_replay.html.tokens import render_tokens, visible_token
+from trace_replay.html.tokens import render_tokens
+from trace_replay.wording import visible_token
 
 __all__ = ["Explorer", "explore"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from trace_replay.analysis.metrics import compare, dataset_summary
-from trace_replay.models.cache import ModelCache
+from trace_replay.engines.cache import ModelCache
 from trace_replay.analysis.sweep import grid_settings, sweep
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from trace_replay.engines.server.answers import RANK_DEPTH
+from trace_replay.engines.server.responses import RANK_DEPTH
 from trace_replay.models.load import EMBEDDED_MODEL, hf_folder
 from trace_replay.engines.server.serve import (FORCING_PROCESSOR, MULTICAST_OFF, serve_args, serve_command,
                                 serve_environment, server_ranks, start_server, stop_server,

@@ -116,7 +116,7 @@ def test_agrees_with_torch_engine(result, lm, real_traces):
 
 def test_greedy_record_replays_at_rank_1(engine):
     """Traces recorded greedily by vLLM replay through vLLM at rank 1 with their own logprobs."""
-    from trace_replay.traces.recording import record
+    from trace_replay.runs.recording import record
 
     traces = record(["The capital of France is", "def square(x):"], engine=engine,
                     max_tokens=10)

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from trace_replay.analysis.capture import SITES, Site, SiteCapture, model_sites
 from trace_replay.analysis.capture_rows import RowCapture
 from trace_replay.engines.base import Activations, Engine, ReplayRequest
-from trace_replay.models.cache import ModelCache, check_settings
+from trace_replay.engines.cache import ModelCache, check_settings
 from trace_replay.analysis.pairing import METRICS, Comparer, HeldActivations
 from trace_replay.runs.replay import TraceInput, prepare_requests
 from trace_replay.traces.sets import TraceSet, load_traces
@@ -76,7 +76,7 @@ def locate_divergence(traces: TraceInput, a: Mapping[str, Any], b: Mapping[str, 
     max_held_bytes
         Most bytes of run a's activations held at once (see the module docstring).
     models
-        A :class:`~trace_replay.models.cache.ModelCache` to load models from (and keep them
+        A :class:`~trace_replay.engines.cache.ModelCache` to load models from (and keep them
         for later calls); default a fresh one.
 
     Returns

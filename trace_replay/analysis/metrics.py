@@ -59,7 +59,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from trace_replay._text import plural
+from trace_replay.runs.frame import check_frame
+from trace_replay.wording import plural
 from trace_replay.analysis.mismatch import (
     NOISE_SE,
     ROUNDING_NATS,
@@ -97,18 +98,7 @@ __all__ = [
 ]
 
 _KEY = ["trace_id", "step"]
-_REQUIRED = ("trace_id", "step", "token_id", "logprob", "rank")
 _SIDE_COLUMNS = ("logprob", "rank", "top_token_ids", "top_logprobs", "top_tokens", "entropy")
-
-
-def _check_frame(df: pd.DataFrame, name: str) -> None:
-    missing = [c for c in _REQUIRED if c not in df.columns]
-    if missing:
-        raise ValueError(f"{name} lacks replay columns {missing}")
-    dup = df.duplicated(_KEY)
-    if dup.any():
-        row = df[dup].iloc[0]  # by position: the index may repeat (a concat)
-        raise ValueError(f"{name} has duplicate rows for trace {row.trace_id!r} step {row.step}")
 
 
 def _ref_side(df: pd.DataFrame) -> pd.DataFrame:
@@ -231,12 +221,12 @@ def compare(
     if isinstance(b, str):
         if b != "ref":
             raise ValueError(f'b must be a DataFrame or "ref", got {b!r}')
-        _check_frame(a, "a")
+        check_frame(a, "a")
         a, b = _ref_side(a), a
         labels = labels or ("ref", "replay")
     labels = tuple(labels or run_labels([a.attrs, b.attrs]))
-    _check_frame(a, f"a ({labels[0]})")
-    _check_frame(b, f"b ({labels[1]})")
+    check_frame(a, f"a ({labels[0]})")
+    check_frame(b, f"b ({labels[1]})")
 
     keys_a = pd.MultiIndex.from_frame(a[_KEY])
     keys_b = pd.MultiIndex.from_frame(b[_KEY])

@@ -11,7 +11,7 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from trace_replay.analysis.metrics import compare, dataset_summary
-from trace_replay.models.cache import ModelCache, check_settings
+from trace_replay.engines.cache import ModelCache, check_settings
 from trace_replay.runs.replay import TraceInput, replay
 from trace_replay.traces.sets import load_traces
 
@@ -39,7 +39,7 @@ def sweep(traces: TraceInput, base: Mapping[str, Any], grid: Mapping[str, Sequen
         Anything :func:`~trace_replay.load_traces` reads.
     base
         ``replay`` settings of the reference run, plus ``engine`` and ``model`` (see
-        :meth:`~trace_replay.models.cache.ModelCache.engine`); e.g.
+        :meth:`~trace_replay.engines.cache.ModelCache.engine`); e.g.
         ``{"engine": "torch", "dtype": "float32", "batch_size": 1}``.
     grid
         Setting name -> values, e.g. ``{"dtype": ["float32", "bfloat16"],
@@ -49,7 +49,7 @@ def sweep(traces: TraceInput, base: Mapping[str, Any], grid: Mapping[str, Sequen
         Show a tqdm bar over configurations.
     models
         Where loaded models are kept (one per model, dtype and device, reused by every
-        configuration); default a fresh :class:`~trace_replay.models.cache.ModelCache`.
+        configuration); default a fresh :class:`~trace_replay.engines.cache.ModelCache`.
 
     Returns
     -------

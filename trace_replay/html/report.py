@@ -23,7 +23,6 @@ from matplotlib.figure import Figure
 from trace_replay.plots._figures import run_label
 from trace_replay._io import write_atomic, write_target
 from trace_replay.analysis.metrics import (
-    _check_frame,
     compare,
     dataset_summary,
     rank_bucket_transitions,
@@ -39,6 +38,7 @@ from trace_replay.plots.frames import (
     plot_trace,
 )
 from trace_replay.html.tokens import render_tokens
+from trace_replay.runs.frame import check_frame
 from trace_replay.runs.result_file import check_scores, read_result
 
 __all__ = ["write_report"]
@@ -68,7 +68,7 @@ def _load(x: pd.DataFrame | str | os.PathLike, side: str) -> tuple[pd.DataFrame,
     refused naming the side (and the file) and what is wrong.
     """
     if isinstance(x, pd.DataFrame):
-        _check_frame(x, side)
+        check_frame(x, side)
         check_scores(x, side)
         return x, None
     return read_result(x, f"{side}:"), Path(x).stem

@@ -16,12 +16,11 @@ import numpy as np
 import pandas as pd
 
 from trace_replay._io import write_atomic
-from trace_replay._text import plural
+from trace_replay.wording import WHITESPACE_MARKS, plural, visible_token
 from trace_replay.analysis.metrics import compare, rank_bucket
 
-__all__ = ["TokenHTML", "render_tokens", "visible_token"]
+__all__ = ["TokenHTML", "render_tokens"]
 
-_MARKS = {" ": "·", "\n": "↵", "\t": "→", "\r": "␍"}
 _BUCKET_BG = {"1-10": "#b8e6b8", "11-100": "#fbe99a", "101-1000": "#f7b3ae",
               ">1000": "#dcc6f2"}  # fmt: skip
 _UNKNOWN_BG = "#e6e6e6"
@@ -41,16 +40,6 @@ _CSS = """<style>
  vertical-align:middle;border:1px solid #ccc}
 </style>"""
 
-
-def visible_token(token: str) -> str:
-    r"""Token text with whitespace made visible (space ·, newline ↵, tab →, CR ␍; empty ∅).
-
-    Examples
-    --------
-    >>> visible_token(" a\n")
-    '·a↵'
-    """
-    return "".join(_MARKS.get(ch, ch) for ch in str(token)) if token else "∅"
 
 
 @dataclass(frozen=True)
@@ -83,7 +72,7 @@ def _token_markup(token: str) -> str:
         return '<span class="tr-ws">∅</span>'
     parts = []
     for ch in str(token):
-        mark = _MARKS.get(ch)
+        mark = WHITESPACE_MARKS.get(ch)
         if mark is None:
             parts.append(html.escape(ch))
         else:

@@ -29,7 +29,7 @@ from trace_replay.plots._figures import (
     run_label,
     side_labels,
 )
-from trace_replay._text import plural
+from trace_replay.wording import plural
 from trace_replay.analysis.metrics import NegativeEstimateWarning, summarize
 from trace_replay.analysis.mismatch import require_comparison
 from trace_replay.analysis.ranks import RANK_BUCKETS, rank_bucket

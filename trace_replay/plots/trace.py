@@ -11,7 +11,7 @@ from matplotlib.transforms import offset_copy
 
 from trace_replay.plots._figures import finish, own_axes, run_label, side_labels
 from trace_replay.analysis.metrics import compare
-from trace_replay.html.tokens import visible_token
+from trace_replay.wording import visible_token
 
 __all__ = ["plot_trace"]
 

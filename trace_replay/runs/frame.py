@@ -10,10 +10,24 @@ import pandas as pd
 from trace_replay.engines.base import TraceResult
 from trace_replay.traces.sets import Trace
 
-__all__ = ["COLUMNS", "to_frame", "TokenDecoder"]
+__all__ = ["COLUMNS", "REQUIRED", "TokenDecoder", "check_frame", "to_frame"]
 
 COLUMNS = ["trace_id", "step", "position", "token_id", "token", "logprob", "rank",
            "top_token_ids", "top_logprobs", "top_tokens", "entropy"]
+# what every reader of a replay frame needs (analysis, report, merge); the rest is optional
+REQUIRED = ("trace_id", "step", "token_id", "logprob", "rank")
+
+
+def check_frame(df: pd.DataFrame, name: str) -> None:
+    """Refuse a frame lacking :data:`REQUIRED` or holding a (trace, step) twice; the error
+    starts with ``name``."""
+    missing = [c for c in REQUIRED if c not in df.columns]
+    if missing:
+        raise ValueError(f"{name} lacks replay columns {missing}")
+    dup = df.duplicated(["trace_id", "step"])
+    if dup.any():
+        row = df[dup].iloc[0]  # by position: the index may repeat (a concat)
+        raise ValueError(f"{name} has duplicate rows for trace {row.trace_id!r} step {row.step}")
 
 
 class TokenDecoder:

@@ -196,6 +196,7 @@ def merge_results(parts: Sequence[str | os.PathLike], *, allow_incomplete: bool 
     Examples
     --------
     >>> import tempfile
+    >>> from pathlib import Path
     >>> import trace_replay as tr
     >>> traces = [{"id": "a", "prompt": "The capital of France is", "completion": " Paris."},
     ...           {"id": "d", "prompt": "Hi", "completion": " there"}]

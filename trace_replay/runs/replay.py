@@ -17,7 +17,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from trace_replay._text import plural
+from trace_replay.wording import plural
 from trace_replay.runs.checkpoint import Checkpoint, checkpoint_settings
 from trace_replay.runs.kept_engines import kept_engine
 from trace_replay.engines import ENGINES

@@ -26,14 +26,14 @@ import numpy as np
 import pandas as pd
 from pandas.api.types import is_bool_dtype, is_numeric_dtype
 
-from trace_replay._text import plural
-from trace_replay.analysis.metrics import _check_frame
+from trace_replay.wording import plural
+from trace_replay.runs.frame import check_frame
 from trace_replay.engines.validate import impossible
 from trace_replay.runs.parts import check_rows, describe
 
 __all__ = ["check_scores", "read_result"]
 
-# what check_rows reads beyond the columns every replay frame has (_check_frame's)
+# what check_rows reads beyond the columns every replay frame has (check_frame's)
 _ROW_COLUMNS = ("position", "top_token_ids", "top_logprobs", "entropy")
 
 
@@ -91,7 +91,7 @@ def read_result(path: str | os.PathLike, name: str) -> pd.DataFrame:
     if not path.is_file():
         raise FileNotFoundError(f"{where} does not exist")
     frame = pd.read_parquet(path)
-    _check_frame(frame, f"{where} is not a replay result file: it")
+    check_frame(frame, f"{where} is not a replay result file: it")
     missing = [column for column in _ROW_COLUMNS if column not in frame.columns]
     if missing:
         raise ValueError(f"{where} is not a replay result file: it lacks replay columns "

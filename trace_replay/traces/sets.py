@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trace_replay._io import write_atomic
-from trace_replay._text import plural
+from trace_replay.wording import plural
 from trace_replay.traces.chat import tokenize_chat_trace
 from trace_replay.traces.openai_logs import import_openai
 from trace_replay.traces.tokenization import tokenize_text_trace

@@ -11,7 +11,7 @@ as token ids and ``max_tokens`` = the trace length. Two of the server's APIs are
   rank: the rank is counted among the top 20 alternatives it returns, exact when it lists a
   token no more likely than the trace token (so every likelier one is listed) and else a
   lower bound, which the ``rank_exact`` column flags — also where a server returns fewer
-  alternatives than asked for (:func:`~trace_replay.engines.server.answers.completion_steps`).
+  alternatives than asked for (:func:`~trace_replay.engines.server.responses.completion_steps`).
 
 ``"auto"`` takes generate when the server offers it. At start-up the engine checks that the
 server's tokenizer encodes like the local one, that it forces traces (two one-token traces
@@ -38,7 +38,7 @@ import torch
 from trace_replay.engines.base import (BatchFailed, EngineBase, EngineConfig, ReplayRequest,
                                        TraceResult)
 from trace_replay.engines.server.http_client import JsonClient, ServerError
-from trace_replay.engines.server.answers import (RANK_DEPTH, completion_steps, emitted_ids,
+from trace_replay.engines.server.responses import (RANK_DEPTH, completion_steps, emitted_ids,
                                                  generate_steps)
 from trace_replay.engines.server.probe import PROBE_TEXT, fingerprint, probe_requests
 from trace_replay.engines.validate import check_results

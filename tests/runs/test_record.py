@@ -1,4 +1,4 @@
-"""Tests for trace_replay.traces.recording on the embedded model (torch engine): recorded traces carry
+"""Tests for trace_replay.runs.recording on the embedded model (torch engine): recorded traces carry
 what the generating engine reported, and replay through it gives the same logprobs back."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 
 from trace_replay.traces.chat import tokenize_chat_prompt
 from trace_replay.engines import make_engine
-from trace_replay.traces.recording import record
+from trace_replay.runs.recording import record
 from trace_replay.runs.replay import replay
 from trace_replay.traces.sets import Trace, load_traces
 

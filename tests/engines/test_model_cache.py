@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trace_replay.models.cache import ModelCache, split_settings
+from trace_replay.engines.cache import ModelCache, split_settings
 
 
 def test_split_settings_defaults_to_torch():

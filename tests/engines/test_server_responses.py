@@ -1,4 +1,4 @@
-"""From a vLLM server's JSON answers to per-step arrays (trace_replay.engines.server.answers),
+"""From a vLLM server's JSON answers to per-step arrays (trace_replay.engines.server.responses),
 on answers shaped as vLLM writes them (/v1/completions with token ids, the token endpoint
 /inference/v1/generate), including the odd cases a real server produces."""
 
@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from trace_replay.engines.server.answers import (RANK_DEPTH, completion_steps, emitted_ids,
+from trace_replay.engines.server.responses import (RANK_DEPTH, completion_steps, emitted_ids,
                                                  generate_steps)
 
 # /v1/completions with return_tokens_as_token_ids: the emitted token's logprob and a map of

@@ -1,0 +1,122 @@
+"""The floor plan of docs/architecture.md ("Layers"), checked on every import in the package.
+
+Each folder imports only the folders below it, and inside ``engines/`` the shared modules
+import no engine and the engines do not import each other. Imports inside functions count:
+a lazy import is still a dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "trace_replay"
+
+# bottom to top, as docs/architecture.md draws them; a unit may import units before it
+LAYERS = [
+    {"wording", "_io"},
+    {"kernels", "models", "traces"},
+    {"datasets"},
+    {"engines"},
+    {"runs"},
+    {"analysis"},
+    {"plots"},
+    {"html"},
+    {"explorer"},
+    {"__init__"},  # the public names, resolved lazily from the folders
+    {"demo"},
+    {"cli"},
+]
+LEVEL = {unit: level for level, units in enumerate(LAYERS) for unit in units}
+ENGINES = {"builtin", "vllm", "server"}  # the engines; engines/*.py are the shared modules
+
+
+def _module(path: Path) -> list[str]:
+    """``trace_replay/engines/vllm/engine.py`` -> ``["engines", "vllm", "engine"]``."""
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    return parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts
+
+
+def _imports(path: Path, source: str | None = None) -> set[tuple[str, ...]]:
+    """The package modules ``path`` (or ``source``, read as if it were at ``path``) imports,
+    absolute or relative, as name parts below ``trace_replay``; ``from x import name`` also
+    yields ``x.name`` (it may be a module)."""
+    here = _module(path)
+    package = here if path.name == "__init__.py" else here[:-1]
+    found = set()
+    text = path.read_text() if source is None else source
+    for node in ast.walk(ast.parse(text, str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name.split(".") for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1] + (node.module or "").split(".")
+                base = ["trace_replay", *[p for p in base if p]]
+            else:
+                base = (node.module or "").split(".")
+            names = [base] + [base + [alias.name] for alias in node.names]
+        else:
+            continue
+        found |= {tuple(name[1:]) for name in names if name[0] == "trace_replay"}
+    return found
+
+
+def _edges():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for target in _imports(path):
+            yield path, _module(path), list(target)
+
+
+def _unit(parts: list[str]) -> str:
+    return parts[0] if parts else "__init__"
+
+
+def test_every_unit_has_a_layer():
+    """A new folder or top-level module is placed in the plan before it is used."""
+    units = {_unit(_module(p)) for p in PACKAGE.rglob("*.py")}
+    assert units <= set(LEVEL), sorted(units - set(LEVEL))
+
+
+def test_folders_import_only_the_layers_below():
+    """No folder imports a folder of its own layer or above (no cycles between folders)."""
+    wrong = sorted(f"{path.relative_to(PACKAGE)} imports trace_replay.{'.'.join(target)}"
+                   for path, source, target in _edges()
+                   if target and _unit(source) != _unit(target)
+                   and _unit(target) in LEVEL and LEVEL[_unit(target)] >= LEVEL[_unit(source)])
+    assert not wrong, "\n".join(wrong)
+
+
+def test_engines_do_not_reach_into_each_other():
+    """Inside engines/: builtin, vllm and server import no other engine, and the shared
+    modules (engines/*.py but make_engine's __init__) import no engine at all."""
+    wrong = []
+    for path, source, target in _edges():
+        if source[:1] != ["engines"] or target[:1] != ["engines"] or len(target) < 2:
+            continue
+        mine = source[1] if len(source) >= 2 and source[1] in ENGINES else None
+        theirs = target[1] if target[1] in ENGINES else None
+        if theirs is None or path == PACKAGE / "engines" / "__init__.py":
+            continue
+        if mine != theirs:
+            wrong.append(f"{path.relative_to(PACKAGE)} imports trace_replay.{'.'.join(target)}")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("from trace_replay.runs.replay import replay\n", {("runs", "replay"),
+                                                        ("runs", "replay", "replay")}),
+    ("def f():\n    import trace_replay.engines.vllm.engine\n",
+     {("engines", "vllm", "engine")}),
+])
+def test_imports_are_found_also_inside_functions(source, expected):
+    """The checker reads function-level imports too (a lazy import is a dependency)."""
+    assert _imports(PACKAGE / "analysis" / "example.py", source) == expected
+
+
+def test_relative_imports_resolve_to_package_modules():
+    """``from .x import y`` inside a folder is that folder's module (no relative import
+    escapes the checker)."""
+    found = _imports(PACKAGE / "engines" / "vllm" / "engine.py", "from ..builtin import scoring\n")
+    assert ("engines", "builtin", "scoring") in found
