@@ -15,8 +15,8 @@ from trace_replay.engines.base import ReplayRequest
 from trace_replay.engines.builtin.backends.hf import HFBackend
 from trace_replay.engines.builtin.backends.static import StaticCacheBackend
 from trace_replay.engines.builtin.decode import forced_step, generate_steps, replay_steps
-from trace_replay.engines.builtin.slots import SlotTable
-from trace_replay.engines.builtin.results import wave_results
+from trace_replay.engines.builtin.decode import SlotTable
+from trace_replay.engines.builtin.scoring import wave_results
 from trace_replay.engines.builtin.scoring import scorer_for
 
 TOP_K = 3

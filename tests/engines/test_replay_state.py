@@ -130,7 +130,7 @@ def test_apply_trace_skips_launch_without_traces(device, monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("launched without traces")
 
-    monkeypatch.setattr(state_module, "apply_trace_tokens", fail)
+    monkeypatch.setattr(state, "_apply_trace", fail)  # the launcher chosen for its device
     monkeypatch.setattr(state_module, "apply_trace_tokens_to_verified", fail)
     start_request(state, req_states, 0, None)
     state.apply_staged_writes()

@@ -9,9 +9,9 @@ import torch
 
 from trace_replay.engines.builtin.backends.hf import HFBackend
 from trace_replay.engines.builtin.decode import replay_forwards
-from trace_replay.engines.builtin.slots import SlotTable
+from trace_replay.engines.builtin.decode import SlotTable
 from trace_replay.engines.builtin.verify import VerifySteps, verify_steps
-from trace_replay.engines.builtin.results import wave_results
+from trace_replay.engines.builtin.scoring import wave_results
 from trace_replay.engines.builtin.scoring import score_tokens
 
 K = 3

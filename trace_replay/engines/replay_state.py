@@ -4,7 +4,7 @@
 stages and stores the traces and launches the kernels that force them
 (:mod:`~trace_replay.kernels.trace_tokens`, :mod:`~trace_replay.kernels.trace_tokens_verified`,
 :mod:`~trace_replay.kernels.force_logits`). Shared by the built-in engine (its slot table,
-:mod:`~trace_replay.engines.builtin.slots`) and vLLM's forcing logits processors.
+:func:`~trace_replay.engines.builtin.decode.waves`) and vLLM's forcing logits processors.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from trace_replay.kernels.force_logits import force_trace_logits
-from trace_replay.kernels.trace_tokens import apply_trace_tokens
+from trace_replay.kernels._triton import use_triton
+from trace_replay.kernels.trace_tokens import apply_trace_tokens, apply_trace_tokens_reference
 from trace_replay.kernels.trace_tokens_verified import apply_trace_tokens_to_verified
 
 __all__ = ["RequestState", "TraceReplayState"]
@@ -97,6 +98,10 @@ class TraceReplayState:
         self.num_staged_copies = 0  # host-to-device copies made, for tests and benchmarks
 
         self._pin = self.device.type == "cuda"
+        # the launcher's choice, made once for the state's device: on a CPU without Triton's
+        # interpreter every step runs the torch reference directly
+        self._apply_trace = (apply_trace_tokens if use_triton(self.trace_len)
+                             else apply_trace_tokens_reference)
         self._staged: dict[int, torch.Tensor | None] = {}
         self._host_len = [0] * max_num_reqs  # lengths as of the last apply_staged_writes
         self._num_traced = 0  # slots whose length is > 0
@@ -198,9 +203,9 @@ class TraceReplayState:
         if self._num_traced == 0:
             return
         tokens, *lengths = self._trace_args
-        apply_trace_tokens(sampled, idx_mapping,
-                           tokens if trace_token_ids is None else trace_token_ids, *lengths,
-                           trace_offsets=self.trace_offsets)
+        self._apply_trace(sampled, idx_mapping,
+                          tokens if trace_token_ids is None else trace_token_ids, *lengths,
+                          trace_offsets=self.trace_offsets)
 
     def force_logits(
         self, logits: torch.Tensor, idx_mapping: torch.Tensor, *, value: float = 1e30,

@@ -1,9 +1,9 @@
 """The built-in engine: a readable batched decode loop over a transformers causal LM.
 
-``run`` splits requests into waves (:mod:`~trace_replay.engines.builtin.slots`), prefills a wave's
+``run`` splits requests into waves (:func:`~trace_replay.engines.builtin.decode.waves`), prefills a wave's
 prompts together, replays it in the one replay loop (:mod:`~trace_replay.engines.builtin.decode`;
 the steps of :mod:`~trace_replay.engines.builtin.verify` under ``speculative``) and turns the
-scores into results (:mod:`~trace_replay.engines.builtin.results`). Each step the model's greedy
+scores into results (:mod:`~trace_replay.engines.builtin.scoring`). Each step the model's greedy
 choice is overwritten by ``TraceReplayState.apply_trace`` and scored on the unmodified logits.
 The forward pass itself is a backend
 (:class:`~trace_replay.engines.builtin.backends.base.Backend`, the only members used):
@@ -27,10 +27,10 @@ from trace_replay.engines.base import (Activations, EngineBase, EngineConfig, Re
 from trace_replay.engines.builtin.backends.base import BackendOptions, make_backend
 from trace_replay.engines.builtin.decode import generate_steps, replay_steps
 from trace_replay.engines.builtin.drafts import parse_speculative
-from trace_replay.engines.builtin.slots import SlotTable, waves
+from trace_replay.engines.builtin.decode import SlotTable, waves
 from trace_replay.engines.threads import engine_threads, intra_op_threads
 from trace_replay.engines.builtin.verify import verify_steps
-from trace_replay.engines.builtin.results import wave_results
+from trace_replay.engines.builtin.scoring import wave_results
 from trace_replay.models.load import model_for_engine
 
 __all__ = ["BACKENDS", "TorchEngine"]

@@ -25,7 +25,7 @@ import torch
 
 from trace_replay.engines.base import (Activations, EngineBase, EngineConfig, ReplayRequest,
                                        TraceResult)
-from trace_replay.engines.builtin.results import split_results
+from trace_replay.engines.builtin.scoring import split_results
 from trace_replay.engines.builtin.scoring import TokenScores, collect_rows, scorer_for
 from trace_replay.engines.builtin.backends.base import BackendOptions
 from trace_replay.engines.threads import engine_threads, intra_op_threads

@@ -20,7 +20,7 @@ from trace_replay.engines.base import ReplayRequest
 from trace_replay.engines.builtin.backends.base import Backend
 from trace_replay.engines.builtin.decode import Scorer, Steps, forced_step, replay_forwards
 from trace_replay.engines.builtin.drafts import ngram_drafts
-from trace_replay.engines.builtin.slots import SlotTable
+from trace_replay.engines.builtin.decode import SlotTable
 from trace_replay.engines.builtin.scoring import score_tokens
 
 __all__ = ["VerifyResult", "VerifySteps", "verify_steps"]

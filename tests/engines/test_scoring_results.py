@@ -1,4 +1,4 @@
-"""Tests for trace_replay.engines.builtin.results: which scored positions become each trace's steps."""
+"""Tests for trace_replay.engines.builtin.scoring (results): which scored positions become each trace's steps."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from trace_replay.engines.base import ReplayRequest
-from trace_replay.engines.builtin.results import split_results, wave_results
+from trace_replay.engines.builtin.scoring import split_results, wave_results
 from trace_replay.engines.builtin.scoring import score_tokens
 
 GEN = torch.Generator().manual_seed(0)

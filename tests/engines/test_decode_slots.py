@@ -1,4 +1,4 @@
-"""Tests for trace_replay.engines.builtin.slots: waves of requests and their slots."""
+"""Tests for trace_replay.engines.builtin.decode's slots: waves of requests and their slots."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trace_replay.engines.base import ReplayRequest
-from trace_replay.engines.builtin.slots import SlotTable, waves
+from trace_replay.engines.builtin.decode import SlotTable, waves
 
 CPU = torch.device("cpu")
 NOT_REPLAYED = -7
