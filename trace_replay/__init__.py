@@ -21,6 +21,7 @@ _EXPORTS = {
     "RequestState": "trace_replay.kernels.state",
     "TraceReplayState": "trace_replay.kernels.state",
     "replay": "trace_replay.runs.replay",
+    "RayCluster": "trace_replay.runs.cluster",
     "record": "trace_replay.traces.recording",
     "compare": "trace_replay.analysis.metrics",
     "summarize": "trace_replay.analysis.metrics",
