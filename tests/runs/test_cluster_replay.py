@@ -10,7 +10,6 @@ folder: each trace's digest is in exactly one part.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -25,7 +24,7 @@ import pytest
 from trace_replay.runs.cluster import RayCluster
 from trace_replay.runs.replay import replay
 
-ray = pytest.importorskip("ray")
+ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'trace-replay[ray]')")
 psutil = pytest.importorskip("psutil")
 
 pytestmark = pytest.mark.slow
@@ -41,15 +40,10 @@ PARTS = {"chunk_size": 1, "checkpoint_every": 0}
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(local_ray):
     """A local cluster of 2 CPUs for the module; runs use it and leave it connected."""
-    if ray.is_initialized():
-        pytest.skip("this process is connected to another Ray cluster")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             logging_level=logging.WARNING)
-    yield RayCluster(actors=2)
-    ray.shutdown()
+    with local_ray(num_cpus=2):
+        yield RayCluster(actors=2)
 
 
 @pytest.fixture(scope="module")
