@@ -4,7 +4,8 @@ Every configuration replays the same token-id traces end to end through ``tr.rep
 a fresh checkpoint folder: the single-process run (engine by name) and Ray runs of 1, 2…
 actors on one already started cluster (``ray.init`` is not timed; each run's probe, actor
 starts and final verified read are). Each is run at two sizes, ``--small`` and ``--traces``
-traces, in rounds that interleave the configurations; the marginal rate, (large − small) /
+traces, in rounds that interleave the configurations (each round starting with the next
+one); the marginal rate, (large − small) /
 (median time large − median time small), cancels the fixed start-up of each path (model
 loads, Ray's actor pool) and is the throughput a long run approaches. Ratios are to the
 single-process run of the same round set.
@@ -122,7 +123,10 @@ def main() -> None:
              logging_level=logging.WARNING)
     seconds = {(c, s): [] for c in configs for s in sizes}
     for round_ in range(args.repeats):
-        for name, cluster in configs.items():
+        names = list(configs)
+        names = names[round_ % len(names):] + names[:round_ % len(names)]  # no run always first
+        for name in names:
+            cluster = configs[name]
             for size, traces in sizes.items():
                 seconds[name, size].append(timed(traces, options, cluster))
                 print(f"  round {round_}: {name}, {len(traces)} traces: "

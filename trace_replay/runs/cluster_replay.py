@@ -155,7 +155,10 @@ def _logging_at(logger: logging.Logger, level: int) -> Iterator[None]:
 def _probe(ray: Any, options: dict[str, Any], plan: ClusterPlan) -> EngineFacts:
     """Build the engine once on the cluster, with an actor's resources, to learn its facts;
     an error building it is raised here as it was raised there."""
-    remote = ray.remote(num_cpus=plan.num_cpus, num_gpus=plan.num_gpus)(_facts_or_error)
+    # its worker process exits after it (max_calls=1), so that the memory its engine held,
+    # a GPU's included, is free before the actors start
+    remote = ray.remote(num_cpus=plan.num_cpus, num_gpus=plan.num_gpus,
+                        max_calls=1)(_facts_or_error)
     answer = ray.get(remote.remote(options))
     if isinstance(answer, BaseException):
         raise answer
