@@ -16,7 +16,7 @@ import pytest
 
 from trace_replay.engines.validate import ImpossibleResult
 from trace_replay.runs.checkpoint import Checkpoint
-from trace_replay.runs.cluster_actor import ITEM, ReplayActor, engine_facts, pack
+from trace_replay.runs.cluster_actor import ITEMS, ReplayActor, engine_facts, pack
 from trace_replay.runs.replay import prepare_run, replay
 from trace_replay.traces.sets import load_traces
 
@@ -52,8 +52,8 @@ def _batch(folder, facts, run) -> dict:
     traces, requests = run
     with _open(folder, facts, run) as store:
         by_id = {t.id: t for t in traces}
-        return {ITEM: np.array([pack(store.digest(r), r, by_id[r.trace_id]) for r in requests],
-                               dtype=object)}
+        items = [(store.digest(r), r, by_id[r.trace_id]) for r in requests]
+        return {ITEMS: np.array([pack(items)], dtype=object)}
 
 
 def _actor(folder, facts) -> ReplayActor:
@@ -127,7 +127,7 @@ def test_an_impossible_score_is_the_error_and_the_rest_is_saved(tmp_path, facts,
 def test_a_folder_the_node_cannot_see_is_named(tmp_path, facts):
     """An actor whose node does not find the driver's settings.json (no shared storage) says
     so at its first batch, and builds no engine."""
-    rows = _actor(tmp_path / "elsewhere", facts)({ITEM: np.array([b""], dtype=object)})
+    rows = _actor(tmp_path / "elsewhere", facts)({ITEMS: np.array([pack([])], dtype=object)})
     error = _error(rows)
     assert isinstance(error, FileNotFoundError) and "not visible on node" in str(error)
 
@@ -138,6 +138,6 @@ def test_an_engine_with_other_settings_than_the_runs_is_refused(tmp_path, facts,
     _batch(tmp_path, facts, run)  # the driver's settings.json
     other = {**facts.keyed, "top_k": 4}
     rows = ReplayActor(OPTIONS, str(tmp_path), other, labelled=False, every_s=10.0)(
-        {ITEM: np.array([b""], dtype=object)})
+        {ITEMS: np.array([pack([])], dtype=object)})
     error = _error(rows)
     assert isinstance(error, ValueError) and "other settings than the run's (top_k)" in str(error)

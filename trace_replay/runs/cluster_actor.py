@@ -1,7 +1,7 @@
 """A cluster run's worker: one engine per Ray actor, scoring batches into checkpoint parts.
 
 Nothing here imports Ray: Ray Data constructs :class:`ReplayActor` once per actor and calls
-it with batches of the dataset's one column, :data:`ITEM`. The actor writes the parts a
+it with rows of the dataset's one column, :data:`ITEMS`, each the traces of one part. The actor writes the parts a
 single-process run writes (:func:`~trace_replay.runs.parts.write_checked`, the run's
 settings key), so a folder is shared between both kinds of run, and a killed actor or
 driver loses only the traces in flight.
@@ -30,9 +30,11 @@ from trace_replay.runs.checkpoint import checkpoint_settings, settings_key
 from trace_replay.runs.frame import TokenDecoder
 from trace_replay.runs.parts import PART_NAME, not_saved, write_checked
 
-__all__ = ["ITEM", "EngineFacts", "ReplayActor", "engine_facts", "pack"]
+__all__ = ["ITEMS", "EngineFacts", "ReplayActor", "engine_facts", "pack"]
 
-ITEM = "item"  # the dataset's column: a pickled (trace_digest, ReplayRequest, tokenized Trace)
+# the dataset's column; a row: a pickled list of (trace_digest, ReplayRequest, tokenized Trace),
+# the driver's batch, so that the driver, not Ray's block bundling, decides what a task holds
+ITEMS = "items"
 
 
 @dataclass(frozen=True)
@@ -58,9 +60,9 @@ def engine_facts(options: Mapping[str, Any]) -> EngineFacts:
                            engine.tokenizer)
 
 
-def pack(digest: str, request: ReplayRequest, trace: Any) -> bytes:
-    """One dataset row's :data:`ITEM`."""
-    return pickle.dumps((digest, request, trace), protocol=pickle.HIGHEST_PROTOCOL)
+def pack(items: list[tuple[str, ReplayRequest, Any]]) -> bytes:
+    """One dataset row's :data:`ITEMS`: ``(trace_digest, request, tokenized trace)`` each."""
+    return pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class ReplayActor:
@@ -133,7 +135,7 @@ class ReplayActor:
         try:
             if self.failure is not None:
                 raise self.failure
-            return self._score([pickle.loads(item) for item in batch[ITEM]])
+            return self._score([item for row in batch[ITEMS] for item in pickle.loads(row)])
         except Exception as error:  # noqa: BLE001 - every error goes to the driver as it is
             return self._rows([], error=_portable(error))
 

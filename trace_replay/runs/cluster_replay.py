@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from trace_replay.engines.base import ReplayRequest
 from trace_replay.runs.checkpoint import Checkpoint
 from trace_replay.runs.cluster import ClusterPlan, RayCluster, connect, import_ray, plan_actors
-from trace_replay.runs.cluster_actor import ITEM, EngineFacts, ReplayActor, engine_facts, pack
+from trace_replay.runs.cluster_actor import ITEMS, EngineFacts, ReplayActor, engine_facts, pack
 from trace_replay.runs.frame import TokenDecoder
 from trace_replay.runs.replay import finish_frame, prepare_run, resuming_message, run_attrs
 from trace_replay.traces.sets import TraceSet
@@ -111,8 +111,9 @@ def _run(ray: Any, traceset: TraceSet, requests: list[ReplayRequest], facts: Eng
         while result is None:
             group = store.claim(most=len(requests))  # all of them: the actors write parts
             if group:
-                items = [pack(store.digest(r), r, by_id[r.trace_id]) for r in group]
-                _pass(ray, items, plan, actor_args, chunk=chunk, report=report)
+                items = [(store.digest(r), r, by_id[r.trace_id]) for r in group]
+                batches = [pack(items[i:i + chunk]) for i in range(0, len(items), chunk)]
+                _pass(ray, batches, plan, actor_args, report=report)
                 store.refresh()
             elif not store.waiting():  # other runs hold claims on our traces: wait
                 result = store.read()  # None: a part failed verification, go on
@@ -121,14 +122,17 @@ def _run(ray: Any, traceset: TraceSet, requests: list[ReplayRequest], facts: Eng
     return result, store.resumed, _combined(stats)
 
 
-def _pass(ray: Any, items: list[bytes], plan: ClusterPlan, actor_args: dict[str, Any], *,
-          chunk: int, report: Callable[[Mapping[str, np.ndarray]], None]) -> None:
-    """One pass of ``items`` through a pool of actors; ``report`` hears of each batch."""
-    actors = min(plan.actors, -(-len(items) // chunk))  # no engine for want of work
-    dataset = ray.data.from_items([{ITEM: item} for item in items]).map_batches(
-        ReplayActor, batch_size=chunk, batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=plan.num_cpus,
-        num_gpus=plan.num_gpus, fn_constructor_kwargs=actor_args)
+def _pass(ray: Any, batches: list[bytes], plan: ClusterPlan, actor_args: dict[str, Any], *,
+          report: Callable[[Mapping[str, np.ndarray]], None]) -> None:
+    """One pass of ``batches`` (packed, a part's traces each) through a pool of actors, one
+    batch per task and at most one task per actor at a time (an idle actor takes the next
+    batch; a dead one takes only its own back to the queue); ``report`` hears of each."""
+    pool = ray.data.ActorPoolStrategy(size=min(plan.actors, len(batches)),  # none idle
+                                      max_tasks_in_flight_per_actor=1)
+    dataset = ray.data.from_items([{ITEMS: batch} for batch in batches],
+                                  override_num_blocks=len(batches)).map_batches(
+        ReplayActor, batch_size=1, batch_format="numpy", compute=pool,
+        num_cpus=plan.num_cpus, num_gpus=plan.num_gpus, fn_constructor_kwargs=actor_args)
     verbose = actor_args["options"].get("verbose", False)
     dataset.context.enable_progress_bars = verbose  # the run's own bar counts the tokens
     dataset.context.print_on_execution_start = verbose
