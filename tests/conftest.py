@@ -258,6 +258,35 @@ def assert_frames_bitwise_equal():
     return check
 
 
+# --- a local Ray cluster (cluster runs) -------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def local_ray():
+    """``with local_ray(**resources) as ray:`` a new local Ray cluster of those resources
+    (``num_cpus=2``…; no dashboard, workers' logs kept out), shut down after the block;
+    skips without Ray, or when this process is connected to a cluster already."""
+    import contextlib
+    import logging
+
+    ray = pytest.importorskip("ray", reason="ray is not installed (pip install "
+                                            "'trace-replay[ray]')")
+
+    @contextlib.contextmanager
+    def start(**resources):
+        if ray.is_initialized():
+            pytest.skip("this process is connected to another Ray cluster")
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        ray.init(address="local", include_dashboard=False, log_to_driver=False,
+                 logging_level=logging.WARNING, **resources)
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
+
+    return start
+
+
 # --- a tiny random Llama (engine internals: decode, verify, invariant model) ----------------
 
 _TINY_CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -602,3 +602,25 @@ def test_a_folder_named_like_a_dataset_does_not_hide_it(tmp_path, monkeypatch, c
     assert main(["replay", "humaneval", "--limit", "1", "--engine", "prefill", "--quiet",
                  "--top-k", "1", "--out", "humaneval/r.parquet"]) == 0, capsys.readouterr().err
     assert pd.read_parquet(tmp_path / "humaneval" / "r.parquet")["trace_id"].nunique() == 1
+
+
+def test_ray_options_make_the_cluster_run(capsys, tmp_path):
+    """--ray alone is a new local cluster, --ray ADDRESS that cluster, each with the actors'
+    options; those options without --ray are one line naming them, exit 2, nothing run."""
+    from trace_replay.cli import _cluster
+    from trace_replay.runs.cluster import RayCluster
+
+    def cluster(*flags):
+        return _cluster(_parser().parse_args(["replay", "t.jsonl", "--out", "r.parquet",
+                                              *flags]))
+
+    assert cluster() is None
+    assert cluster("--ray") == RayCluster()
+    assert cluster("--ray", "auto", "--actors", "3", "--cpus-per-actor", "2",
+                   "--gpus-per-actor", "1") == RayCluster("auto", 3, num_gpus=1, num_cpus=2)
+    traces = _write_traces(tmp_path / "t.jsonl", [HELLO])
+    assert main(["replay", str(traces), "--out", str(tmp_path / "r.parquet"), "--actors", "2",
+                 "--gpus-per-actor", "1"]) == 2
+    assert capsys.readouterr().err == ("trace-replay: error: --actors, --gpus-per-actor "
+                                       "configure a Ray cluster run: add --ray\n")
+    assert not (tmp_path / "r.parquet").exists()

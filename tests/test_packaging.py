@@ -32,16 +32,21 @@ def test_environment_yml_matches_pyproject():
 
 
 def test_extras_and_console_script():
-    """The extras the README names exist, and the console script points at the CLI."""
+    """The extras the README names exist, ``make install`` installs the CPU ones, and the
+    console script points at the CLI."""
     project = _pyproject()["project"]
-    assert {"notebook", "cpu", "gpu", "dev"} <= set(project["optional-dependencies"])
+    assert {"notebook", "cpu", "gpu", "dev", "ray"} <= set(project["optional-dependencies"])
+    install = re.search(r'-e "\.\[([a-z,]+)\]"', (ROOT / "Makefile").read_text())
+    assert set(install.group(1).split(",")) == {"cpu", "notebook", "dev", "ray"}
     assert project["scripts"]["trace-replay"] == "trace_replay.cli:main"
 
 
 def test_import_is_light():
-    """``import trace_replay`` imports neither vllm nor transformers (nor triton)."""
+    """``import trace_replay`` imports neither vllm nor transformers (nor triton, nor ray,
+    whose cluster runs import it when asked for)."""
     code = ("import sys, trace_replay; "
-            "print(sorted(m for m in ('vllm', 'transformers', 'triton') if m in sys.modules))")
+            "print(sorted(m for m in ('vllm', 'transformers', 'triton', 'ray') "
+            "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"

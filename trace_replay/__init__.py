@@ -21,6 +21,7 @@ _EXPORTS = {
     "RequestState": "trace_replay.engines.replay_state",
     "TraceReplayState": "trace_replay.engines.replay_state",
     "replay": "trace_replay.runs.replay",
+    "RayCluster": "trace_replay.runs.cluster",
     "close_engines": "trace_replay.runs.kept_engines",
     "record": "trace_replay.runs.recording",
     "compare": "trace_replay.analysis.metrics",

@@ -144,10 +144,28 @@ def _cmd_replay(args) -> None:
                 checkpoint=args.checkpoint, shard=args.shard, truncate=args.truncate,
                 chunk_size=args.chunk_size, checkpoint_every=args.checkpoint_every,
                 deterministic=args.deterministic,
-                verbose=args.verbose)
+                verbose=args.verbose, cluster=_cluster(args))
     _write_frame(df, args.out)
     print(f"{plural(df['trace_id'].nunique(), 'trace')}, {plural(len(df), 'token')} "
           f"({df.attrs.get('engine_path')}) -> {args.out}")
+
+
+def _cluster(args):
+    """``--ray [ADDRESS]`` and the actors' options as a RayCluster; None without ``--ray``."""
+    options = {("actors", "--actors"): args.actors,
+               ("num_cpus", "--cpus-per-actor"): args.cpus_per_actor,
+               ("num_gpus", "--gpus-per-actor"): args.gpus_per_actor}
+    given = {names: value for names, value in options.items() if value is not None}
+    if args.ray is None:
+        if given:
+            flags = ", ".join(flag for _, flag in given)
+            raise ValueError(f"{flags} configure{'s' if len(given) == 1 else ''} a Ray "
+                             "cluster run: add --ray")
+        return None
+    from trace_replay.runs.cluster import RayCluster
+
+    return RayCluster(address=args.ray or None,
+                      **{name: value for (name, _), value in given.items()})
 
 
 # what record writes, each a kind replay reads back: JSONL (gzipped too) or Parquet
@@ -276,7 +294,9 @@ def _parser() -> argparse.ArgumentParser:
                  "  trace-replay replay traces.jsonl --engine vllm --dtype bfloat16 "
                  "--engine-arg max_model_len=4096 --out bf16.parquet\n"
                  "  trace-replay replay traces.jsonl --shard 0/4 --checkpoint run0/ "
-                 "--out part0.parquet", _cmd_replay)
+                 "--out part0.parquet\n"
+                 "  trace-replay replay traces.jsonl --engine vllm --ray auto "
+                 "--checkpoint /shared/run/ --out r.parquet", _cmd_replay)
     p.add_argument("traces", help="traces file (JSONL, JSON or Parquet), or the name of a "
                    f"bundled dataset ({', '.join(DATASETS)}; a file of that name wins)")
     p.add_argument("--out", required=True, help="result file (.parquet) to write")
@@ -317,6 +337,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant numbers: a trace's results never depend on its batch")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="replay on a Ray cluster, one engine per actor (docs/cluster.md): "
+                        "alone, a new local cluster; 'auto' the one RAY_ADDRESS or `ray "
+                        "start` names; or a head's address (default: no cluster)")
+    p.add_argument("--actors", type=_positive_int, default=None, metavar="N",
+                   help="with --ray: engines (default: as many as the cluster's GPUs, or "
+                        "CPUs, hold)")
+    p.add_argument("--cpus-per-actor", type=float, default=None, metavar="N",
+                   help="with --ray: CPUs per actor, a CPU engine's threads (default: 1)")
+    p.add_argument("--gpus-per-actor", type=float, default=None, metavar="N",
+                   help="with --ray: GPUs per actor (default: 1 where the engine runs on "
+                        "CUDA, else 0)")
 
     p = _command(sub, "record", "generate traces with the engine's own logprobs as "
                  "ref_logprobs", "  trace-replay record prompts.txt --max-tokens 64 "

@@ -228,7 +228,8 @@ class NanForOne:
 def test_an_impossible_trace_keeps_its_batch_mates(engine, real_traces, tmp_path):
     """One trace of a batch scored NaN: replay raises naming it, and with a checkpoint the
     batch's other traces are saved, so a rerun resumes them and computes only that trace."""
-    from trace_replay.runs.checkpoint import Checkpoint, checkpoint_settings
+    from trace_replay.engines.base import engine_identity
+    from trace_replay.runs.checkpoint import Checkpoint
     from trace_replay.engines.validate import ImpossibleResult
     from trace_replay.runs.replay import prepare_requests
 
@@ -238,5 +239,5 @@ def test_an_impossible_trace_keeps_its_batch_mates(engine, real_traces, tmp_path
         replay(traces, engine=nan, progress=False, checkpoint=tmp_path)
     assert nan.calls == 1  # one batch of 4
     requests = prepare_requests(traces.tokenize(engine.tokenizer), None)[0]
-    with Checkpoint(tmp_path, checkpoint_settings(engine), requests) as store:
+    with Checkpoint(tmp_path, engine_identity(engine), requests) as store:
         assert store.resumed == 3

@@ -22,7 +22,7 @@ import torch
 
 __all__ = ["Activations", "BatchFailed", "ENGINE_MEMBERS", "Engine", "EngineBase",
            "EngineClosed", "EngineConfig", "PROVENANCE", "ReplayRequest", "TraceResult",
-           "check_engine", "missing_members", "protocol_members"]
+           "check_engine", "engine_identity", "missing_members", "protocol_members"]
 
 
 @dataclass(frozen=True)
@@ -443,3 +443,15 @@ def _sample(weight: torch.Tensor) -> bytes:
 # what a subclass of EngineBase sets itself: the annotated attributes without a value there
 PROVENANCE = tuple(name for name in EngineBase.__annotations__
                    if not hasattr(EngineBase, name) and not name.startswith("_"))
+
+
+def engine_identity(engine: Engine) -> dict:
+    """What ``engine``'s results are labelled with (``df.attrs``) and a checkpoint folder is
+    keyed on: its settings and, where the engine reads its weights (``weights_digest()``),
+    their digest, read now. A model edited or retrained in place under the same name is then
+    refused by a folder and by ``merge`` as other settings, never served the rows of its old
+    weights; so is another server, or another model behind the same server address (a
+    server engine digests its address and its scores of a fixed probe)."""
+    settings = engine.settings()
+    weights = engine.weights_digest()
+    return settings if weights is None else {**settings, "weights_digest": weights}

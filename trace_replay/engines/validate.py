@@ -22,6 +22,7 @@ logprob counting as 0).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -43,6 +44,12 @@ class ImpossibleResult(RuntimeError):
                  field: str | None = None) -> None:
         super().__init__(message)
         self.trace_id, self.step, self.field = trace_id, step, field
+
+    def __reduce__(self) -> tuple:
+        # the keyword-only fields go along, so the error survives pickling (a cluster actor's
+        # error reaches the driver as it was raised)
+        return (functools.partial(type(self), trace_id=self.trace_id, step=self.step,
+                                  field=self.field), self.args)
 
 
 def impossible(logprob: np.ndarray, rank: np.ndarray, top_logprobs: np.ndarray,

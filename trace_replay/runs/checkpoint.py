@@ -24,13 +24,12 @@ import pandas as pd
 
 from trace_replay._io import remove_stale_temporaries, write_atomic
 from trace_replay.runs.claims import Claims
-from trace_replay.engines.base import Engine, ReplayRequest
-from trace_replay.engines.validate import ImpossibleResult
-from trace_replay.runs.parts import (PART_NAME, CorruptPart, check_rows, describe, part_settings_key,
-                                read_part, write_part)
+from trace_replay.engines.base import ReplayRequest
+from trace_replay.runs.parts import (PART_NAME, CorruptPart, not_saved, part_settings_key,
+                                     read_part, write_checked)
 from trace_replay.traces.trace import Trace
 
-__all__ = ["BATCH_SETTINGS", "ROW_FIELDS", "Checkpoint", "batch_invariant", "checkpoint_settings",
+__all__ = ["BATCH_SETTINGS", "ROW_FIELDS", "Checkpoint", "batch_invariant",
            "number_settings", "settings_key", "trace_digest"]
 
 # settings that size the engine's batches: they change no number of a batch-invariant run
@@ -64,18 +63,6 @@ def number_settings(settings: dict) -> dict:
 ROW_FIELDS = ("ref_logprobs", "trace_turns", "trace_roles")
 
 
-def checkpoint_settings(engine: Engine) -> dict:
-    """What a folder of ``engine``'s replays is keyed on: its settings and, where the engine
-    reads its weights (``weights_digest()``), their digest, read now. A model edited or
-    retrained in place under the same name is then refused by the folder as other
-    settings, never served the rows of its old weights; so is another server, or another
-    model behind the same server address (a server engine digests its address and its
-    scores of a fixed probe)."""
-    settings = engine.settings()
-    weights = engine.weights_digest()
-    return settings if weights is None else {**settings, "weights_digest": weights}
-
-
 def trace_digest(key: str, request: ReplayRequest, trace: Trace | None = None) -> str:
     """What a finished trace's rows depend on: the settings' ``key``, the trace id, the exact
     prompt and trace tokens of ``request``, and the ``ROW_FIELDS`` of ``trace`` (``None``:
@@ -107,8 +94,8 @@ class Checkpoint:
       check is renamed ``*.corrupt`` with a warning, and its traces are recomputed. A
       folder or file named like a part but not one is skipped with a warning.
     * Rows are checked as a read would check them before they are written: impossible ones
-      (a NaN logprob) are an :class:`ImpossibleResult` naming the trace, step and problem,
-      the batch's other traces saved. A run computes a trace at most ``max_computations``
+      (a NaN logprob) are an :class:`~trace_replay.engines.validate.ImpossibleResult`
+      naming the trace, step and problem, the batch's other traces saved. A run computes a trace at most ``max_computations``
       times (its rows lost again: an error), so nothing loops.
     * Runs claim traces before computing them (:class:`~trace_replay.runs.claims.Claims`): two
       runs on one folder split the work; a dead run's claims are taken over.
@@ -125,7 +112,7 @@ class Checkpoint:
     path
         The folder (created if missing).
     settings
-        The engine's :func:`checkpoint_settings`; the folder is keyed on their
+        The engine's :func:`~trace_replay.engines.base.engine_identity`; the folder is keyed on their
         :func:`number_settings` (a deterministic run's folder takes any batch size).
     requests
         What this run replays; trace ids are unique.
@@ -194,9 +181,11 @@ class Checkpoint:
 
     # -- the run loop ---------------------------------------------------------------------
 
-    def claim(self) -> list[ReplayRequest]:
+    def claim(self, most: int | None = None) -> list[ReplayRequest]:
         """Claim the next traces to compute: unfinished, unclaimed, in request order.
 
+        At most ``most`` of them (``None``: one engine call's, see ``add``); a run whose
+        workers write the parts themselves (a cluster run) claims all it hands them.
         Returns an empty list when nothing is left to claim; :meth:`waiting` then says
         whether other runs still hold claims on this run's traces.
         """
@@ -204,7 +193,7 @@ class Checkpoint:
             self._scan()
             taken = self._claims.others() | self._claims.mine
             # a part holds at most max_traces: fill up what is buffered, no more
-            size = min(self._group, self.max_traces - self._buffered())
+            size = most or min(self._group, self.max_traces - self._buffered())
             group, finished = [], []
             for digest in self._todo:  # finished and claimed digests leave, so this stays short
                 if self._held[digest]:
@@ -231,6 +220,10 @@ class Checkpoint:
                 f"{self._lost.get(digest, 'not written')}); stopped instead of computing it "
                 "again (the finished traces are kept)")
 
+    def digest(self, request: ReplayRequest) -> str:
+        """The ``trace_digest`` of one of this run's requests (what its part rows carry)."""
+        return self._digest_of[request.trace_id]
+
     def add(self, frame: pd.DataFrame) -> None:
         """Keep the frame of the last claimed traces; a part is written when one is due."""
         traces = frame["trace_id"].nunique()
@@ -241,6 +234,12 @@ class Checkpoint:
         whole = max(self.batch_size, fit // self.batch_size * self.batch_size)
         self._group = min(self.max_traces, whole)
         self._save_if_due()
+
+    def refresh(self) -> None:
+        """Verify the parts written since the last look: other runs', or those of this
+        run's workers (a cluster run's actors write their parts themselves)."""
+        with self._claims.locked():
+            self._scan()
 
     def waiting(self) -> bool:
         """Whether traces of this run are still claimed by other live runs (then sleep)."""
@@ -296,9 +295,7 @@ class Checkpoint:
             failed = self._write(pd.concat(self._buffer, ignore_index=True))
             self._buffer = []
             if failed:
-                raise ImpossibleResult(f"checkpoint {self.path}: impossible results, not "
-                                       f"saved (the other traces are): {describe(failed)}",
-                                       trace_id=next(iter(failed)))
+                raise not_saved(self.path, failed)
 
     def _buffered(self) -> int:
         """Traces computed and not yet written (each frame holds whole traces)."""
@@ -316,13 +313,13 @@ class Checkpoint:
         wrong with the others (:func:`~trace_replay.runs.parts.check_rows`)."""
         frame = frame.assign(trace_digest=frame["trace_id"].map(self._digest_of))
         # what a read would refuse is never written, so no trace comes back to compute
-        failed = check_rows(frame, top_k=self.top_k, requests=self._requests,
-                            vocab_size=self.vocab_size)
-        frame = frame[~frame["trace_id"].isin(failed)]
-        if frame.empty:
+        part, failed = write_checked(self.path, frame, self.key, top_k=self.top_k,
+                                     requests=self._requests,
+                                     vocab_size=self.vocab_size)
+        if part is None:
             return failed
-        name = write_part(self.path, frame, self.key).name
-        digests = frozenset(frame["trace_digest"])
+        name = part.name
+        digests = frozenset(frame.loc[~frame["trace_id"].isin(failed), "trace_digest"])
         self._parts[name] = digests
         self._held.update(digests)
         self._last_write = time.monotonic()

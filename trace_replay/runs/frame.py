@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -44,16 +44,18 @@ class TokenDecoder:
         return text
 
 
-def to_frame(results: Sequence[TraceResult], traces: dict[str, Trace],
-             decode: TokenDecoder) -> pd.DataFrame:
+def to_frame(results: Sequence[TraceResult], traces: Mapping[str, Trace],
+             decode: TokenDecoder, *, labelled: bool | None = None) -> pd.DataFrame:
     """Build the replay frame for ``results``; ``ref_logprob`` is added when a trace has one.
 
-    When any of ``traces`` is a tokenized chat trace, every row also gets its ``turn`` (index
-    of the message, nullable Int64) and ``role`` (that message's role, or ``"template"``);
-    rows of other traces get nulls there. An engine's per-step ``extra`` arrays become columns
-    of their own, after ``entropy``.
+    When any of ``traces`` is a tokenized chat trace (or ``labelled`` says so, for rows of
+    a run whose chat traces are elsewhere), every row also gets its ``turn`` (index of the
+    message, nullable Int64) and ``role`` (that message's role, or ``"template"``); rows of
+    other traces get nulls there. An engine's per-step ``extra`` arrays become columns of
+    their own, after ``entropy``.
     """
-    labelled = any(trace.trace_roles is not None for trace in traces.values())
+    if labelled is None:
+        labelled = any(trace.trace_roles is not None for trace in traces.values())
     parts = []
     for result in results:
         steps = len(result.token_ids)

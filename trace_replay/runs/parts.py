@@ -19,10 +19,10 @@ import pandas as pd
 
 from trace_replay._io import write_atomic
 from trace_replay.engines.base import ReplayRequest
-from trace_replay.engines.validate import impossible
+from trace_replay.engines.validate import ImpossibleResult, impossible
 
-__all__ = ["PART_NAME", "CorruptPart", "check_rows", "describe", "part_settings_key",
-           "read_part", "write_part"]
+__all__ = ["PART_NAME", "CorruptPart", "check_rows", "describe", "not_saved",
+           "part_settings_key", "read_part", "write_checked", "write_part"]
 
 PART_NAME = re.compile(r"^part-\d{20}-(?P<sha>[0-9a-f]{16})\.parquet$")
 _SETTINGS_KEY = b"trace_replay.settings_key"  # Parquet metadata: the run's settings key
@@ -51,6 +51,31 @@ def write_part(folder: Path, frame: pd.DataFrame, settings_key: str | None = Non
     path = folder / f"part-{time.time_ns():020d}-{hashlib.sha256(data).hexdigest()[:16]}.parquet"
     write_atomic(path, lambda temporary: temporary.write_bytes(data))
     return path
+
+
+def write_checked(folder: Path, frame: pd.DataFrame, settings_key: str, *,
+                  top_k: int | None, requests: Mapping[str, ReplayRequest],
+                  vocab_size: int | None = None) -> tuple[Path | None, dict[str, list[str]]]:
+    """Write the traces of ``frame`` (with ``trace_digest``) that pass a read's checks as
+    a part, so that nothing a read would refuse is ever written.
+
+    Returns
+    -------
+    tuple
+        The part (``None`` when no trace passed), and what is wrong with the other traces
+        (:func:`check_rows`; empty when all passed).
+    """
+    failed = check_rows(frame, top_k=top_k, requests=requests, vocab_size=vocab_size)
+    frame = frame[~frame["trace_id"].isin(failed)]
+    if frame.empty:
+        return None, failed
+    return write_part(folder, frame, settings_key), failed
+
+
+def not_saved(folder: Path, failed: Mapping[str, list[str]]) -> ImpossibleResult:
+    """The error for traces :func:`write_checked` refused, naming the first ones."""
+    return ImpossibleResult(f"checkpoint {folder}: impossible results, not saved (the other "
+                            f"traces are): {describe(failed)}", trace_id=next(iter(failed)))
 
 
 def part_settings_key(path: Path) -> str | None:

@@ -18,11 +18,12 @@ import torch
 from tqdm.auto import tqdm
 
 from trace_replay.wording import plural
-from trace_replay.runs.checkpoint import Checkpoint, checkpoint_settings
+from trace_replay.runs.checkpoint import Checkpoint
 from trace_replay.runs.kept_engines import kept_engine
 from trace_replay.engines import ENGINES
-from trace_replay.engines.base import BatchFailed, Engine, ReplayRequest, check_engine
-from trace_replay.engines.validate import ImpossibleResult, check_results
+from trace_replay.engines.base import Engine, ReplayRequest, check_engine, engine_identity
+from trace_replay.runs.batches import run_checked
+from trace_replay.runs.cluster import RayCluster, as_cluster
 from trace_replay.runs.frame import TokenDecoder, to_frame
 from trace_replay.traces.trace import FIELDS
 from trace_replay.traces.sets import TraceError, TraceSet, load_traces
@@ -32,7 +33,8 @@ TraceInput = str | os.PathLike | TraceSet | pd.DataFrame | Iterable[Mapping[str,
 # None (the embedded model), a local folder, a cached model name, or a loaded nn.Module
 ModelArg = str | os.PathLike | torch.nn.Module | None
 
-__all__ = ["replay", "prepare_requests", "package_versions"]
+__all__ = ["replay", "prepare_requests", "prepare_run", "finish_frame", "run_attrs",
+           "resuming_message", "package_versions"]
 
 
 def _traces_digest(traces: TraceSet) -> str:
@@ -89,7 +91,8 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
            progress: bool = True, checkpoint: str | os.PathLike | None = None,
            shard: tuple[int, int] | None = None, truncate: bool = False,
            chunk_size: int | None = None, checkpoint_every: float = 10.0,
-           deterministic: bool = False, verbose: bool = False) -> pd.DataFrame:
+           deterministic: bool = False, verbose: bool = False,
+           cluster: str | RayCluster | None = None) -> pd.DataFrame:
     """Replay every trace through a model's decode path and score each trace token.
 
     At each decode step the engine computes its normal next-token distribution, the emitted
@@ -158,6 +161,12 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
         (``df.attrs["batch_invariant"]`` says whether it ran). Recorded in ``df.attrs``.
     verbose
         Show the engine's own start-up logging (vLLM's); by default only its errors.
+    cluster
+        ``"ray"`` or a :class:`~trace_replay.runs.cluster.RayCluster`: replay on a Ray
+        cluster, one engine per actor, each built from these arguments (``engine`` a
+        name, ``model`` a folder or name every node reads); the actors write the
+        ``checkpoint`` parts (default: a temporary folder). The same frame and attrs, plus
+        ``attrs["cluster"]``. Needs the ``[ray]`` extra; see docs/cluster.md.
 
     Returns
     -------
@@ -185,6 +194,8 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
     """
     _check_arguments(shard=shard, chunk_size=chunk_size, checkpoint_every=checkpoint_every,
                      truncate=truncate, progress=progress, checkpoint=checkpoint)
+    if cluster is not None:
+        cluster = _cluster_run(cluster, engine, model)
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     traceset = load_traces(traces)
     digest = _traces_digest(traceset)  # before sharding: every shard of the set shares it
@@ -196,6 +207,17 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
             warnings.warn(f"shard {shard[0]}/{shard[1]} holds none of the "
                           f"{plural(total, 'trace')} of "
                           f"{traceset.source}: its result is empty on purpose", stacklevel=2)
+    if cluster is not None:
+        from trace_replay.runs.cluster_replay import replay_on_ray
+
+        options = {"name": engine, "model": model, "dtype": dtype, "device": device,
+                   "batch_size": batch_size, "top_k": top_k, "speculative": speculative,
+                   "engine_args": engine_args, "deterministic": deterministic,
+                   "verbose": verbose}
+        return replay_on_ray(traceset, cluster, options, progress=progress,
+                             checkpoint=checkpoint, shard=shard, truncate=truncate,
+                             chunk_size=chunk_size, checkpoint_every=checkpoint_every,
+                             started=started, digest=digest)
     if isinstance(engine, str):  # started once per process, reused by later calls
         with kept_engine(engine, model, dtype=dtype, device=device, batch_size=batch_size,
                          top_k=top_k, speculative=speculative, engine_args=engine_args,
@@ -247,19 +269,16 @@ def _check_arguments(*, shard: Any, chunk_size: Any, checkpoint_every: Any, trun
         raise ValueError(f"checkpoint must be a folder path, got {type(checkpoint).__name__}")
 
 
-def _possible(requests: list[ReplayRequest], results: list, limits: dict) -> list:
-    """Those of ``results`` (one per request, in order) that pass ``check_results``; none when
-    their count is not the requests'."""
-    if len(results) != len(requests):
-        return []
-    possible = []
-    for request, result in zip(requests, results):
-        try:
-            check_results([request], [result], **limits)
-        except ImpossibleResult:
-            continue
-        possible.append(result)
-    return possible
+def _cluster_run(cluster: Any, engine: Any, model: Any) -> RayCluster:
+    """The cluster a run asks for; refused when its engine cannot be built on each actor."""
+    cluster = as_cluster(cluster)
+    if not isinstance(engine, str):
+        raise ValueError("a cluster run builds one engine per actor: pass engine as a name "
+                         f"({', '.join(ENGINES)}), not an engine object")
+    if isinstance(model, torch.nn.Module):
+        raise ValueError("a cluster run loads the model on each actor: pass model as a "
+                         "folder or model name every node can read, not a loaded module")
+    return cluster
 
 
 def _is_int(value: Any) -> bool:
@@ -271,16 +290,12 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
             truncate: bool, chunk_size: int | None, checkpoint_every: float,
             started: str, digest: str) -> pd.DataFrame:
     # with the weights' digest, read once: merge and checkpoints refuse other weights
-    settings = checkpoint_settings(engine)
+    settings = engine_identity(engine)
     vocab_size = engine.vocab_size
-    if vocab_size is not None and settings.get("top_k", 0) > vocab_size:
-        raise ValueError(f"top_k {settings['top_k']} exceeds the model's vocabulary size "
-                         f"{vocab_size}: a step has only {vocab_size} alternatives to record")
     tokenizer = engine.tokenizer
-    # ids must index both the model's logits and the tokenizer that names them
-    bound = len(tokenizer) if vocab_size is None else min(len(tokenizer), vocab_size)
-    traceset = traceset.tokenize(tokenizer, vocab_size=bound)
-    requests, cut_notes = prepare_requests(traceset, engine.max_model_len, truncate=truncate)
+    traceset, requests, cut_notes = prepare_run(
+        traceset, tokenizer=tokenizer, vocab_size=engine.vocab_size,
+        max_model_len=engine.max_model_len, top_k=settings.get("top_k", 0), truncate=truncate)
     by_id = {t.id: t for t in traceset}
     decode = TokenDecoder(tokenizer)
     batch = max(engine.batch_size, 1)
@@ -296,33 +311,13 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
             counted += tokens
             bar.update(tokens)
 
-        limits = {"top_k": settings.get("top_k"), "vocab_size": vocab_size}
+        limits = {"top_k": settings.get("top_k"), "vocab_size": engine.vocab_size}
 
         def run(group: list[ReplayRequest],
                 keep: Callable[[pd.DataFrame], None] | None = None) -> pd.DataFrame:
-            """The checked frame of ``group``; on an impossible result or a failed request,
-            ``keep`` (when given) gets the frame of the batch's finished, possible traces
-            before the error is raised."""
             target = counted + sum(r.trace_len for r in group)
-
-            def keep_possible(done: list[ReplayRequest], results: list) -> None:
-                possible = _possible(done, results, limits)
-                if keep is not None and possible:  # a failed batch loses no finished trace
-                    keep(to_frame(possible, by_id, decode))
-
-            try:
-                results = engine.run(group, on_tokens=advance)
-            except BatchFailed as failed:  # some requests failed; keep those that finished
-                done = [(r, res) for r, res in zip(group, failed.results) if res is not None]
-                keep_possible([r for r, _ in done], [res for _, res in done])
-                raise failed.error from None
-            # the one check every engine's output passes before it is stored or returned
-            try:
-                check_results(group, results, **limits)
-            except ImpossibleResult:
-                keep_possible(group, results)
-                raise
-            frame = to_frame(results, by_id, decode)
+            frame = run_checked(engine, group, by_id, decode, limits=limits,
+                                on_tokens=advance, keep=keep)
             advance(max(target - counted, 0))  # an engine that reported fewer catches up
             return frame
 
@@ -337,10 +332,8 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
                 resumed = store.resumed
                 advance(store.resumed_tokens)
                 if resumed and progress:
-                    bar.write(f"replay: resuming {checkpoint}: {resumed} of "
-                              f"{plural(len(requests), 'trace')} "
-                              f"({plural(store.resumed_tokens, 'token')}) already done, "
-                              f"{len(requests) - resumed} to replay", file=sys.stderr)
+                    bar.write(resuming_message(checkpoint, store, len(requests)),
+                              file=sys.stderr)
                 result = None
                 while result is None:
                     group = store.claim()
@@ -349,22 +342,71 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
                     elif not store.waiting():  # other runs hold claims on our traces: wait
                         result = store.read()  # None: a part failed verification, go on
                 advance(max(total - counted, 0))  # traces other runs sharing it replayed
+    result = finish_frame(result, traceset, decode)
+    result.attrs = run_attrs(settings, engine.stats(), traceset=traceset, requests=requests,
+                             num_tokens=len(result), vocab_size=vocab_size, resumed=resumed,
+                             notes=cut_notes, shard=shard, digest=digest, started=started)
+    return result
+
+
+def prepare_run(traceset: TraceSet, *, tokenizer: Any, vocab_size: int | None,
+                max_model_len: int | None, top_k: int,
+                truncate: bool) -> tuple[TraceSet, list[ReplayRequest], list[str]]:
+    """What every run does before its first engine call: refuse a ``top_k`` beyond the
+    vocabulary, tokenize (ids bound by both the tokenizer and the model's ``vocab_size``)
+    and make the requests (:func:`prepare_requests`).
+
+    Returns
+    -------
+    tuple
+        The tokenized traces, their requests in order, and the notes on cut traces.
+    """
+    if vocab_size is not None and top_k > vocab_size:
+        raise ValueError(f"top_k {top_k} exceeds the model's vocabulary size "
+                         f"{vocab_size}: a step has only {vocab_size} alternatives to record")
+    # ids must index both the model's logits and the tokenizer that names them
+    bound = len(tokenizer) if vocab_size is None else min(len(tokenizer), vocab_size)
+    traceset = traceset.tokenize(tokenizer, vocab_size=bound)
+    requests, notes = prepare_requests(traceset, max_model_len, truncate=truncate)
+    return traceset, requests, notes
+
+
+def resuming_message(checkpoint: str | os.PathLike, store: Checkpoint, traces: int) -> str:
+    """What a run resuming ``checkpoint`` says: how much of its ``traces`` is done."""
+    return (f"replay: resuming {checkpoint}: {store.resumed} of {plural(traces, 'trace')} "
+            f"({plural(store.resumed_tokens, 'token')}) already done, "
+            f"{traces - store.resumed} to replay")
+
+
+def finish_frame(result: pd.DataFrame | None, traceset: TraceSet,
+                 decode: TokenDecoder) -> pd.DataFrame:
+    """A run's rows: every column even when none (an empty shard), and no ``ref_logprob``
+    column when no trace of ``traceset`` (tokenized) has one."""
     if result is None or result.empty:
-        result = to_frame([], by_id, decode)
+        result = to_frame([], {t.id: t for t in traceset}, decode)
     if not any(t.ref_logprobs is not None for t in traceset):
         result = result.drop(columns="ref_logprob")
-    result.attrs = {
+    return result
+
+
+def run_attrs(settings: dict[str, Any], stats: dict[str, Any], *, traceset: TraceSet,
+              requests: list[ReplayRequest], num_tokens: int, vocab_size: int | None,
+              resumed: int, notes: list[str],
+              shard: tuple[int, int] | None, digest: str, started: str) -> dict[str, Any]:
+    """A run's ``df.attrs``: the engine's settings (with its weights' digest,
+    :func:`~trace_replay.engines.base.engine_identity`) and stats, and the run's provenance."""
+    return {
         **settings,
-        **engine.stats(),
+        **stats,
         # None: the engine cannot read its weights (a server); absent only in older results
         "weights_digest": settings.get("weights_digest"),
         # which attrs make two runs comparable (merge)
         "settings_keys": sorted({*settings, "weights_digest"}),
         "vocab_size": None if vocab_size is None else int(vocab_size),  # report checks ranks
         "num_traces": len(requests),
-        "num_tokens": len(result),  # rows, so that a result file missing one is refused
+        "num_tokens": num_tokens,  # rows, so that a result file missing one is refused
         "resumed_traces": resumed,
-        "truncated": cut_notes,
+        "truncated": notes,
         "shard": list(shard) if shard is not None else None,
         "source": traceset.source,
         "traces_digest": digest,  # of the whole trace set, so merge refuses shards of others
@@ -372,4 +414,3 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
         "started_at": started,
         "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }
-    return result

