@@ -181,7 +181,7 @@ def main() -> None:
             print(f"| {path} | {deterministic} | {seconds:.3f} | {tokens / seconds:,.0f} | "
                   f"{seconds / base:.2f} |")
     if device.type == "cuda":  # what deterministic mode would do without Triton
-        from trace_replay.engines.builtin.backends.invariant_ops import probe_linear
+        from trace_replay.engines.builtin.backends.deterministic_ops import probe_linear
 
         linears = [m.weight for m in lm.modules() if isinstance(m, torch.nn.Linear)]
         try:

@@ -50,11 +50,11 @@ tests)
   # the kernels' and the state's CUDA cases are not gpu-marked (a device parameter instead)
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_top_k.py tests/kernels/test_kernels.py tests/engines/test_replay_state.py tests/kernels/test_cache_attention.py tests/kernels/test_fp32_linear.py tests/engines/test_linear_groups.py \
     tests/kernels/test_gemv.py tests/kernels/test_gated_gemv.py tests/engines/test_residual_adds.py tests/engines/test_norm_folds.py \
-    tests/engines/test_invariant_ops.py tests/kernels/test_invariant_kernels.py -k cuda 2>&1 | tail -5 | tee -a "$out/gpu_tests.txt"
+    tests/engines/test_deterministic_ops.py tests/kernels/test_deterministic_kernels.py -k cuda 2>&1 | tail -5 | tee -a "$out/gpu_tests.txt"
   # deterministic mode's CUDA kernels (their device is the module's, not a parameter) and its
   # bitwise promises end to end with the CUDA arithmetic
-  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_invariant_kernels.py \
-    tests/kernels/test_invariant_epilogues.py tests/kernels/test_invariant_score.py tests/gpu/test_determinism_gpu.py 2>&1 | tail -5 \
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_deterministic_kernels.py \
+    tests/kernels/test_deterministic_epilogues.py tests/kernels/test_deterministic_score.py tests/gpu/test_determinism_gpu.py 2>&1 | tail -5 \
     | tee -a "$out/gpu_tests.txt"
   ;;
 vllm)

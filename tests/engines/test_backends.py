@@ -77,14 +77,14 @@ def test_backends_answer_activations_as_the_engine_contract_says(tiny_llama):
     """hf: the model's own modules; invariant: the row-wise model's rows over the same
     weights; static: none, with the backend to build instead."""
     assert make_backend("hf", tiny_llama, 0).activations() == Activations(tiny_llama)
-    invariant = make_backend("invariant", tiny_llama, 0)
+    invariant = make_backend("deterministic", tiny_llama, 0)
     assert invariant.activations() == Activations(tiny_llama, invariant.model)
     with pytest.raises(NotImplementedError, match="backend='hf'"):
         make_backend("static", tiny_llama, 0).activations()
 
 
 # modules of the static and deterministic backends alone, and the kernels only they launch
-_NOT_ON_THE_CPU_PATH = ("backends.static", "backends.captured_step", "backends.invariant",
+_NOT_ON_THE_CPU_PATH = ("backends.static", "backends.captured_step", "backends.deterministic",
                         "passes.batch1_fusions", "passes.linear_groups", "kernels.gemv",
                         "kernels.gated_gemv", "kernels.grouped_members", "kernels.fp32_linear",
                         "kernels.rms_norm", "kernels.cache_attention", "kernels.top_k",

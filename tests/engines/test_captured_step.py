@@ -1,6 +1,6 @@
 """A captured step replays what the step computes eagerly, and the warm-up leaves no trace.
 
-The backends' own GPU tests (``test_static_backend``, ``test_invariant_backend``) check the
+The backends' own GPU tests (``test_static_backend``, ``test_deterministic_backend``) check the
 captured decode against the HF backend; here the helper alone, on a toy step with a cursor.
 """
 

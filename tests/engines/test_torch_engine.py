@@ -127,10 +127,10 @@ def test_every_backend_declares_whether_its_logits_are_static():
     """The engine reads ``static_logits`` from whichever backend it built (no probing): each
     backend class declares it, and only the static backend's can be True."""
     from trace_replay.engines.builtin.backends.hf import HFBackend
-    from trace_replay.engines.builtin.backends.invariant import InvariantBackend
+    from trace_replay.engines.builtin.backends.deterministic import DeterministicBackend
     from trace_replay.engines.builtin.backends.static import StaticCacheBackend
 
-    assert HFBackend.static_logits is False and InvariantBackend.static_logits is False
+    assert HFBackend.static_logits is False and DeterministicBackend.static_logits is False
     assert isinstance(StaticCacheBackend.static_logits, property)
 
 

@@ -20,9 +20,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 def engine():
     # small batch: slots get reused across the six traces. deterministic=True: on a GPU
     # vLLM runs batch-invariant; the CPU build cannot, and must say so (below)
-    from trace_replay.engines.vllm.invariance import batch_invariance_unavailable
+    from trace_replay.engines.vllm.deterministic import deterministic_unavailable
 
-    unavailable = batch_invariance_unavailable()
+    unavailable = deterministic_unavailable()
     with pytest.warns(RuntimeWarning, match="NOT batch-invariant") if unavailable else \
             contextlib.nullcontext():
         engine = make_engine("vllm", None, batch_size=4, top_k=5, deterministic=True,
@@ -82,12 +82,12 @@ def test_a_request_trace_is_not_deep_copied(engine):
 
 def test_deterministic_is_not_claimed_where_vllm_cannot(result):
     """attrs say whether vLLM ran batch-invariant, and why not where it could not."""
-    from trace_replay.engines.vllm.invariance import batch_invariance_unavailable
+    from trace_replay.engines.vllm.deterministic import deterministic_unavailable
 
-    reason = batch_invariance_unavailable()
+    reason = deterministic_unavailable()
     assert result.attrs["deterministic"] is True
-    assert result.attrs["batch_invariant"] is (reason is None)
-    assert result.attrs.get("batch_invariant_unavailable") == reason
+    assert result.attrs["deterministic_active"] is (reason is None)
+    assert result.attrs.get("deterministic_unavailable") == reason
 
 
 def test_emits_exactly_the_trace(result, real_traces):

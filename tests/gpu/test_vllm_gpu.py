@@ -225,7 +225,7 @@ def test_deterministic_is_batch_invariant(folder, prompts, greedy):
     bits as each trace alone."""
     engine = _engine(folder, "bfloat16", deterministic=True)
     try:
-        assert engine.settings()["batch_invariant"] is True
+        assert engine.settings()["deterministic_active"] is True
         requests = _requests(prompts[:8], [list(g.token_ids) for g in greedy[:8]])
         batched = engine.run(requests)
         alone = [engine.run([r])[0] for r in requests]

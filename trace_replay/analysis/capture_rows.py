@@ -1,10 +1,10 @@
 """Layer attribution's hook for deterministic mode: the sites of the row-wise forward.
 
 In deterministic mode the engines compute with
-:class:`~trace_replay.engines.builtin.backends.invariant_model.InvariantLlama`, which uses the model's
+:class:`~trace_replay.engines.builtin.backends.deterministic_model.DeterministicLlama`, which uses the model's
 weights but not its modules' ``forward``, so :class:`~trace_replay.analysis.capture.SiteCapture`'s
 module hooks would see nothing. :class:`RowCapture` is its counterpart: it is the model's
-:class:`~trace_replay.engines.builtin.backends.invariant_model.RowObserver`, receives each forward's rows
+:class:`~trace_replay.engines.builtin.backends.deterministic_model.RowObserver`, receives each forward's rows
 (every token is one row; ``cache_row`` names the batch row) and hands the sink the same
 :class:`~trace_replay.analysis.capture.ForwardRows` and ``[N, width]`` values as ``SiteCapture``
 does, so the pairing and metrics of :mod:`trace_replay.analysis.attribution` are shared.
@@ -27,7 +27,7 @@ from trace_replay.analysis.capture import ForwardRows, Site, Sink
 from trace_replay.engines.base import Engine, ReplayRequest
 
 if TYPE_CHECKING:  # the row-wise model imports the Triton kernels' modules
-    from trace_replay.engines.builtin.backends.invariant_model import InvariantLlama
+    from trace_replay.engines.builtin.backends.deterministic_model import DeterministicLlama
 
 __all__ = ["RowCapture"]
 
@@ -42,7 +42,7 @@ class RowCapture:
 
     _ids = itertools.count()
 
-    def __init__(self, model: InvariantLlama, engine: Engine, requests: Sequence[ReplayRequest],
+    def __init__(self, model: DeterministicLlama, engine: Engine, requests: Sequence[ReplayRequest],
                  sites: Sequence[Site], sink: Sink) -> None:
         self.model, self.engine, self.sink = model, engine, sink
         self.sites = {(site.layer, site.name): site for site in sites}

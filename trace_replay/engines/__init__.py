@@ -18,7 +18,7 @@ import warnings
 from typing import Any
 
 from trace_replay.engines.base import Engine, EngineConfig
-from trace_replay.engines.vllm.invariance import batch_invariance_unavailable
+from trace_replay.engines.vllm.deterministic import deterministic_unavailable
 
 __all__ = ["ENGINES", "ENGINE_OPTIONS", "Engine", "EngineConfig", "make_engine"]
 
@@ -100,7 +100,7 @@ def _make_auto(config: EngineConfig, options: dict[str, Any], verbose: bool) -> 
     """vLLM when it is installed and starts, else the torch engine; say which and why."""
     if "speculative" in options:
         reason = "speculative verify runs in the torch engine"
-    elif config.deterministic and (why := batch_invariance_unavailable(config.device)):
+    elif config.deterministic and (why := deterministic_unavailable(config.device)):
         reason = f"deterministic: {why}"
     else:
         if importlib.util.find_spec("vllm") is None:

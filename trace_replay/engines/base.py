@@ -116,7 +116,7 @@ class Activations:
     names the sites. With ``rows`` None the forwards call ``model``'s own modules, so forward
     hooks see ``[batch, width, ...]`` activations with the model's position and mask
     arguments. Otherwise the forwards bypass those modules, and ``rows`` (a row-wise model,
-    :class:`~trace_replay.engines.builtin.backends.invariant_model.InvariantLlama`) reports
+    :class:`~trace_replay.engines.builtin.backends.deterministic_model.DeterministicLlama`) reports
     each forward's rows to its ``observer``.
     """
 

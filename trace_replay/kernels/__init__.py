@@ -3,7 +3,7 @@
 Launchers edit tensors in place and run the reference when Triton cannot run (CPU
 tensors without ``TRITON_INTERPRET=1``, or Triton not installed). The batch-invariant
 kernels (``invariant_*``) return new tensors and leave the choice to their caller
-(:class:`~trace_replay.engines.builtin.backends.invariant_model.InvariantLlama`): their reference is the CPU
+(:class:`~trace_replay.engines.builtin.backends.deterministic_model.DeterministicLlama`): their reference is the CPU
 path of deterministic mode, whose bits differ from the kernel's.
 
 The names below are resolved from their modules on first use, so importing one kernel (the
@@ -19,12 +19,12 @@ import importlib
 _EXPORTS = {
     "force_trace_logits": "force_logits",
     "force_trace_logits_reference": "force_logits",
-    "attention_rows_reference": "invariant_attention",
-    "attention_rows_triton": "invariant_attention",
-    "linear_rows_reference": "invariant_linear",
-    "linear_rows_triton": "invariant_linear",
-    "rms_norm_rows_reference": "invariant_rms_norm",
-    "rms_norm_rows_triton": "invariant_rms_norm",
+    "attention_rows_reference": "deterministic_attention",
+    "attention_rows_triton": "deterministic_attention",
+    "linear_rows_reference": "deterministic_linear",
+    "linear_rows_triton": "deterministic_linear",
+    "rms_norm_rows_reference": "deterministic_rms_norm",
+    "rms_norm_rows_triton": "deterministic_rms_norm",
     "top_k_indices": "top_k",
     "top_k_indices_reference": "top_k",
     "apply_trace_tokens": "trace_tokens",

@@ -29,7 +29,7 @@ from trace_replay.runs.parts import (PART_NAME, CorruptPart, not_saved, part_set
                                      read_part, write_checked)
 from trace_replay.traces.trace import Trace
 
-__all__ = ["BATCH_SETTINGS", "ROW_FIELDS", "Checkpoint", "batch_invariant",
+__all__ = ["BATCH_SETTINGS", "ROW_FIELDS", "Checkpoint", "deterministic_run",
            "number_settings", "settings_key", "trace_digest"]
 
 # settings that size the engine's batches: they change no number of a batch-invariant run
@@ -42,19 +42,19 @@ def settings_key(settings: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def batch_invariant(settings: dict) -> bool:
+def deterministic_run(settings: dict) -> bool:
     """Whether a run with these engine settings gives every trace the same bits whatever
     its batch: deterministic mode (torch and prefill engines), or vLLM's batch-invariant
-    mode where it ran (``settings["batch_invariant"]``; False where the platform has none)."""
-    return bool(settings.get("batch_invariant", settings.get("deterministic")))
+    mode where it ran (``settings["deterministic_active"]``; False where the platform has none)."""
+    return bool(settings.get("deterministic_active", settings.get("deterministic")))
 
 
 def number_settings(settings: dict) -> dict:
     """``settings`` without those that change none of a trace's numbers: a batch-invariant
-    run (:func:`batch_invariant`) drops :data:`BATCH_SETTINGS`, since deterministic mode
+    run (:func:`deterministic_run`) drops :data:`BATCH_SETTINGS`, since deterministic mode
     guarantees every column of a trace's rows whatever ``batch_size`` (as well as
     ``chunk_size``, ``shard`` and the other traces, which are no engine settings)."""
-    if not batch_invariant(settings):
+    if not deterministic_run(settings):
         return dict(settings)
     return {key: value for key, value in settings.items() if key not in BATCH_SETTINGS}
 

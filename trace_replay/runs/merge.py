@@ -28,7 +28,7 @@ from typing import Any
 
 import pandas as pd
 
-from trace_replay.runs.checkpoint import BATCH_SETTINGS, batch_invariant
+from trace_replay.runs.checkpoint import BATCH_SETTINGS, deterministic_run
 from trace_replay.runs.result_file import read_result
 
 __all__ = ["merge_results"]
@@ -70,7 +70,7 @@ def _check_same_run(frames: Sequence[pd.DataFrame], names: Sequence[str]) -> Non
     """Raise naming the first setting (or package version) in which the parts differ; the
     weights' digest is compared between the parts that record one."""
     keys = set().union(*(_settings_keys(f.attrs) for f in frames))
-    if all(batch_invariant(f.attrs) for f in frames):  # same numbers whatever the batch size
+    if all(deterministic_run(f.attrs) for f in frames):  # same numbers whatever the batch size
         keys -= set(BATCH_SETTINGS)
     versions = [{k: v for k, v in (f.attrs.get("versions") or {}).items()
                  if k not in _IGNORED_VERSIONS} for f in frames]

@@ -158,7 +158,7 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
         rows is the same bits whatever ``batch_size``, ``chunk_size``, ``shard``, the other
         traces, their order, and interruption and resume; decode replay and prefill then
         agree bitwise too. For vLLM, its batch-invariant mode where the platform has one
-        (``df.attrs["batch_invariant"]`` says whether it ran). Recorded in ``df.attrs``.
+        (``df.attrs["deterministic_active"]`` says whether it ran). Recorded in ``df.attrs``.
     verbose
         Show the engine's own start-up logging (vLLM's); by default only its errors.
     cluster

@@ -10,7 +10,7 @@ The forward pass itself is a backend
 ``hf`` (the transformers model with a growing cache) or ``static`` (whose CUDA graphs also
 take the per-step forcing and scoring, :class:`~trace_replay.engines.builtin.decode.ForcedSteps`);
 with ``deterministic`` it is
-:class:`~trace_replay.engines.builtin.backends.invariant.InvariantBackend`, which also does
+:class:`~trace_replay.engines.builtin.backends.deterministic.DeterministicBackend`, which also does
 the scoring, so that no number of a trace depends on its batch.
 """
 
@@ -98,7 +98,7 @@ class TorchEngine(EngineBase):
         self.max_model_len = getattr(self.lm.config, "max_position_embeddings", None)
         pad = self.lm.config.pad_token_id
         self.pad_id = 0 if pad is None else int(pad)
-        self.backend = make_backend("invariant" if self.deterministic else backend, self.lm,
+        self.backend = make_backend("deterministic" if self.deterministic else backend, self.lm,
                                     self.pad_id, options)
         self.score = self.backend.score  # one object: a captured step keys on it
         self._backend_settings = self.backend.settings()  # fixed once built, kept after close

@@ -2,7 +2,7 @@
 
 The baseline to set decode replay against: same weights, but prefill kernels over the
 whole sequence instead of one decode step at a time. With ``deterministic`` the forward is
-:class:`~trace_replay.engines.builtin.backends.invariant.InvariantBackend`'s, row by row: a trace's
+:class:`~trace_replay.engines.builtin.backends.deterministic.DeterministicBackend`'s, row by row: a trace's
 numbers do not depend on the batch, and they are the bits its decode replay gives.
 
 Memory: the model body runs once per batch; the lm_head and the log-softmax run over the
@@ -70,11 +70,11 @@ class PrefillEngine(EngineBase):
         self.backend = None
         self._backend_settings: dict = {}  # fixed once built, kept after close
         if self.deterministic:
-            from trace_replay.engines.builtin.backends.invariant import InvariantBackend
+            from trace_replay.engines.builtin.backends.deterministic import DeterministicBackend
 
-            self.backend = InvariantBackend(self.lm, cuda_graphs=False,
+            self.backend = DeterministicBackend(self.lm, cuda_graphs=False,
                                             attention=options.deterministic_attention)
-            self.engine_path += "[invariant]"
+            self.engine_path += "[deterministic]"
             self._backend_settings = self.backend.settings()
         self._forwards = 0
         self._split = self._head_is_separable()

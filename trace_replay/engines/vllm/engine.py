@@ -33,7 +33,7 @@ devices than are visible; vLLM's CPU build runs them over gloo, one NUMA node or
 ``deterministic=True`` turns on vLLM's own batch-invariant mode (``VLLM_BATCH_INVARIANT=1``
 for the engine's processes) where vLLM supports it — NVIDIA GPUs of compute capability
 >= 8.0, AMD Instinct, Intel XPU. Elsewhere (the CPU build) vLLM has no such mode: the run
-goes ahead with a warning, and ``settings()["batch_invariant"]`` is False.
+goes ahead with a warning, and ``settings()["deterministic_active"]`` is False.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ from trace_replay.engines.threads import engine_threads, intra_op_threads
 from trace_replay.engines.vllm.forcing import (
     FORCED_LOGIT, WORKER_EXTENSION, ForcingWorkerExtension, TraceForcingProcessor, model_runner,
     read_lengths_only)
-from trace_replay.engines.vllm.invariance import batch_invariance_unavailable, batch_invariant_env
+from trace_replay.engines.vllm.deterministic import deterministic_unavailable, deterministic_env
 from trace_replay.models.load import folder_digest, hf_folder, model_label, resolve_dtype
 from trace_replay.engines.vllm_contract import TRACE_KEY
 from trace_replay.traces.trace import TraceError
@@ -343,11 +343,11 @@ class VLLMEngine(EngineBase):
                     args, resolve_dtype(config.dtype), self.parallel)
         self.llm_args = dict(args)  # what vllm.LLM is given (besides the path's own)
         self.deterministic = config.deterministic
-        self.batch_invariant_note = (batch_invariance_unavailable(config.device)
+        self.deterministic_note = (deterministic_unavailable(config.device)
                                      if self.deterministic else None)
-        self.batch_invariant = self.deterministic and self.batch_invariant_note is None
-        if self.batch_invariant_note:
-            warnings.warn(f"deterministic=True: {self.batch_invariant_note}; this vLLM run is "
+        self.deterministic_active = self.deterministic and self.deterministic_note is None
+        if self.deterministic_note:
+            warnings.warn(f"deterministic=True: {self.deterministic_note}; this vLLM run is "
                           "NOT batch-invariant (use engine='torch' or 'prefill' for that)",
                           RuntimeWarning, stacklevel=3)
         self._logs = QuietLogs(verbose)
@@ -361,7 +361,7 @@ class VLLMEngine(EngineBase):
             # VLLM_BATCH_INVARIANT is read as LLM(...) starts; worker processes (ranks > 1)
             # and an engine core of its own outlive start-up with its environment
             workers = ranks > 1 or self.engine_core != "in-process"
-            with batch_invariant_env(self.batch_invariant), multicast_off(cuda and ranks > 1), \
+            with deterministic_env(self.deterministic_active), multicast_off(cuda and ranks > 1), \
                     hosted_startup(verbose, workers=workers):
                 # an earlier engine's start-up cached the environment this one reads
                 getattr(vllm_envs, "disable_envs_cache", lambda: None)()
@@ -438,9 +438,9 @@ class VLLMEngine(EngineBase):
             settings["output_tokens_to_processors"] = (self.model_runner == "v1"
                                                        and not self.lengths_only)
         if self.deterministic:
-            settings["batch_invariant"] = self.batch_invariant
-            if self.batch_invariant_note:
-                settings["batch_invariant_unavailable"] = self.batch_invariant_note
+            settings["deterministic_active"] = self.deterministic_active
+            if self.deterministic_note:
+                settings["deterministic_unavailable"] = self.deterministic_note
         return settings
 
     def close(self) -> None:

@@ -24,7 +24,7 @@ __all__ = ["BACKEND_MEMBERS", "DETERMINISTIC_ATTENTION", "FLOAT32_MATMUL", "KIND
            "BackendOptions", "check_backend", "check_float32_matmul", "make_backend"]
 
 # what make_backend builds: "auto" is static on CUDA where the model is supported, else hf
-KINDS = ("auto", "hf", "static", "invariant")
+KINDS = ("auto", "hf", "static", "deterministic")
 FLOAT32_MATMUL = ("3xtf32", "ieee")
 DETERMINISTIC_ATTENTION = ("tiles", "rows")
 
@@ -113,7 +113,7 @@ def make_backend(kind: str, lm: torch.nn.Module, pad_id: int,
     Parameters
     ----------
     kind
-        ``"hf"``, ``"static"``, ``"invariant"`` (deterministic mode) or ``"auto"``.
+        ``"hf"``, ``"static"``, ``"deterministic"`` or ``"auto"``.
     lm
         A transformers causal LM (the kind decides which it must be).
     pad_id
@@ -140,9 +140,9 @@ def make_backend(kind: str, lm: torch.nn.Module, pad_id: int,
                                      float32_matmul=options.float32_matmul,
                                      batch1_fusions=options.batch1_fusions)
     else:
-        from trace_replay.engines.builtin.backends.invariant import InvariantBackend
+        from trace_replay.engines.builtin.backends.deterministic import DeterministicBackend
 
-        backend = InvariantBackend(lm, max_query_len=options.max_query_len,
+        backend = DeterministicBackend(lm, max_query_len=options.max_query_len,
                                    attention=options.deterministic_attention)
     check_backend(backend)
     return backend

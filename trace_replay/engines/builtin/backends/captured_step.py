@@ -1,7 +1,7 @@
 """A decode step captured once in a CUDA graph and replayed: what both graph backends share.
 
 :class:`~trace_replay.engines.builtin.backends.static.StaticCacheBackend` and
-:class:`~trace_replay.engines.builtin.backends.invariant.InvariantBackend` each write a capturable
+:class:`~trace_replay.engines.builtin.backends.deterministic.DeterministicBackend` each write a capturable
 ``step(tokens, positions) -> logits`` over their own cache. :func:`capture_step` warms it up
 (compiling and autotuning happen there, for real, on a side stream), puts back the
 bookkeeping the warm-up advanced, and captures one step; :class:`StepGraph` holds the graph

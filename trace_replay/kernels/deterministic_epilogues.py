@@ -1,6 +1,6 @@
 """What follows a linear layer in deterministic mode, fused with the linear's partial sum.
 
-The row-invariant GEMM (:func:`~trace_replay.kernels.invariant_linear.linear_parts_3xtf32`)
+The row-invariant GEMM (:func:`~trace_replay.kernels.deterministic_linear.linear_parts_3xtf32`)
 leaves ``[S, R, N]`` float32 partials, ``S`` ranges of ``K`` fixed by the weight's shape.
 The step after it reads them, adds them in the order ``0, 1, ..., S - 1`` and then the bias
 (the order of :func:`~trace_replay.kernels.fp32_linear.sum_partials`), rounds to the
@@ -119,7 +119,7 @@ def _residual_norm_kernel(
     x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
     new = (x + out).to(DTYPE)
     tl.store(x_out_ptr + row * N + cols, new, mask=mask)
-    # the norm as trace_replay.kernels.invariant_rms_norm computes it
+    # the norm as trace_replay.kernels.deterministic_rms_norm computes it
     new32 = new.to(tl.float32)
     variance = tl.sum(new32 * new32, axis=0) / N
     normed = (new32 * tl.rsqrt(variance + eps)).to(DTYPE)

@@ -7,14 +7,14 @@ import os
 import pytest
 import torch
 
-from trace_replay.engines.vllm.invariance import ENV, batch_invariance_unavailable, batch_invariant_env
+from trace_replay.engines.vllm.deterministic import ENV, deterministic_unavailable, deterministic_env
 
 
 def test_cpu_has_no_batch_invariant_vllm():
     """On the CPU (asked for, or the only device) a reason is given, never None."""
-    assert "CPU" in batch_invariance_unavailable("cpu")
+    assert "CPU" in deterministic_unavailable("cpu")
     if not torch.cuda.is_available():
-        assert batch_invariance_unavailable() is not None
+        assert deterministic_unavailable() is not None
 
 
 @pytest.mark.parametrize("before", [None, "0"])
@@ -24,8 +24,8 @@ def test_env_set_for_the_start_only(monkeypatch, before):
         monkeypatch.delenv(ENV, raising=False)
     else:
         monkeypatch.setenv(ENV, before)
-    with batch_invariant_env(True):
+    with deterministic_env(True):
         assert os.environ[ENV] == "1"
     assert os.environ.get(ENV) == before
-    with batch_invariant_env(False):
+    with deterministic_env(False):
         assert os.environ.get(ENV) == before

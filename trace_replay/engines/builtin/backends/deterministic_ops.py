@@ -8,7 +8,7 @@ and within one shape a row's result must not depend on the other rows or on its 
 Elementwise operations need no blocking except where a library treats some elements of
 a call differently from others (see Assumptions).
 
-Assumptions, checked by ``tests/test_invariant_ops.py`` and, for the GEMM, again each time
+Assumptions, checked by ``tests/test_deterministic_ops.py`` and, for the GEMM, again each time
 an engine starts (:func:`probe_linear`):
 
 * GEMM (MKL/oneDNN on CPU, cuBLAS on CUDA): for a fixed ``[M, K] x [K, N]`` shape, row
@@ -16,7 +16,7 @@ an engine starts (:func:`probe_linear`):
   values or on ``r``. Whether a row also keeps its bits at another M depends on the
   library and dtype; the probe keeps, at start-up, a group of menu sizes that agree
   (:func:`probe_linear`); without one, the Triton GEMM
-  (:mod:`~trace_replay.kernels.invariant_linear`, invariant by construction) is used.
+  (:mod:`~trace_replay.kernels.deterministic_linear`, invariant by construction) is used.
 * Reductions over the last dimension (sum, mean, amax, log_softmax, softmax) of a
   ``[rows, n]`` tensor reduce each row with the same code whatever its index, as long as
   there are at least two rows (PyTorch's CPU reductions split a *single* output's reduction

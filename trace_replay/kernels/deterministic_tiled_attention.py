@@ -1,8 +1,8 @@
 """Row-invariant attention with the queries of one trace taken a tile at a time.
 
-The semantics of :mod:`~trace_replay.kernels.invariant_attention` (each query row attends
+The semantics of :mod:`~trace_replay.kernels.deterministic_attention` (each query row attends
 over its own cache row, to the slots ``valid`` marks up to its own slot and always its own
-slot; keys visited from slot 0 in blocks of :data:`~trace_replay.kernels.invariant_attention.BLOCK_N`
+slot; keys visited from slot 0 in blocks of :data:`~trace_replay.kernels.deterministic_attention.BLOCK_N`
 with an online softmax in float32), computed for up to :data:`BLOCK_Q` query rows of one
 cache row per program, so a prefill's queries share every key and value load and the two
 products of a key block run as ``tl.dot`` on tensor cores (3xTF32: float32 accuracy).
@@ -13,7 +13,7 @@ Why a row's bits do not depend on its tile:
   so a decode step's tile (one query, the rest masked) and a prefill's (up to ``BLOCK_Q``
   queries) run the same compiled kernel, and a tensor-core product computes each element
   of its output with the same instructions whatever the other rows hold (the contract
-  :func:`~trace_replay.kernels.invariant_linear.linear_rows_3xtf32` rests on too);
+  :func:`~trace_replay.kernels.deterministic_linear.linear_rows_3xtf32` rests on too);
 * the softmax's reductions run along a row of the tile, each row alike;
 * a tile walks key blocks up to its last query's slot; for a query with an earlier slot
   the blocks past its own hold no allowed key, and such a block is an exact no-op: its
@@ -24,7 +24,7 @@ The caller says which rows form a tile: ``tiles`` holds boundaries (tile ``t`` i
 ``tiles[t]`` to ``tiles[t + 1] - 1``), every tile at most ``BLOCK_Q`` rows of one cache
 row. ``torch.arange(R + 1)`` (one row per tile) is always valid: a decode step's form.
 
-The pure-torch reference is :func:`~trace_replay.kernels.invariant_attention.attention_rows_reference`
+The pure-torch reference is :func:`~trace_replay.kernels.deterministic_attention.attention_rows_reference`
 (same numbers within float32 rounding).
 """
 
@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import torch
 
 from trace_replay.kernels._triton import tl, triton
-from trace_replay.kernels.invariant_attention import BLOCK_N, launch_args
+from trace_replay.kernels.deterministic_attention import BLOCK_N, launch_args
 
 __all__ = ["BLOCK_Q", "attention_tiles_triton", "tile_bounds"]
 
@@ -139,7 +139,7 @@ def attention_tiles_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float, tiles: torch.Tensor) -> torch.Tensor:
     """Each query row's attention over its own cache row, a tile of rows per program.
 
-    Takes :func:`~trace_replay.kernels.invariant_attention.attention_rows_triton`'s
+    Takes :func:`~trace_replay.kernels.deterministic_attention.attention_rows_triton`'s
     arguments and returns what it returns (``[R, H, D]`` in ``q``'s dtype), plus:
 
     Parameters

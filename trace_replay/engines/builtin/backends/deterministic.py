@@ -2,7 +2,7 @@
 
 A :class:`~trace_replay.engines.builtin.backends.base.Backend` (and, for the prefill engine,
 ``teacher_forced`` / ``teacher_forced_states`` and ``lm_head``), computed by
-:class:`~trace_replay.engines.builtin.backends.invariant_model.InvariantLlama`; it scores
+:class:`~trace_replay.engines.builtin.backends.deterministic_model.DeterministicLlama`; it scores
 with that model's row-invariant scoring.
 
 Design contract:
@@ -28,13 +28,13 @@ import torch
 
 from trace_replay.engines.base import Activations
 from trace_replay.engines.builtin.backends.captured_step import StepGraph, capture_step
-from trace_replay.engines.builtin.backends.invariant_model import InvariantLlama, KVCache
+from trace_replay.engines.builtin.backends.deterministic_model import DeterministicLlama, KVCache
 from trace_replay.engines.builtin.scoring import TokenScores
 
-__all__ = ["InvariantBackend"]
+__all__ = ["DeterministicBackend"]
 
 
-class InvariantBackend:
+class DeterministicBackend:
     """Batch-invariant forward over a per-trace KV cache (see the module docstring).
 
     Parameters
@@ -46,7 +46,7 @@ class InvariantBackend:
     cuda_graphs
         Capture decode steps (default: on CUDA).
     triton, attention
-        Passed to :class:`~trace_replay.engines.builtin.backends.invariant_model.InvariantLlama`
+        Passed to :class:`~trace_replay.engines.builtin.backends.deterministic_model.DeterministicLlama`
         (``attention``: its Triton attention, ``"tiles"`` or ``"rows"``).
     """
 
@@ -57,14 +57,14 @@ class InvariantBackend:
     def __init__(self, lm, *, max_query_len: int = 1,
                  cuda_graphs: bool | None = None, triton: bool | None = None,
                  attention: str = "tiles") -> None:
-        self.model = InvariantLlama(lm, triton=triton, attention=attention)
+        self.model = DeterministicLlama(lm, triton=triton, attention=attention)
         self.device = self.model.device
         self.max_query_len = max_query_len
         on_cuda = self.device.type == "cuda"
         self.cuda_graphs = on_cuda if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and not on_cuda:
             raise ValueError("cuda_graphs needs the model on a CUDA device")
-        self.name = "invariant" + ("+cudagraph" if self.cuda_graphs else "")
+        self.name = "deterministic" + ("+cudagraph" if self.cuda_graphs else "")
         self.forwards = 0
         self.cache: KVCache | None = None
         self.shape: tuple[int, int] | None = None  # (rows, slots) of the cache

@@ -1,7 +1,7 @@
 """Row-invariant operations, and the library behaviour deterministic mode relies on.
 
 The assumption tests check, on the machine running the suite, what the module docstring of
-``trace_replay.engines.builtin.backends.invariant_ops`` states; if one fails here, deterministic mode's
+``trace_replay.engines.builtin.backends.deterministic_ops`` states; if one fails here, deterministic mode's
 guarantee does not hold on this machine and the failure says which assumption broke.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trace_replay.engines.builtin.backends.invariant_ops import (
+from trace_replay.engines.builtin.backends.deterministic_ops import (
     LINEAR_MENU,
     RowBlocks,
     probe_linear,

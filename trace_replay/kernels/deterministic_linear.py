@@ -21,7 +21,7 @@ other rows hold, where row ``r`` sits and how many rows there are.
   fixed menu (:func:`block_plan`). A GEMM library picks its algorithm from the call's
   shape; a fixed shape fixes the algorithm, and row ``r``'s reduction order then does not
   depend on the other rows' values or on ``r``'s position in the block (verified at engine
-  start by :func:`~trace_replay.engines.builtin.backends.invariant_ops.probe_linear`, which also checks
+  start by :func:`~trace_replay.engines.builtin.backends.deterministic_ops.probe_linear`, which also checks
   whether the menu's sizes agree with one another; if they do not, the menu is one size).
 """
 
@@ -136,7 +136,7 @@ def linear_rows_3xtf32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     elementwise pass), so the number of rows, the other rows and a row's place in its tile
     do not reach its arithmetic. That a tensor-core product treats every row of a tile
     alike is the hardware's contract, checked bitwise on CUDA by
-    ``tests/kernels/test_invariant_kernels.py``.
+    ``tests/kernels/test_deterministic_kernels.py``.
 
     Parameters
     ----------
@@ -180,7 +180,7 @@ def linear_parts_3xtf32(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> tor
     :func:`group_config_3xtf32` (one weight: :func:`config_3xtf32`), so row ``r``'s partials
     depend on ``x[r]`` alone, as in :func:`linear_rows_3xtf32`. The partials' sum in order
     (:func:`~trace_replay.kernels.fp32_linear.sum_partials`) is the product; the caller adds
-    it in whatever reads it next (:mod:`~trace_replay.kernels.invariant_epilogues`).
+    it in whatever reads it next (:mod:`~trace_replay.kernels.deterministic_epilogues`).
 
     Raises
     ------

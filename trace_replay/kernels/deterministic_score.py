@@ -16,7 +16,7 @@ not depend on the rows beside it or on how many there are.
 * **Reference**: the same formulas in torch ops on the whole tensor, for checking the
   kernel: equal to it within float32 rounding, not bit for bit (torch sums in another
   order). It is not row-invariant; deterministic mode's CPU path scores with
-  :func:`~trace_replay.engines.builtin.backends.invariant_ops.score_rows` (fixed row blocks).
+  :func:`~trace_replay.engines.builtin.backends.deterministic_ops.score_rows` (fixed row blocks).
 """
 
 # No `from __future__ import annotations`: Triton's interpreter must see `tl.constexpr`.

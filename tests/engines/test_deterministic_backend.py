@@ -9,7 +9,7 @@ import torch
 
 from trace_replay.engines import make_engine
 from trace_replay.engines.builtin.backends.hf import HFBackend
-from trace_replay.engines.builtin.backends.invariant import InvariantBackend
+from trace_replay.engines.builtin.backends.deterministic import DeterministicBackend
 
 pytestmark = pytest.mark.slow
 
@@ -18,7 +18,7 @@ PROMPTS = [[504, 3575, 282, 4649], [1], [9519, 30, 2114]]
 
 @pytest.fixture(scope="module")
 def backend(lm):
-    return InvariantBackend(lm, max_query_len=3)
+    return DeterministicBackend(lm, max_query_len=3)
 
 
 def test_prefill_and_decode_match_hf(lm, backend):
@@ -75,11 +75,11 @@ def test_dropped_drafts_leave_no_trace(backend):
 
 
 def test_unsupported_models_are_refused(lm):
-    """Non-Llama models are refused naming their type (the reasons: test_invariant_model);
+    """Non-Llama models are refused naming their type (the reasons: test_deterministic_model);
     hf/static backends do not combine with deterministic mode."""
     other = SimpleNamespace(config=SimpleNamespace(model_type="gpt2"))
     with pytest.raises(ValueError, match="gpt2"):
-        InvariantBackend(other)
+        DeterministicBackend(other)
     with pytest.raises(ValueError, match="own backend"):
         make_engine("torch", lm, backend="hf", deterministic=True)
 
@@ -88,6 +88,6 @@ def test_settings_record_the_arithmetic(lm):
     """deterministic and the arithmetic chosen (block sizes, kernels) are in the settings."""
     settings = make_engine("prefill", lm, deterministic=True).settings()
     assert settings["deterministic"] is True
-    assert settings["engine_path"] == "teacher-forced-prefill[invariant]"
+    assert settings["engine_path"] == "teacher-forced-prefill[deterministic]"
     assert {"linear", "norm", "attention", "key_block", "score"} <= set(settings["arithmetic"])
     assert make_engine("prefill", lm).settings()["deterministic"] is False

@@ -1,4 +1,4 @@
-"""Deterministic mode's fused epilogues (trace_replay.kernels.invariant_epilogues) and the
+"""Deterministic mode's fused epilogues (trace_replay.kernels.deterministic_epilogues) and the
 grouped 3xTF32 partials they read: each kernel gives its torch reference's numbers, adds a
 linear's partials exactly as sum_parts does, and computes a row from that row alone."""
 
@@ -7,10 +7,10 @@ import torch
 
 import trace_replay.kernels._triton
 from trace_replay.kernels import fp32_linear
-from trace_replay.kernels.invariant_epilogues import (
+from trace_replay.kernels.deterministic_epilogues import (
     residual_norm_reference, residual_norm_triton, rotary_cache_reference, rotary_cache_triton,
     silu_mul_reference, silu_mul_triton, sum_parts)
-from trace_replay.kernels.invariant_linear import (
+from trace_replay.kernels.deterministic_linear import (
     INVARIANT_ROWS, group_config_3xtf32, linear_parts_3xtf32, linear_rows_3xtf32)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -14,12 +14,12 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["batch_invariance_unavailable", "batch_invariant_env"]
+__all__ = ["deterministic_unavailable", "deterministic_env"]
 
 ENV = "VLLM_BATCH_INVARIANT"
 
 
-def batch_invariance_unavailable(device: str | torch.device | None = None) -> str | None:
+def deterministic_unavailable(device: str | torch.device | None = None) -> str | None:
     """Why vLLM's batch-invariant mode cannot run here (None when it can)."""
     if device is not None and torch.device(device).type == "cpu":
         return "vLLM's batch-invariant mode runs on GPUs only, not on the CPU"
@@ -33,7 +33,7 @@ def batch_invariance_unavailable(device: str | torch.device | None = None) -> st
 
 
 @contextlib.contextmanager
-def batch_invariant_env(enabled: bool) -> Iterator[None]:
+def deterministic_env(enabled: bool) -> Iterator[None]:
     """``VLLM_BATCH_INVARIANT=1`` while the block runs (an engine starts), then as before."""
     previous = os.environ.get(ENV)
     if enabled:

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 import trace_replay.kernels._triton
-from trace_replay.kernels.invariant_attention import (
+from trace_replay.kernels.deterministic_attention import (
     BLOCK_N,
     attention_rows_reference,
     attention_rows_triton,
 )
 from trace_replay.kernels import fp32_linear
-from trace_replay.kernels.invariant_linear import (
+from trace_replay.kernels.deterministic_linear import (
     INVARIANT_ROWS,
     block_plan,
     config_3xtf32,
@@ -20,7 +20,7 @@ from trace_replay.kernels.invariant_linear import (
     linear_rows_reference,
     linear_rows_triton,
 )
-from trace_replay.kernels.invariant_rms_norm import (
+from trace_replay.kernels.deterministic_rms_norm import (
     rms_norm_rows_reference,
     rms_norm_rows_triton,
 )

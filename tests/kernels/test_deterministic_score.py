@@ -1,4 +1,4 @@
-"""Deterministic mode's Triton scorer (trace_replay.kernels.invariant_score): the scoring
+"""Deterministic mode's Triton scorer (trace_replay.kernels.deterministic_score): the scoring
 rule's numbers, and a row's bits whatever the rows beside it."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 import trace_replay.kernels._triton
 from trace_replay.engines.builtin.scoring import score_tokens
-from trace_replay.kernels.invariant_score import (
+from trace_replay.kernels.deterministic_score import (
     score_rows_reference,
     score_rows_triton,
     supports,

@@ -1,4 +1,4 @@
-"""The batch-invariant Llama forward (trace_replay.engines.builtin.backends.invariant_model) on a tiny random
+"""The batch-invariant Llama forward (trace_replay.engines.builtin.backends.deterministic_model) on a tiny random
 Llama: the model's own numbers, a row's bits independent of the other rows of its call, and
 the models it refuses named with the reason."""
 
@@ -8,19 +8,19 @@ import pytest
 import torch
 
 import trace_replay.kernels._triton
-from trace_replay.engines.builtin.backends.invariant_model import InvariantLlama, unsupported_reason
-from trace_replay.engines.builtin.backends.invariant_ops import score_rows
-from trace_replay.kernels.invariant_attention import BLOCK_N
+from trace_replay.engines.builtin.backends.deterministic_model import DeterministicLlama, unsupported_reason
+from trace_replay.engines.builtin.backends.deterministic_ops import score_rows
+from trace_replay.kernels.deterministic_attention import BLOCK_N
 
 SEQUENCES = [[50, 35, 28, 46, 7], [1], [95, 30, 21], [9, 9, 9, 9, 9, 9, 9]]
 
 
 @pytest.fixture(scope="module")
-def model(tiny_llama) -> InvariantLlama:
-    return InvariantLlama(tiny_llama)
+def model(tiny_llama) -> DeterministicLlama:
+    return DeterministicLlama(tiny_llama)
 
 
-def logits_of(model: InvariantLlama, sequences: list[list[int]], slots: int = 64,
+def logits_of(model: DeterministicLlama, sequences: list[list[int]], slots: int = 64,
               runs: bool = False):
     """Logits at every token of ``sequences``, each in its own cache row, all in one call
     (``runs``: the forward is told the sequences' lengths, as a prefill tells it)."""
@@ -75,7 +75,7 @@ def test_describe_names_the_arithmetic(model):
 
 
 # tiny_llama lives on the CPU: its Triton kernels run only in the interpreter (on CUDA the
-# 3xTF32 path is checked by tests/kernels/test_invariant_kernels.py and, end to end and
+# 3xTF32 path is checked by tests/kernels/test_deterministic_kernels.py and, end to end and
 # bitwise, by benchmarks/bench_determinism.py)
 needs_kernels = pytest.mark.skipif(
     not trace_replay.kernels._triton.interpreting(),
@@ -87,7 +87,7 @@ def test_3xtf32_linears_are_the_models_own(tiny_llama):
     """With linear='3xtf32' (the CUDA float32 default: one launch per layer, the
     configuration fixed by the weight's shape) the forward still agrees with the
     transformers model; settings name the arithmetic and rows need no padding."""
-    model = InvariantLlama(tiny_llama, triton=True, linear="3xtf32")
+    model = DeterministicLlama(tiny_llama, triton=True, linear="3xtf32")
     described = model.describe()
     assert described["linear"].startswith("triton 3xtf32") and described["row_multiple"] == 1
     ours = logits_of(model, SEQUENCES).split([len(s) for s in SEQUENCES])
@@ -101,7 +101,7 @@ def test_3xtf32_linears_are_the_models_own(tiny_llama):
 def test_tiled_attention_is_the_models_own(tiny_llama):
     """attention='tiles' (a prefill's queries a tile of one trace at a time) still gives
     the transformers model's logits, for sequences of several tiles and of one token."""
-    model = InvariantLlama(tiny_llama, triton=True, attention="tiles")
+    model = DeterministicLlama(tiny_llama, triton=True, attention="tiles")
     assert model.describe()["attention"].startswith("triton, tiles of")
     sequences = [*SEQUENCES, list(range(3, 40))]
     logits = logits_of(model, sequences, runs=True)
@@ -110,7 +110,7 @@ def test_tiled_attention_is_the_models_own(tiny_llama):
             theirs = tiny_llama(input_ids=torch.tensor([sequence])).logits[0]
             torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="attention='blocks'; choose one of tiles, rows"):
-        InvariantLlama(tiny_llama, attention="blocks")
+        DeterministicLlama(tiny_llama, attention="blocks")
     cache = model.new_cache(1, 64)
     with pytest.raises(ValueError, match="runs cover 3 rows; the forward has 2"):
         model.forward(cache, torch.tensor([5, 6]), torch.tensor([0, 0]), torch.tensor([0, 1]),
@@ -123,7 +123,7 @@ def test_triton_scoring_is_the_blocked_scorings_rule(tiny_llama):
     to 32) and gives the torch row blocks' numbers within float32 rounding (top ids may
     order tied logits otherwise; their logprobs are level); above 32 it is the row blocks
     themselves."""
-    model = InvariantLlama(tiny_llama, triton=True)
+    model = DeterministicLlama(tiny_llama, triton=True)
     assert model.describe()["score"].startswith("triton (top_k <= 32")
     generator = torch.Generator().manual_seed(0)
     logits = torch.randint(-40, 40, (11, 128), generator=generator) / 8  # exact ties, no near ones
@@ -140,9 +140,9 @@ def test_linear_choice_is_checked(tiny_llama):
     """An unknown linear, or '3xtf32' without the Triton kernels or on a bfloat16 model, is
     refused by name."""
     with pytest.raises(ValueError, match="choose '3xtf32' or 'blocks'"):
-        InvariantLlama(tiny_llama, linear="cublas")
+        DeterministicLlama(tiny_llama, linear="cublas")
     with pytest.raises(ValueError, match="needs a float32 model and the Triton kernels"):
-        InvariantLlama(tiny_llama, triton=False, linear="3xtf32")
+        DeterministicLlama(tiny_llama, triton=False, linear="3xtf32")
 
 
 @pytest.mark.parametrize("config_name, overrides, reason", [
@@ -159,7 +159,7 @@ def test_unsupported_models_are_named(make_tiny_lm, config_name, overrides, reas
     lm = make_tiny_lm(config_name, **overrides)
     assert unsupported_reason(lm) == reason
     with pytest.raises(ValueError, match=f"does not support {type(lm).__name__}: "):
-        InvariantLlama(lm)
+        DeterministicLlama(lm)
 
 
 def test_llama_family_is_supported(tiny_llama, make_tiny_lm):
@@ -188,7 +188,7 @@ def test_fused_layers_show_the_observer_their_own_numbers(tiny_llama):
     still sees the numbers the forward used: each layer's residual stream is, bitwise, the
     previous one plus the attention and MLP outputs it was shown, and the final norm is the
     forward's result; observing changes no bit of it."""
-    model = InvariantLlama(tiny_llama, triton=True, linear="3xtf32")
+    model = DeterministicLlama(tiny_llama, triton=True, linear="3xtf32")
     plain = logits_of(model, SEQUENCES)
     sites = _Sites()
     model.observer = sites
@@ -217,7 +217,7 @@ def test_fused_layers_add_every_bias(make_tiny_lm, linear):
         for module in lm.modules():
             if isinstance(module, torch.nn.Linear) and module.bias is not None:
                 module.bias.copy_(torch.randn(module.bias.shape, generator=generator) * 0.3)
-    model = InvariantLlama(lm, triton=True, linear=linear)
+    model = DeterministicLlama(lm, triton=True, linear=linear)
     ours = logits_of(model, SEQUENCES).split([len(s) for s in SEQUENCES])
     with torch.inference_mode():
         for sequence, logits in zip(SEQUENCES, ours):

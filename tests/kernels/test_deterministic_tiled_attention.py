@@ -1,4 +1,4 @@
-"""Tiled row-invariant attention (trace_replay.kernels.invariant_tiled_attention): plain
+"""Tiled row-invariant attention (trace_replay.kernels.deterministic_tiled_attention): plain
 attention's numbers, and a query's bits whatever tile it is computed in."""
 
 import math
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import trace_replay.kernels._triton
-from trace_replay.kernels.invariant_attention import attention_rows_reference
-from trace_replay.kernels.invariant_tiled_attention import (
+from trace_replay.kernels.deterministic_attention import attention_rows_reference
+from trace_replay.kernels.deterministic_tiled_attention import (
     BLOCK_Q,
     attention_tiles_triton,
     tile_bounds,

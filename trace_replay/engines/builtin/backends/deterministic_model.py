@@ -1,14 +1,14 @@
 """The model's forward as row-wise, batch-invariant arithmetic (Llama family).
 
-:class:`InvariantLlama` runs the transformers model's own modules and weights — embedding,
+:class:`DeterministicLlama` runs the transformers model's own modules and weights — embedding,
 per layer RMSNorm, q/k/v, rotary, attention, o_proj, MLP, final norm, lm_head — with every
 token a *row* whose bits depend on that row alone: linear layers by a GEMM whose
 configuration is fixed by the weight's shape (float32 on CUDA: 3xTF32 tensor cores) or in
-fixed row blocks (:mod:`~trace_replay.engines.builtin.backends.invariant_ops`,
-:mod:`~trace_replay.kernels.invariant_linear`),
+fixed row blocks (:mod:`~trace_replay.engines.builtin.backends.deterministic_ops`,
+:mod:`~trace_replay.kernels.deterministic_linear`),
 norms and attention by row-invariant kernels, rotary cos/sin from one table indexed by
 position. The KV cache belongs to the caller
-(:class:`~trace_replay.engines.builtin.backends.invariant.InvariantBackend`).
+(:class:`~trace_replay.engines.builtin.backends.deterministic.DeterministicBackend`).
 """
 
 from __future__ import annotations
@@ -20,22 +20,22 @@ import torch
 
 from trace_replay.engines.builtin.backends.base import DETERMINISTIC_ATTENTION
 from trace_replay.kernels._triton import HAS_TRITON
-from trace_replay.engines.builtin.backends.invariant_ops import RowBlocks, probe_linear, score_rows, silu_mul
+from trace_replay.engines.builtin.backends.deterministic_ops import RowBlocks, probe_linear, score_rows, silu_mul
 from trace_replay.engines.builtin.scoring import TokenScores
-from trace_replay.kernels.invariant_attention import (
+from trace_replay.kernels.deterministic_attention import (
     BLOCK_N, attention_rows_reference, attention_rows_triton)
-from trace_replay.kernels.invariant_epilogues import (
+from trace_replay.kernels.deterministic_epilogues import (
     residual_norm_triton, rotary_cache_triton, silu_mul_triton, sum_parts)
-from trace_replay.kernels.invariant_linear import (
+from trace_replay.kernels.deterministic_linear import (
     group_config_3xtf32, linear_parts_3xtf32, linear_rows_3xtf32, linear_rows_reference,
     linear_rows_triton)
-from trace_replay.kernels.invariant_rms_norm import rms_norm_rows_reference, rms_norm_rows_triton
-from trace_replay.kernels.invariant_score import score_rows_triton
-from trace_replay.kernels.invariant_score import supports as triton_scores
-from trace_replay.kernels.invariant_tiled_attention import (
+from trace_replay.kernels.deterministic_rms_norm import rms_norm_rows_reference, rms_norm_rows_triton
+from trace_replay.kernels.deterministic_score import score_rows_triton
+from trace_replay.kernels.deterministic_score import supports as triton_scores
+from trace_replay.kernels.deterministic_tiled_attention import (
     BLOCK_Q, attention_tiles_triton, tile_bounds)
 
-__all__ = ["InvariantLlama", "KVCache", "RowObserver", "unsupported_reason"]
+__all__ = ["DeterministicLlama", "KVCache", "RowObserver", "unsupported_reason"]
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 _LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -70,7 +70,7 @@ def unsupported_reason(lm) -> str | None:
 
 
 class RowObserver(Protocol):
-    """Sees the rows of every :meth:`InvariantLlama.forward` (layer attribution's hook).
+    """Sees the rows of every :meth:`DeterministicLlama.forward` (layer attribution's hook).
 
     ``begin`` gets the forward's ``cache_row`` and ``positions`` ``[R]`` (padding rows
     included, in the scratch cache row); ``site`` gets each site's ``[R, hidden]`` values in
@@ -99,7 +99,7 @@ class KVCache:
         self.scratch = rows
 
 
-class InvariantLlama:
+class DeterministicLlama:
     """Batch-invariant forward of a Llama-family causal LM over rows of tokens.
 
     Parameters
@@ -111,16 +111,16 @@ class InvariantLlama:
         scoring of a ``top_k`` above the top-k kernel's 32 in torch row blocks).
     attention
         The Triton attention: ``"tiles"`` (default), a prefill's queries a tile of one trace
-        at a time (:mod:`~trace_replay.kernels.invariant_tiled_attention`, tensor-core
+        at a time (:mod:`~trace_replay.kernels.deterministic_tiled_attention`, tensor-core
         products), or ``"rows"``, one program per query row
-        (:mod:`~trace_replay.kernels.invariant_attention`). Tiles: teacher-forced prefill
+        (:mod:`~trace_replay.kernels.deterministic_attention`). Tiles: teacher-forced prefill
         0.92x the default path's time where rows take 1.37x, with the same bitwise promises
         (H200, RESULTS "Deterministic mode"; bench_determinism.py). The two round
         differently: decode and prefill must share one.
     linear
         How linear layers run: ``"3xtf32"``, the 3xTF32 tensor-core GEMM at one
         configuration per weight shape, one launch per projection (q/k/v and gate/up
-        grouped: :func:`~trace_replay.kernels.invariant_linear.linear_parts_3xtf32`; float32
+        grouped: :func:`~trace_replay.kernels.deterministic_linear.linear_parts_3xtf32`; float32
         only, with ``triton``); ``"blocks"``, the GEMM library
         in fixed row blocks where :func:`probe_linear` finds it row-invariant, else the
         Triton GEMM of fixed tiles (which needs ``triton``). Default: ``"3xtf32"`` for a
@@ -208,9 +208,9 @@ class InvariantLlama:
 
     def score(self, logits: torch.Tensor, token_ids: torch.Tensor, top_k: int) -> TokenScores:
         """Row-invariant scoring: one Triton program per row
-        (:func:`~trace_replay.kernels.invariant_score.score_rows_triton`) with ``triton``,
+        (:func:`~trace_replay.kernels.deterministic_score.score_rows_triton`) with ``triton``,
         else torch ops in fixed row blocks
-        (:func:`~trace_replay.engines.builtin.backends.invariant_ops.score_rows`). Which one
+        (:func:`~trace_replay.engines.builtin.backends.deterministic_ops.score_rows`). Which one
         runs depends on ``top_k`` and the vocabulary alone, never on the rows, so decode
         steps and prefill chunks score a row alike."""
         if self.triton and triton_scores(logits, top_k):
@@ -259,7 +259,7 @@ class InvariantLlama:
     def _fused_layers(self, x, cache, cache_row, slot, positions, tiles) -> torch.Tensor:
         """The layers with the Triton kernels, ending in the final norm: every linear
         layer's partials read by the kernel of what follows it
-        (:mod:`~trace_replay.kernels.invariant_epilogues`), nine launches a layer in all."""
+        (:mod:`~trace_replay.kernels.deterministic_epilogues`), nine launches a layer in all."""
         rows, see, dtype = x.shape[0], self.observer, self.dtype
         layers = self.model.layers
         h = self._norm(x, layers[0].input_layernorm)
