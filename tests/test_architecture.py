@@ -120,3 +120,55 @@ def test_relative_imports_resolve_to_package_modules():
     escapes the checker)."""
     found = _imports(PACKAGE / "engines" / "vllm" / "engine.py", "from ..builtin import scoring\n")
     assert ("engines", "builtin", "scoring") in found
+
+
+_WARM_REPLAY = """
+import cProfile, json, pstats
+import pandas as pd, torch, transformers
+import trace_replay as tr
+
+config = transformers.LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, max_position_embeddings=128)
+torch.manual_seed(0)
+lm = transformers.AutoModelForCausalLM.from_config(config).eval()
+df = pd.DataFrame({"id": ["a", "b"], "prompt_token_ids": [[1, 2, 3], [4, 5]],
+                   "trace_token_ids": [[7, 8, 9, 10], [11, 12]]})
+
+class IdTokenizer:  # token ids as text: nothing loaded
+    def __len__(self):
+        return config.vocab_size
+
+    def decode(self, ids, **_):
+        return "".join(f"<{int(i)}>" for i in ids)
+
+with tr.make_engine("torch", lm, device="cpu") as engine:
+    engine.tokenizer = IdTokenizer()
+    tr.replay(df, engine=engine, progress=False)
+    profile = cProfile.Profile()
+    profile.enable()
+    tr.replay(df, engine=engine, progress=False)
+    profile.disable()
+print(json.dumps(sorted({path.split("/trace_replay/", 1)[1]
+                         for path, _, _ in pstats.Stats(profile).stats
+                         if "/trace_replay/" in path})))
+"""
+
+
+@pytest.mark.slow
+def test_a_warm_cpu_replay_runs_at_most_15_package_files():
+    """A second tr.replay on the same torch engine on a CPU runs code in at most 15 of the
+    package's files (issue 44: a reader following one call crosses few files), measured as
+    benchmarks/files_touched.py does, in a process of the CPU production configuration
+    (without the suite's TRITON_INTERPRET, under which kernels run in Triton's interpreter)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(PACKAGE.parent) + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", _WARM_REPLAY], env=env, capture_output=True,
+                         text=True, timeout=300, check=True).stdout
+    files = json.loads(out.strip().splitlines()[-1])
+    assert len(files) <= 15, "\n".join(files)

@@ -25,7 +25,7 @@ import pandas as pd
 from trace_replay._io import HOST
 from trace_replay.engines import make_engine
 from trace_replay.engines.base import ReplayRequest
-from trace_replay.runs.batches import run_checked
+from trace_replay.runs.frame import run_checked
 from trace_replay.engines.base import engine_identity
 from trace_replay.runs.checkpoint import settings_key
 from trace_replay.runs.frame import TokenDecoder
@@ -71,7 +71,7 @@ class ReplayActor:
 
     A batch's traces already in a part of the folder are skipped, so a batch Ray retries
     after its actor died recomputes none that were written; the others are scored one
-    engine batch at a time (:func:`~trace_replay.runs.batches.run_checked`), and a part is
+    engine batch at a time (:func:`~trace_replay.runs.frame.run_checked`), and a part is
     written when ``every_s`` seconds passed since the last one and at the batch's end, on an
     error too (the possible traces of a failed engine call included). The folder's parts
     are read by the driver, which verifies them; here only their ``trace_digest`` column

@@ -22,7 +22,7 @@ from trace_replay.runs.checkpoint import Checkpoint
 from trace_replay.runs.kept_engines import kept_engine
 from trace_replay.engines import ENGINES
 from trace_replay.engines.base import Engine, ReplayRequest, check_engine, engine_identity
-from trace_replay.runs.batches import run_checked
+from trace_replay.runs.frame import run_checked
 from trace_replay.runs.cluster import RayCluster, as_cluster
 from trace_replay.runs.frame import TokenDecoder, to_frame
 from trace_replay.traces.trace import FIELDS
