@@ -36,12 +36,11 @@ import itertools
 import os
 import platform
 import statistics
-import tempfile
 import time
 
 import torch
 from bench_vllm_gpu import random_prompts, spread
-from shapes import random_model
+from shapes import saved_random_model
 
 PATHS = ("greedy", "greedy-flat", "vllm-replay", "vllm-replay-delta", "engine.run")
 
@@ -68,13 +67,7 @@ def main() -> None:
 
     cuda = args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    folder = tempfile.mkdtemp()
-    lm = random_model(args.shape, dtype, torch.device(args.device))
-    lm.save_pretrained(folder)
-    vocab = lm.config.vocab_size
-    del lm
-    if cuda:
-        torch.cuda.empty_cache()
+    folder, vocab = saved_random_model(args.shape, args.device)
     batches = [int(b) for b in args.batches.split(",")]
     engine_args = {"skip_tokenizer_init": True,
                    "max_model_len": args.prompt_len + args.new_tokens + 16}

@@ -42,7 +42,7 @@ import time
 
 import torch
 from bench_vllm_gpu import random_prompts, spread
-from shapes import random_model
+from shapes import saved_random_model
 
 
 class StepClock:
@@ -91,15 +91,10 @@ def main() -> None:
 
     cuda = args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    folder = tempfile.mkdtemp()
-    lm = random_model(args.shape, dtype, torch.device(args.device))
-    lm.save_pretrained(folder)
-    vocab = lm.config.vocab_size
-    del lm
+    folder, vocab = saved_random_model(args.shape, args.device)
     engine_args = {"skip_tokenizer_init": True,
                    "max_model_len": args.prompt_len + args.new_tokens + 16}
     if cuda:
-        torch.cuda.empty_cache()
         engine_args["gpu_memory_utilization"] = args.memory
     engines = {}
     for path, native in (("native", None), ("forcing", False)) if cuda else (("forcing", False),):
@@ -168,7 +163,8 @@ def main() -> None:
 def sample(path: str, seconds: float, run) -> None:
     """py-spy over this process and its children while ``run`` loops for ``seconds``; the
     top functions by samples per process."""
-    out = tempfile.mktemp(suffix=".txt")
+    with tempfile.NamedTemporaryFile(suffix=".txt", delete=False) as file:
+        out = file.name
     spy = subprocess.Popen(["py-spy", "record", "--pid", str(os.getpid()), "--subprocesses",
                             "--nonblocking", "--rate", "400", "--duration", str(int(seconds)),
                             "--format", "raw", "--output", out],

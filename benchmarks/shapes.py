@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["SHAPES", "hbm_bound_seconds", "kv_bytes_per_token", "random_model"]
+__all__ = ["SHAPES", "hbm_bound_seconds", "kv_bytes_per_token", "random_model",
+           "saved_random_model"]
 
 SHAPES = {
     "smollm2-135m": ("LlamaConfig", dict(
@@ -62,6 +63,22 @@ def random_model(shape: str, dtype: torch.dtype, device: torch.device,
     finally:
         torch.set_default_dtype(previous)
     return lm.eval()
+
+
+def saved_random_model(shape: str, device: str) -> tuple[str, int]:
+    """A :func:`random_model` of ``shape`` saved in a new temporary folder, in bfloat16 on
+    CUDA and float32 elsewhere: ``(folder, vocabulary size)``."""
+    import tempfile
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    folder = tempfile.mkdtemp()
+    lm = random_model(shape, dtype, torch.device(device))
+    lm.save_pretrained(folder)
+    vocab = lm.config.vocab_size
+    del lm
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return folder, vocab
 
 
 def kv_bytes_per_token(lm: torch.nn.Module) -> int:
