@@ -454,6 +454,23 @@ def test_sigterm_during_start_up_names_no_folder_and_leaves_none(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]
 
 
+def test_interrupt_while_out_folders_are_made_leaves_none(tmp_path, monkeypatch, capsys):
+    """Ctrl-C landing right after --out's folders are made (before the check returns) still
+    removes them: they are recorded before they are made (a SIGTERM there once left one)."""
+    from trace_replay import cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.tempfile, "NamedTemporaryFile", interrupted)
+    traces = _write_traces(tmp_path / "t.jsonl", [HELLO])
+    out = tmp_path / "new" / "out" / "r.parquet"
+    assert main(["replay", str(traces), "--engine", "prefill", "--out", str(out),
+                 "--checkpoint", str(tmp_path / "ckpt")]) == 130
+    assert capsys.readouterr().err.splitlines()[-1] == "trace-replay: interrupted"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]
+
+
 def test_failed_run_removes_only_the_empty_folders_it_made(tmp_path, capsys):
     """A run that fails removes the --out and --checkpoint folders it created and left empty;
     a folder that was there before stays, even empty."""

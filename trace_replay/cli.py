@@ -523,13 +523,15 @@ def _remove_empty(folders: list[Path]) -> None:
             pass
 
 
-def check_output(path: str, inputs: list[str] = ()) -> list[Path]:
+def check_output(path: str, inputs: list[str] = (), record: list[Path] | None = None,
+                 ) -> list[Path]:
     """Refuse an output file that cannot be written, before any work is done.
 
     Refused: anything but a regular file or a new path, and one of ``inputs`` however it is
     spelled (:func:`~trace_replay._io.write_target`; a symlink is written through), a path
     under a file, a folder where a probe file cannot be created. Missing folders are
-    created and returned, outermost first.
+    created and returned, outermost first; they are appended to ``record`` before the first
+    is made, so a signal that lands while they are made still finds them to remove.
     """
     from trace_replay._io import write_target
 
@@ -542,6 +544,8 @@ def check_output(path: str, inputs: list[str] = ()) -> list[Path]:
     if not existing.is_dir():
         raise ValueError(f"--out {out}: {existing} is a file, not a folder")
     created = _missing_folders(target.parent if out.is_symlink() else out.parent)
+    if record is not None:
+        record.extend(created)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{target.name}.",
@@ -553,11 +557,17 @@ def check_output(path: str, inputs: list[str] = ()) -> list[Path]:
     return created
 
 
-def _prepare_outputs(args) -> tuple[list[Path], list[Path]]:
-    """Check --out before any work; (folders made for --out, all folders the run may make)."""
+def _prepare_outputs(args, created: list[Path] | None = None) -> list[Path]:
+    """Check --out before any work; return the folders made for --out.
+
+    Every folder the run may make (for --out and --checkpoint) is appended to ``created``
+    before it is made, so the caller can remove those left empty whenever the run stops.
+    """
+    created = [] if created is None else created
     made = []
     if args.command == "demo":
         made = _missing_folders(Path(args.out))
+        created.extend(made)
     if args.command in _FILE_OUTPUTS:
         names = [getattr(args, name) for name in _FILE_OUTPUTS[args.command]]
         inputs = [n for name in names if name for n in ([name] if isinstance(name, str) else name)]
@@ -565,9 +575,11 @@ def _prepare_outputs(args) -> tuple[list[Path], list[Path]]:
             from trace_replay import datasets
 
             inputs = datasets.files(args.traces)
-        made = check_output(args.out, inputs)
+        made = check_output(args.out, inputs, record=created)
     checkpoint = getattr(args, "checkpoint", None)
-    return made, made + (_missing_folders(Path(checkpoint)) if checkpoint else [])
+    if checkpoint:
+        created.extend(_missing_folders(Path(checkpoint)))
+    return made
 
 
 def _saved(args) -> str:
@@ -604,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         warnings.simplefilter("ignore", KeptEngineWarning)
         replaced = _catch_signals()
         try:
-            made, created = _prepare_outputs(args)
+            made = _prepare_outputs(args, created)
             args.func(args)
             status = 0
         except KeyboardInterrupt as interrupt:
