@@ -4,7 +4,7 @@ import) and of a second call with the same engine (steady state), counting the p
 whose functions ran. A random 2-layer Llama and a stand-in tokenizer, so nothing is loaded.
 
     python benchmarks/files_touched.py --device cuda           # the default backend there
-    python benchmarks/files_touched.py --device cpu --backend static
+    python benchmarks/files_touched.py --device cpu --backend static --functions
 """
 
 from __future__ import annotations
@@ -33,20 +33,26 @@ class IdTokenizer:
         return "".join(f"<{int(i)}>" for i in ids)
 
 
-def files_run(fn) -> list[str]:
-    """Package files (relative to trace_replay/) with a function that ran during ``fn()``."""
+def functions_run(fn) -> dict[str, list[str]]:
+    """Package files (relative to trace_replay/) with the functions of each that ran during
+    ``fn()``."""
     profile = cProfile.Profile()
     profile.enable()
     fn()
     profile.disable()
-    return sorted({path.split("/trace_replay/", 1)[1] for path, _, _ in pstats.Stats(profile).stats
-                   if "/trace_replay/" in path and "/site-packages/" not in path})
+    files: dict[str, list[str]] = {}
+    for path, _, name in pstats.Stats(profile).stats:
+        if "/trace_replay/" in path and "/site-packages/" not in path:
+            files.setdefault(path.split("/trace_replay/", 1)[1], []).append(name)
+    return {path: sorted(set(names)) for path, names in sorted(files.items())}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--backend", default=None, help="hf or static (default: the engine's)")
+    parser.add_argument("--functions", action="store_true",
+                        help="also list the functions each steady-state file ran")
     args = parser.parse_args()
     config = transformers.LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=2, num_attention_heads=4,
@@ -63,12 +69,15 @@ def main() -> None:
         engine.tokenizer = IdTokenizer(config.vocab_size)
         tr.replay(df, engine=engine, progress=False)
 
-    first_call = files_run(first)
-    steady = files_run(lambda: tr.replay(df, engine=engine, progress=False))
+    first_call = functions_run(first)
+    steady = functions_run(lambda: tr.replay(df, engine=engine, progress=False))
     print(f"{args.device}, {engine.settings()['engine_path']}: first call {len(first_call)} "
           f"files (module bodies included), steady state {len(steady)}")
     print("steady state:", " ".join(steady))
     print("first call only:", " ".join(sorted(set(first_call) - set(steady))))
+    if args.functions:
+        for path, names in steady.items():
+            print(f"  {path}: {' '.join(names)}")
 
 
 if __name__ == "__main__":
