@@ -115,9 +115,6 @@ class TraceSet(collections.abc.Sequence):
         """
         traces = []
         for trace in self:
-            if trace.is_tokenized and not trace.is_chat:  # ids given: nothing to encode
-                traces.append(trace)
-                continue
             try:
                 tokenize = tokenize_chat_trace if trace.is_chat else tokenize_text_trace
                 traces.append(tokenize(trace, tokenizer))
