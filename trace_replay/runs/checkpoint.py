@@ -95,8 +95,9 @@ class Checkpoint:
       folder or file named like a part but not one is skipped with a warning.
     * Rows are checked as a read would check them before they are written: impossible ones
       (a NaN logprob) are an :class:`~trace_replay.engines.validate.ImpossibleResult`
-      naming the trace, step and problem, the batch's other traces saved. A run computes a trace at most ``max_computations``
-      times (its rows lost again: an error), so nothing loops.
+      naming the trace, step and problem, the batch's other traces saved. A run computes a
+      trace at most ``max_computations`` times (its rows lost again: an error), so nothing
+      loops.
     * Runs claim traces before computing them (:class:`~trace_replay.runs.claims.Claims`): two
       runs on one folder split the work; a dead run's claims are taken over.
     * A part is written every ``max_traces`` traces and every ``every_s`` seconds of

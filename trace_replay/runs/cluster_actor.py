@@ -24,11 +24,9 @@ import pandas as pd
 
 from trace_replay._io import HOST
 from trace_replay.engines import make_engine
-from trace_replay.engines.base import ReplayRequest
-from trace_replay.runs.frame import run_checked
-from trace_replay.engines.base import engine_identity
+from trace_replay.engines.base import ReplayRequest, engine_identity
 from trace_replay.runs.checkpoint import settings_key
-from trace_replay.runs.frame import TokenDecoder
+from trace_replay.runs.frame import TokenDecoder, run_checked
 from trace_replay.runs.parts import PART_NAME, not_saved, write_checked
 
 __all__ = ["ITEMS", "EngineFacts", "ReplayActor", "engine_facts", "pack"]
@@ -43,9 +41,10 @@ class EngineFacts:
     """What the driver of a cluster run needs of the engine its actors build."""
 
     name: str
-    settings: dict[str, Any]  # engine.settings(): the run's attrs
     stats: dict[str, Any]  # engine.stats() of an engine that ran nothing
-    keyed: dict[str, Any]  # engine_identity(engine): what the folder is keyed on
+    # engine_identity(engine): its settings and weights' digest, the run's attrs and what
+    # the folder is keyed on
+    keyed: dict[str, Any]
     vocab_size: int | None
     max_model_len: int | None
     batch_size: int
@@ -56,8 +55,8 @@ def engine_facts(options: Mapping[str, Any]) -> EngineFacts:
     """Build the engine as each actor will (``make_engine(**options)``), say what it is,
     and close it."""
     with make_engine(**options) as engine:
-        return EngineFacts(engine.name, engine.settings(), engine.stats(),
-                           engine_identity(engine), engine.vocab_size, engine.max_model_len, engine.batch_size,
+        return EngineFacts(engine.name, engine.stats(), engine_identity(engine),
+                           engine.vocab_size, engine.max_model_len, engine.batch_size,
                            engine.tokenizer)
 
 
@@ -126,8 +125,7 @@ class ReplayActor:
                              "compute the same numbers; run it on nodes of one kind")
         self.key = settings_key(dict(keyed))
         self.decode = TokenDecoder(self.engine.tokenizer)
-        settings = self.engine.settings()
-        self.limits = {"top_k": settings.get("top_k"), "vocab_size": self.engine.vocab_size}
+        self.limits = {"top_k": keyed.get("top_k"), "vocab_size": self.engine.vocab_size}
 
     def __call__(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Score a batch's unwritten traces into parts; one summary row per trace, or one

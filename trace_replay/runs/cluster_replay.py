@@ -60,7 +60,7 @@ def replay_on_ray(traceset: TraceSet, cluster: RayCluster, options: dict[str, An
         facts = _probe(ray, options, plan)
         traceset, requests, notes = prepare_run(
             traceset, tokenizer=facts.tokenizer, vocab_size=facts.vocab_size,
-            max_model_len=facts.max_model_len, top_k=facts.settings.get("top_k", 0),
+            max_model_len=facts.max_model_len, top_k=facts.keyed.get("top_k", 0),
             truncate=truncate)
         batch = max(facts.batch_size, 1)
         # whole engine batches, at most 4 per part, and work for every actor

@@ -22,9 +22,8 @@ from trace_replay.runs.checkpoint import Checkpoint
 from trace_replay.runs.kept_engines import kept_engine
 from trace_replay.engines import ENGINES
 from trace_replay.engines.base import Engine, ReplayRequest, check_engine, engine_identity
-from trace_replay.runs.frame import run_checked
 from trace_replay.runs.cluster import RayCluster, as_cluster
-from trace_replay.runs.frame import TokenDecoder, to_frame
+from trace_replay.runs.frame import TokenDecoder, run_checked, to_frame
 from trace_replay.traces.trace import FIELDS
 from trace_replay.traces.sets import TraceError, TraceSet, load_traces
 
@@ -294,7 +293,7 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
     vocab_size = engine.vocab_size
     tokenizer = engine.tokenizer
     traceset, requests, cut_notes = prepare_run(
-        traceset, tokenizer=tokenizer, vocab_size=engine.vocab_size,
+        traceset, tokenizer=tokenizer, vocab_size=vocab_size,
         max_model_len=engine.max_model_len, top_k=settings.get("top_k", 0), truncate=truncate)
     by_id = {t.id: t for t in traceset}
     decode = TokenDecoder(tokenizer)
@@ -311,7 +310,7 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
             counted += tokens
             bar.update(tokens)
 
-        limits = {"top_k": settings.get("top_k"), "vocab_size": engine.vocab_size}
+        limits = {"top_k": settings.get("top_k"), "vocab_size": vocab_size}
 
         def run(group: list[ReplayRequest],
                 keep: Callable[[pd.DataFrame], None] | None = None) -> pd.DataFrame:
