@@ -14,8 +14,8 @@ import torch
 from trace_replay.engines.base import ReplayRequest
 from trace_replay.engines.builtin.backends.hf import HFBackend
 from trace_replay.engines.builtin.backends.static import StaticCacheBackend
-from trace_replay.engines.builtin.decode import forced_step, generate_steps, replay_steps
-from trace_replay.engines.builtin.decode import SlotTable
+from trace_replay.engines.builtin.decode import (ForcedSteps, SlotTable, forced_step,
+                                                generate_steps, replay_steps)
 from trace_replay.engines.builtin.scoring import wave_results
 from trace_replay.engines.builtin.scoring import scorer_for
 
@@ -173,20 +173,28 @@ def test_cached_steps_are_reused_only_while_their_key_holds(tiny_llama):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_captured_graph_equals_eager_steps(tiny_llama):
+def test_captured_graph_equals_eager_steps(tiny_llama, monkeypatch):
     """On CUDA, the forced steps replayed from one graph give what the same steps run
-    eagerly give, for a wave, a smaller one, the first wave again (a reused capture) and a
-    wave of longer prompts (the backend's cache, so its logits, moved: the cached steps
-    capture anew)."""
+    eagerly give, for a wave, a smaller one, the first wave again (a new capture of the first
+    key), a wave of longer prompts (the backend's cache, so its logits, moved: forward 0
+    replays the cached capture on its own memory, forward 1 captures anew) and that wave's
+    like (every step replayed: none runs eagerly, forward 0 included)."""
     lm = copy.deepcopy(tiny_llama).to("cuda")
     backend = StaticCacheBackend(lm, 0)
     assert backend.static_logits
     slots, cache = SlotTable(4, torch.device("cuda")), {}
     waves = [wave_of([9, 12, 5, 1], seed=1), wave_of([4, 2], seed=2),
-             wave_of([9, 12, 5, 1], seed=1), wave_of([9, 12, 5, 1], seed=3, prompt_len=60)]
+             wave_of([9, 12, 5, 1], seed=1), wave_of([9, 12, 5, 1], seed=3, prompt_len=60),
+             wave_of([11, 3, 12, 7], seed=4, prompt_len=60)]
+    eager = []  # steps run by ForcedSteps._step (eagerly, or while capturing)
+    step = ForcedSteps._step
+    monkeypatch.setattr(ForcedSteps, "_step",
+                        lambda self, logits: (eager.append(1), step(self, logits))[1])
     with torch.inference_mode():
         for i, wave in enumerate(waves):
+            eager.clear()
             ours, _ = replay_wave(backend, slots, wave, cache=cache, graph=True)
+            assert (len(eager) == 0) == (i == 4), (i, len(eager))
             if i == 2:
                 reused, logits = cache["forced"], cache["forced"]._logits
             # the same compiled forward, the forced steps run op by op

@@ -17,6 +17,7 @@ CUDA graph), :class:`~trace_replay.engines.builtin.verify.VerifySteps` (``k`` dr
 :class:`ForcedSteps` runs the same ``_step`` eagerly or, when the backend's ``decode`` returns
 the same static logits tensor every step (``StaticCacheBackend.static_logits``), captured once
 and replayed: one launch per step for the argmax, forcing, advance, scoring and next inputs.
+Forward 0 of a later wave replays it too, on the prefill's logits copied into that tensor.
 Each step's scores land in row ``cursor`` of buffers held for the wave (a device counter), so
 nothing is overwritten and nothing is read back. A capture depends on every address it reads
 and every host-side choice it made (the key: slot and trace-length tensors, rows, top-k,
@@ -146,8 +147,9 @@ def replay_steps(backend: Backend, slots: SlotTable, idx_mapping: torch.Tensor,
 
     Returns the steps (views into :class:`ForcedSteps` buffers, valid until its next wave) and
     the ``[num_steps, B]`` int32 count of tokens each row committed per forward (all ones).
-    ``graph``: each step after the first replays one CUDA graph (needs a backend whose
-    ``decode`` returns static logits); else the same steps run eagerly. ``cache`` (a dict the
+    ``graph``: every step replays one CUDA graph, captured at forward 1 of the first wave it
+    fits (needs a backend whose ``decode`` returns static logits); else the same steps run
+    eagerly. ``cache`` (a dict the
     caller keeps) holds the steps, and their capture, for the next wave.
     """
     forced = _forced_steps(cache, slots, idx_mapping, top_k, score, num_steps, graph)
@@ -162,8 +164,9 @@ class ForcedSteps:
     steps (rows, trace tokens, cursor). ``step(logits, forward)`` forces and scores
     ``logits`` ``[B, V]``, commits one token per row, writes the next ``tokens``/``positions``
     ``[B, 1]`` and the scores to row ``cursor``, then advances ``cursor`` — eagerly, or with
-    ``graph`` (CUDA) from forward 1 on by replaying one graph captured on the logits' memory
-    (captured anew at forward 1 if that memory moved since; moving later is an error).
+    ``graph`` (CUDA) by replaying one graph captured on the decode logits' memory at forward
+    1 (captured anew there if that memory moved since; moving later is an error); forward 0
+    replays it on the prefill's logits copied into that memory once it exists.
     ``steps()`` gives the wave's steps as views, valid until the next ``start``.
     """
 
@@ -197,8 +200,10 @@ class ForcedSteps:
             self.trace_tokens[: tokens.numel()].copy_(tokens)
 
     def step(self, logits: torch.Tensor, forward: int) -> bool:
-        if forward == 0 or not self.graph:  # the prefill's logits are another tensor
+        if not self.graph:
             self._step(logits)
+        elif forward == 0:
+            self._first(logits)
         else:
             self._replay(logits, forward)
         return forward + 1 < self.num_steps
@@ -206,6 +211,18 @@ class ForcedSteps:
     def steps(self) -> Steps:
         return [(TokenScores(*(values[i] for values in self.scores)), self.sampled[i])
                 for i in range(self.num_steps)]
+
+    def _first(self, logits: torch.Tensor) -> None:
+        """Forward 0 scores the prefill's logits, another tensor than the decode's: once a
+        capture exists they are copied into the memory it reads and it is replayed (one copy
+        of ``[B, V]`` instead of the step's launches); before that the step runs eagerly."""
+        captured = self._logits
+        if (self._graph is None or captured.shape != logits.shape
+                or captured.dtype != logits.dtype):
+            self._step(logits)
+            return
+        captured.copy_(logits)
+        self._graph.replay()
 
     def _replay(self, logits: torch.Tensor, forward: int) -> None:
         if self._graph is None or not _same_memory(logits, self._logits):

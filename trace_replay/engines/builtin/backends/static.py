@@ -224,13 +224,14 @@ class StaticCacheBackend:
             present[row, width - len(prompt):] = True
         tokens, present = tokens.to(self.device), present.to(self.device)
         positions = (present.long().cumsum(1) - 1).clamp(min=0)
-        self.cache.reset()
         if not self.cuda_graphs:
+            self.cache.reset()
             logits = self._forward(tokens, positions, present=present, logits_to_keep=1)
         elif rows * width <= PREFILL_GRAPH_TOKENS:
             graph = self._prefills.get(width) or self._capture_prefill(width)
             logits = graph.replay(tokens, positions, present)
         else:  # long prompts keep the GPU busy: compiled layers, no graph (no memory held)
+            self.cache.reset()
             with self._compiled(startup=(rows, width) not in self._prefill_shapes):
                 logits = self._forward(tokens, positions, present=present, logits_to_keep=1)
             self._prefill_shapes.add((rows, width))
@@ -332,9 +333,13 @@ def _capture_prefill_of(backend: StaticCacheBackend, width: int) -> _PrefillGrap
     tokens = torch.full((rows, width), backend.pad_id, dtype=torch.long, device=device)
     positions = torch.arange(width, device=device).expand(rows, width).contiguous()
     present = torch.ones((rows, width), dtype=torch.bool, device=device)
-    graph, logits = capture(
-        lambda: backend._forward(tokens, positions, present=present, logits_to_keep=1),
-        (cache.cursor, cache.valid, cache.slot_pos), pool=backend._prefill_pool)
+
+    def prefill() -> torch.Tensor:  # a new wave: the cache's reset is captured too
+        cache.reset()
+        return backend._forward(tokens, positions, present=present, logits_to_keep=1)
+
+    graph, logits = capture(prefill, (cache.cursor, cache.valid, cache.slot_pos),
+                            pool=backend._prefill_pool)
     return _PrefillGraph(graph, tokens, positions, present, logits)
 
 
