@@ -11,6 +11,7 @@ import ast
 from pathlib import Path
 
 import pytest
+import torch
 
 PACKAGE = Path(__file__).resolve().parents[1] / "trace_replay"
 
@@ -123,15 +124,17 @@ def test_relative_imports_resolve_to_package_modules():
 
 
 _WARM_REPLAY = """
-import cProfile, json, pstats
+import cProfile, json, pstats, sys
 import pandas as pd, torch, transformers
 import trace_replay as tr
+
+device = sys.argv[1]
 
 config = transformers.LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128,
                                   num_hidden_layers=2, num_attention_heads=4,
                                   num_key_value_heads=2, max_position_embeddings=128)
 torch.manual_seed(0)
-lm = transformers.AutoModelForCausalLM.from_config(config).eval()
+lm = transformers.AutoModelForCausalLM.from_config(config).eval().to(device)
 df = pd.DataFrame({"id": ["a", "b"], "prompt_token_ids": [[1, 2, 3], [4, 5]],
                    "trace_token_ids": [[7, 8, 9, 10], [11, 12]]})
 
@@ -142,7 +145,7 @@ class IdTokenizer:  # token ids as text: nothing loaded
     def decode(self, ids, **_):
         return "".join(f"<{int(i)}>" for i in ids)
 
-with tr.make_engine("torch", lm, device="cpu") as engine:
+with tr.make_engine("torch", lm, device=device) as engine:
     engine.tokenizer = IdTokenizer()
     tr.replay(df, engine=engine, progress=False)
     profile = cProfile.Profile()
@@ -156,11 +159,17 @@ print(json.dumps(sorted({path.split("/trace_replay/", 1)[1]
 
 
 @pytest.mark.slow
-def test_a_warm_cpu_replay_runs_at_most_15_package_files():
-    """A second tr.replay on the same torch engine on a CPU runs code in at most 15 of the
-    package's files (issue 44: a reader following one call crosses few files), measured as
-    benchmarks/files_touched.py does, in a process of the CPU production configuration
-    (without the suite's TRITON_INTERPRET, under which kernels run in Triton's interpreter)."""
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="no CUDA device")]),
+])
+def test_a_warm_replay_runs_at_most_15_package_files(device):
+    """A second tr.replay on the same torch engine runs code in at most 15 of the package's
+    files on a CPU and on CUDA, each on its default backend (issue 44: a reader following one
+    call crosses few files), measured as benchmarks/files_touched.py does, in a process of
+    the production configuration (without the suite's TRITON_INTERPRET, under which kernels
+    run in Triton's interpreter)."""
     import json
     import os
     import subprocess
@@ -168,7 +177,7 @@ def test_a_warm_cpu_replay_runs_at_most_15_package_files():
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(PACKAGE.parent) + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", _WARM_REPLAY], env=env, capture_output=True,
-                         text=True, timeout=300, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", _WARM_REPLAY, device], env=env,
+                         capture_output=True, text=True, timeout=300, check=True).stdout
     files = json.loads(out.strip().splitlines()[-1])
     assert len(files) <= 15, "\n".join(files)
