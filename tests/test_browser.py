@@ -38,6 +38,7 @@ APT_S = 900  # apt-get update + install chromium on a fresh machine
 SERVER_S = 60  # Voilà answering HTTP
 RENDER_S = 240  # page request -> kernel start, two replays on CPU, widgets drawn
 UPDATE_S = 30  # one widget interaction -> the views redrawn by the kernel
+STACKS_S = max(1, RENDER_S - 15)  # kernel start -> its stacks written (a failed render shows them)
 TOKEN_ID = re.compile(r"token id (\d+)")
 N_TOKENS = re.compile(r"\((\d+) tok")
 _BLANK = ("rgb(255, 255, 255)", "rgba(0, 0, 0, 0)")
@@ -99,6 +100,43 @@ def _log_tail(path: Path, n: int = 3000) -> str:
     return path.read_text(errors="replace")[-n:] if path.is_file() else ""
 
 
+def _dump_kernel_stacks(ipython_dir: Path, out: Path) -> None:
+    """Make the notebook kernel write every thread's stack to ``out`` STACKS_S after it
+    starts, shortly before RENDER_S runs out, so a render that times out says where the
+    kernel was: an IPython startup file arms :func:`faulthandler.dump_traceback_later`,
+    whose own thread writes even while the kernel's main thread holds the GIL in C code."""
+    startup = ipython_dir / "profile_default" / "startup"
+    startup.mkdir(parents=True)
+    (startup / "00-dump-stacks.py").write_text(
+        "import faulthandler\n"
+        f"_trace_replay_stacks = open({str(out)!r}, 'w')\n"
+        f"faulthandler.dump_traceback_later({STACKS_S}, file=_trace_replay_stacks)\n")
+
+
+def _busiest_processes(n: int = 8) -> str:
+    """The processes using the most CPU over one second: what competed with the kernel."""
+    import psutil
+
+    procs = list(psutil.process_iter(["pid", "name", "cmdline", "memory_info"]))
+    for proc in procs:
+        try:
+            proc.cpu_percent(None)
+        except psutil.Error:
+            pass
+    time.sleep(1.0)
+    rows = []
+    for proc in procs:
+        try:
+            rows.append((proc.cpu_percent(None), proc.info))
+        except psutil.Error:
+            pass
+    rows.sort(key=lambda row: -row[0])
+    return "\n".join(f"{cpu:5.0f}% {info['pid']:>7} "
+                     f"{(info['memory_info'].rss if info['memory_info'] else 0) >> 20:>6} MiB "
+                     f"{' '.join(info['cmdline'] or [info['name'] or ''])[:120]}"
+                     for cpu, info in rows[:n])
+
+
 @pytest.fixture(scope="module")
 def voila(tmp_path_factory):
     """URL of a Voilà server on 127.0.0.1 serving the explorer notebook; its log path."""
@@ -112,6 +150,7 @@ def voila(tmp_path_factory):
                # one OpenMP thread in the kernel, as in the suite (conftest): on a busy 2-core
                # machine two spinning threads made its two replays overrun RENDER_S
                OMP_NUM_THREADS="1")  # fmt: skip
+    _dump_kernel_stacks(tmp / "ipython", tmp / "kernel_stacks.txt")
     cmd = [sys.executable, "-m", "voila", str(NOTEBOOK), "--no-browser",
            "--Voila.ip=127.0.0.1", f"--Voila.port={port}", "--Voila.port_retries=0",
            f"--VoilaExecutor.timeout={RENDER_S}",
@@ -160,7 +199,10 @@ _RENDERED_OR_FAILED = """() =>
 def _fail_render(page, log: Path, why: str) -> None:
     page.screenshot(path=ARTIFACTS / "explorer_failed.png", full_page=True)
     pytest.fail(f"{why}\npage text: {page.inner_text('body')[-3000:]}\n"
-                f"voila log:\n{_log_tail(log)}")  # fmt: skip
+                f"voila log:\n{_log_tail(log)}\n"
+                f"kernel stacks ({STACKS_S} s after it started):\n"
+                f"{_log_tail(log.parent / 'kernel_stacks.txt', 12000) or '(none written)'}\n"
+                f"busiest processes now:\n{_busiest_processes()}")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
