@@ -10,7 +10,11 @@ one); the marginal rate, (large − small) /
 loads, Ray's actor pool) and is the throughput a long run approaches; the single-process
 run's engine (kept by name for the process) is started once, untimed, before the rounds, so
 a first run does not carry it alone. Ratios are to the single-process run of the same round
-set.
+set. The marginal rate takes the difference of two end-to-end times, so it carries the
+spread of Ray's start-up (several seconds on a GPU, where a run is tens of seconds); the
+steady rate (:func:`steady_rate`, from the large run's checkpoint parts) is the rate while
+parts were being written, start-up and the final read left out, and its ratio is taken
+per round (neighbours in time).
 
 The embedded model on the CPU by default (bundled traces cut to ``--length`` tokens), one
 thread per actor and in the single-process run (2 actors on 2 cores). ``--device cuda``:
@@ -77,14 +81,36 @@ def shape_folder(shape: str, dtype: str) -> tuple[str, int]:
     return folder, 256
 
 
-def timed(traces: list[dict], options: dict, cluster: RayCluster | None) -> float:
+def timed(traces: list[dict], options: dict,
+          cluster: RayCluster | None) -> tuple[float, float | None]:
+    """One end-to-end run into a fresh checkpoint folder: its seconds, and its steady rate
+    (:func:`steady_rate`)."""
     with tempfile.TemporaryDirectory() as folder:
         start = time.perf_counter()
         df = tr.replay(traces, **options, progress=False, checkpoint=Path(folder) / "c",
                        cluster=cluster)
         seconds = time.perf_counter() - start
+        rate = steady_rate(Path(folder) / "c", (cluster.actors or 1) if cluster else 1)
     assert df["trace_id"].nunique() == len(traces)
-    return seconds
+    return seconds, rate
+
+
+def steady_rate(checkpoint: Path, writers: int = 1) -> float | None:
+    """Traces/s while a run wrote its parts: the traces of the parts after the first
+    ``writers`` over the time from the ``writers``-th part's write to the last's (a part's
+    name holds its write time in ns). Start-up before the first parts (engine starts, Ray's
+    pool) and the final read after the last are outside it. With one writer (one process or
+    one actor) it is exact; with N actors the N first parts stand in for each actor's first,
+    which they are only when the actors keep pace. ``None`` with too few parts."""
+    import pyarrow.parquet as pq
+
+    parts = sorted((int(path.name.split("-")[1]), path)
+                   for path in checkpoint.rglob("part-*.parquet"))
+    if len(parts) <= writers:
+        return None
+    traces = sum(len(pq.read_table(path, columns=["trace_id"]).column(0).unique())
+                 for _, path in parts[writers:])
+    return traces / ((parts[-1][0] - parts[writers - 1][0]) / 1e9)
 
 
 def main() -> None:
@@ -95,6 +121,9 @@ def main() -> None:
     parser.add_argument("--small", type=int, default=8, help="traces of the small run")
     parser.add_argument("--length", type=int, default=32, help="trace tokens per trace")
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--chunk-size", type=int, default=None, help="traces per engine call "
+                        "and at most per part (default: replay's, 4 x batch); smaller gives the "
+                        "steady rate more parts")
     parser.add_argument("--engine", default="torch")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--model", default=None, help="model folder (default: embedded)")
@@ -110,7 +139,7 @@ def main() -> None:
     if args.shape:
         model, vocab = shape_folder(args.shape, args.dtype or "bfloat16")
     options = {"engine": args.engine, "model": model, "device": args.device,
-               "batch_size": args.batch, "dtype": args.dtype}
+               "batch_size": args.batch, "dtype": args.dtype, "chunk_size": args.chunk_size}
     large = (random_traces(args.traces, args.length, vocab) if vocab
              else bundled_traces(args.traces, args.length))
     sizes = {"small": large[:args.small], "large": large}
@@ -126,30 +155,42 @@ def main() -> None:
     # so its every timed run is warm, as each Ray run's actors are after their own start
     timed(sizes["small"], options, None)
     seconds = {(c, s): [] for c in configs for s in sizes}
+    steady = {c: [] for c in configs}  # the large run's steady rate, per round
     for round_ in range(args.repeats):
         names = list(configs)
         names = names[round_ % len(names):] + names[:round_ % len(names)]  # no run always first
         for name in names:
             cluster = configs[name]
             for size, traces in sizes.items():
-                seconds[name, size].append(timed(traces, options, cluster))
-                print(f"  round {round_}: {name}, {len(traces)} traces: "
-                      f"{seconds[name, size][-1]:.1f} s", flush=True)
+                run_seconds, rate = timed(traces, options, cluster)
+                seconds[name, size].append(run_seconds)
+                if size == "large":
+                    steady[name].append(rate)
+                print(f"  round {round_}: {name}, {len(traces)} traces: {run_seconds:.1f} s"
+                      + (f", steady {rate:.2f} traces/s" if rate else ""), flush=True)
     ray.shutdown()
     device = torch.cuda.get_device_name() if gpu else f"{platform.machine()} CPU"
     print(f"\n{dt.date.today()} · {device}, {os.cpu_count()} cores · "
           f"torch {torch.__version__} · ray {ray.__version__} · {args.engine} engine, batch "
           f"{args.batch} · {args.small} and {args.traces} traces × {args.length} tokens · "
           f"median of {args.repeats}")
-    print("\n| run | s, small | s, large | marginal traces/s | × single process |")
-    print("|---|---:|---:|---:|---:|")
+    print("\n| run | s, small | s, large | marginal traces/s | × single process "
+          "| steady traces/s | × single process, steady (per round) |")
+    print("|---|---:|---:|---:|---:|---:|---|")
     base = None
     for name in configs:
         small, big = (statistics.median(seconds[name, s]) for s in sizes)
         rate = (args.traces - args.small) / (big - small)
         base = base or rate
-        print(f"| {name} | {small:.1f} | {big:.1f} | {rate:.2f} | {rate / base:.2f} |")
-
+        rounds = [r / b if r and b else None
+                  for r, b in zip(steady[name], steady["single process"])]
+        known = [r for r in rounds if r is not None]
+        median = f"{statistics.median(known):.2f}" if known else "–"
+        each = ", ".join("–" if r is None else f"{r:.2f}" for r in rounds)
+        rates = [r for r in steady[name] if r]
+        steady_median = f"{statistics.median(rates):.2f}" if rates else "–"
+        print(f"| {name} | {small:.1f} | {big:.1f} | {rate:.2f} | {rate / base:.2f} "
+              f"| {steady_median} | {median} ({each}) |")
 
 if __name__ == "__main__":
     main()
