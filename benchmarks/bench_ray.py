@@ -44,6 +44,7 @@ import torch
 
 import trace_replay as tr
 from trace_replay.runs.cluster import RayCluster
+from trace_replay.runs.parts import PART_NAME
 
 
 def bundled_traces(count: int, length: int) -> list[dict]:
@@ -104,8 +105,8 @@ def steady_rate(checkpoint: Path, writers: int = 1) -> float | None:
     which they are only when the actors keep pace. ``None`` with too few parts."""
     import pyarrow.parquet as pq
 
-    parts = sorted((int(path.name.split("-")[1]), path)
-                   for path in checkpoint.rglob("part-*.parquet"))
+    parts = sorted((int(match["ns"]), path) for path in checkpoint.rglob("part-*")
+                   if (match := PART_NAME.match(path.name)))
     if len(parts) <= writers:
         return None
     traces = sum(len(pq.read_table(path, columns=["trace_id"]).column(0).unique())
@@ -191,6 +192,7 @@ def main() -> None:
         steady_median = f"{statistics.median(rates):.2f}" if rates else "–"
         print(f"| {name} | {small:.1f} | {big:.1f} | {rate:.2f} | {rate / base:.2f} "
               f"| {steady_median} | {median} ({each}) |")
+
 
 if __name__ == "__main__":
     main()

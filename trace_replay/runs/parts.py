@@ -24,7 +24,8 @@ from trace_replay.engines.validate import ImpossibleResult, impossible
 __all__ = ["PART_NAME", "CorruptPart", "check_rows", "describe", "not_saved",
            "part_settings_key", "read_part", "write_checked", "write_part"]
 
-PART_NAME = re.compile(r"^part-\d{20}-(?P<sha>[0-9a-f]{16})\.parquet$")
+# written at time.time_ns() (ns), with the first 16 hex digits of its bytes' sha256
+PART_NAME = re.compile(r"^part-(?P<ns>\d{20})-(?P<sha>[0-9a-f]{16})\.parquet$")
 _SETTINGS_KEY = b"trace_replay.settings_key"  # Parquet metadata: the run's settings key
 
 
