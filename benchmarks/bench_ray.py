@@ -119,7 +119,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--actors", default="1,2", help="actor counts, comma-separated")
     parser.add_argument("--traces", type=int, default=32, help="traces of the large run")
-    parser.add_argument("--small", type=int, default=8, help="traces of the small run")
+    parser.add_argument("--small", type=int, default=8, help="traces of the small run (0: no "
+                        "small run, so no marginal rate; the steady rate alone)")
     parser.add_argument("--length", type=int, default=32, help="trace tokens per trace")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--chunk-size", type=int, default=None, help="traces per engine call "
@@ -143,7 +144,7 @@ def main() -> None:
                "batch_size": args.batch, "dtype": args.dtype, "chunk_size": args.chunk_size}
     large = (random_traces(args.traces, args.length, vocab) if vocab
              else bundled_traces(args.traces, args.length))
-    sizes = {"small": large[:args.small], "large": large}
+    sizes = ({"small": large[:args.small]} if args.small else {}) | {"large": large}
     gpu = args.device == "cuda"
     configs = {"single process": None} | {
         f"ray, {n} actor{'s' if n > 1 else ''}": RayCluster(actors=n, num_gpus=1 if gpu else 0)
@@ -154,7 +155,7 @@ def main() -> None:
              logging_level=logging.WARNING)
     # the single-process run keeps the engine it starts (engine by name): start it untimed,
     # so its every timed run is warm, as each Ray run's actors are after their own start
-    timed(sizes["small"], options, None)
+    timed(large[:args.small or args.batch], options, None)
     seconds = {(c, s): [] for c in configs for s in sizes}
     steady = {c: [] for c in configs}  # the large run's steady rate, per round
     for round_ in range(args.repeats):
@@ -180,8 +181,9 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---|")
     base = None
     for name in configs:
-        small, big = (statistics.median(seconds[name, s]) for s in sizes)
-        rate = (args.traces - args.small) / (big - small)
+        big = statistics.median(seconds[name, "large"])
+        small = statistics.median(seconds[name, "small"]) if args.small else None
+        rate = (args.traces - args.small) / (big - small) if args.small else None
         base = base or rate
         rounds = [r / b if r and b else None
                   for r, b in zip(steady[name], steady["single process"])]
@@ -190,7 +192,8 @@ def main() -> None:
         each = ", ".join("–" if r is None else f"{r:.2f}" for r in rounds)
         rates = [r for r in steady[name] if r]
         steady_median = f"{statistics.median(rates):.2f}" if rates else "–"
-        print(f"| {name} | {small:.1f} | {big:.1f} | {rate:.2f} | {rate / base:.2f} "
+        marginal = f"{rate:.2f} | {rate / base:.2f}" if rate else "– | –"
+        print(f"| {name} | {f'{small:.1f}' if small else '–'} | {big:.1f} | {marginal} "
               f"| {steady_median} | {median} ({each}) |")
 
 
