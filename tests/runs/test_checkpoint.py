@@ -416,3 +416,14 @@ def test_a_deterministic_folder_resumes_at_another_batch_size(lm, records, tmp_p
     with pytest.raises(ValueError, match=r"other settings \(batch_size\)"):
         replay(records, engine=make_engine("prefill", lm, batch_size=3, top_k=3),
                progress=False, checkpoint=tmp_path / "plain")
+
+
+def test_call_size_is_whole_batches_of_half_the_part_interval():
+    """call_size: about every_s / 2 of compute, rounded down to whole batches, never below
+    one batch, never above ``most``."""
+    from trace_replay.runs.checkpoint import call_size
+
+    assert call_size(0.1, batch_size=8, every_s=10.0, most=1000) == 48  # 50 fit, 6 batches
+    assert call_size(10.0, batch_size=8, every_s=10.0, most=1000) == 8  # slow: one batch
+    assert call_size(1e-9, batch_size=8, every_s=10.0, most=256) == 256  # fast: the cap
+    assert call_size(0.0, batch_size=1, every_s=10.0, most=5) == 5

@@ -141,3 +141,37 @@ def test_an_engine_with_other_settings_than_the_runs_is_refused(tmp_path, facts,
         {ITEMS: np.array([pack([])], dtype=object)})
     error = _error(rows)
     assert isinstance(error, ValueError) and "other settings than the run's (top_k)" in str(error)
+
+
+
+def test_the_actor_sizes_engine_calls_as_a_single_process_run(tmp_path, run):
+    """Engine calls grow from one engine batch to the work of about half the part interval,
+    by the rule a single-process run uses (call_size): the same requests reach the engine
+    in calls of the same sizes on both paths, not one engine batch at a time."""
+    from trace_replay.engines import make_engine
+
+    def recorded_calls(engine) -> list[int]:
+        calls, run_engine = [], engine.run
+
+        def recorded(requests, **kwargs):
+            calls.append(len(requests))
+            return run_engine(requests, **kwargs)
+
+        engine.run = recorded
+        return calls
+
+    options = dict(OPTIONS, batch_size=1)
+    one = engine_facts(options)
+    traces, requests = run
+    with Checkpoint(tmp_path / "a", one.keyed, requests, {t.id: t for t in traces}) as store:
+        items = [(store.digest(r), r, t) for r, t in zip(requests, traces)]
+    actor = ReplayActor(options, str(tmp_path / "a"), one.keyed, labelled=False, every_s=10.0)
+    actor_calls = recorded_calls(actor.engine)
+    rows = actor({ITEMS: np.array([pack(items)], dtype=object)})
+    assert not any(rows["error"])
+
+    with make_engine(**options) as engine:
+        single_calls = recorded_calls(engine)
+        replay(traces, engine=engine, checkpoint=tmp_path / "s", chunk_size=len(requests),
+               progress=False)
+    assert actor_calls == single_calls == [1, len(requests) - 1]

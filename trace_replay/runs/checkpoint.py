@@ -29,7 +29,7 @@ from trace_replay.runs.parts import (PART_NAME, CorruptPart, not_saved, part_set
                                      read_part, write_checked)
 from trace_replay.traces.trace import Trace
 
-__all__ = ["BATCH_SETTINGS", "ROW_FIELDS", "Checkpoint", "deterministic_run",
+__all__ = ["BATCH_SETTINGS", "ROW_FIELDS", "Checkpoint", "call_size", "deterministic_run",
            "number_settings", "settings_key", "trace_digest"]
 
 # settings that size the engine's batches: they change no number of a batch-invariant run
@@ -76,6 +76,15 @@ def trace_digest(key: str, request: ReplayRequest, trace: Trace | None = None) -
         values = getattr(trace, name, None)
         digest.update(json.dumps(None if values is None else list(values)).encode() + b"\n")
     return digest.hexdigest()[:32]
+
+
+def call_size(seconds_per_trace: float, *, batch_size: int, every_s: float, most: int) -> int:
+    """Traces for the next engine call, given the last call's seconds per trace: about half
+    the part interval ``every_s`` of compute, in whole batches of ``batch_size`` (at least
+    one), at most ``most``. A single-process run and a cluster actor size their calls by
+    this one rule, so both hand the engine the same work per call."""
+    fit = int(every_s / 2 / max(seconds_per_trace, 1e-6))
+    return min(most, max(batch_size, fit // batch_size * batch_size))
 
 
 class Checkpoint:
@@ -230,10 +239,8 @@ class Checkpoint:
         traces = frame["trace_id"].nunique()
         seconds = time.monotonic() - self._claimed_at
         self._buffer.append(frame)
-        # engine calls of about half the part interval, in whole batches
-        fit = int(self.every_s / 2 / max(seconds / max(traces, 1), 1e-6))
-        whole = max(self.batch_size, fit // self.batch_size * self.batch_size)
-        self._group = min(self.max_traces, whole)
+        self._group = call_size(seconds / max(traces, 1), batch_size=self.batch_size,
+                                every_s=self.every_s, most=self.max_traces)
         self._save_if_due()
 
     def refresh(self) -> None:

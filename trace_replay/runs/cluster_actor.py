@@ -25,7 +25,7 @@ import pandas as pd
 from trace_replay._io import HOST
 from trace_replay.engines import make_engine
 from trace_replay.engines.base import ReplayRequest, engine_identity
-from trace_replay.runs.checkpoint import settings_key
+from trace_replay.runs.checkpoint import call_size, settings_key
 from trace_replay.runs.frame import TokenDecoder, run_checked
 from trace_replay.runs.parts import PART_NAME, not_saved, write_checked
 
@@ -69,8 +69,11 @@ class ReplayActor:
     """One engine, built once, that scores batches of a cluster run into checkpoint parts.
 
     A batch's traces already in a part of the folder are skipped, so a batch Ray retries
-    after its actor died recomputes none that were written; the others are scored one
-    engine batch at a time (:func:`~trace_replay.runs.frame.run_checked`), and a part is
+    after its actor died recomputes none that were written; the others are scored in
+    engine calls sized as a single-process run sizes them
+    (:func:`~trace_replay.runs.checkpoint.call_size`: one engine batch first, then about
+    half of ``every_s`` of compute in whole batches, so both paths hand the engine the same
+    work per call; :func:`~trace_replay.runs.frame.run_checked`), and a part is
     written when ``every_s`` seconds passed since the last one and at the batch's end, on an
     error too (the possible traces of a failed engine call included). The folder's parts
     are read by the driver, which verifies them; here only their ``trace_digest`` column
@@ -116,6 +119,8 @@ class ReplayActor:
                 "checkpoint folder must be on storage every node mounts at that path "
                 "(pass checkpoint= such a folder)")
         self.engine = make_engine(**options)
+        self.batch = max(self.engine.batch_size, 1)
+        self.group = self.batch  # traces of the next engine call (call_size)
         mine = json.loads(json.dumps(engine_identity(self.engine), default=str))
         wanted = json.loads(json.dumps(dict(keyed), default=str))
         if mine != wanted:
@@ -146,13 +151,19 @@ class ReplayActor:
         digest_of = {request.trace_id: digest for digest, request in todo}
         buffer: list[pd.DataFrame] = []
         last = time.monotonic()
-        step = max(self.engine.batch_size, 1)
         try:
-            for start in range(0, len(todo), step):
-                group = [request for _, request in todo[start:start + step]]
+            start = 0
+            while start < len(todo):
+                group = [request for _, request in todo[start:start + self.group]]
+                start += len(group)
+                began = time.monotonic()
                 buffer.append(run_checked(self.engine, group, traces, self.decode,
                                           limits=self.limits, keep=buffer.append,
                                           labelled=self.labelled))
+                # the next call sized as a single-process run sizes its calls
+                self.group = call_size((time.monotonic() - began) / len(group),
+                                       batch_size=self.batch, every_s=self.every_s,
+                                       most=len(todo))
                 if time.monotonic() - last >= self.every_s:
                     self._save(buffer, digest_of, requests)
                     buffer, last = [], time.monotonic()
