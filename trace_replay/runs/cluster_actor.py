@@ -163,7 +163,7 @@ class ReplayActor:
                 # the next call sized as a single-process run sizes its calls
                 self.group = call_size((time.monotonic() - began) / len(group),
                                        batch_size=self.batch, every_s=self.every_s,
-                                       most=len(todo))
+                                       most=len(items))
                 if time.monotonic() - last >= self.every_s:
                     self._save(buffer, digest_of, requests)
                     buffer, last = [], time.monotonic()
