@@ -67,17 +67,13 @@ def random_traces(count: int, length: int, vocab: int) -> list[dict]:
             for i in range(count)]
 
 
-def shape_folder(shape: str, dtype: str) -> tuple[str, int]:
-    """A random-weight model of ``shape`` saved with a byte-level tokenizer; the ids traces
-    may use (the tokenizer's 256)."""
+def shape_folder(shape: str, device: str) -> tuple[str, int]:
+    """A random-weight model of ``shape`` (bfloat16 on CUDA, float32 on the CPU) saved with
+    a byte-level tokenizer; the ids traces may use (the tokenizer's 256)."""
     from bench_vllm_gpu import add_byte_tokenizer
-    from shapes import random_model
+    from shapes import saved_random_model
 
-    folder = tempfile.mkdtemp()
-    lm = random_model(shape, getattr(torch, dtype), torch.device("cuda"))
-    lm.save_pretrained(folder)
-    del lm
-    torch.cuda.empty_cache()
+    folder, _ = saved_random_model(shape, device)
     add_byte_tokenizer(folder)
     return folder, 256
 
@@ -139,7 +135,7 @@ def main() -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     model, vocab = args.model, None
     if args.shape:
-        model, vocab = shape_folder(args.shape, args.dtype or "bfloat16")
+        model, vocab = shape_folder(args.shape, args.device)
     options = {"engine": args.engine, "model": model, "device": args.device,
                "batch_size": args.batch, "dtype": args.dtype, "chunk_size": args.chunk_size}
     large = (random_traces(args.traces, args.length, vocab) if vocab
