@@ -143,7 +143,6 @@ def test_an_engine_with_other_settings_than_the_runs_is_refused(tmp_path, facts,
     assert isinstance(error, ValueError) and "other settings than the run's (top_k)" in str(error)
 
 
-
 def test_the_actor_sizes_engine_calls_as_a_single_process_run(tmp_path, run):
     """Engine calls grow from one engine batch to the work of about half the part interval,
     by the rule a single-process run uses (call_size): the same requests reach the engine
