@@ -427,3 +427,31 @@ def test_call_size_is_whole_batches_of_half_the_part_interval():
     assert call_size(10.0, batch_size=8, every_s=10.0, most=1000) == 8  # slow: one batch
     assert call_size(1e-9, batch_size=8, every_s=10.0, most=256) == 256  # fast: the cap
     assert call_size(0.0, batch_size=1, every_s=10.0, most=5) == 5
+
+
+@pytest.mark.parametrize("after", ["rename", "record"])
+def test_an_interrupt_landing_as_a_part_is_written_saves_each_trace_once(
+        engine, records, tmp_path, monkeypatch, after):
+    """Ctrl-C arriving after a part is renamed into place, before the run has noted it (the
+    signal lands between two bytecodes): leaving the ``with`` block saves only what no part
+    holds yet, so the folder holds each finished trace once."""
+    from trace_replay.runs import checkpoint as module
+
+    requests, rows = _requests_and_rows(engine, records[:2])
+    real = module.write_checked if after == "rename" else module.Checkpoint._write
+
+    def interrupted(*args, **kwargs):
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    target = "write_checked" if after == "rename" else "Checkpoint._write"
+    monkeypatch.setattr(f"trace_replay.runs.checkpoint.{target}", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with module.Checkpoint(tmp_path, engine.settings(), requests, batch_size=2) as store:
+            store.claim()
+            store.add(rows)
+            store.waiting()  # writes the buffered part
+    monkeypatch.undo()
+    saved = pd.concat(pd.read_parquet(p) for p in tmp_path.glob("part-*.parquet"))
+    assert sorted(saved["trace_id"].unique()) == ["code", "paris"]
+    assert not saved.duplicated(["trace_id", "step"]).any()

@@ -305,12 +305,25 @@ class Checkpoint:
             if failed:
                 raise not_saved(self.path, failed)
 
+    def _drop_held(self) -> None:
+        """Drop from the buffer the traces a verified part already holds."""
+        held = {r.trace_id for d, r in self._requests.items() if self._held[d]}
+        self._buffer = [kept for frame in self._buffer
+                        if not (kept := frame[~frame["trace_id"].isin(held)]).empty]
+
     def _buffered(self) -> int:
         """Traces computed and not yet written (each frame holds whole traces)."""
         return sum(frame["trace_id"].nunique() for frame in self._buffer)
 
     def _save_quietly(self) -> None:
+        """Save what is buffered on the way out of an error or Ctrl-C. A signal can land
+        after a part is renamed into place and before the run notes it: the folder is
+        looked at again first, and only traces no part holds are written, so each finished
+        trace is saved once."""
         try:
+            with self._claims.locked():
+                self._scan()
+            self._drop_held()
             self._save_if_due(force=True)
         except Exception as error:  # noqa: BLE001 - the error that stopped the run matters more
             warnings.warn(f"checkpoint {self.path}: finished traces not saved ({error})",
