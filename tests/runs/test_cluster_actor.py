@@ -124,6 +124,30 @@ def test_an_impossible_score_is_the_error_and_the_rest_is_saved(tmp_path, facts,
     # trace was not reached, as a single-process run stops at the first impossible score
 
 
+def test_rows_the_part_writer_refuses_stop_the_batch_and_the_rest_is_saved_once(
+        tmp_path, facts, run, monkeypatch):
+    """A part write that refuses one trace's rows (a NaN that reached the writer; the
+    engine-result check passed) writes its batch-mates and stops the batch with an error
+    naming that trace; the batch-mates are in one part, not written again on the way out."""
+    from trace_replay.runs import cluster_actor
+
+    real = cluster_actor.write_checked
+
+    def nan_for_code(folder, frame, *args, **kwargs):
+        frame = frame.copy()
+        frame.loc[frame["trace_id"] == "code", "logprob"] = np.nan
+        return real(folder, frame, *args, **kwargs)
+
+    monkeypatch.setattr(cluster_actor, "write_checked", nan_for_code)
+    batch = _batch(tmp_path, facts, run)
+    actor = ReplayActor(OPTIONS, str(tmp_path), facts.keyed, labelled=False, every_s=0.0)
+    error = _error(actor(batch))
+    assert isinstance(error, ImpossibleResult) and "trace 'code'" in str(error)
+    written = pd.concat(pd.read_parquet(p) for p in tmp_path.glob("part-*.parquet"))
+    assert written["trace_id"].unique().tolist() == ["paris"]
+    assert not written.duplicated(["trace_id", "step"]).any()
+
+
 def test_a_folder_the_node_cannot_see_is_named(tmp_path, facts):
     """An actor whose node does not find the driver's settings.json (no shared storage) says
     so at its first batch, and builds no engine."""

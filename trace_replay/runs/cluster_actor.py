@@ -189,11 +189,16 @@ class ReplayActor:
 
     def _save(self, frames: list[pd.DataFrame], digest_of: Mapping[str, str],
               requests: Mapping[str, ReplayRequest]) -> None:
-        """Write ``frames`` as one part; refuse (after writing the others) impossible rows."""
+        """Write ``frames`` as one part; refuse (after writing the others) impossible rows.
+        Traces this actor already wrote are left out, so a save on the way out of an error
+        raised after a part was written (a refused trace) writes its batch-mates once."""
         if not frames:
             return
         frame = pd.concat(frames, ignore_index=True)
         frame = frame.assign(trace_digest=frame["trace_id"].map(digest_of))
+        frame = frame[~frame["trace_digest"].isin(self.written)]
+        if frame.empty:
+            return
         part, failed = write_checked(self.folder, frame, self.key, requests=requests,
                                      **self.limits)
         if part is not None:
