@@ -83,3 +83,54 @@ def test_decoder_decodes_each_id_once(tokenizer):
     texts = [decode(token_id) for token_id in (3575, 282, 3575, 3575, 282)]
     assert counting.calls == 2
     assert texts == [tokenizer.decode([t]) for t in (3575, 282, 3575, 3575, 282)]
+
+
+def test_chat_and_plain_traces_in_one_call_keep_labels_and_nulls(traces, tokenizer):
+    """A chat trace's rows carry its turns and roles; a plain trace's rows beside them get
+    nulls (turn <NA>, role None); every other column is as for the plain traces alone."""
+    ids = (3575, 282)
+    chat = Trace("c", messages=[{"role": "user", "content": "Hi"},
+                                {"role": "assistant", "content": "Paris"}],
+                 prompt_token_ids=(1, 2), trace_token_ids=ids, trace_turns=(1, 1),
+                 trace_roles=("assistant", "template"))
+    both = {**traces, "c": chat}
+    results = [result("a", 3, [3575, 282, 4649]), result("c", 2, list(ids))]
+    df = to_frame(results, both, TokenDecoder(tokenizer))
+    assert list(df.columns) == [*COLUMNS, "ref_logprob", "turn", "role"]
+    assert df["turn"].dtype == "Int64" and df["turn"].isna().tolist() == [True] * 3 + [False] * 2
+    assert df["role"].tolist() == [None, None, None, "assistant", "template"]
+    plain = to_frame(results[:1], traces, TokenDecoder(tokenizer))
+    assert df.iloc[:3][plain.columns].reset_index(drop=True).equals(plain)
+
+
+def test_extra_columns_follow_entropy_and_are_checked_for_length(traces, tokenizer):
+    """An engine's per-step extra arrays become columns after entropy; one of the wrong
+    length is an error naming its trace, not a column shifted onto other traces' rows."""
+    from dataclasses import replace
+
+    exact = [replace(result("a", 3, [3575, 282, 4649]), extra={"rank_exact": np.ones(3, bool)}),
+             replace(result("b", 1, [314, 1201]), extra={"rank_exact": np.array([True, False])})]
+    df = to_frame(exact, traces, TokenDecoder(tokenizer))
+    assert list(df.columns) == [*COLUMNS, "rank_exact", "ref_logprob"]
+    assert df["rank_exact"].tolist() == [True, True, True, True, False]
+    short = [exact[0], replace(exact[1], extra={"rank_exact": np.array([True])})]
+    with pytest.raises(ValueError, match="trace 'b': rank_exact has 1 values for its 2 steps"):
+        to_frame(short, traces, TokenDecoder(tokenizer))
+
+
+def test_decoder_many_keeps_the_shape_and_decodes_each_id_once(tokenizer):
+    """TokenDecoder.many: the texts of an id array of any shape, each distinct id decoded by
+    the tokenizer once."""
+
+    class Counting:
+        calls = 0
+
+        def decode(self, ids):
+            Counting.calls += 1
+            return tokenizer.decode(ids)
+
+    ids = np.array([[3575, 282], [282, 3575], [13, 13]])
+    texts = TokenDecoder(Counting()).many(ids)
+    assert texts.shape == (3, 2) and Counting.calls == 3
+    assert texts.tolist() == [[tokenizer.decode([t]) for t in row] for row in ids.tolist()]
+    assert TokenDecoder(Counting()).many(np.zeros((4, 0), np.int64)).shape == (4, 0)

@@ -162,3 +162,19 @@ def test_read_back_applies_the_top_k_id_rules(frame, tmp_path, ids, problem):
     frame.at[1, "top_token_ids"] = ids
     with pytest.raises(CorruptPart, match=problem):
         read_part(write_part(tmp_path, frame), top_k=TOP_K)
+
+
+def test_a_frame_is_checked_as_its_part_read_back_is(frame, tmp_path):
+    """check_rows gives the same verdict on the frame an engine call built (top-k cells are
+    lists) as on its part read back (cells are arrays), shuffled rows and traces included."""
+    from trace_replay.runs.parts import check_rows
+
+    other = {**REQUESTS, "da": ReplayRequest("a", (1, 2, 3), (5, 9, 7))}
+    bad = frame.assign(rank=[1, 2, 4, 0]).iloc[[2, 3, 0, 1]]
+    back = pd.read_parquet(write_part(tmp_path, bad))
+    assert isinstance(bad["top_logprobs"].iloc[0], list)
+    assert isinstance(back["top_logprobs"].iloc[0], np.ndarray)
+    for rows in (bad, back):
+        assert check_rows(rows, top_k=TOP_K, requests=other) == {
+            "a": ["step 1: tokens differ from its digest's"],
+            "b": ["step 0: rank 0 is impossible: a rank is an integer >= 1"]}

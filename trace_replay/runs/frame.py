@@ -52,50 +52,103 @@ class TokenDecoder:
             text = self._cache[token_id] = self.tokenizer.decode([int(token_id)])
         return text
 
+    def many(self, token_ids: np.ndarray) -> np.ndarray:
+        """The texts of an array of ids (any shape), as an object array of that shape; each
+        distinct id is looked up once."""
+        token_ids = np.asarray(token_ids, dtype=np.int64)
+        distinct, where = np.unique(token_ids, return_inverse=True)
+        texts = np.empty(len(distinct), dtype=object)
+        texts[:] = [self(t) for t in distinct.tolist()]
+        return texts[where.reshape(-1)].reshape(token_ids.shape)
+
 
 def to_frame(results: Sequence[TraceResult], traces: Mapping[str, Trace],
              decode: TokenDecoder, *, labelled: bool | None = None) -> pd.DataFrame:
     """Build the replay frame for ``results``; ``ref_logprob`` is added when a trace has one.
 
-    When any of ``traces`` is a tokenized chat trace (or ``labelled`` says so, for rows of
-    a run whose chat traces are elsewhere), every row also gets its ``turn`` (index of the
-    message, nullable Int64) and ``role`` (that message's role, or ``"template"``); rows of
-    other traces get nulls there. An engine's per-step ``extra`` arrays become columns of
-    their own, after ``entropy``.
+    Rows are the results' steps in order, one per (trace, step). When any of ``traces`` is
+    a tokenized chat trace (or ``labelled`` says so, for rows of a run whose chat traces are
+    elsewhere), every row also gets its ``turn`` (index of the message, nullable Int64) and
+    ``role`` (that message's role, or ``"template"``); rows of other traces get nulls there.
+    An engine's per-step ``extra`` arrays become columns of their own, after ``entropy``
+    (null on the rows of a result without one). The columns are built for all results at
+    once (one array per column, not one frame per trace): this runs after every engine
+    call, on the host, while the device waits.
+
+    Raises
+    ------
+    ValueError
+        When a result's ``extra`` array or its trace's ``ref_logprobs`` is shorter than
+        its steps (the engine result itself is checked before, by ``check_results``).
     """
     if labelled is None:
         labelled = any(trace.trace_roles is not None for trace in traces.values())
-    parts = []
-    for result in results:
-        steps = len(result.token_ids)
-        part = {
-            "trace_id": [result.trace_id] * steps,
-            "step": np.arange(steps, dtype=np.int64),
-            "position": result.prompt_len + np.arange(steps, dtype=np.int64),
-            "token_id": result.token_ids.astype(np.int64),
-            "token": [decode(t) for t in result.token_ids],
-            "logprob": result.logprob.astype(np.float64),
-            "rank": result.rank.astype(np.int64),
-            "top_token_ids": [row.astype(np.int64).tolist() for row in result.top_token_ids],
-            "top_logprobs": [row.astype(np.float64).tolist() for row in result.top_logprobs],
-            "top_tokens": [[decode(t) for t in row] for row in result.top_token_ids],
-            "entropy": result.entropy.astype(np.float64),
-            **result.extra,  # engine-specific columns, e.g. the server engine's rank_exact
-        }
-        ref = traces[result.trace_id].ref_logprobs
-        part["ref_logprob"] = (np.asarray(ref, dtype=np.float64)[:steps] if ref is not None
-                               else np.full(steps, np.nan))
-        if labelled:
-            trace = traces[result.trace_id]
-            part["turn"] = pd.array(trace.trace_turns[:steps] if trace.trace_turns
-                                    else [None] * steps, dtype="Int64")
-            part["role"] = list(trace.trace_roles[:steps]) if trace.trace_roles else [None] * steps
-        parts.append(pd.DataFrame(part))
-    if not parts:
+    if not results:
         labels = ["turn", "role"] if labelled else []
         return pd.DataFrame({c: pd.Series(dtype=object)
                              for c in COLUMNS + ["ref_logprob"] + labels})
-    return pd.concat(parts, ignore_index=True)
+    steps = np.array([len(r.token_ids) for r in results], dtype=np.int64)
+    starts = np.cumsum(steps) - steps
+    step = np.arange(steps.sum(), dtype=np.int64) - np.repeat(starts, steps)
+    prompt_len = np.array([r.prompt_len for r in results], dtype=np.int64)
+    token_ids = _joined(r.token_ids for r in results).astype(np.int64)
+    top_token_ids, top_logprobs, top_tokens = [], [], []
+    for r in results:  # a list per row; ragged widths stay as they came (check_rows names them)
+        top_token_ids += r.top_token_ids.astype(np.int64).tolist()
+        top_logprobs += r.top_logprobs.astype(np.float64).tolist()
+        top_tokens += decode.many(r.top_token_ids).tolist()
+    columns = {
+        "trace_id": np.repeat(np.array([r.trace_id for r in results], dtype=object),
+                              steps).tolist(),
+        "step": step,
+        "position": np.repeat(prompt_len, steps) + step,
+        "token_id": token_ids,
+        "token": decode.many(token_ids).tolist(),
+        "logprob": _joined(r.logprob for r in results).astype(np.float64),
+        "rank": _joined(r.rank for r in results).astype(np.int64),
+        "top_token_ids": top_token_ids,
+        "top_logprobs": top_logprobs,
+        "top_tokens": top_tokens,
+        "entropy": _joined(r.entropy for r in results).astype(np.float64),
+    }
+    for name in dict.fromkeys(k for r in results for k in r.extra):
+        columns[name] = _per_step(results, steps, name, lambda r, n=name: r.extra.get(n))
+    columns["ref_logprob"] = _per_step(
+        results, steps, "ref_logprob",
+        lambda r: traces[r.trace_id].ref_logprobs, fill=np.nan).astype(np.float64)
+    if labelled:
+        columns["turn"] = pd.array(_per_step(results, steps, "turn",
+                                             lambda r: traces[r.trace_id].trace_turns),
+                                   dtype="Int64")
+        roles = _per_step(results, steps, "role", lambda r: traces[r.trace_id].trace_roles)
+        # text when every row has a role, else objects with None (as a frame per trace gave)
+        unlabelled = any(not traces[r.trace_id].trace_roles for r in results)
+        columns["role"] = pd.Series(roles, dtype=object) if unlabelled else roles.tolist()
+    return pd.DataFrame(columns)
+
+
+def _joined(arrays) -> np.ndarray:
+    return np.concatenate([np.asarray(a).reshape(-1) for a in arrays])
+
+
+def _per_step(results: Sequence[TraceResult], steps: np.ndarray, name: str,
+              values: Callable[[TraceResult], Any], fill: Any = None) -> np.ndarray:
+    """One column from each result's per-step ``values`` (cut to its steps; ``None``: all
+    ``fill``)."""
+    chunks = []
+    for result, count in zip(results, steps.tolist()):
+        got = values(result)
+        if got is None or len(got) == 0 and count:
+            chunks.append(np.full(count, fill, dtype=object if fill is None else None))
+            continue
+        got = np.asarray(got)[:count]
+        if len(got) != count:
+            raise ValueError(f"trace {result.trace_id!r}: {name} has {len(got)} values for "
+                             f"its {count} steps")
+        chunks.append(got)
+    if all(chunk.dtype != object for chunk in chunks):
+        return np.concatenate(chunks)
+    return np.concatenate([chunk.astype(object) for chunk in chunks])
 
 
 def possible(requests: Sequence[ReplayRequest], results: Sequence[TraceResult],

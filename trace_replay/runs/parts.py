@@ -197,19 +197,24 @@ def check_rows(frame: pd.DataFrame, *, top_k: int | None = None,
 
 def _other_tokens(frame: pd.DataFrame, requests: Mapping[str, ReplayRequest],
                   by: str) -> list[tuple]:
-    """Each trace's first row not at its request's prompt length or not its request's token."""
+    """Each trace's first row not at its request's prompt length or not its request's token
+    (``frame`` sorted by ``by`` and step, so that a trace's rows are consecutive)."""
     moved, other = np.zeros(len(frame), bool), np.zeros(len(frame), bool)
-    for digest, rows in frame.groupby(by, sort=False).groups.items():
-        request = requests.get(digest)
+    keys = frame[by].to_numpy()
+    starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if len(frame) else []
+    ends = np.r_[starts[1:], len(frame)]
+    tokens, positions = frame["token_id"].to_numpy(), frame["position"].to_numpy()
+    for start, end in zip(starts.tolist(), ends.tolist()):
+        request = requests.get(keys[start])
         if request is None:
             continue
         want = np.asarray(request.trace_token_ids, dtype=np.int64)
-        got = frame.loc[rows, "token_id"].to_numpy()
+        got = tokens[start:end]
         length = min(len(got), len(want))
         differs = np.flatnonzero(got[:length] != want[:length])
-        moved[rows[0]] = frame.at[rows[0], "position"] != request.prompt_len
+        moved[start] = positions[start] != request.prompt_len
         if len(differs) or len(got) != len(want):
-            other[rows[min(differs[0] if len(differs) else length, len(rows) - 1)]] = True
+            other[start + min(differs[0] if len(differs) else length, end - start - 1)] = True
     return [("first position is not its prompt's length", moved, None),
             ("tokens differ from its digest's", other, None)]
 
@@ -219,19 +224,27 @@ def _impossible_scores(frame: pd.DataFrame, top_k: int | None,
     """The rows whose top-k lists are not ``top_k`` long (``None``: all of one length), or
     whose scores an engine's result could not hold (:func:`~trace_replay.engines.validate.
     impossible`: the same rules)."""
-    lengths = (frame["top_logprobs"].map(len).to_numpy(),
-               frame["top_token_ids"].map(len).to_numpy())
+    cells = frame["top_logprobs"].to_numpy(), frame["top_token_ids"].to_numpy()
+    lengths = [np.fromiter(map(len, column), np.int64, len(column)) for column in cells]
     width = lengths[0][0] if top_k is None else top_k
     wrong = (lengths[0] != width) | (lengths[1] != width)
     whole = width and not wrong.any()
-    top = (np.stack(frame["top_logprobs"].to_numpy()).astype(np.float64)
-           if whole else np.zeros((len(frame), 0)))
-    top_ids = np.stack(frame["top_token_ids"].to_numpy()) if whole else None
+    top = _matrix(cells[0], np.float64) if whole else np.zeros((len(frame), 0))
+    top_ids = _matrix(cells[1], None) if whole else None
     rules = impossible(frame["logprob"].to_numpy(), frame["rank"].to_numpy(), top,
                        frame["entropy"].to_numpy(), vocab_size=vocab_size,
                        token_ids=frame["token_id"].to_numpy(), top_token_ids=top_ids)
     return [("top-k lists of the wrong length", wrong, None),
             *((rule, rows, field) for field, rule, rows in rules)]
+
+
+def _matrix(cells: np.ndarray, dtype: type | None) -> np.ndarray:
+    """``[N, k]`` from N cells of k values each: lists (a frame an engine call built) or
+    arrays (a part read back)."""
+    if isinstance(cells[0], list):
+        return np.array(cells.tolist(), dtype=dtype)
+    matrix = np.stack(cells)
+    return matrix if dtype is None else matrix.astype(dtype, copy=False)
 
 
 def describe(failed: Mapping[str, list[str]], most: int = 5) -> str:
