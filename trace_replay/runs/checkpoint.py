@@ -305,8 +305,15 @@ class Checkpoint:
             if failed:
                 raise not_saved(self.path, failed)
 
-    def _drop_held(self) -> None:
-        """Drop from the buffer the traces a verified part already holds."""
+    def _drop_saved(self) -> None:
+        """Drop from the buffer the traces a part in the folder holds, the parts not seen
+        yet verified first. When the folder cannot be looked at, nothing is dropped: a
+        trace saved twice is served once, while one not saved would be computed again."""
+        try:
+            with self._claims.locked():
+                self._scan()
+        except OSError:
+            return
         held = {r.trace_id for d, r in self._requests.items() if self._held[d]}
         self._buffer = [kept for frame in self._buffer
                         if not (kept := frame[~frame["trace_id"].isin(held)]).empty]
@@ -321,9 +328,7 @@ class Checkpoint:
         looked at again first, and only traces no part holds are written, so each finished
         trace is saved once."""
         try:
-            with self._claims.locked():
-                self._scan()
-            self._drop_held()
+            self._drop_saved()
             self._save_if_due(force=True)
         except Exception as error:  # noqa: BLE001 - the error that stopped the run matters more
             warnings.warn(f"checkpoint {self.path}: finished traces not saved ({error})",

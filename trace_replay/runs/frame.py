@@ -138,7 +138,7 @@ def _per_step(results: Sequence[TraceResult], steps: np.ndarray, name: str,
     chunks = []
     for result, count in zip(results, steps.tolist()):
         got = values(result)
-        if got is None or len(got) == 0 and count:
+        if got is None or (len(got) == 0 and count):
             chunks.append(np.full(count, fill, dtype=object if fill is None else None))
             continue
         got = np.asarray(got)[:count]

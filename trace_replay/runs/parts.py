@@ -201,7 +201,9 @@ def _other_tokens(frame: pd.DataFrame, requests: Mapping[str, ReplayRequest],
     (``frame`` sorted by ``by`` and step, so that a trace's rows are consecutive)."""
     moved, other = np.zeros(len(frame), bool), np.zeros(len(frame), bool)
     keys = frame[by].to_numpy()
-    starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if len(frame) else []
+    first = np.ones(len(frame), bool)  # a trace's first row
+    first[1:] = keys[1:] != keys[:-1]
+    starts = np.flatnonzero(first)
     ends = np.r_[starts[1:], len(frame)]
     tokens, positions = frame["token_id"].to_numpy(), frame["position"].to_numpy()
     for start, end in zip(starts.tolist(), ends.tolist()):
