@@ -6,7 +6,10 @@ the engine's results (``check_results``), the frame (``to_frame``), and with a c
 the part write (``write_checked``: the read-back rules, then Parquet) and the verified read
 at the end or by a cluster's driver (``read_part``). This times each of them on the results
 of one real engine call of ``--traces`` traces × ``--length`` tokens, against that call,
-median of ``--repeats``; the share is of the call plus everything after it.
+median of ``--repeats``; the share is of the call plus everything after it. Last, the
+verified read of a whole checkpoint folder, what a resumed run and a cluster run's driver
+pay once: those results copied to ``--folder-traces`` traces, written as parts of 256
+traces by a ``Checkpoint``, then opened and read by a new one (tokens/s).
 
 The stages depend on the trace count, trace length and top-k, not on the weights: the
 default is the ``smollm2-135m`` shape with random weights (``shapes.py``), random token ids.
@@ -26,6 +29,7 @@ import platform
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -33,7 +37,7 @@ import torch
 from bench_ray import random_traces, shape_folder
 from trace_replay.engines import make_engine
 from trace_replay.engines.validate import check_results
-from trace_replay.runs.checkpoint import trace_digest
+from trace_replay.runs.checkpoint import Checkpoint, trace_digest
 from trace_replay.runs.frame import TokenDecoder, to_frame
 from trace_replay.runs.parts import read_part, write_checked
 from trace_replay.runs.replay import prepare_run
@@ -50,6 +54,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--folder-traces", type=int, default=1024)
     args = parser.parse_args()
 
     folder, vocab = shape_folder(args.shape, args.device)
@@ -87,6 +92,9 @@ def main() -> None:
             for stage, begin, end in zip(stages, [start, *marks], marks):
                 seconds[stage].append(end - begin)
 
+        read_s, tokens = folder_read(Path(scratch) / "folder", engine, results, traces,
+                                     requests, decode, args.folder_traces, args.repeats)
+
     device = (torch.cuda.get_device_name() if args.device.startswith("cuda")
               else f"{platform.machine()} CPU")
     print(f"{dt.date.today()} · {device}, {os.cpu_count()} cores · torch {torch.__version__} · "
@@ -101,6 +109,37 @@ def main() -> None:
               f"| {medians[stage] / total:.1%} |")
     host = total - medians["engine call"]
     print(f"| host, all stages | {host * 1e3 / args.traces:.3f} | {host / total:.1%} |")
+    print(f"\ncheckpoint folder of {args.folder_traces} traces ({tokens} tokens) opened and "
+          f"read: {read_s:.2f} s, {tokens / read_s:,.0f} tokens/s")
+
+
+def folder_read(folder: Path, engine, results: list, traces: dict, requests: list,
+                decode: TokenDecoder, count: int, repeats: int) -> tuple[float, int]:
+    """Seconds (median) for a new ``Checkpoint`` to open a folder of ``count`` traces (the
+    results copied under new ids) and read it; and its token count."""
+    copies = [(replace(result, trace_id=f"{result.trace_id}.{i}"),
+               replace(request, trace_id=f"{request.trace_id}.{i}"),
+               replace(traces[result.trace_id], id=f"{result.trace_id}.{i}"))
+              for i in range(-(-count // len(results)))
+              for result, request in zip(results, requests)][:count]
+    results = {result.trace_id: result for result, _, _ in copies}
+    requests = [request for _, request, _ in copies]
+    traces = {trace.id: trace for _, _, trace in copies}
+    settings = engine.settings()
+    with Checkpoint(folder, settings, requests, traces, max_traces=256, every_s=1e9,
+                    vocab_size=engine.vocab_size) as store:
+        while group := store.claim(256):
+            store.add(to_frame([results[r.trace_id] for r in group], traces, decode))
+        store.read()
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        with Checkpoint(folder, settings, requests, traces,
+                        vocab_size=engine.vocab_size) as store:
+            frame = store.read()
+        seconds.append(time.perf_counter() - start)
+    assert len(frame) == sum(r.trace_len for r in requests)
+    return statistics.median(seconds), len(frame)
 
 
 if __name__ == "__main__":

@@ -455,3 +455,25 @@ def test_an_interrupt_landing_as_a_part_is_written_saves_each_trace_once(
     saved = pd.concat(pd.read_parquet(p) for p in tmp_path.glob("part-*.parquet"))
     assert sorted(saved["trace_id"].unique()) == ["code", "paris"]
     assert not saved.duplicated(["trace_id", "step"]).any()
+
+
+def test_a_part_changed_after_its_first_read_is_still_caught(engine, records, tmp_path):
+    """A part's values are checked at its first read only; a later read still checks its
+    bytes against its name's SHA-256, so a bit flipped between the two is caught: the part
+    is moved aside and the read gives nothing (its traces are computed again)."""
+    from trace_replay.runs.checkpoint import Checkpoint
+
+    requests, rows = _requests_and_rows(engine, records[:2])
+    with Checkpoint(tmp_path, engine.settings(), requests, batch_size=2) as store:
+        store.claim()
+        store.add(rows)
+        assert store.read() is not None
+    with Checkpoint(tmp_path, engine.settings(), requests) as store:
+        assert store.resumed == len(requests)  # every part read and checked
+        part = sorted(tmp_path.glob("part-*.parquet"))[0]
+        data = bytearray(part.read_bytes())
+        data[len(data) // 3] ^= 0x10
+        part.write_bytes(bytes(data))
+        with pytest.warns(RuntimeWarning, match="corrupt"):
+            assert store.read() is None
+    assert (tmp_path / f"{part.name}.corrupt").exists()

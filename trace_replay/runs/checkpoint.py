@@ -161,6 +161,7 @@ class Checkpoint:
         self._todo = dict.fromkeys(self._requests)  # ordered: digests not known to be done
         self._held: Counter[str] = Counter()  # digest -> verified parts holding it
         self._parts: dict[str, frozenset[str]] = {}  # verified part name -> its digests
+        self._checked: set[str] = set()  # parts whose rows were checked as read back
         self._buffer: list[pd.DataFrame] = []
         self._last_write = time.monotonic()
         self._group = min(batch_size, max_traces)
@@ -345,7 +346,7 @@ class Checkpoint:
         if part is None:
             return failed
         name = part.name
-        digests = frozenset(frame.loc[~frame["trace_id"].isin(failed), "trace_digest"])
+        digests = frozenset(frame.loc[~frame["trace_id"].isin(failed), "trace_digest"].unique())
         self._parts[name] = digests
         self._held.update(digests)
         self._last_write = time.monotonic()
@@ -362,7 +363,7 @@ class Checkpoint:
                 self._ignore(path)
                 continue
             try:
-                digests = frozenset(self._load(path)["trace_digest"])
+                digests = frozenset(self._load(path)["trace_digest"].unique())
             except FileNotFoundError:  # moved aside by another run meanwhile
                 continue
             except CorruptPart as error:
@@ -395,8 +396,12 @@ class Checkpoint:
                                         if d in self._requests and not self._held[d]))
 
     def _load(self, path: Path) -> pd.DataFrame:
-        return read_part(path, top_k=self.top_k, requests=self._requests,
-                         vocab_size=self.vocab_size)
+        """A part's verified rows; its values are checked at its first read only (later
+        reads verify its bytes against the SHA-256 in its name)."""
+        frame = read_part(path, top_k=self.top_k, requests=self._requests,
+                          vocab_size=self.vocab_size, rows=path.name not in self._checked)
+        self._checked.add(path.name)
+        return frame
 
     def _check_settings(self, settings: dict) -> None:
         """Store ``settings`` on first use, else refuse other ones. Call under the lock."""
@@ -448,8 +453,7 @@ class Checkpoint:
 
 
 def _in_request_order(frame: pd.DataFrame, digests: list[str]) -> pd.DataFrame:
-    order = {digest: i for i, digest in enumerate(digests)}
     frame = frame.drop_duplicates(subset=["trace_digest", "step"], keep="first")
-    frame = frame.assign(_order=frame["trace_digest"].map(order))
+    frame = frame.assign(_order=pd.Index(digests).get_indexer(frame["trace_digest"]))
     return (frame.sort_values(["_order", "step"], kind="stable")
             .drop(columns=["_order", "trace_digest"]).reset_index(drop=True))

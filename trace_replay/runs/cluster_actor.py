@@ -203,7 +203,8 @@ class ReplayActor:
                                      **self.limits)
         if part is not None:
             self._seen_parts.add(part.name)
-            self.written.update(frame.loc[~frame["trace_id"].isin(failed), "trace_digest"])
+            self.written.update(
+                frame.loc[~frame["trace_id"].isin(failed), "trace_digest"].unique())
         if failed:
             raise not_saved(self.folder, failed)
 
@@ -228,7 +229,7 @@ class ReplayActor:
                 column = pq.read_table(path, columns=["trace_digest"]).column(0)
             except Exception:  # noqa: BLE001 - unreadable: left to the driver's verified read
                 continue
-            self.written.update(column.to_pylist())
+            self.written.update(column.unique().to_pylist())
 
 
 def _portable(error: BaseException) -> bytes:

@@ -100,7 +100,7 @@ def part_settings_key(path: Path) -> str | None:
 
 def read_part(path: Path, *, top_k: int | None = None,
               requests: Mapping[str, ReplayRequest] | None = None,
-              vocab_size: int | None = None) -> pd.DataFrame:
+              vocab_size: int | None = None, rows: bool = True) -> pd.DataFrame:
     """A part's rows, once its SHA-256, page checksums and values are verified.
 
     Parameters
@@ -114,6 +114,10 @@ def read_part(path: Path, *, top_k: int | None = None,
     vocab_size
         The engine's vocabulary size, which bounds ranks, token ids and the most likely
         token's logprob (``None``: those bounds are not checked).
+    rows
+        Whether to check the values; ``False`` for a part whose values the caller checked
+        before under the same name, with the same arguments: the name carries the start of
+        its bytes' SHA-256, which is still verified, so the same name reads the same rows.
 
     Raises
     ------
@@ -131,7 +135,7 @@ def read_part(path: Path, *, top_k: int | None = None,
         frame = pq.read_table(pa.BufferReader(data), page_checksum_verification=True).to_pandas()
     except (pa.ArrowException, OSError, ValueError) as error:
         raise CorruptPart(f"unreadable: {error}") from None
-    failed = check_rows(frame, top_k=top_k, requests=requests, vocab_size=vocab_size)
+    failed = rows and check_rows(frame, top_k=top_k, requests=requests, vocab_size=vocab_size)
     if failed:
         raise CorruptPart(describe(failed))
     return frame
@@ -231,8 +235,8 @@ def _impossible_scores(frame: pd.DataFrame, top_k: int | None,
     width = lengths[0][0] if top_k is None else top_k
     wrong = (lengths[0] != width) | (lengths[1] != width)
     whole = width and not wrong.any()
-    top = _matrix(cells[0], np.float64) if whole else np.zeros((len(frame), 0))
-    top_ids = _matrix(cells[1], None) if whole else None
+    top = _matrix(cells[0], width, np.float64) if whole else np.zeros((len(frame), 0))
+    top_ids = _matrix(cells[1], width, None) if whole else None
     rules = impossible(frame["logprob"].to_numpy(), frame["rank"].to_numpy(), top,
                        frame["entropy"].to_numpy(), vocab_size=vocab_size,
                        token_ids=frame["token_id"].to_numpy(), top_token_ids=top_ids)
@@ -240,12 +244,12 @@ def _impossible_scores(frame: pd.DataFrame, top_k: int | None,
             *((rule, rows, field) for field, rule, rows in rules)]
 
 
-def _matrix(cells: np.ndarray, dtype: type | None) -> np.ndarray:
-    """``[N, k]`` from N cells of k values each: lists (a frame an engine call built) or
-    arrays (a part read back)."""
+def _matrix(cells: np.ndarray, width: int, dtype: type | None) -> np.ndarray:
+    """``[N, width]`` from N cells of ``width`` values each: lists (a frame an engine call
+    built) or arrays (a part read back)."""
     if isinstance(cells[0], list):
         return np.array(cells.tolist(), dtype=dtype)
-    matrix = np.stack(cells)
+    matrix = np.concatenate(cells.tolist()).reshape(len(cells), width)
     return matrix if dtype is None else matrix.astype(dtype, copy=False)
 
 
