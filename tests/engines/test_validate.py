@@ -140,6 +140,24 @@ def test_results_that_do_not_fit_the_requests_are_named(broken, problem):
         check_results([REQUEST], broken(result()), top_k=2)
 
 
+def test_a_batch_names_its_first_impossible_trace_and_step():
+    """Many results checked together (all steps at once) name the same first impossible
+    trace, step and field as checking them one by one; possible ones pass."""
+    from dataclasses import replace
+
+    requests = [replace(REQUEST, trace_id=t) for t in ("a", "b", "c")]
+    good = [replace(result(), trace_id=t) for t in ("a", "b", "c")]
+    check_results(requests, good, top_k=2, vocab_size=49152)
+    bad = [good[0], replace(result(rank=0), trace_id="b"), replace(result(logprob=np.nan),
+                                                                   trace_id="c")]
+    with pytest.raises(ImpossibleResult, match="trace 'b', step 1") as caught:
+        check_results(requests, bad, top_k=2, vocab_size=49152)
+    assert (caught.value.trace_id, caught.value.step, caught.value.field) == ("b", 1, "rank")
+    ragged = [good[0], replace(good[1], top_logprobs=good[1].top_logprobs[:, :1],
+                               top_token_ids=good[1].top_token_ids[:, :1])]
+    check_results(requests[:2], ragged)  # widths differ, top_k unchecked: one by one
+
+
 def test_an_infinite_logprob_excuses_nothing_else():
     """A -inf logprob (probability 0) is possible, but its slack is that of 0: a positive
     top-k logprob beside it is still impossible."""

@@ -167,7 +167,25 @@ def check_results(requests: Sequence[ReplayRequest], results: Sequence[TraceResu
                                f"{len(requests)} traces (the first {first!r})", trace_id=first)
     for request, result in zip(requests, results):
         _check_shape(request, result, top_k)
+    if _all_possible(results, vocab_size):
+        return
+    for result in results:  # find and name the first impossible step
         _check_scores(result, vocab_size)
+
+
+def _all_possible(results: Sequence[TraceResult], vocab_size: int | None) -> bool:
+    """Whether every step of ``results`` passes :func:`impossible`, checked on all steps at
+    once (its rules are per step; results of one top-k width, else ``False``)."""
+    widths = {(np.shape(r.top_logprobs)[1:], np.shape(r.top_token_ids)[1:]) for r in results}
+    if len(widths) != 1 or len(set(widths.pop())) != 1:
+        return False
+    joined = {field: np.concatenate([np.asarray(getattr(r, field)) for r in results])
+              for field in ("logprob", "rank", "top_logprobs", "entropy", "token_ids",
+                            "top_token_ids")}
+    rules = impossible(joined["logprob"], joined["rank"], joined["top_logprobs"],
+                       joined["entropy"], vocab_size=vocab_size, token_ids=joined["token_ids"],
+                       top_token_ids=joined["top_token_ids"])
+    return not any(rows.any() for _, _, rows in rules)
 
 
 def _check_scores(result: TraceResult, vocab_size: int | None) -> None:

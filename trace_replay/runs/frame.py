@@ -93,10 +93,13 @@ def to_frame(results: Sequence[TraceResult], traces: Mapping[str, Trace],
     prompt_len = np.array([r.prompt_len for r in results], dtype=np.int64)
     token_ids = _joined(r.token_ids for r in results).astype(np.int64)
     top_token_ids, top_logprobs, top_tokens = [], [], []
+    texts = decode.many(_joined(r.top_token_ids for r in results))
+    at = 0
     for r in results:  # a list per row; ragged widths stay as they came (check_rows names them)
         top_token_ids += r.top_token_ids.astype(np.int64).tolist()
         top_logprobs += r.top_logprobs.astype(np.float64).tolist()
-        top_tokens += decode.many(r.top_token_ids).tolist()
+        top_tokens += texts[at:at + r.top_token_ids.size].reshape(r.top_token_ids.shape).tolist()
+        at += r.top_token_ids.size
     columns = {
         "trace_id": np.repeat(np.array([r.trace_id for r in results], dtype=object),
                               steps).tolist(),

@@ -131,6 +131,8 @@ class Trace:
         values = self._sequence(name, of="ints")
         if not values:
             self._fail(f"{name} is empty")
+        if set(map(type, values)) == {int} and min(values) >= 0:
+            return values  # plain ints (as JSON gives), none negative: nothing to name
         for i, token_id in enumerate(values):
             if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral):
                 self._fail(f"{name}[{i}] = {token_id!r} is not an integer "
@@ -141,6 +143,9 @@ class Trace:
 
     def _logprobs(self) -> tuple[float, ...]:
         values = self._sequence("ref_logprobs", of="floats")
+        if set(map(type, values)) <= {float, int} and all(  # plain numbers, all possible
+                VLLM_NEG_INF < value <= _LOGPROB_SLACK for value in values):  # (NaN is not)
+            return tuple(float(value) for value in values)
         for i, value in enumerate(values):
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 self._fail(f"ref_logprobs[{i}] = {value!r} is not a number")
