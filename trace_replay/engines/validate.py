@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -179,22 +180,26 @@ def _all_possible(results: Sequence[TraceResult], vocab_size: int | None) -> boo
     widths = {(np.shape(r.top_logprobs)[1:], np.shape(r.top_token_ids)[1:]) for r in results}
     if len(widths) != 1 or len(set(widths.pop())) != 1:
         return False
-    joined = {field: np.concatenate([np.asarray(getattr(r, field)) for r in results])
-              for field in ("logprob", "rank", "top_logprobs", "entropy", "token_ids",
-                            "top_token_ids")}
-    rules = impossible(joined["logprob"], joined["rank"], joined["top_logprobs"],
-                       joined["entropy"], vocab_size=vocab_size, token_ids=joined["token_ids"],
-                       top_token_ids=joined["top_token_ids"])
-    return not any(rows.any() for _, _, rows in rules)
+    joined = replace(results[0], **{
+        field: np.concatenate([np.asarray(getattr(r, field)) for r in results])
+        for field in ("logprob", "rank", "top_logprobs", "entropy", "token_ids",
+                      "top_token_ids")})
+    return not any(rows.any() for _, _, rows in _rules(joined, vocab_size))
+
+
+def _rules(result: TraceResult, vocab_size: int | None) -> list[tuple[str, str, np.ndarray]]:
+    """:func:`impossible`'s rules over the steps of ``result``."""
+    return impossible(result.logprob, result.rank, result.top_logprobs, result.entropy,
+                      vocab_size=vocab_size, token_ids=result.token_ids,
+                      top_token_ids=result.top_token_ids)
 
 
 def _check_scores(result: TraceResult, vocab_size: int | None) -> None:
     """Raise at the first rule of :func:`impossible` that a step of ``result`` breaks."""
+    rules = _rules(result, vocab_size)
     values = {"logprob": result.logprob, "rank": result.rank,
-              "top_logprobs": result.top_logprobs, "entropy": result.entropy}
-    rules = impossible(*values.values(), vocab_size=vocab_size, token_ids=result.token_ids,
-                       top_token_ids=result.top_token_ids)
-    values["top_token_ids"] = result.top_token_ids
+              "top_logprobs": result.top_logprobs, "entropy": result.entropy,
+              "top_token_ids": result.top_token_ids}
     for field, rule, rows in rules:
         if rows.any():
             step = int(np.argmax(rows))

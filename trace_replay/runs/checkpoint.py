@@ -399,7 +399,8 @@ class Checkpoint:
         """A part's verified rows; its values are checked at its first read only (later
         reads verify its bytes against the SHA-256 in its name)."""
         frame = read_part(path, top_k=self.top_k, requests=self._requests,
-                          vocab_size=self.vocab_size, rows=path.name not in self._checked)
+                          vocab_size=self.vocab_size,
+                          check_values=path.name not in self._checked)
         self._checked.add(path.name)
         return frame
 

@@ -100,7 +100,7 @@ def part_settings_key(path: Path) -> str | None:
 
 def read_part(path: Path, *, top_k: int | None = None,
               requests: Mapping[str, ReplayRequest] | None = None,
-              vocab_size: int | None = None, rows: bool = True) -> pd.DataFrame:
+              vocab_size: int | None = None, check_values: bool = True) -> pd.DataFrame:
     """A part's rows, once its SHA-256, page checksums and values are verified.
 
     Parameters
@@ -114,7 +114,7 @@ def read_part(path: Path, *, top_k: int | None = None,
     vocab_size
         The engine's vocabulary size, which bounds ranks, token ids and the most likely
         token's logprob (``None``: those bounds are not checked).
-    rows
+    check_values
         Whether to check the values; ``False`` for a part whose values the caller checked
         before under the same name, with the same arguments: the name carries the start of
         its bytes' SHA-256, which is still verified, so the same name reads the same rows.
@@ -135,7 +135,8 @@ def read_part(path: Path, *, top_k: int | None = None,
         frame = pq.read_table(pa.BufferReader(data), page_checksum_verification=True).to_pandas()
     except (pa.ArrowException, OSError, ValueError) as error:
         raise CorruptPart(f"unreadable: {error}") from None
-    failed = rows and check_rows(frame, top_k=top_k, requests=requests, vocab_size=vocab_size)
+    failed = check_values and check_rows(frame, top_k=top_k, requests=requests,
+                                         vocab_size=vocab_size)
     if failed:
         raise CorruptPart(describe(failed))
     return frame
