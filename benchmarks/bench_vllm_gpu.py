@@ -7,7 +7,8 @@ own arguments but no trace flag and no processor ("greedy"), ``make_engine("vllm
 (forcing, MRV2's logits processor). Per batch: random token-id prompts, vLLM's greedy
 output as the traces (so replay must emit exactly them), then rounds that time each path
 once, in a rotating order; ratios are per round (neighbours in time), their median and
-range printed. Greedy is timed as a user runs it (``LLM.generate``, top-5 raw logprobs,
+range printed; ``--seconds`` adds rounds where calls are short (batch 1 and 16 calls at
+135M take ~0.3 s and spread ±20% from call to call). Greedy is timed as a user runs it (``LLM.generate``, top-5 raw logprobs,
 ``ignore_eos``), and again with ``flat_logprobs`` (the form the package's engine asks
 for); replay as ``engine.run`` (the package's requests and result arrays included).
 Weights are random (``shapes.py``); speed does not depend on their values. The
@@ -62,6 +63,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=0.0,
+                        help="per batch, add rounds (up to 8 x --rounds) until the timed calls "
+                        "reach this many seconds: more rounds where calls are short")
     parser.add_argument("--memory", type=float, default=0.28,
                         help="gpu_memory_utilization of each of the three engines")
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
@@ -189,11 +193,14 @@ def speed(folder: str, vocab: int, args) -> tuple[dict, dict]:
         for path in PATHS[2:]:  # warm-up, and the numbers against greedy's
             _, results = timed(path, prompts, requests)
             delta[path] = float(np.abs(np.concatenate([r.logprob for r in results]) - want).max())
-        for r in range(args.rounds):
+        r = 0
+        while r < args.rounds or (sum(map(sum, seconds.values())) < args.seconds
+                                  and r < 8 * args.rounds):
             shift = r % len(PATHS)
             order = PATHS[shift:] + PATHS[:shift]  # rotating: no path always runs first
             for path in order:
                 seconds[path].append(timed(path, prompts, requests)[0])
+            r += 1
         tokens = batch * args.new_tokens
         ratios = {p: [g / s for g, s in zip(seconds["greedy"], seconds[p])] for p in PATHS[1:]}
         ratios.update({f"{p}/flat": [g / s for g, s in zip(seconds["greedy-flat"], seconds[p])]
@@ -201,12 +208,14 @@ def speed(folder: str, vocab: int, args) -> tuple[dict, dict]:
         native_seconds[batch] = statistics.median(seconds["native"])
         rows.append((batch, {p: tokens / statistics.median(seconds[p]) for p in PATHS},
                      ratios, delta))
-        print(f"  batch {batch}: " + ", ".join(f"{p} {statistics.median(seconds[p]):.3f} s"
-                                              for p in PATHS), flush=True)
+        print(f"  batch {batch}, {r} rounds: "
+              + ", ".join(f"{p} {statistics.median(seconds[p]):.3f} s" for p in PATHS),
+              flush=True)
     for engine in engines.values():
         engine.close()
 
-    print(f"\n{header(args)} · {args.rounds} interleaved rounds · start-up s: "
+    rounds = f"{args.rounds}" + (f"+ (to {args.seconds:g} s a batch)" if args.seconds else "")
+    print(f"\n{header(args)} · {rounds} interleaved rounds · start-up s: "
           + ", ".join(f"{p} {startup[p]:.0f}" for p in startup))
     for path in engines:
         print(f"{path}: {settings[path]['engine_path']}, model runner "

@@ -4,8 +4,9 @@
 # assembled in /tmp/vw as its assemble.sh says). Logs go to $OUT (or ./out).
 #   bash benchmarks/h200_vllm.sh smoke    # forcing on Model Runner V2, native, one replay each
 #   bash benchmarks/h200_vllm.sh tests    # tests/gpu/test_vllm_gpu.py
-#   bash benchmarks/h200_vllm.sh bench SHAPE [BATCHES] [ROUNDS] [PARTS]   # smollm2-135m | llama-3.1-8b
-#       (PARTS: speed, or speed,in-process)
+#   bash benchmarks/h200_vllm.sh bench SHAPE [BATCHES] [ROUNDS] [PARTS] [SECONDS]
+#       # SHAPE: smollm2-135m | llama-3.1-8b; PARTS: speed, or speed,in-process;
+#       # SECONDS: add rounds per batch until its timed calls reach this (short calls)
 #   bash benchmarks/h200_vllm.sh overhead SHAPE [BATCHES] [ROUNDS]   # greedy vs replay, one engine
 #   bash benchmarks/h200_vllm.sh steps SHAPE [BATCHES] [ROUNDS] [PY_SPY_S]   # per-step split (issue 45)
 # Two GPUs (nvidia-h200-x2, issue 33; tensor parallelism, TP=2):
@@ -86,7 +87,7 @@ tests)
   ;;
 bench)
   timeout 560 python3 benchmarks/bench_vllm_gpu.py --shape "$2" --batches "${3:-1,16,64,256}" \
-    --rounds "${4:-5}" --parts "${5:-speed}" 2>&1 | grep -v -i "warn" | tee "$out/bench_$2.txt"
+    --rounds "${4:-5}" --parts "${5:-speed}" --seconds "${6:-0}" 2>&1 | grep -v -i "warn" | tee "$out/bench_$2.txt"
   ;;
 overhead)
   timeout 560 python3 benchmarks/probe_vllm_overhead.py --shape "$2" --batches "${3:-16,64,256}" \
