@@ -8,9 +8,10 @@ own arguments but no trace flag and no processor ("greedy"), ``make_engine("vllm
 output as the traces (so replay must emit exactly them), then rounds that time each path
 once, in a rotating order; ratios are per round (neighbours in time), their median and
 range printed; ``--seconds`` adds rounds where calls are short (batch 1 and 16 calls at
-135M take ~0.3 s and spread ±20% from call to call). Greedy is timed as a user runs it (``LLM.generate``, top-5 raw logprobs,
-``ignore_eos``), and again with ``flat_logprobs`` (the form the package's engine asks
-for); replay as ``engine.run`` (the package's requests and result arrays included).
+135M take ~0.3 s and spread ±20% from call to call). Greedy is timed as a user runs it
+(``LLM.generate``, top-5 raw logprobs, ``ignore_eos``), and again with ``flat_logprobs``
+(the form the package's engine asks for); replay as ``engine.run`` (the package's
+requests and result arrays included).
 Weights are random (``shapes.py``); speed does not depend on their values. The
 ``in-process`` part then times native replay with its engine core in this process (the
 package's default) against the own-process median.
