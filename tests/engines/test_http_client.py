@@ -32,7 +32,7 @@ class Handler(BaseHTTPRequestHandler):
         if status is None:  # hang up without answering
             self.close_connection = True
             return
-        if isinstance(payload, Trickle):
+        if isinstance(payload, (Trickle, Redirect)):
             payload.send(self)
             return
         data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
@@ -43,6 +43,20 @@ class Handler(BaseHTTPRequestHandler):
 
     def log_message(self, *args) -> None:  # keep the test output clean
         pass
+
+
+class Redirect:
+    """A redirect answer: ``status`` with ``Location: location`` (``{port}`` filled in with
+    the server's own port)."""
+
+    def __init__(self, status: int, location: str) -> None:
+        self.status, self.location = status, location
+
+    def send(self, handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(self.status)
+        handler.send_header("Location", self.location.format(port=handler.server.server_port))
+        handler.send_header("Content-Length", "0")
+        handler.end_headers()
 
 
 class Trickle:
@@ -92,13 +106,26 @@ class TrickleHeaders(Trickle):
             self.done.set()
 
 
+def _serve() -> ThreadingHTTPServer:
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.script, httpd.seen = {}, {}
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd
+
+
 @pytest.fixture(scope="module")
 def server():
     """A threaded HTTP server on a free port; tests set ``script`` and read ``seen``."""
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    httpd.script, httpd.seen = {}, {}
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
+    httpd = _serve()
+    yield httpd
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def other_server():
+    """A second server, on another port: another origin than ``server``."""
+    httpd = _serve()
     yield httpd
     httpd.shutdown()
     httpd.server_close()
@@ -227,3 +254,59 @@ def test_only_http_addresses_are_taken(root):
     """An ftp:// (which hung), file:// or scheme-less address is refused, quoted."""
     with pytest.raises(ValueError, match=f"must start with http:// or https://, got '{root}'"):
         JsonClient(root)
+
+
+def test_a_redirect_to_another_origin_is_refused(server, other_server):
+    """A server redirecting to another address (here another port) is refused with an error
+    naming both; the other server receives nothing, so not the bearer key (urllib followed
+    the redirect with the Authorization header)."""
+    other_server.script, other_server.seen = {"/v1/models": [(200, {"data": []})]}, {}
+    elsewhere = f"http://127.0.0.1:{other_server.server_port}/v1/models"
+    client = client_for(server, {"/v1/models": [(302, Redirect(302, elsewhere))]},
+                        api_key="sk-x")
+    with pytest.raises(ServerError, match=rf"127.0.0.1:{server.server_port}/v1/models "
+                                          rf"redirected \(HTTP 302\) to {elsewhere}, on another "
+                                          "server than"):
+        client.get("/v1/models")
+    assert other_server.seen == {}
+
+
+@pytest.mark.parametrize("location", ["https://127.0.0.1:{port}/v1/y",  # another scheme
+                                      "http://localhost:{port}/v1/y"])  # another host name
+def test_another_scheme_or_host_is_another_origin(server, location):
+    """Same port, but https or another spelling of the host: another origin, refused."""
+    client = client_for(server, {"/v1/x": [(301, Redirect(301, location))]}, api_key="sk-x")
+    with pytest.raises(ServerError, match="on another server than"):
+        client.get("/v1/x")
+
+
+def test_a_same_origin_redirect_is_followed_with_the_key(server):
+    """A redirect within the server (a relative Location, or its own address) is followed,
+    the key sent along; a POST is repeated with its body through 307 and 308."""
+    client = client_for(server, {
+        "/v1/a": [(302, Redirect(302, "/v1/b"))],
+        "/v1/b": [(308, Redirect(308, "http://127.0.0.1:{port}/v1/c"))],
+        "/v1/c": [(200, {"ok": 1})]}, api_key="sk-x")
+    assert client.get("/v1/a") == {"ok": 1}
+    assert client.post("/v1/b", {"n": 2}) == {"ok": 1}
+    posted = server.seen["/v1/c"][-1]
+    assert (posted["method"], json.loads(posted["body"]), posted["auth"]) == \
+        ("POST", {"n": 2}, "Bearer sk-x")
+    assert client.retries == 0
+
+
+def test_redirects_are_limited(server):
+    """A redirect loop stops after a few hops with an error saying so (not a retry)."""
+    client = client_for(server, {"/v1/loop": [(307, Redirect(307, "/v1/loop"))]})
+    with pytest.raises(ServerError, match=r"after 3 redirects already: refused \(a loop\?\)"):
+        client.get("/v1/loop")
+    assert len(server.seen["/v1/loop"]) == 4
+
+
+def test_a_post_redirected_without_its_body_is_refused(server):
+    """A POST answered 302/303 would be repeated as a GET without its body: refused."""
+    client = client_for(server, {"/v1/p": [(303, Redirect(303, "/v1/q"))]})
+    with pytest.raises(ServerError, match=r"answered a POST with HTTP 303 to .*/v1/q, which "
+                                          "would drop its body"):
+        client.post("/v1/p", {"n": 1})
+    assert "/v1/q" not in server.seen

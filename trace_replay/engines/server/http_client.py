@@ -1,9 +1,15 @@
-"""A small JSON-over-HTTP client for a vLLM server, retrying what the network loses.
+"""A small JSON-over-HTTP client for a vLLM server, retrying what the network loses: the one
+client every call to a server goes through.
 
 Standard library only (``urllib``), so the server engine adds no dependency. A request is
 sent again only when no answer came back: the connection was refused, reset or timed out,
 or a proxy answered 502/503/504. Any other HTTP error is the server's answer and is raised
 with its message. Only ``http://`` and ``https://`` addresses are taken.
+
+Requests go to the server's own origin (scheme, host, port) and nowhere else: a redirect
+there is followed (at most :data:`MAX_REDIRECTS` of them, a POST only through 307/308,
+which keep its body), a redirect to another origin is a :class:`ServerError` naming both
+addresses, so the API key and the traces never reach a server that was not named.
 """
 
 from __future__ import annotations
@@ -17,12 +23,16 @@ import socket
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
-__all__ = ["JsonClient", "ServerError"]
+__all__ = ["MAX_REDIRECTS", "JsonClient", "ServerError"]
 
+MAX_REDIRECTS = 3  # same-origin redirects followed per request
 _RETRY_STATUS = {502, 503, 504}  # a gateway or a server still starting: nothing was done
+_REDIRECT_STATUS = {301, 302, 303, 307, 308}
+_KEEP_BODY = {307, 308}  # redirects that repeat the request as it was, POST body included
 _MAX_BACKOFF_S = 30.0
 _CHUNK = 1 << 16  # bytes asked per read of an answer
 
@@ -87,8 +97,8 @@ class JsonClient:
         return self._send(path, json.dumps(body).encode())
 
     def _send(self, path: str, data: bytes | None) -> Any:
-        url = self.root + path
-        for attempt in range(self.max_retries + 1):
+        url, hops, attempt = self.root + path, 0, 0
+        while True:
             request = urllib.request.Request(url, data=data, headers=self.headers,
                                              method="GET" if data is None else "POST")
             deadline = time.monotonic() + self.timeout_s
@@ -98,6 +108,9 @@ class JsonClient:
                     watchdog.cancel()  # the headers came; _read_until bounds the body
                     payload = _read_until(response, deadline)
             except urllib.error.HTTPError as error:
+                if error.code in _REDIRECT_STATUS and error.headers.get("Location"):
+                    url, hops = self._redirect(url, error, data, hops), hops + 1
+                    continue  # a redirect is an answer, not a lost attempt
                 lost = error.code in _RETRY_STATUS
                 problem = f"HTTP {error.code}: {_error_message(error)}"
                 if not lost:
@@ -125,9 +138,45 @@ class JsonClient:
             with self._lock:
                 self.retries += 1
             time.sleep(min(self.backoff_s * 2 ** attempt, _MAX_BACKOFF_S))
+            attempt += 1
         attempts = self.max_retries + 1
         raise ServerError(f"no answer from {url} after {attempts} attempt"
                           f"{'s' if attempts > 1 else ''} (last: {problem})")
+
+
+    def _redirect(self, url: str, error: urllib.error.HTTPError, data: bytes | None,
+                  hops: int) -> str:
+        """Where the redirect ``error`` (an answer to ``url``) leads, when it may be followed:
+        to this server's origin, within :data:`MAX_REDIRECTS`, a POST only by 307/308
+        (the others would drop its body); else a ServerError naming both addresses."""
+        error.close()
+        target = urllib.parse.urljoin(url, error.headers["Location"].strip())
+        if _origin(target) != _origin(self.root):
+            raise ServerError(f"{url} redirected (HTTP {error.code}) to {target}, on another "
+                              f"server than {self.root}: refused, so that the API key and "
+                              "the traces go only to the server named (set base_url to the "
+                              "server that answers)", error.code)
+        if hops >= MAX_REDIRECTS:
+            raise ServerError(f"{url} redirected (HTTP {error.code}) to {target} after "
+                              f"{MAX_REDIRECTS} redirects already: refused (a loop?)",
+                              error.code)
+        if data is not None and error.code not in _KEEP_BODY:
+            raise ServerError(f"{url} answered a POST with HTTP {error.code} to {target}, "
+                              "which would drop its body: refused (only 307 and 308 keep it)",
+                              error.code)
+        return target
+
+
+def _origin(url: str) -> tuple[str, str, int | None] | None:
+    """The scheme, host and port of ``url`` (a default port filled in); None when its port
+    cannot be read, an origin equal to none."""
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port or {"http": 80, "https": 443}.get(scheme)
+    except ValueError:
+        return None
+    return scheme, (parts.hostname or "").lower(), port
 
 
 def _check_seconds(name: str, value: Any, *, zero: bool) -> None:
@@ -167,7 +216,7 @@ class _Watchdog:
             def https_open(self, req):
                 return self.do_open(watched_tls, req, context=self._context)
 
-        return urllib.request.build_opener(Plain, Tls)
+        return urllib.request.build_opener(Plain, Tls, _Unfollowed)
 
     def watch(self, sock: socket.socket) -> None:
         timer = threading.Timer(max(self.deadline - time.monotonic(), 0.0), self._cut, (sock,))
@@ -185,6 +234,16 @@ class _Watchdog:
             sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked read, which then sees the end
         except OSError:
             pass  # already closed
+
+
+class _Unfollowed(urllib.request.HTTPRedirectHandler):
+    """Follows no redirect: urllib's own would send the API key to any address a server
+    names. A redirect comes back as an ``HTTPError`` for :meth:`JsonClient._redirect`."""
+
+    def http_error_302(self, req, fp, code, msg, headers):  # noqa: ANN001 - urllib's signature
+        return None  # urllib then raises the answer as an HTTPError
+
+    http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302
 
 
 class _Watched:
