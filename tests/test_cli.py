@@ -641,3 +641,25 @@ def test_ray_options_make_the_cluster_run(capsys, tmp_path):
     assert capsys.readouterr().err == ("trace-replay: error: --actors, --gpus-per-actor "
                                        "configure a Ray cluster run: add --ray\n")
     assert not (tmp_path / "r.parquet").exists()
+
+
+def test_a_damaged_model_folder_exits_2_naming_the_file(tmp_path, capsys):
+    """A model folder whose model.safetensors was cut short: exit 2 and one line naming the
+    file and what is wrong (it was "internal error: SafetensorError", exit 1)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    weights = tmp_path / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    capsys.readouterr()  # save_pretrained's progress bar
+    traces = tmp_path / "t.jsonl"
+    traces.write_text(json.dumps({"id": "t", "prompt_token_ids": [1, 2],
+                                  "trace_token_ids": [3, 4]}) + "\n")
+    assert main(["replay", str(traces), "--engine", "torch", "--model", str(tmp_path / "model"),
+                 "--quiet", "--out", str(tmp_path / "r.parquet")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"trace-replay: error: model weight file {weights} is damaged: its tensors need "
+        "18,624 bytes after the header but it holds 18,524: the file was cut short; copy or "
+        "convert the model again")

@@ -112,3 +112,39 @@ def test_the_models_package_gives_the_loaders():
     from trace_replay.models import load_model, load_tokenizer
 
     assert load_model is tr.load_model and load_tokenizer is tr.load_tokenizer
+
+
+def _tiny_folder(path, *, pickled: bool = False):
+    """A random two-head Llama saved to ``path`` (safetensors, or a pickled state dict)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
+    lm = LlamaForCausalLM(config)
+    lm.save_pretrained(path)
+    if pickled:
+        (path / "model.safetensors").unlink()
+        torch.save(lm.state_dict(), path / "pytorch_model.bin")
+    return path
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.getpid, ())
+
+
+def test_damaged_weight_files_are_named(tmp_path):
+    """A cut model.safetensors, a cut pytorch_model.bin and a pickle that calls a function
+    raise DamagedModelError (a ValueError: the CLI's exit 2) naming the file and the fault."""
+    cut = _tiny_folder(tmp_path / "cut") / "model.safetensors"
+    cut.write_bytes(cut.read_bytes()[:len(cut.read_bytes()) // 2])
+    with pytest.raises(models.DamagedModelError, match=f"{cut}.*cut short"):
+        models.load_model(cut.parent, device="cpu")
+    binary = _tiny_folder(tmp_path / "bin", pickled=True) / "pytorch_model.bin"
+    binary.write_bytes(binary.read_bytes()[:len(binary.read_bytes()) // 2])
+    with pytest.raises(models.DamagedModelError, match=f"{binary} cannot be loaded safely"):
+        models.load_model(binary.parent, device="cpu")
+    torch.save({"w": _RunsCode()}, binary)
+    with pytest.raises(models.DamagedModelError, match=f"{binary}.*GLOBAL posix.getpid"):
+        models.load_model(binary.parent, device="cpu")
+    assert issubclass(models.DamagedModelError, ValueError)

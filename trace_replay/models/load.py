@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import json
 import os
+import pickle
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -25,9 +27,11 @@ import torch
 
 __all__ = [
     "EMBEDDED_MODEL",
+    "DamagedModelError",
     "ModelNotFoundError",
     "OFFLINE_ENV",
     "cache_dir",
+    "check_weight_files",
     "embedded_gguf_path",
     "folder_digest",
     "hf_folder",
@@ -48,6 +52,11 @@ GGUF_ENV = "TRACE_REPLAY_GGUF"
 
 class ModelNotFoundError(FileNotFoundError):
     """A model argument that names nothing on this machine."""
+
+
+class DamagedModelError(ValueError):
+    """A model folder whose weight file cannot be read: truncated, not a weight file, or
+    a pickle the safe loader refuses. The message names the file and what is wrong."""
 
 
 # the tokenizer source of a module that was not loaded from a folder
@@ -281,9 +290,73 @@ def load_model(
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     with offline():
-        lm = AutoModelForCausalLM.from_pretrained(str(hf_folder(model)),
-                                                  dtype=resolve_dtype(dtype))
+        folder = hf_folder(model)
+        check_weight_files(folder)
+        try:
+            lm = AutoModelForCausalLM.from_pretrained(str(folder), dtype=resolve_dtype(dtype))
+        except (pickle.UnpicklingError, EOFError, RuntimeError, OSError) as error:
+            _name_damaged_file(folder, error)
+            raise
     return lm.to(device).eval()
+
+
+def check_weight_files(folder: str | os.PathLike) -> None:
+    """Refuse a ``.safetensors`` file of ``folder`` whose header does not describe its bytes
+    (cut short, trailing bytes, not a safetensors file), reading only the headers.
+
+    Raises
+    ------
+    DamagedModelError
+        Naming the file and what is wrong with it.
+    """
+    for path in sorted(Path(folder).rglob("*.safetensors")):
+        problem = _safetensors_problem(path)
+        if problem:
+            raise DamagedModelError(f"model weight file {path} is damaged: {problem}; "
+                                    "copy or convert the model again")
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """What is wrong with a safetensors file (8-byte header length, JSON header, then the
+    tensors' bytes, which ``data_offsets`` must cover exactly), or ``None``."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"it holds {size} bytes, less than a header"
+        length = int.from_bytes(head, "little")
+        if length > size - 8:
+            return (f"its header claims {length:,} bytes but the file holds {size:,} "
+                    "(cut short, or not a safetensors file)")
+        try:
+            header = json.loads(f.read(length))
+            ends = [int(entry["data_offsets"][1]) for name, entry in header.items()
+                    if name != "__metadata__"]
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return "its header is not a safetensors header (not JSON naming tensors)"
+    held, needed = size - 8 - length, max(ends, default=0)
+    if held < needed:
+        return (f"its tensors need {needed:,} bytes after the header but it holds "
+                f"{held:,}: the file was cut short")
+    if held > needed:
+        return f"{held - needed:,} bytes follow its last tensor"
+    return None
+
+
+def _name_damaged_file(folder: Path, error: BaseException) -> None:
+    """Raise :class:`DamagedModelError` naming the pickled weight file of ``folder`` that
+    the safe loader (``torch.load(weights_only=True)``) refuses, if one does; else return."""
+    for path in sorted(p for p in Path(folder).rglob("*")
+                       if p.suffix in (".bin", ".pt", ".pth") and p.is_file()):
+        try:
+            torch.load(path, map_location="meta", weights_only=True)
+        except Exception as refused:  # noqa: BLE001 - any refusal names the file
+            reason = next((line.strip() for line in str(refused).splitlines()
+                           if "GLOBAL" in line), None) or str(refused).splitlines()[0]
+            raise DamagedModelError(
+                f"model weight file {path} cannot be loaded safely: {reason} (a pickle "
+                "that is cut short, or that runs code, is refused; convert the model to "
+                "safetensors from a trusted copy)") from error
 
 
 def model_for_engine(model, *, dtype=None, device=None):

@@ -65,7 +65,8 @@ from trace_replay.engines.vllm.forcing import (
     FORCED_LOGIT, WORKER_EXTENSION, ForcingWorkerExtension, TraceForcingProcessor, model_runner,
     read_lengths_only)
 from trace_replay.engines.vllm.deterministic import deterministic_unavailable, deterministic_env
-from trace_replay.models.load import folder_digest, hf_folder, model_label, resolve_dtype
+from trace_replay.models.load import (check_weight_files, folder_digest, hf_folder, model_label,
+                                      resolve_dtype)
 from trace_replay.engines.vllm_contract import TRACE_KEY
 from trace_replay.traces.trace import TraceError
 
@@ -322,6 +323,7 @@ class VLLMEngine(EngineBase):
         self.top_k = config.top_k
         self.dtype = str(resolve_dtype(config.dtype)).replace("torch.", "")
         self.folder = hf_folder(config.model)
+        check_weight_files(self.folder)  # a cut file is named here, not deep in vLLM's load
         args = {"model": str(self.folder), "dtype": self.dtype, "seed": 0,
                 "max_logprobs": max(config.top_k, 20), "logprobs_mode": "raw_logprobs",
                 "enable_prefix_caching": False, "use_tqdm_on_load": verbose}
