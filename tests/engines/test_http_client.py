@@ -32,7 +32,7 @@ class Handler(BaseHTTPRequestHandler):
         if status is None:  # hang up without answering
             self.close_connection = True
             return
-        if isinstance(payload, (Trickle, Redirect)):
+        if isinstance(payload, (Trickle, Redirect, Swell)):
             payload.send(self)
             return
         data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
@@ -57,6 +57,32 @@ class Redirect:
         handler.send_header("Location", self.location.format(port=handler.server.server_port))
         handler.send_header("Content-Length", "0")
         handler.end_headers()
+
+
+class Swell:
+    """An answer of ``status`` that never stops: 64 KiB pieces until the client hangs up or
+    ``most`` bytes went out; ``declared`` sends that Content-Length. ``sent`` counts the
+    bytes written, ``done`` is set at the end."""
+
+    def __init__(self, status: int = 200, *, declared: int | None = None,
+                 most: int = 64 << 20) -> None:
+        self.status, self.declared, self.most = status, declared, most
+        self.sent, self.done = 0, threading.Event()
+
+    def send(self, handler: BaseHTTPRequestHandler) -> None:
+        piece = b'{"x": "' + b"a" * (64 << 10)
+        handler.send_response(self.status)
+        if self.declared is not None:
+            handler.send_header("Content-Length", str(self.declared))
+        handler.end_headers()
+        try:
+            while self.sent < self.most:
+                handler.wfile.write(piece)
+                self.sent += len(piece)
+        except OSError:  # the client hung up: what the test expects
+            pass
+        finally:
+            self.done.set()
 
 
 class Trickle:
@@ -230,6 +256,7 @@ def test_timeout_covers_headers_sent_slowly(server):
     ({"timeout_s": float("nan")}, "timeout_s must be a finite number of seconds > 0"),
     ({"timeout_s": 1e300}, r"timeout_s must be .* > 0, got 1e\+300 \(at most \d+\)"),  # overflowed
     ({"backoff_s": -1}, "backoff_s must be a finite number of seconds >= 0"),
+    ({"max_bytes": 0}, "max_bytes must be an integer >= 1, got 0"),
 ])  # fmt: skip
 def test_bad_options_are_refused(options, problem):
     """A negative retry count (an UnboundLocalError before), a NaN timeout or a negative
@@ -310,3 +337,39 @@ def test_a_post_redirected_without_its_body_is_refused(server):
                                           "would drop its body"):
         client.post("/v1/p", {"n": 1})
     assert "/v1/q" not in server.seen
+
+
+@pytest.mark.parametrize("declared", [None, 300 << 20], ids=["streamed", "declared"])
+def test_an_answer_past_its_size_cap_is_refused_unread(server, declared):
+    """An answer larger than max_bytes is a ServerError naming the server, once its
+    Content-Length says so or once that many bytes came: the client hangs up after reading
+    about the cap (it read a swelling answer to its end, 300 MiB held in memory)."""
+    swell = Swell(declared=declared)
+    client = client_for(server, {"/v1/big": [(200, swell)]}, max_retries=0, timeout_s=60,
+                        max_bytes=1 << 20)
+    with pytest.raises(ServerError, match=rf"127.0.0.1:{server.server_port}/v1/big answered "
+                                          r".*more than the 1,048,576 bytes an answer to this "
+                                          "request may take"):
+        client.get("/v1/big")
+    assert swell.done.wait(30)
+    assert swell.sent < 16 << 20  # the cap, and what the sockets' buffers held
+
+
+def test_a_request_may_set_its_own_cap(server):
+    """post/get take the cap of their own answer: an answer within the client's cap but
+    past the request's is refused; the same answer passes the client's cap."""
+    client = client_for(server, {"/v1/x": [(200, {"n": list(range(100))})]})
+    with pytest.raises(ServerError, match="more than the 100 bytes"):
+        client.post("/v1/x", {}, max_bytes=100)
+    assert client.post("/v1/x", {})["n"][-1] == 99
+
+
+def test_an_error_answer_is_read_in_part(server):
+    """An HTTP 500 with an endless body gives an error quoting its start, and its body is
+    read only in part (it was read to its end)."""
+    swell = Swell(500)
+    client = client_for(server, {"/v1/err": [(500, swell)]}, max_retries=0, timeout_s=60)
+    with pytest.raises(ServerError, match=r"answered HTTP 500: \{\"x\": \"aaa"):
+        client.get("/v1/err")
+    assert swell.done.wait(30)
+    assert swell.sent < 16 << 20

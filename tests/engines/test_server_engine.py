@@ -360,7 +360,7 @@ def test_client_does_not_import_vllm():
 class CraftedHandler(BaseHTTPRequestHandler):
     """A vLLM server's generate API, forcing the trace it is sent; ``server.craft(step, entry)``
     may change the answer of each step of traces longer than one token (the engine's start-up
-    probes are one-token traces, and get honest answers). ``server.shift`` moves every
+    probes are one-token traces, and get honest answers), and ``server.padding`` swell it. ``server.shift`` moves every
     answered logprob (another model's numbers); ``server.fault`` breaks the probes' answers:
     ``"error"`` (HTTP 500), ``"slow"`` (an answer after 1 s), ``"unreadable"`` (no choice),
     or ``"down"`` (HTTP 500 to every POST)."""
@@ -380,6 +380,10 @@ class CraftedHandler(BaseHTTPRequestHandler):
             self._json(404, {"error": "no such route"})
         elif not body:
             self._json(400, {"error": "invalid request"})  # the engine's API probe
+        elif "trace_decode_token_ids" in body["sampling_params"]:  # as vLLM 0.32 answers
+            self._json(400, {"error": {"message": "trace_decode_token_ids is set but trace "
+                                       "replay is not enabled. Start the engine with "
+                                       "--enable-trace-replay to use it."}})
         else:
             trace = body["sampling_params"]["extra_args"][TRACE_KEY]
             fault = fault if len(trace) == 1 else None
@@ -391,8 +395,10 @@ class CraftedHandler(BaseHTTPRequestHandler):
             entries = [_honest_entry(token, self.server.shift) for token in trace]
             content = [self.server.craft(step, entry) if len(trace) > 1 else entry
                        for step, entry in enumerate(entries)]
+            padding = {"padding": "a" * self.server.padding} if len(trace) > 1 else {}
             self._json(200, {"choices": [] if fault == "unreadable" else [
-                {"token_ids": trace, "logprobs": {"content": [c for c in content if c]}}]})
+                {"token_ids": trace, "logprobs": {"content": [c for c in content if c]}}],
+                **padding})
 
     def _json(self, status: int, payload: dict) -> None:
         data = json.dumps(payload).encode()  # allow_nan: a crafted NaN goes out as NaN
@@ -422,6 +428,7 @@ def _start_crafted(shift: float = 0.0, fault: str | None = None) -> ThreadingHTT
     ``fault``; shut it down with ``shutdown()`` and ``server_close()``."""
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), CraftedHandler)
     httpd.craft, httpd.shift, httpd.fault = (lambda step, entry: entry), shift, fault
+    httpd.padding = 0  # characters of filler in answers to traces longer than one token
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     return httpd
 
@@ -563,6 +570,21 @@ def test_malformed_server_answers_name_the_trace(crafted, craft, problem):
     integer column, is an error naming the trace and what was wrong."""
     with pytest.raises(ServerError, match=problem):
         _replay_crafted(crafted, craft)
+
+
+def test_an_answer_larger_than_its_trace_can_need_is_refused(crafted):
+    """An answer to a 3-token trace swollen to 2 MiB, more than its size cap (1 MiB, and per
+    trace token 1 KiB plus 256 bytes per alternative asked), is a ServerError naming the
+    trace and the server; it was read whatever its size."""
+    crafted.padding = 2 << 20
+    try:
+        with pytest.raises(ServerError, match=rf"trace 'crafted': ServerError: http://127.0.0.1:"
+                                              rf"{crafted.server_port}/inference/v1/generate "
+                                              r"answered .*more than the 1,054,\d{3} bytes"):
+            _replay_crafted(crafted, lambda step, entry: entry)
+    finally:
+        crafted.padding = 0
+    assert _replay_crafted(crafted, lambda step, entry: entry)["rank"].tolist() == [2] * 3
 
 
 @pytest.mark.parametrize("options, problem", [

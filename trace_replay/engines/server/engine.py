@@ -1,21 +1,27 @@
 """Replay through a running vLLM server (``engine="vllm-server"``), over HTTP only.
 
-The server forces traces with the package's logits processor (``vllm serve
---logits-processors trace_replay.engines.vllm.engine:TraceForcingProcessor``, which
-``trace-replay serve`` starts): each request carries its trace in ``vllm_xargs``, its prompt
-as token ids and ``max_tokens`` = the trace length. Two of the server's APIs are used:
+The server forces traces one of two ways, found at start-up and recorded in
+``settings()["server_forcing"]``: ``"native"``, a stock vLLM >= 0.29 started with
+``--enable-trace-replay --enable-scale-out``, each request carrying its trace in
+``SamplingParams.trace_decode_token_ids`` (:mod:`~trace_replay.engines.server.native`), or
+``"logits-processor"``, the package's processor (``vllm serve --logits-processors
+trace_replay.engines.vllm.forcing:TraceForcingProcessor``, which ``trace-replay serve``
+starts), each request carrying its trace in ``vllm_xargs``. Either way the prompt goes as
+token ids and ``max_tokens`` = the trace length. Two of the server's APIs are used:
 
 * ``"generate"`` — ``/inference/v1/generate`` (``vllm serve --enable-scale-out``), token ids in
   and out, each logprob with its exact rank;
-* ``"completions"`` — ``/v1/completions``, on every vLLM server. It returns logprobs but no
+* ``"completions"`` — ``/v1/completions``, on every vLLM server, with the processor only
+  (its request has no field for a native trace). It returns logprobs but no
   rank: the rank is counted among the top 20 alternatives it returns, exact when it lists a
   token no more likely than the trace token (so every likelier one is listed) and else a
   lower bound, which the ``rank_exact`` column flags — also where a server returns fewer
   alternatives than asked for (:func:`~trace_replay.engines.server.responses.completion_steps`).
 
 ``"auto"`` takes generate when the server offers it. At start-up the engine checks that the
-server's tokenizer encodes like the local one, that it forces traces (two one-token traces
-of different tokens must both come back), and that its logprobs are raw (two forced tokens
+server's tokenizer encodes like the local one, how it forces traces (natively where it
+returns a native probe, else through the processor: two one-token traces of different
+tokens must both come back; neither is a ServerError saying how to start it), and that its logprobs are raw (two forced tokens
 cannot both be likely); a server failing a check (an HTTP error, no answer, an answer that
 cannot be read) is a :class:`~trace_replay.engines.server.http_client.ServerError` naming
 its address. A checkpoint keys on the server's address and its scores of that probe
@@ -38,12 +44,15 @@ import torch
 from trace_replay.engines.base import (BatchFailed, EngineBase, EngineConfig, ReplayRequest,
                                        TraceResult)
 from trace_replay.engines.server.http_client import JsonClient, ServerError
-from trace_replay.engines.server.responses import (RANK_DEPTH, completion_steps, emitted_ids,
-                                                 generate_steps)
+from trace_replay.engines.server.responses import (RANK_DEPTH, answer_bytes, completion_steps,
+                                                 emitted_ids, generate_steps)
+from trace_replay.engines.server.native import (NOT_OFFERED, TraceNotForced, engine_path,
+                                                how_to_start, native_refusal, trace_field)
 from trace_replay.engines.server.probe import PROBE_TEXT, fingerprint, probe_requests
 from trace_replay.engines.validate import check_results
 from trace_replay.models.load import EMBEDDED_MODEL, ModelNotFoundError, hf_folder
-from trace_replay.engines.vllm_contract import FORCING_PROCESSOR, TRACE_KEY
+from trace_replay.engines.vllm_contract import TRACE_KEY
+from trace_replay.engines.distributions import tail_from_top
 
 __all__ = ["APIS", "SERVER_OPTIONS", "ServerEngine"]
 
@@ -123,7 +132,8 @@ class ServerEngine(EngineBase):
         self.top_k = config.top_k
         self.batch_size = config.batch_size or 32
         self.api = self._choose_api(options.get("api", "auto"))
-        self.engine_path = f"vllm-server-forcing[{self.api}]"
+        self.forcing = "logits-processor"  # until the start-up check finds native replay
+        self.engine_path = engine_path(self.forcing, self.api)
         self.vllm_version = self._server_version()
         self._pool = ThreadPoolExecutor(self.batch_size, thread_name_prefix="trace-replay-http")
         try:
@@ -140,7 +150,7 @@ class ServerEngine(EngineBase):
             f"exact where the server lists a token no more likely than the trace's among the "
             f"{max(self.top_k, RANK_DEPTH)} asked for, else a lower bound (rank_exact is False)")
         return {**super().settings(), "server_api": self.api, "vllm_version": self.vllm_version,
-                "logprobs_mode": "raw_logprobs", "rank": rank}
+                "logprobs_mode": "raw_logprobs", "rank": rank, "server_forcing": self.forcing}
 
     @property
     def vocab_size(self) -> int | None:
@@ -193,22 +203,25 @@ class ServerEngine(EngineBase):
 
     def _replay_one(self, request: ReplayRequest) -> TraceResult:
         trace = list(request.trace_token_ids)
+        alternatives = self.top_k + 1 if self.api == "generate" else max(self.top_k, RANK_DEPTH)
+        most = answer_bytes(request.prompt_len, len(trace), alternatives)
         try:
             if self.api == "generate":
-                answer = self.client.post("/inference/v1/generate", {
+                path, body = "/inference/v1/generate", {
                     "model": self.served_model, "token_ids": list(request.prompt_token_ids),
                     "output_mode": "tokens",
                     "sampling_params": {**_NEUTRAL, "max_tokens": len(trace),
                                         # the endpoint drops the k-th alternative when the
                                         # token is outside the top k; k + 1 keeps the top k
-                                        "logprobs": self.top_k + 1, "detokenize": False,
-                                        "extra_args": {TRACE_KEY: trace}}})
+                                        "logprobs": alternatives, "detokenize": False,
+                                        **trace_field(trace, self.forcing)}}
             else:
-                answer = self.client.post("/v1/completions", {
+                path, body = "/v1/completions", {
                     **_NEUTRAL, "model": self.served_model,
                     "prompt": list(request.prompt_token_ids), "max_tokens": len(trace),
-                    "logprobs": max(self.top_k, RANK_DEPTH), "return_token_ids": True,
-                    "return_tokens_as_token_ids": True, "vllm_xargs": {TRACE_KEY: trace}})
+                    "logprobs": alternatives, "return_token_ids": True,
+                    "return_tokens_as_token_ids": True, "vllm_xargs": {TRACE_KEY: trace}}
+            answer = self.client.post(path, body, max_bytes=most)  # sized by what was asked
             choice = answer["choices"][0]
             emitted = emitted_ids(choice)
             self._check_emitted(request, emitted)
@@ -226,7 +239,8 @@ class ServerEngine(EngineBase):
         return TraceResult(trace_id=request.trace_id, prompt_len=request.prompt_len,
                            token_ids=np.asarray(emitted, dtype=np.int64), logprob=logprob,
                            rank=rank, top_token_ids=top_ids, top_logprobs=top_lps,
-                           entropy=np.full(len(emitted), np.nan), extra=extra)
+                           entropy=np.full(len(emitted), np.nan),
+                           tail_logmass=tail_from_top(top_lps), extra=extra)
 
     def _check_emitted(self, request: ReplayRequest, emitted: list[int]) -> None:
         trace = list(request.trace_token_ids)
@@ -237,10 +251,9 @@ class ServerEngine(EngineBase):
         what = (f"token {emitted[step]} where the trace has {trace[step]}"
                 if step < min(len(emitted), len(trace)) else
                 f"{len(emitted)} tokens for a trace of {len(trace)}")
-        raise RuntimeError(
+        raise TraceNotForced(
             f"trace {request.trace_id!r}: the server at {self.base_url} emitted {what} "
-            f"(step {step}), so it does not force traces: start it with --logits-processors "
-            f"{FORCING_PROCESSOR} --logprobs-mode raw_logprobs (trace-replay serve does)")
+            f"(step {step}), so it does not force traces: {how_to_start()}", what)
 
     # --- start-up -----------------------------------------------------------------------------
 
@@ -313,11 +326,27 @@ class ServerEngine(EngineBase):
         return results
 
     def _check_forcing(self) -> None:
-        """Two one-token traces of different tokens: both forced, not both likely."""
-        results = self._score_probe()
+        """How the server forces traces: natively where it returns the probe's native
+        requests, else the processor must; then the two forced tokens must not both be
+        likely (raw logprobs)."""
+        try:
+            refusal = (native_refusal(self.client, self.served_model,
+                                      probe_requests(self.tokenizer))
+                       if self.api == "generate" else NOT_OFFERED)
+        except ServerError as error:
+            raise ServerError(f"the server at {self.base_url} failed its start-up check (a "
+                              f"native trace replay request): {error}", error.status) from None
+        self.forcing = "native" if refusal is None else "logits-processor"
+        self.engine_path = engine_path(self.forcing, self.api)
+        try:
+            results = self._score_probe()
+        except TraceNotForced as error:
+            raise ServerError(f"the server at {self.base_url} does not force traces (native "
+                              f"trace replay: {refusal}; the package's processor: "
+                              f"{error.what} for a one-token trace): {how_to_start()}") from None
         if all(r.logprob[0] > math.log(0.5) for r in results):
             raise RuntimeError(
-                f"the server at {self.base_url} reports logprobs after the forcing processor "
+                f"the server at {self.base_url} reports logprobs after forcing "
                 "(two different forced tokens both came back with probability > 0.5): "
                 "start it with --logprobs-mode raw_logprobs")
 

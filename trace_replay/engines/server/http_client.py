@@ -10,6 +10,13 @@ Requests go to the server's own origin (scheme, host, port) and nowhere else: a 
 there is followed (at most :data:`MAX_REDIRECTS` of them, a POST only through 307/308,
 which keep its body), a redirect to another origin is a :class:`ServerError` naming both
 addresses, so the API key and the traces never reach a server that was not named.
+
+An answer is read up to a size cap and within ``timeout_s``: a request may pass the cap
+its answer can take (the server engine sizes it by the trace asked for,
+:func:`~trace_replay.engines.server.responses.answer_bytes`), else ``max_bytes``
+(:data:`MAX_ANSWER_BYTES`). A larger answer is a :class:`ServerError` naming the server, once
+its ``Content-Length`` says so or once that many bytes came, never after reading the rest;
+an error answer's message is read up to 64 KiB.
 """
 
 from __future__ import annotations
@@ -27,9 +34,11 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-__all__ = ["MAX_REDIRECTS", "JsonClient", "ServerError"]
+__all__ = ["MAX_ANSWER_BYTES", "MAX_REDIRECTS", "JsonClient", "ServerError"]
 
 MAX_REDIRECTS = 3  # same-origin redirects followed per request
+MAX_ANSWER_BYTES = 16 << 20  # an answer's size, where a request does not say what it may take
+_ERROR_BYTES = 64 << 10  # of an error answer's body, for its message
 _RETRY_STATUS = {502, 503, 504}  # a gateway or a server still starting: nothing was done
 _REDIRECT_STATUS = {301, 302, 303, 307, 308}
 _KEEP_BODY = {307, 308}  # redirects that repeat the request as it was, POST body included
@@ -61,16 +70,19 @@ class JsonClient:
     max_retries
         Attempts after the first one (an integer >= 0) for requests that got no answer;
         waits double from ``backoff_s`` up to 30 s.
+    max_bytes
+        The most bytes an answer may take, where ``get``/``post`` do not say.
 
     Raises
     ------
     ValueError
-        For an address that is not http(s), or a bad ``timeout_s``, ``max_retries`` or
-        ``backoff_s``, before anything is sent.
+        For an address that is not http(s), or a bad ``timeout_s``, ``max_retries``,
+        ``backoff_s`` or ``max_bytes``, before anything is sent.
     """
 
     def __init__(self, root: str, *, api_key: str | None = None, timeout_s: float = 600.0,
-                 max_retries: int = 5, backoff_s: float = 0.5) -> None:
+                 max_retries: int = 5, backoff_s: float = 0.5,
+                 max_bytes: int = MAX_ANSWER_BYTES) -> None:
         if not isinstance(root, str) or not root.lower().startswith(("http://", "https://")):
             raise ValueError(f"the server's address must start with http:// or https://, "
                              f"got {root!r}")
@@ -79,6 +91,7 @@ class JsonClient:
             raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
         _check_seconds("timeout_s", timeout_s, zero=False)
         _check_seconds("backoff_s", backoff_s, zero=True)
+        _check_bytes(max_bytes)
         self.root = root.rstrip("/")
         self.headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if api_key:
@@ -86,17 +99,22 @@ class JsonClient:
         self.timeout_s = float(timeout_s)
         self.max_retries = int(max_retries)
         self.backoff_s = float(backoff_s)
+        self.max_bytes = int(max_bytes)
         self.requests = 0
         self.retries = 0
         self._lock = threading.Lock()
 
-    def get(self, path: str) -> Any:
-        return self._send(path, None)
+    def get(self, path: str, *, max_bytes: int | None = None) -> Any:
+        """The JSON answer to ``GET path``; ``max_bytes``: the most it may take
+        (``None``: the client's ``max_bytes``)."""
+        return self._send(path, None, max_bytes)
 
-    def post(self, path: str, body: dict) -> Any:
-        return self._send(path, json.dumps(body).encode())
+    def post(self, path: str, body: dict, *, max_bytes: int | None = None) -> Any:
+        """The JSON answer to ``POST path`` with ``body``; ``max_bytes`` as for ``get``."""
+        return self._send(path, json.dumps(body).encode(), max_bytes)
 
-    def _send(self, path: str, data: bytes | None) -> Any:
+    def _send(self, path: str, data: bytes | None, max_bytes: int | None) -> Any:
+        limit = self.max_bytes if max_bytes is None else _check_bytes(max_bytes)
         url, hops, attempt = self.root + path, 0, 0
         while True:
             request = urllib.request.Request(url, data=data, headers=self.headers,
@@ -106,7 +124,7 @@ class JsonClient:
             try:
                 with watchdog.opener().open(request, timeout=self.timeout_s) as response:
                     watchdog.cancel()  # the headers came; _read_until bounds the body
-                    payload = _read_until(response, deadline)
+                    payload = _read_until(response, deadline, limit, url)
             except urllib.error.HTTPError as error:
                 if error.code in _REDIRECT_STATUS and error.headers.get("Location"):
                     url, hops = self._redirect(url, error, data, hops), hops + 1
@@ -128,7 +146,7 @@ class JsonClient:
                     self.requests += 1
                 try:
                     return json.loads(payload)
-                except json.JSONDecodeError:
+                except (json.JSONDecodeError, UnicodeDecodeError):
                     raise ServerError(f"{url} answered with something other than JSON: "
                                       f"{payload[:200]!r}") from None
             finally:
@@ -177,6 +195,13 @@ def _origin(url: str) -> tuple[str, str, int | None] | None:
     except ValueError:
         return None
     return scheme, (parts.hostname or "").lower(), port
+
+
+def _check_bytes(value: Any) -> int:
+    """``value`` as an int when it is a size cap (an integer >= 1), else a ValueError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"max_bytes must be an integer >= 1, got {value!r}")
+    return int(value)
 
 
 def _check_seconds(name: str, value: Any, *, zero: bool) -> None:
@@ -266,29 +291,41 @@ class _WatchedHTTPS(_Watched, http.client.HTTPSConnection):
     pass
 
 
-def _read_until(response: http.client.HTTPResponse, deadline: float) -> bytes:
-    """The whole body of ``response``, or :class:`TimeoutError` once ``deadline`` passes.
+def _read_until(response: http.client.HTTPResponse, deadline: float, limit: int,
+                url: str) -> bytes:
+    """The whole body of ``response``, or :class:`TimeoutError` once ``deadline`` passes, or
+    a :class:`ServerError` naming ``url`` once it says or shows it is over ``limit`` bytes.
 
     Each read waits at most the time left (the socket's timeout is set to it), so a server
     trickling its answer cannot stretch an attempt past its deadline.
     """
+    def too_large(size: str) -> ServerError:
+        return ServerError(f"{url} answered {size}, more than the {limit:,} bytes an answer "
+                           "to this request may take: refused without reading the rest")
+
+    declared = response.headers.get("Content-Length", "")
+    if declared.strip().isdigit() and int(declared) > limit:
+        raise too_large(f"{int(declared):,} bytes (its Content-Length)")
     sock = getattr(getattr(response.fp, "raw", None), "_sock", None)  # the answer's socket
-    chunks = []
+    chunks, size = [], 0
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("the whole answer did not come within timeout_s")
         if sock is not None:
             sock.settimeout(left)
-        chunk = response.read1(_CHUNK)
+        chunk = response.read1(min(_CHUNK, limit + 1 - size))
         if not chunk:
             return b"".join(chunks)
         chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            raise too_large(f"more than {limit:,} bytes")
 
 
 def _error_message(error: urllib.error.HTTPError) -> str:
     """The message of an OpenAI-style error body, else the body's start."""
-    body = error.read()
+    body = error.read(_ERROR_BYTES)
     try:
         detail = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError):

@@ -9,11 +9,27 @@ import numpy as np
 
 from trace_replay.traces.trace import VLLM_NEG_INF
 
-__all__ = ["RANK_DEPTH", "completion_steps", "emitted_ids", "generate_steps"]
+__all__ = ["RANK_DEPTH", "answer_bytes", "completion_steps", "emitted_ids", "generate_steps"]
 
 RANK_DEPTH = 20  # alternatives asked of /v1/completions to count ranks in (vLLM's max_logprobs)
+# what one answer may take: a fixed part, the prompt's ids echoed, and per trace token its
+# own entry and each alternative's (several times what vLLM sends: ~45 bytes an alternative)
+ANSWER_BASE_BYTES = 1 << 20
+ANSWER_PROMPT_TOKEN_BYTES = 64
+ANSWER_STEP_BYTES = 1024
+ANSWER_ALTERNATIVE_BYTES = 256
 # (logprob [T], rank [T], top_token_ids [T, k], top_logprobs [T, k], rank is exact [T])
 Steps = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def answer_bytes(prompt_len: int, trace_len: int, alternatives: int) -> int:
+    """The most bytes the answer to one trace may take: 1 MiB, 64 per prompt token, and per
+    trace token 1 KiB plus 256 per alternative asked for. A 1,000-token trace with 20
+    alternatives may take ~7 MiB; a server sending more is refused
+    (:class:`~trace_replay.engines.server.http_client.ServerError`) before the rest is read.
+    """
+    per_step = ANSWER_STEP_BYTES + ANSWER_ALTERNATIVE_BYTES * max(alternatives, 0)
+    return ANSWER_BASE_BYTES + ANSWER_PROMPT_TOKEN_BYTES * prompt_len + per_step * trace_len
 
 
 def emitted_ids(choice: dict) -> list[int]:
