@@ -17,6 +17,12 @@ from trace_replay.engines import ENGINES
 from trace_replay.engines.base import (ENGINE_MEMBERS, PROVENANCE, Engine, EngineBase,
                                        EngineClosed, EngineConfig, ReplayRequest,
                                        check_engine)
+from trace_replay.engines.capabilities import (ActivationSource, BatchHooks, Generates,
+                                               protocol_members)
+
+# what a caller may use: the core protocol's members and each capability's
+DECLARED = {*ENGINE_MEMBERS, *(name for capability in (Generates, ActivationSource, BatchHooks)
+                               for name in protocol_members(capability))}
 
 # --- EngineConfig: checked before any model is loaded ---------------------------------------
 
@@ -337,7 +343,7 @@ def _engine_probes(source: str) -> tuple[set[str], int]:
                 and _is_engine(node.args[0])):
             probes.add(ast.unparse(node))
         elif isinstance(node, ast.Attribute) and _is_engine(node.value):
-            if node.attr in ENGINE_MEMBERS:
+            if node.attr in DECLARED:
                 uses += 1
             else:
                 probes.add(ast.unparse(node))

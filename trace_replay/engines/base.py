@@ -1,60 +1,34 @@
-"""The engine interface: what every engine takes, does and gives back.
+"""The engine base class and the config every engine takes.
 
-An engine is built once (it holds a loaded model), replays batches of
-:class:`ReplayRequest` into :class:`TraceResult` s, and says what it is (``settings``, the
-provenance recorded in ``df.attrs``) apart from what it has done so far (``stats``).
-:class:`Engine` declares every member; ``replay``, ``record``, checkpoints and layer
-attribution use nothing else. :class:`EngineBase` implements all but ``run``.
+:class:`EngineConfig` is validated before any model is loaded; :class:`EngineBase`
+implements every :class:`~trace_replay.engines.protocol.Engine` member but ``run``;
+:func:`check_engine` names what a user engine lacks. The protocol, the capabilities, the
+weights' digest and the closed-engine guard live in their own modules
+(``protocol.py``, ``capabilities.py``, ``weights.py``, ``closing.py``); their names are
+importable from here too.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
 import torch
 
-__all__ = ["Activations", "BatchFailed", "ENGINE_MEMBERS", "Engine", "EngineBase",
-           "EngineClosed", "EngineConfig", "PROVENANCE", "ReplayRequest", "TraceResult",
-           "check_engine", "engine_identity", "missing_members", "protocol_members"]
+from trace_replay.engines.capabilities import (ActivationSource, Activations, BatchHooks,
+                                               Generates, missing_members, protocol_members,
+                                               supports)
+from trace_replay.engines.closing import (EngineClosed, guard_class, marking_closed,
+                                          refused_when_closed)
+from trace_replay.engines.protocol import BatchFailed, Engine, ReplayRequest, TraceResult
+from trace_replay.engines.weights import engine_identity, glance, read_weights
 
-
-@dataclass(frozen=True)
-class ReplayRequest:
-    """One tokenized trace, ready for an engine."""
-
-    trace_id: str
-    prompt_token_ids: tuple[int, ...]
-    trace_token_ids: tuple[int, ...]
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def trace_len(self) -> int:
-        return len(self.trace_token_ids)
-
-
-@dataclass
-class TraceResult:
-    """An engine's per-step numbers for one trace (host arrays, one entry per step)."""
-
-    trace_id: str
-    prompt_len: int
-    token_ids: np.ndarray  # [T] int64, the trace tokens as the engine emitted them
-    logprob: np.ndarray  # [T] float64
-    rank: np.ndarray  # [T] int64
-    top_token_ids: np.ndarray  # [T, top_k] int64
-    top_logprobs: np.ndarray  # [T, top_k] float64
-    entropy: np.ndarray  # [T] float64, NaN where the engine cannot give it
-    extra: dict = field(default_factory=dict)  # more per-step [T] columns, by name
+__all__ = ["ActivationSource", "Activations", "BatchFailed", "BatchHooks", "ENGINE_MEMBERS",
+           "Engine", "EngineBase", "EngineClosed", "EngineConfig", "Generates", "PROVENANCE",
+           "ReplayRequest", "TraceResult", "check_engine", "engine_identity",
+           "missing_members", "protocol_members", "supports"]
 
 
 @dataclass(frozen=True)
@@ -108,174 +82,6 @@ def _check_device(device: str | torch.device) -> None:
                              f"{count} {device.type} device(s)")
 
 
-@dataclass(frozen=True)
-class Activations:
-    """Where an engine's forwards can be watched in this process (layer attribution).
-
-    ``model`` is the transformers model whose weights every forward uses; its module layout
-    names the sites. With ``rows`` None the forwards call ``model``'s own modules, so forward
-    hooks see ``[batch, width, ...]`` activations with the model's position and mask
-    arguments. Otherwise the forwards bypass those modules, and ``rows`` (a row-wise model,
-    :class:`~trace_replay.engines.builtin.backends.deterministic_model.DeterministicLlama`) reports
-    each forward's rows to its ``observer``.
-    """
-
-    model: torch.nn.Module
-    rows: Any = None
-
-
-_CONTEXT = ("__enter__", "__exit__")
-
-
-class BatchFailed(Exception):
-    """``Engine.run`` failed for some of its requests: ``results`` holds one entry per
-    request, in order, the result of each that finished and None for the others; ``error`` is
-    the first failure, which ``replay`` raises once it has kept the finished results."""
-
-    def __init__(self, error: BaseException, results: list[TraceResult | None]) -> None:
-        super().__init__(str(error))
-        self.error, self.results = error, results
-
-
-class EngineClosed(RuntimeError):
-    """An engine was asked to score, generate, digest its weights or give its activations
-    after ``close()`` (or its ``with`` block) released what it needs."""
-
-
-@runtime_checkable
-class Engine(Protocol):
-    """The one interface of every engine: :func:`~trace_replay.runs.replay`, ``record``,
-    checkpoints and layer attribution use these members and nothing else.
-
-    ``run`` keeps the order of its requests and calls ``on_tokens(n)`` as ``n`` more trace
-    tokens are scored (at least once per batch, so progress moves within a batch). An engine
-    whose requests fail one by one (a server) raises :class:`BatchFailed` with the results
-    that did finish, so that a checkpointed replay keeps them.
-    ``settings`` is fixed once the engine is built (two runs with equal settings are
-    comparable); ``stats`` accumulates over ``run`` calls. ``close`` releases the model and
-    any worker processes; engines are context managers. A closed :class:`EngineBase` raises
-    :class:`EngineClosed` from ``run``, ``generate``, ``weights_digest`` and ``activations``;
-    ``settings`` and ``stats`` still answer.
-
-    ``on_batch`` is set by a caller that watches the forwards (layer attribution) and reset
-    to None after. While it is set, an engine whose forwards run in this process
-    (``activations()`` answers) calls it with each batch's requests, in row order, before
-    that batch's forwards, and runs those forwards as ``activations()`` describes, even where
-    it has a faster path that skips the model's modules (prefill's separate head). Other
-    engines never call it.
-
-    A user engine passed to ``replay`` needs every member (:func:`check_engine` names the
-    missing ones); subclassing :class:`EngineBase` gives all but ``run`` and the provenance
-    attributes its docstring lists.
-    """
-
-    name: str  # "torch", "prefill", "vllm", "vllm-server"
-    batch_size: int  # request slots; replay hands ``run`` whole batches of them
-    max_model_len: int | None  # prompt + trace tokens at most (None: no known limit)
-    deterministic: bool  # batch-invariant arithmetic was asked for
-    selected_by: str | None  # how make_engine("auto", ...) chose this engine, else None
-    can_generate: bool  # ``generate`` works (decode engines)
-    on_batch: Callable[[Sequence[ReplayRequest]], None] | None
-    tokenizer: Any  # the model's; text traces are tokenized with it
-    vocab_size: int | None  # logits per step, the bound of ``rank`` (None: unknown)
-
-    def settings(self) -> dict[str, Any]: ...
-
-    def run(self, requests: Sequence[ReplayRequest], *,
-            on_tokens: Callable[[int], None] | None = None) -> list[TraceResult]: ...
-
-    def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int,
-                 temperature: float = 0.0, seed: int = 0,
-                 eos_token_id: int | None = None) -> list[tuple[list[int], list[float]]]: ...
-
-    def stats(self) -> dict[str, Any]: ...
-
-    def weights_digest(self) -> str | None: ...
-
-    def activations(self) -> Activations: ...
-
-    def close(self) -> None: ...
-
-    def __enter__(self) -> Engine: ...
-
-    def __exit__(self, *exc_info: object) -> None: ...
-
-
-def protocol_members(protocol: type, dunders: Sequence[str] = ()) -> tuple[str, ...]:
-    """Every member ``protocol`` declares, sorted: its annotated attributes and its public
-    methods, with the special methods named in ``dunders``."""
-    return tuple(sorted({*protocol.__annotations__, *(
-        name for name, value in vars(protocol).items()
-        if inspect.isfunction(value) and (not name.startswith("_") or name in dunders))}))
-
-
-def missing_members(obj: Any, names: Sequence[str]) -> list[str]:
-    """The ``names`` that ``obj`` lacks, in order.
-
-    A member the object or its class defines counts without being read (a lazy property is
-    not evaluated); any other is read as a user would (``hasattr``), so an object that
-    forwards attributes to a wrapped one has them.
-    """
-    return [name for name in names if not _defines(obj, name)]
-
-
-# every member of the protocol, attributes and methods (what check_engine asks for)
-ENGINE_MEMBERS = protocol_members(Engine, _CONTEXT)
-
-
-def check_engine(engine: Any) -> None:
-    """Raise TypeError naming the :class:`Engine` members ``engine`` lacks (none: it is one).
-
-    Members are looked up as :func:`missing_members` does: the ``tokenizer`` property is not
-    evaluated, and an object that forwards attributes to a wrapped engine passes.
-    """
-    wanted = ENGINE_MEMBERS + (PROVENANCE if isinstance(engine, EngineBase) else ())
-    missing = missing_members(engine, wanted)
-    if missing:
-        raise TypeError(f"{type(engine).__name__} is not an Engine: it lacks "
-                        f"{', '.join(missing)} (subclass trace_replay.engines.base.EngineBase, "
-                        "which gives all but run and the provenance attributes)")
-
-
-def _defines(obj: Any, name: str) -> bool:
-    try:
-        inspect.getattr_static(obj, name)
-    except AttributeError:
-        return hasattr(obj, name)
-    return True
-
-
-# what a closed engine refuses: each needs the model (or worker, or connection) it released
-_NEEDS_OPEN = ("run", "generate", "weights_digest", "activations")
-
-
-def _refused_when_closed(method: Callable) -> Callable:
-    """``method``, raising :class:`EngineClosed` instead on an engine that is closed."""
-    @functools.wraps(method)
-    def guarded(self: EngineBase, *args: Any, **kwargs: Any) -> Any:
-        if self._closed:
-            raise EngineClosed(f"engine {self.name!r} is closed: {method.__name__}() needs "
-                               "what close() (or the end of its with block) released; build "
-                               "a new engine")
-        return method(self, *args, **kwargs)
-
-    guarded._guarded = True
-    return guarded
-
-
-def _marking_closed(close: Callable) -> Callable:
-    """``close``, marking the engine closed once it has run (or failed part way: a half
-    released engine is no more usable)."""
-    @functools.wraps(close)
-    def marking(self: EngineBase) -> None:
-        try:
-            close(self)
-        finally:
-            self._closed = True
-
-    marking._guarded = True
-    return marking
-
 
 class EngineBase(ABC):
     """Shared plumbing: every :class:`Engine` member but ``run``.
@@ -287,7 +93,8 @@ class EngineBase(ABC):
     ``tokenizer_source`` and ``lm``; ``can_generate`` is True when the class overrides
     ``generate``.
     They may extend :meth:`settings` and :meth:`stats`, and override ``generate`` and
-    ``activations`` where they can. ``vocab_size`` and ``weights_digest`` read ``lm``;
+    ``activations`` where they can (:mod:`~trace_replay.engines.capabilities`; an engine
+    that calls ``on_batch`` declares it, :class:`BatchHooks`). ``vocab_size`` and ``weights_digest`` read ``lm``;
     engines whose model is elsewhere override them.
 
     Once ``close`` has run, ``run``, ``generate``, ``weights_digest`` and ``activations``
@@ -305,20 +112,15 @@ class EngineBase(ABC):
     deterministic: bool = False
     max_model_len: int | None = None
     selected_by: str | None = None  # set by make_engine("auto", ...): how the choice was made
-    on_batch: Callable[[Sequence[ReplayRequest]], None] | None = None  # see Engine
     lm: torch.nn.Module | None = None  # the model in this process (None: elsewhere, closed)
     tokenizer_source: Any = None  # what models.load_tokenizer reads (None: the embedded model)
     _tokenizer: Any = None
     _weights_seen: tuple[bytes, str] | None = None  # (glance, digest): see weights_digest
-    _closed: bool = False  # set by close(); then _NEEDS_OPEN methods raise EngineClosed
+    _closed: bool = False  # set by close(); then closing.NEEDS_OPEN methods raise EngineClosed
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        for name in (*_NEEDS_OPEN, "close"):
-            method = vars(cls).get(name)
-            if callable(method) and not getattr(method, "_guarded", False):
-                wrap = _marking_closed if name == "close" else _refused_when_closed
-                setattr(cls, name, wrap(method))
+        guard_class(cls)
 
     @abstractmethod
     def run(self, requests: Sequence[ReplayRequest], *,
@@ -327,8 +129,8 @@ class EngineBase(ABC):
 
     @property
     def can_generate(self) -> bool:
-        """Whether ``generate`` works: by default, whether the class overrides it."""
-        return type(self).generate is not EngineBase.generate
+        """Whether ``generate`` works (:class:`Generates`): whether the class overrides it."""
+        return supports(type(self), Generates)
 
     @property
     def tokenizer(self) -> Any:
@@ -349,7 +151,7 @@ class EngineBase(ABC):
         head = None if self.lm is None else self.lm.get_output_embeddings()
         return None if head is None else int(head.weight.shape[0])
 
-    @_refused_when_closed
+    @refused_when_closed
     def weights_digest(self) -> str | None:
         """A digest of the weights the engine scores with, read now; ``None`` where the
         engine cannot read them (a server). A checkpoint keys on it, so rows computed with
@@ -360,35 +162,21 @@ class EngineBase(ABC):
         pass over the weights on their device, changed by any edit short of a contrived one.
         That pass takes seconds on a CPU (float64 sums of 135M float32 weights), so its
         digest is kept while a glance at the weights stays the same: per parameter its
-        storage, its count of in-place edits (``Tensor._version``, which autograd keeps:
-        an optimizer step, ``load_state_dict``, an edit under ``torch.no_grad``) and the
-        sample. An edit through ``.data`` counts no edit; it is seen when it changes a
-        sampled element (a rescale, a reload, a training step do).
+        storage, its count of in-place edits and a sample
+        (:func:`~trace_replay.engines.weights.glance`).
         """
         if self.lm is None:
             return None
-        glance = hashlib.sha256()
-        for name, weight in self.lm.named_parameters():
-            glance.update(f"{name}:{weight.data_ptr()}:{weight._version}".encode())
-            glance.update(_sample(weight))
-        if self._weights_seen is None or self._weights_seen[0] != glance.digest():
-            self._weights_seen = (glance.digest(), self._read_weights())
+        seen = glance(self.lm)
+        if self._weights_seen is None or self._weights_seen[0] != seen:
+            self._weights_seen = (seen, self._read_weights())
         return self._weights_seen[1]
 
     def _read_weights(self) -> str:
         """:meth:`weights_digest`'s full pass over ``lm``'s parameters."""
-        digest = hashlib.sha256()
-        with torch.no_grad():
-            for name, weight in self.lm.named_parameters():
-                flat = weight.detach().reshape(-1)
-                sums = torch.stack([flat.sum(dtype=torch.float64),
-                                    flat.double().square().sum()]).cpu().numpy()
-                digest.update(f"{name}:{tuple(weight.shape)}:{weight.dtype}".encode())
-                digest.update(sums.tobytes())
-                digest.update(_sample(weight))
-        return digest.hexdigest()[:32]
+        return read_weights(self.lm)
 
-    @_refused_when_closed
+    @refused_when_closed
     def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int,
                  temperature: float = 0.0, seed: int = 0,
                  eos_token_id: int | None = None) -> list[tuple[list[int], list[float]]]:
@@ -397,13 +185,17 @@ class EngineBase(ABC):
         raise NotImplementedError(f"engine {self.name!r} cannot generate (can_generate is "
                                   "False)")
 
-    @_refused_when_closed
+    generate._refuses = True  # type: ignore[attr-defined]  # not Generates (supports())
+
+    @refused_when_closed
     def activations(self) -> Activations:
         """Where this engine's forwards can be watched (:class:`Activations`); this default
         raises NotImplementedError: the model runs outside this process."""
         raise NotImplementedError(f"engine {self.name!r} runs its model outside this process: "
                                   "its activations cannot be read (layer attribution runs "
                                   "the torch and prefill engines)")
+
+    activations._refuses = True  # type: ignore[attr-defined]  # not an ActivationSource
 
     def settings(self) -> dict[str, Any]:
         settings = {"engine": self.name, "engine_path": self.engine_path,
@@ -417,7 +209,7 @@ class EngineBase(ABC):
     def stats(self) -> dict[str, Any]:
         return {}
 
-    @_marking_closed
+    @marking_closed
     def close(self) -> None:
         """Release what the engine holds; a closed engine cannot run again
         (:class:`EngineClosed`)."""
@@ -432,26 +224,23 @@ class EngineBase(ABC):
         return f"{type(self).__name__}({self.engine_path}, {self.dtype}, {self.device})"
 
 
-def _sample(weight: torch.Tensor) -> bytes:
-    """The exact bytes of 1,024 elements of ``weight``, strided over all of it."""
-    with torch.no_grad():
-        flat = weight.detach().reshape(-1)
-        sample = flat[::max(1, flat.numel() // 1024)][:1024]
-        return sample.cpu().contiguous().view(torch.uint8).numpy().tobytes()
-
-
 # what a subclass of EngineBase sets itself: the annotated attributes without a value there
 PROVENANCE = tuple(name for name in EngineBase.__annotations__
                    if not hasattr(EngineBase, name) and not name.startswith("_"))
 
+# every member of the core protocol, attributes and methods (what check_engine asks for)
+ENGINE_MEMBERS = protocol_members(Engine, ("__enter__", "__exit__"))
 
-def engine_identity(engine: Engine) -> dict:
-    """What ``engine``'s results are labelled with (``df.attrs``) and a checkpoint folder is
-    keyed on: its settings and, where the engine reads its weights (``weights_digest()``),
-    their digest, read now. A model edited or retrained in place under the same name is then
-    refused by a folder and by ``merge`` as other settings, never served the rows of its old
-    weights; so is another server, or another model behind the same server address (a
-    server engine digests its address and its scores of a fixed probe)."""
-    settings = engine.settings()
-    weights = engine.weights_digest()
-    return settings if weights is None else {**settings, "weights_digest": weights}
+
+def check_engine(engine: Any) -> None:
+    """Raise TypeError naming the :class:`Engine` members ``engine`` lacks (none: it is one).
+
+    Members are looked up as :func:`missing_members` does: the ``tokenizer`` property is not
+    evaluated, and an object that forwards attributes to a wrapped engine passes.
+    """
+    wanted = ENGINE_MEMBERS + (PROVENANCE if isinstance(engine, EngineBase) else ())
+    missing = missing_members(engine, wanted)
+    if missing:
+        raise TypeError(f"{type(engine).__name__} is not an Engine: it lacks "
+                        f"{', '.join(missing)} (subclass trace_replay.engines.base.EngineBase, "
+                        "which gives all but run and the provenance attributes)")

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from trace_replay.traces.chat import tokenize_chat_prompt
 from trace_replay.engines import make_engine
 from trace_replay.engines.base import check_engine
+from trace_replay.engines.capabilities import Generates, supports
 from trace_replay.traces.sets import Trace, TraceSet
 
 __all__ = ["record"]
@@ -50,7 +51,7 @@ def record(prompts: Iterable, model=None, *, engine="vllm", max_tokens: int,
         As in :func:`trace_replay.runs.replay`.
     engine
         ``"vllm"`` or ``"torch"``, or an :class:`~trace_replay.engines.Engine` that
-        ``can_generate``.
+        generates (:class:`~trace_replay.engines.capabilities.Generates`).
     max_tokens
         Tokens generated per prompt at most; generation stops earlier at EOS when
         ``stop_at_eos`` (the EOS is kept in the trace).
@@ -79,7 +80,7 @@ def record(prompts: Iterable, model=None, *, engine="vllm", max_tokens: int,
                              engine_args=engine_args, verbose=verbose)
     else:
         check_engine(engine)
-    if not engine.can_generate:
+    if not supports(engine, Generates):
         raise TypeError(f"engine {engine.name!r} cannot generate; "
                         "record with the 'vllm' or 'torch' engine")
     try:
