@@ -68,6 +68,8 @@ class TorchEngine(EngineBase):
     """
 
     name = "torch"
+    # BatchHooks: set by a caller watching the forwards (layer attribution)
+    on_batch: Callable[[Sequence[ReplayRequest]], None] | None = None
 
     def __init__(self, config: EngineConfig | None = None, *, speculative: dict | None = None,
                  backend: str = "auto", float32_matmul: str = "3xtf32",

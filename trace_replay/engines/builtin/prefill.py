@@ -49,6 +49,8 @@ class PrefillEngine(EngineBase):
     """
 
     name = "prefill"
+    # BatchHooks: set by a caller watching the forwards (layer attribution)
+    on_batch: Callable[[Sequence[ReplayRequest]], None] | None = None
     engine_path = "teacher-forced-prefill"
 
     def __init__(self, config: EngineConfig | None = None, *,
