@@ -8,7 +8,7 @@ import torch
 
 from trace_replay.engines.builtin.scoring import (chunked_argmax, collect_rows, greedy_tokens,
                                           score_tokens, score_with_top, scorer_for,
-                                          top_from_logprob)
+                                          tail_logmass, top_from_logprob)
 
 
 @pytest.fixture(scope="module")
@@ -72,13 +72,15 @@ def test_low_precision_logits_are_scored_in_float32(logits):
 
 
 def test_collect_rows_gives_host_arrays_in_result_dtypes(logits):
-    """collect_rows returns numpy arrays: float64 logprobs and entropy, int64 ids and ranks."""
+    """collect_rows returns numpy arrays: float64 logprobs, entropy and tail, int64 ids and
+    ranks."""
     token_ids = torch.arange(8, dtype=torch.int32)
     host = collect_rows(score_tokens(logits, token_ids, top_k=2), token_ids)
     assert set(host) == {"token_ids", "logprob", "rank", "top_token_ids", "top_logprobs",
-                         "entropy"}
+                         "entropy", "tail_logmass"}
     assert host["token_ids"].dtype == host["rank"].dtype == np.int64
-    assert all(host[k].dtype == np.float64 for k in ("logprob", "top_logprobs", "entropy"))
+    assert all(host[k].dtype == np.float64
+               for k in ("logprob", "top_logprobs", "entropy", "tail_logmass"))
     assert host["token_ids"].tolist() == list(range(8))
 
 
@@ -112,6 +114,30 @@ def test_top_from_logprob_agrees_with_score_tokens(logits, dtype):
     assert torch.equal(got.top_logprobs[:4, 0], got.logprob[:4])
     for field in ("logprob", "rank", "entropy"):
         assert torch.equal(getattr(got, field), getattr(want, field))
+    torch.testing.assert_close(got.tail_logmass, want.tail_logmass, atol=4e-6, rtol=0)
+
+
+@pytest.mark.parametrize("top_k", [0, 1, 5, 50])
+def test_tail_is_the_mass_outside_the_top_k(logits, top_k):
+    """The tail mass is the float64 mass of the tokens outside the top-k (0 when the top-k
+    holds the whole vocabulary), and top-k plus tail sum to 1."""
+    scores = score_tokens(logits, torch.arange(8), top_k)
+    p = torch.softmax(logits.double(), dim=-1)
+    outside = p.sum(dim=1) - p.gather(1, scores.top_token_ids).sum(dim=1)
+    np.testing.assert_allclose(scores.tail_logmass.exp().double(), outside.clamp(min=0),
+                               rtol=1e-5, atol=1e-12)
+    whole = scores.top_logprobs.double().exp().sum(dim=1) + scores.tail_logmass.double().exp()
+    np.testing.assert_allclose(whole, 1.0, atol=1e-6)
+
+
+def test_tiny_tail_keeps_its_digits():
+    """A tail of ~1e-12 (far below float32's 1 - sum(top) resolution) is recorded to a few
+    digits: logsumexp of the rest, not a difference from 1."""
+    logits = torch.tensor([[30.0, 2.0, 1.0, 0.0]])
+    want = torch.logsumexp(logits.double()[:, 1:], 1) - torch.logsumexp(logits.double(), 1)
+    got = tail_logmass(torch.log_softmax(logits, dim=-1), torch.tensor([[0]]))
+    np.testing.assert_allclose(got.double(), want, rtol=1e-5)
+    assert want.exp().item() < 1e-11
 
 
 @pytest.mark.gpu
@@ -128,6 +154,7 @@ def test_cuda_scorer_agrees_with_score_tokens(dtype, rows):
     torch.testing.assert_close(got.logprob, want.logprob, atol=1e-5, rtol=0)
     torch.testing.assert_close(got.entropy, want.entropy, atol=1e-4, rtol=0)
     torch.testing.assert_close(got.top_logprobs, want.top_logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.tail_logmass, want.tail_logmass, atol=1e-5, rtol=0)
     assert (got.rank - want.rank).abs().max() <= 1  # only near-ties may move by rounding
 
 

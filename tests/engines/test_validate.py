@@ -29,6 +29,31 @@ def result(**change) -> TraceResult:
     return TraceResult(trace_id="t", prompt_len=2, token_ids=np.array([7, 8, 9]), **fields)
 
 
+def with_tail(step1_tail: float) -> TraceResult:
+    """``result()`` with its tail masses recorded (1 - sum of its top-k), step 1's replaced."""
+    base = result()
+    tail = np.log1p(-np.exp(base.top_logprobs).sum(axis=1))
+    tail[1] = step1_tail
+    base.tail_logmass = tail
+    return base
+
+
+def test_a_consistent_tail_passes():
+    """A tail mass that makes the top-k sum to 1 passes, and NaN (not recorded) passes."""
+    good = with_tail(np.log1p(-np.exp([-0.5, -1.0]).sum()))
+    check_results([REQUEST], [good], top_k=2, vocab_size=49152)
+    check_results([REQUEST], [with_tail(np.nan)], top_k=2, vocab_size=49152)
+
+
+@pytest.mark.parametrize("tail", [0.01, np.log(0.5)])  # > 0; 0.97 + 0.5 != 1
+def test_an_impossible_tail_is_named(tail):
+    """A tail above probability 1, or one whose mass and the top-k's do not sum to 1, is an
+    ImpossibleResult naming the step and the field tail_logmass."""
+    with pytest.raises(ImpossibleResult, match=r"trace 't', step 1: .*tail_logmass") as error:
+        check_results([REQUEST], [with_tail(tail)], top_k=2, vocab_size=49152)
+    assert (error.value.step, error.value.field) == (1, "tail_logmass")
+
+
 def test_possible_scores_pass():
     """Possible scores pass: -inf logprob (probability 0) with a rank past the top-k, NaN
     entropy (not computed), a rank shared by a tie, and rounding within ROUNDING."""

@@ -15,7 +15,9 @@ the first one (the most likely token's) at least ``-log(V)``; the rank agrees wi
 listed one is at least the token's); a listed token has its own logprob there; the top-k
 probabilities (with the token's when it is ranked past them) sum to at most 1; the top-k token
 ids are distinct ids of the vocabulary; ``entropy`` is NaN (not computed) or from 0 to the
-log of the vocabulary size.
+log of the vocabulary size; ``tail_logmass`` (the log of the mass outside the top-k) is NaN
+(not recorded) or at most 0, and the top-k probabilities plus the tail's sum to 1 within
+:data:`TAIL_ROUNDING`.
 Comparisons allow :data:`ROUNDING` relative to ``max(1, |logprob|)`` (an infinite or NaN
 logprob counting as 0).
 """
@@ -30,12 +32,15 @@ import numpy as np
 
 from trace_replay.engines.base import ReplayRequest, TraceResult
 
-__all__ = ["ROUNDING", "ImpossibleResult", "check_results", "impossible"]
+__all__ = ["ROUNDING", "TAIL_ROUNDING", "ImpossibleResult", "check_results", "impossible"]
 
 # float32 log-softmax rounds at ~1e-7 relative; the CUDA scorer's top-k logprobs (the token's
 # logprob plus a logit difference) at a few times that. 1e-5 is far above both and far below
 # any real disagreement, so a logprob may exceed 0 by 1e-5 at most.
 ROUNDING = 1e-5
+# top-k probabilities + tail mass = 1: each is float32-rounded (a few 1e-7 each); a server's
+# tail is 1 - sum(top) itself. 1e-4 is far above rounding, far below a tail that is wrong.
+TAIL_ROUNDING = 1e-4
 
 
 class ImpossibleResult(RuntimeError):
@@ -56,7 +61,8 @@ class ImpossibleResult(RuntimeError):
 def impossible(logprob: np.ndarray, rank: np.ndarray, top_logprobs: np.ndarray,
                entropy: np.ndarray, *, vocab_size: int | None = None,
                token_ids: np.ndarray | None = None,
-               top_token_ids: np.ndarray | None = None) -> list[tuple[str, str, np.ndarray]]:
+               top_token_ids: np.ndarray | None = None,
+               tail_logmass: np.ndarray | None = None) -> list[tuple[str, str, np.ndarray]]:
     """The rules of a possible score, each as ``(field, problem, rows breaking it)``.
 
     Parameters
@@ -70,6 +76,9 @@ def impossible(logprob: np.ndarray, rank: np.ndarray, top_logprobs: np.ndarray,
     token_ids, top_token_ids
         ``[N]`` and ``[N, k]``: the scored tokens and the listed ones (``None``: the rules
         about ids are not checked).
+    tail_logmass
+        ``[N]``: log of the mass outside the top-k, NaN where not recorded (``None``: not
+        checked).
 
     Returns
     -------
@@ -136,6 +145,15 @@ def impossible(logprob: np.ndarray, rank: np.ndarray, top_logprobs: np.ndarray,
             mass = np.nansum(np.exp(top), axis=1) + own
             rules.append(("top_logprobs", "the probabilities of the top-k (and of the token "
                           "when ranked past them) sum to at most 1", mass > 1 + k * slack))
+        if tail_logmass is not None:
+            tail = np.asarray(tail_logmass, dtype=np.float64).reshape(-1)
+            known = ~np.isnan(tail)
+            rules.append(("tail_logmass", "a tail mass is a probability: its log is <= 0 "
+                          "(NaN: not recorded)", known & (tail > ROUNDING)))
+            whole = np.nansum(np.exp(top), axis=1) + np.exp(np.where(known, tail, 0))
+            rules.append(("tail_logmass", "the top-k probabilities and the tail mass outside "
+                          f"them sum to 1 (within {TAIL_ROUNDING})",
+                          known & (np.abs(whole - 1) > TAIL_ROUNDING + top.shape[1] * slack)))
         if top_token_ids is not None and top.shape[1]:
             ids = np.asarray(top_token_ids, dtype=np.float64).reshape(top.shape)
             ordered = np.sort(ids, axis=1)  # NaN last
@@ -183,7 +201,7 @@ def _all_possible(results: Sequence[TraceResult], vocab_size: int | None) -> boo
     joined = replace(results[0], **{
         field: np.concatenate([np.asarray(getattr(r, field)) for r in results])
         for field in ("logprob", "rank", "top_logprobs", "entropy", "token_ids",
-                      "top_token_ids")})
+                      "top_token_ids")}, tail_logmass=_tails(results))
     return not any(rows.any() for _, _, rows in _rules(joined, vocab_size))
 
 
@@ -191,7 +209,15 @@ def _rules(result: TraceResult, vocab_size: int | None) -> list[tuple[str, str, 
     """:func:`impossible`'s rules over the steps of ``result``."""
     return impossible(result.logprob, result.rank, result.top_logprobs, result.entropy,
                       vocab_size=vocab_size, token_ids=result.token_ids,
-                      top_token_ids=result.top_token_ids)
+                      top_token_ids=result.top_token_ids, tail_logmass=result.tail_logmass)
+
+
+def _tails(results: Sequence[TraceResult]) -> np.ndarray | None:
+    """The results' tail masses joined, NaN for a result without; None when none has one."""
+    if all(r.tail_logmass is None for r in results):
+        return None
+    return np.concatenate([np.full(len(r.logprob), np.nan) if r.tail_logmass is None
+                           else np.asarray(r.tail_logmass, dtype=np.float64) for r in results])
 
 
 def _check_scores(result: TraceResult, vocab_size: int | None) -> None:
@@ -199,7 +225,7 @@ def _check_scores(result: TraceResult, vocab_size: int | None) -> None:
     rules = _rules(result, vocab_size)
     values = {"logprob": result.logprob, "rank": result.rank,
               "top_logprobs": result.top_logprobs, "entropy": result.entropy,
-              "top_token_ids": result.top_token_ids}
+              "top_token_ids": result.top_token_ids, "tail_logmass": result.tail_logmass}
     for field, rule, rows in rules:
         if rows.any():
             step = int(np.argmax(rows))
@@ -208,6 +234,8 @@ def _check_scores(result: TraceResult, vocab_size: int | None) -> None:
                 shown += f" with logprob {_show(result.logprob[step])}"
                 if "top-k" in rule:
                     shown += f" and top_logprobs {_show(result.top_logprobs[step])}"
+            if field == "tail_logmass":
+                shown += f" with top_logprobs {_show(result.top_logprobs[step])}"
             raise ImpossibleResult(f"trace {result.trace_id!r}, step {step}: the engine "
                                    f"returned {shown}, which is impossible: {rule}",
                                    trace_id=result.trace_id, step=step, field=field)
@@ -225,7 +253,10 @@ def _check_shape(request: ReplayRequest, result: TraceResult, top_k: int | None)
                                f"{result.prompt_len} for a prompt of {request.prompt_len} "
                                "tokens (positions would be off)", trace_id=request.trace_id,
                                field="prompt_len")
-    for field in ("token_ids", "logprob", "rank", "top_token_ids", "top_logprobs", "entropy"):
+    for field in ("token_ids", "logprob", "rank", "top_token_ids", "top_logprobs", "entropy",
+                  "tail_logmass"):
+        if getattr(result, field) is None:  # only tail_logmass may be absent
+            continue
         got = len(getattr(result, field))
         if got != steps:
             raise ImpossibleResult(f"trace {request.trace_id!r}: the engine returned {got} "

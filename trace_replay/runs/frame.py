@@ -22,7 +22,7 @@ __all__ = ["COLUMNS", "REQUIRED", "TokenDecoder", "check_frame", "possible", "ru
            "to_frame"]
 
 COLUMNS = ["trace_id", "step", "position", "token_id", "token", "logprob", "rank",
-           "top_token_ids", "top_logprobs", "top_tokens", "entropy"]
+           "top_token_ids", "top_logprobs", "top_tokens", "entropy", "tail_logmass"]
 # what every reader of a replay frame needs (analysis, report, merge); the rest is optional
 REQUIRED = ("trace_id", "step", "token_id", "logprob", "rank")
 
@@ -113,6 +113,9 @@ def to_frame(results: Sequence[TraceResult], traces: Mapping[str, Trace],
         "top_logprobs": top_logprobs,
         "top_tokens": top_tokens,
         "entropy": _joined(r.entropy for r in results).astype(np.float64),
+        # NaN for an engine that records no tail (and in files written before it existed)
+        "tail_logmass": _per_step(results, steps, "tail_logmass", lambda r: r.tail_logmass,
+                                  fill=np.nan).astype(np.float64),
     }
     for name in dict.fromkeys(k for r in results for k in r.extra):
         columns[name] = _per_step(results, steps, name, lambda r, n=name: r.extra.get(n))

@@ -240,7 +240,11 @@ def _impossible_scores(frame: pd.DataFrame, top_k: int | None,
     top_ids = _matrix(cells[1], width, None) if whole else None
     rules = impossible(frame["logprob"].to_numpy(), frame["rank"].to_numpy(), top,
                        frame["entropy"].to_numpy(), vocab_size=vocab_size,
-                       token_ids=frame["token_id"].to_numpy(), top_token_ids=top_ids)
+                       token_ids=frame["token_id"].to_numpy(), top_token_ids=top_ids,
+                       # parts written before the tail was recorded have no column
+                       # (and against ragged top-k lists it cannot be checked)
+                       tail_logmass=(frame["tail_logmass"].to_numpy(dtype=np.float64)
+                                     if "tail_logmass" in frame and not wrong.any() else None))
     return [("top-k lists of the wrong length", wrong, None),
             *((rule, rows, field) for field, rule, rows in rules)]
 

@@ -14,8 +14,8 @@ from trace_replay.engines.base import ReplayRequest, TraceResult
 from trace_replay.engines.builtin.passes.compiling import compile_function
 
 __all__ = ["Steps", "TokenScores", "chunked_argmax", "collect_rows", "greedy_tokens",
-           "score_tokens", "score_with_top", "scorer_for", "split_results", "top_from_logprob",
-           "wave_results"]
+           "score_tokens", "score_with_top", "scorer_for", "split_results", "tail_logmass",
+           "top_from_logprob", "wave_results"]
 
 
 # On CUDA, up to this many rows take the two-pass argmax of :func:`greedy_tokens`
@@ -32,6 +32,7 @@ class TokenScores(NamedTuple):
     top_token_ids: torch.Tensor  # [N, top_k] int64
     top_logprobs: torch.Tensor  # [N, top_k] float32
     entropy: torch.Tensor  # [N] float32
+    tail_logmass: torch.Tensor  # [N] float32, log of the mass outside the top-k (tail_logmass)
 
 
 # per forward: the scores of its rows (flattened [B * q]) and the tokens they committed
@@ -92,7 +93,30 @@ def score_with_top(logits: torch.Tensor, token_ids: torch.Tensor,
     # p * log p is 0 for p = 0 (log p = -inf gives NaN otherwise)
     entropy = -(logprobs.exp() * logprobs).nan_to_num(nan=0.0).sum(dim=1)
     return TokenScores(logprob=logprob, rank=rank, top_token_ids=top_ids,
-                       top_logprobs=logprobs.gather(1, top_ids), entropy=entropy)
+                       top_logprobs=logprobs.gather(1, top_ids), entropy=entropy,
+                       tail_logmass=tail_logmass(logprobs, top_ids))
+
+
+def tail_logmass(logprobs: torch.Tensor, top_ids: torch.Tensor) -> torch.Tensor:
+    """Log of the probability mass outside ``top_ids`` ([N, k]) under ``logprobs`` ([N, V],
+    log-softmax or raw logits: the row's own normaliser is subtracted), float32.
+
+    ``logsumexp`` of the other entries less ``logsumexp`` of all: no ``1 - sum(top)``
+    cancellation, so a tail of 1e-12 keeps its digits. 0 for ``k == 0``, ``-inf`` when the
+    top-k holds the whole vocabulary. On the device, no host synchronization.
+
+    Examples
+    --------
+    >>> lp = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    >>> round(tail_logmass(lp, torch.tensor([[0, 1]])).exp().item(), 6)
+    0.2
+    """
+    logprobs = logprobs.float()
+    whole = torch.logsumexp(logprobs, dim=1)
+    if top_ids.shape[1] == 0:
+        return whole - whole
+    rest = logprobs.scatter(1, top_ids.long(), float("-inf"))
+    return torch.logsumexp(rest, dim=1) - whole
 
 
 def scorer_for(device: torch.device | str, *, rows: str = "static"):
@@ -130,7 +154,8 @@ def scorer_for(device: torch.device | str, *, rows: str = "static"):
             # the top-k kernel also writes the top logprobs, by top_from_logprob's rule
             scores = compiled(logits, token_ids, _top_ids(logits, token_ids, 0))
             ids, top = top_k_scores(logits, top_k, token_ids, scores.logprob)
-            return scores._replace(top_token_ids=ids, top_logprobs=top)
+            return scores._replace(top_token_ids=ids, top_logprobs=top,
+                                   tail_logmass=tail_logmass(logits, ids))
 
         _CUDA_SCORERS[rows] = score_cuda
     return _CUDA_SCORERS[rows]
@@ -151,7 +176,8 @@ def top_from_logprob(reductions, logits: torch.Tensor, token_ids: torch.Tensor,
         return scores
     token_logit = logits.gather(1, token_ids.long()[:, None]).float()
     top = scores.logprob[:, None] + (logits.gather(1, top_ids).float() - token_logit)
-    return scores._replace(top_token_ids=top_ids, top_logprobs=top)
+    return scores._replace(top_token_ids=top_ids, top_logprobs=top,
+                           tail_logmass=tail_logmass(logits, top_ids))
 
 
 _CUDA_SCORERS: dict = {}  # rows -> the CUDA scorer
@@ -195,6 +221,7 @@ def collect_rows(scores: TokenScores, token_ids: torch.Tensor) -> dict[str, np.n
     host["logprob"] = host["logprob"].astype(np.float64)
     host["top_logprobs"] = host["top_logprobs"].astype(np.float64)
     host["entropy"] = host["entropy"].astype(np.float64)
+    host["tail_logmass"] = host["tail_logmass"].astype(np.float64)
     return host
 
 

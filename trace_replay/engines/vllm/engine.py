@@ -68,6 +68,7 @@ from trace_replay.engines.vllm.deterministic import deterministic_unavailable, d
 from trace_replay.models.load import (check_weight_files, folder_digest, hf_folder, model_label,
                                       resolve_dtype)
 from trace_replay.engines.vllm_contract import TRACE_KEY
+from trace_replay.engines.distributions import tail_from_top
 from trace_replay.traces.trace import TraceError
 
 __all__ = ["FORCED_LOGIT", "PARALLEL_OPTIONS", "VLLMEngine", "TraceForcingProcessor",
@@ -542,4 +543,6 @@ class VLLMEngine(EngineBase):
         return TraceResult(trace_id=request.trace_id, prompt_len=request.prompt_len,
                            token_ids=token_ids, logprob=logprob, rank=rank,
                            top_token_ids=top_ids, top_logprobs=top_lps,
-                           entropy=np.full(request.trace_len, np.nan))
+                           entropy=np.full(request.trace_len, np.nan),
+                           # raw logprobs: the unmodified distribution's top-k
+                           tail_logmass=tail_from_top(top_lps))

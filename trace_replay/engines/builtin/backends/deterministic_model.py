@@ -20,7 +20,8 @@ import torch
 
 from trace_replay.engines.builtin.backends.base import DETERMINISTIC_ATTENTION
 from trace_replay.kernels._triton import HAS_TRITON
-from trace_replay.engines.builtin.backends.deterministic_ops import RowBlocks, probe_linear, score_rows, silu_mul
+from trace_replay.engines.builtin.backends.deterministic_ops import (
+    RowBlocks, probe_linear, score_rows, silu_mul, tail_rows)
 from trace_replay.engines.builtin.scoring import TokenScores
 from trace_replay.kernels.deterministic_attention import (
     BLOCK_N, attention_rows_reference, attention_rows_triton)
@@ -214,7 +215,9 @@ class DeterministicLlama:
         runs depends on ``top_k`` and the vocabulary alone, never on the rows, so decode
         steps and prefill chunks score a row alike."""
         if self.triton and triton_scores(logits, top_k):
-            return TokenScores(*score_rows_triton(logits, token_ids, top_k))
+            scores = score_rows_triton(logits, token_ids, top_k)
+            return TokenScores(*scores, tail_logmass=tail_rows(logits, scores[2],
+                                                               self.blocks.score))
         return score_rows(logits, token_ids, top_k, self.blocks.score)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
-from trace_replay.engines.builtin.scoring import TokenScores
+from trace_replay.engines.builtin.scoring import TokenScores, tail_logmass
 
-__all__ = ["LINEAR_MENU", "RowBlocks", "probe_linear", "silu_mul", "score_rows"]
+__all__ = ["LINEAR_MENU", "RowBlocks", "probe_linear", "silu_mul", "score_rows", "tail_rows"]
 
 LINEAR_MENU = (4, 8, 16, 32, 64)  # GEMM row counts on CPU, as far as the probe finds them equal
 # on CUDA (cuBLAS); on an H200 bfloat16 rows agree across all, float32 rows at none
@@ -150,6 +150,18 @@ def score_rows(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int,
             top_ids, top_lps = top.indices, top.values
         else:
             top_ids, top_lps = ids.new_zeros((rows, 0)), logprob.new_zeros((rows, 0))
-        parts.append((logprob, rank, top_ids, top_lps, entropy))
+        parts.append((logprob, rank, top_ids, top_lps, entropy, tail_logmass(logprobs, top_ids)))
     return TokenScores(*(torch.cat(p)[:count] for p in zip(*parts)))
+
+
+def tail_rows(logits: torch.Tensor, top_ids: torch.Tensor, rows: int) -> torch.Tensor:
+    """:func:`~trace_replay.engines.builtin.scoring.tail_logmass` in blocks of exactly
+    ``rows`` rows (padded), so that a row's value does not depend on its batch."""
+    count = logits.shape[0]
+    pad = -count % rows
+    if pad:
+        logits = torch.cat([logits, logits.new_zeros((pad, logits.shape[1]))])
+        top_ids = torch.cat([top_ids, top_ids.new_zeros((pad, top_ids.shape[1]))])
+    return torch.cat([tail_logmass(logits[a:a + rows], top_ids[a:a + rows])
+                      for a in range(0, count + pad, rows)])[:count]
 
