@@ -504,11 +504,16 @@ def test_a_server_engine_is_an_engine_without_a_model_here(crafted):
     ({"top_logprobs": [{"token_id": 900, "logprob": -0.5, "rank": 1},
                        {"token_id": 900, "logprob": -1.0, "rank": 2}]}, "top_token_ids",
      "[900, 900]"),  # one alternative listed twice
+    ({"top_logprobs": [{"token_id": 900, "logprob": -0.5, "rank": 1},
+                       {"token_id": 4649, "logprob": -1.0, "rank": 2},
+                       {"token_id": 901, "logprob": float("nan"), "rank": 3}]}, "top_logprobs",
+     "alternative 901 logprob = nan"),  # NaN past the top-k the result keeps
 ])  # fmt: skip
 def test_impossible_server_answers_are_errors(crafted, change, field, shown):
     """A server answering a positive or NaN logprob, rank 0, a rank the listed alternatives
-    contradict, a positive alternative or one listed twice is an error naming the trace, the
-    step, the field and the value."""
+    contradict, a positive alternative or one listed twice, or a NaN alternative the result
+    does not keep (it was accepted), is an error naming the trace, the step, the field and
+    the value."""
     with pytest.raises(ImpossibleResult, match=r"trace 'crafted', step 1: ") as error:
         _replay_crafted(crafted, lambda step, entry: {**entry, **change} if step == 1 else entry)
     assert (error.value.trace_id, error.value.step, error.value.field) == ("crafted", 1, field)

@@ -12,6 +12,7 @@ import pytest
 
 from trace_replay.engines.server.responses import (RANK_DEPTH, completion_steps, emitted_ids,
                                                  generate_steps)
+from trace_replay.engines.validate import ImpossibleResult
 
 # /v1/completions with return_tokens_as_token_ids: the emitted token's logprob and a map of
 # the best alternatives, the emitted one among them (vLLM adds it when it is not in the top)
@@ -164,3 +165,37 @@ def test_lists_of_the_wrong_length_say_both_counts(read, problem):
     is an error saying what was expected and what came (the engine adds the trace)."""
     with pytest.raises(ValueError, match=problem):
         read()
+
+
+def test_a_nan_alternative_is_an_impossible_answer():
+    """20 alternatives, the least likely one NaN, the emitted token below the other 19: an
+    ImpossibleResult naming the step, the alternative and the rule (it was recorded as rank
+    20, exact, as if the NaN were not there)."""
+    alternatives = {f"token_id:{100 + i}": -0.1 * (i + 1) for i in range(RANK_DEPTH - 1)}
+    logprobs = json.loads(json.dumps({"token_logprobs": [-0.5, -9.0], "top_logprobs": [
+        {"token_id:7": -0.5, "token_id:8": -1.0},
+        {**alternatives, "token_id:199": math.nan, "token_id:5": -9.0}]}))
+    with pytest.raises(ImpossibleResult, match=r"^step 1: the server answered alternative "
+                                               r"'token_id:199' logprob = nan, which is "
+                                               r"impossible: a logprob is a number <= 0$") as error:
+        completion_steps(logprobs, top_k=1, token_ids=[7, 5])
+    assert (error.value.step, error.value.field) == (1, "top_logprobs")
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, 0.5])
+def test_an_impossible_logprob_anywhere_in_a_generate_answer(value):
+    """A NaN, +inf or positive logprob of the token or of any alternative listed by the
+    generate endpoint is an ImpossibleResult naming the step (a NaN alternative past the
+    top-k kept was accepted); -inf (probability 0) is possible."""
+    for where in ("token", "alternative"):
+        content = json.loads(json.dumps(GENERATE["choices"][0]["logprobs"]["content"]))
+        if where == "token":
+            content[1]["logprob"] = value
+        else:
+            content[1]["top_logprobs"][2]["logprob"] = value
+        with pytest.raises(ImpossibleResult, match=r"^step 1: the server answered") as error:
+            generate_steps(content, top_k=1)
+        assert error.value.field == ("logprob" if where == "token" else "top_logprobs")
+    content = json.loads(json.dumps(GENERATE["choices"][0]["logprobs"]["content"]))
+    content[1]["top_logprobs"][2]["logprob"] = -math.inf
+    assert generate_steps(content, top_k=1)[3][1].tolist() == [-0.5]

@@ -20,6 +20,10 @@ log of the vocabulary size; ``tail_logmass`` (the log of the mass outside the to
 :data:`TAIL_ROUNDING`.
 Comparisons allow :data:`ROUNDING` relative to ``max(1, |logprob|)`` (an infinite or NaN
 logprob counting as 0).
+
+Every logprob an engine is told, not only those a result keeps, obeys the first rule
+(:func:`not_logprobs`): a server's answer listing 20 alternatives, of which a result keeps
+the top-k, is impossible when any of the 20 is NaN or positive.
 """
 
 from __future__ import annotations
@@ -32,12 +36,14 @@ import numpy as np
 
 from trace_replay.engines.base import ReplayRequest, TraceResult
 
-__all__ = ["ROUNDING", "TAIL_ROUNDING", "ImpossibleResult", "check_results", "impossible"]
+__all__ = ["ROUNDING", "TAIL_ROUNDING", "ImpossibleResult", "check_results", "impossible",
+           "not_logprobs", "LOGPROB_RULE"]
 
 # float32 log-softmax rounds at ~1e-7 relative; the CUDA scorer's top-k logprobs (the token's
 # logprob plus a logit difference) at a few times that. 1e-5 is far above both and far below
 # any real disagreement, so a logprob may exceed 0 by 1e-5 at most.
 ROUNDING = 1e-5
+LOGPROB_RULE = "a logprob is a number <= 0"
 # top-k probabilities + tail mass = 1: each is float32-rounded (a few 1e-7 each); a server's
 # tail is 1 - sum(top) itself. 1e-4 is far above rounding, far below a tail that is wrong.
 TAIL_ROUNDING = 1e-4
@@ -56,6 +62,14 @@ class ImpossibleResult(RuntimeError):
         # error reaches the driver as it was raised)
         return (functools.partial(type(self), trace_id=self.trace_id, step=self.step,
                                   field=self.field), self.args)
+
+
+def not_logprobs(values: np.ndarray, slack: np.ndarray | float = ROUNDING) -> np.ndarray:
+    """Where ``values`` cannot be logprobs: NaN, or above 0 by more than ``slack`` (by
+    default :data:`ROUNDING`, the slack of a logprob near 0); ``-inf`` is probability 0."""
+    values = np.asarray(values, dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        return np.isnan(values) | (values > slack)
 
 
 def impossible(logprob: np.ndarray, rank: np.ndarray, top_logprobs: np.ndarray,
@@ -100,7 +114,7 @@ def impossible(logprob: np.ndarray, rank: np.ndarray, top_logprobs: np.ndarray,
         floor = ("" if vocab_size is None else
                  f" and >= -log(vocabulary size {vocab_size}) = {-np.log(vocab_size):.4f}")
         rules = [
-            ("logprob", "a logprob is a number <= 0", np.isnan(logprob) | (logprob > slack)),
+            ("logprob", LOGPROB_RULE, not_logprobs(logprob, slack)),
             ("rank", f"a rank is an integer >= 1{bound}",
              ~whole | (rank < 1) | (rank > highest)),
             # r tokens are at least as likely as the token (ranks counting ties either way):
@@ -119,7 +133,7 @@ def impossible(logprob: np.ndarray, rank: np.ndarray, top_logprobs: np.ndarray,
         if top.shape[1]:
             k = top.shape[1]
             rules.append(("top_logprobs", "top-k logprobs are numbers <= 0",
-                          (np.isnan(top) | (top > slack[:, None])).any(axis=1)))
+                          not_logprobs(top, slack[:, None]).any(axis=1)))
             rules.append(("top_logprobs", "top-k logprobs are in descending order",
                           (np.diff(top, axis=1) > slack[:, None]).any(axis=1)))
             first = top[:, 0]

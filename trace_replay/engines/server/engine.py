@@ -49,7 +49,7 @@ from trace_replay.engines.server.responses import (RANK_DEPTH, answer_bytes, com
 from trace_replay.engines.server.native import (NOT_OFFERED, TraceNotForced, engine_path,
                                                 how_to_start, native_refusal, trace_field)
 from trace_replay.engines.server.probe import PROBE_TEXT, fingerprint, probe_requests
-from trace_replay.engines.validate import check_results
+from trace_replay.engines.validate import ImpossibleResult, check_results
 from trace_replay.models.load import EMBEDDED_MODEL, ModelNotFoundError, hf_folder
 from trace_replay.engines.vllm_contract import TRACE_KEY
 from trace_replay.engines.distributions import tail_from_top
@@ -174,10 +174,13 @@ class ServerEngine(EngineBase):
 
         Each request is sent until it gets an answer, and each answer fills its own slot, so
         a retried request yields exactly one result. ``on_tokens`` hears of each answered
-        trace, from this thread. Scores are not checked here: ``replay()`` checks each
-        result, so an impossible one does not lose the possible ones beside it. A request
-        that fails (``ServerError``) raises :class:`~trace_replay.engines.base.BatchFailed`
-        once the requests in flight have finished, with their results.
+        trace, from this thread. Results are not checked here: ``replay()`` checks each,
+        so an impossible one does not lose the possible ones beside it. A request that
+        fails (``ServerError``), or whose answer holds an impossible logprob that its result
+        would not keep (an alternative past the top-k:
+        :class:`~trace_replay.engines.validate.ImpossibleResult`), raises
+        :class:`~trace_replay.engines.base.BatchFailed` once the requests in flight have
+        finished, with their results.
         """
         futures = [self._pool.submit(self._replay_one, r) for r in requests]
         try:
@@ -188,7 +191,7 @@ class ServerEngine(EngineBase):
         except BaseException as error:
             for future in futures:  # requests not sent yet stay unsent
                 future.cancel()
-            if not isinstance(error, ServerError):
+            if not isinstance(error, (ServerError, ImpossibleResult)):
                 raise
             wait([f for f in futures if not f.cancelled()])  # those in flight are kept
             raise BatchFailed(error, [_finished(f) for f in futures]) from error
@@ -230,6 +233,10 @@ class ServerEngine(EngineBase):
             else:
                 steps = completion_steps(choice["logprobs"], self.top_k, len(trace),
                                          token_ids=emitted)
+        except ImpossibleResult as error:  # a number no distribution gives, kept or not
+            raise ImpossibleResult(f"trace {request.trace_id!r}, {error}",
+                                   trace_id=request.trace_id, step=error.step,
+                                   field=error.field) from None
         except (ServerError, AttributeError, KeyError, IndexError, OverflowError, TypeError,
                 ValueError) as error:
             raise ServerError(f"trace {request.trace_id!r}: {type(error).__name__}: {error}",

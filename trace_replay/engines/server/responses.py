@@ -1,4 +1,12 @@
-"""From a vLLM server's JSON answers to per-step arrays (logprob, rank, top-k)."""
+"""From a vLLM server's JSON answers to per-step arrays (logprob, rank, top-k).
+
+Every logprob of an answer is checked by the rule of a possible one
+(:func:`~trace_replay.engines.validate.not_logprobs`), the alternatives a result does not
+keep too: one that is NaN or positive is an
+:class:`~trace_replay.engines.validate.ImpossibleResult` naming the step and the value (the
+engine adds the trace). A NaN among 20 alternatives made the ones beside it rank as if
+it were not there, and the rank exact.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from trace_replay.engines.validate import LOGPROB_RULE, ImpossibleResult, not_logprobs
 from trace_replay.traces.trace import VLLM_NEG_INF
 
 __all__ = ["RANK_DEPTH", "answer_bytes", "completion_steps", "emitted_ids", "generate_steps"]
@@ -51,6 +60,16 @@ def _logprob(value: float) -> float:
     return -math.inf if value <= VLLM_NEG_INF else float(value)
 
 
+def _possible(value: float, step: int, what: str, field: str) -> float:
+    """``value``, a logprob of step ``step``; an ImpossibleResult naming ``what`` it is
+    when no logprob can be it (NaN, positive)."""
+    if not_logprobs(value):
+        raise ImpossibleResult(f"step {step}: the server answered {what} = {value!r}, which is "
+                               f"impossible: {LOGPROB_RULE}", trace_id=None, step=step,
+                               field=field)
+    return value
+
+
 def _rank(value: object, step: int) -> int:
     """A server's rank as an int; a fraction, NaN or non-number is an error naming the step."""
     if (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -79,9 +98,11 @@ def generate_steps(content: list[dict], top_k: int, steps: int | None = None) ->
     top_ids = np.zeros((steps, top_k), dtype=np.int64)
     top_lps = np.full((steps, top_k), np.nan)
     for step, entry in enumerate(content):
-        logprob[step], rank[step] = _logprob(entry["logprob"]), _rank(entry["rank"], step)
-        ordered = sorted((alt["rank"], alt["token_id"], _logprob(alt["logprob"]))
-                         for alt in entry["top_logprobs"] if alt.get("rank") is not None)
+        logprob[step] = _possible(_logprob(entry["logprob"]), step, "logprob", "logprob")
+        rank[step] = _rank(entry["rank"], step)
+        ordered = sorted((_rank(alt["rank"], step), alt["token_id"], _possible(
+            _logprob(alt["logprob"]), step, f"alternative {alt['token_id']!r} logprob",
+            "top_logprobs")) for alt in entry["top_logprobs"] if alt.get("rank") is not None)
         for j, (_, token_id, value) in enumerate(ordered[:top_k]):
             top_ids[step, j], top_lps[step, j] = token_id, value
     return logprob, rank, top_ids, top_lps, np.ones(steps, dtype=bool)
@@ -111,7 +132,9 @@ def completion_steps(logprobs: dict, top_k: int, steps: int | None = None, *,
     top_ids = np.zeros((steps, top_k), dtype=np.int64)
     top_lps = np.full((steps, top_k), np.nan)
     for step, alternatives in enumerate(logprobs["top_logprobs"]):
-        listed = sorted((-_logprob(v), int(key.removeprefix("token_id:")))
+        _possible(logprob[step], step, "logprob", "logprob")
+        listed = sorted((-_possible(_logprob(v), step, f"alternative {key!r} logprob",
+                                    "top_logprobs"), int(key.removeprefix("token_id:")))
                         for key, v in alternatives.items())
         others = [(neg, token) for neg, token in listed if token != token_ids[step]]
         greater = sum(-neg > logprob[step] for neg, _ in others)
