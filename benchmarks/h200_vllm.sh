@@ -4,6 +4,9 @@
 # assembled in /tmp/vw as its assemble.sh says). Logs go to $OUT (or ./out).
 #   bash benchmarks/h200_vllm.sh smoke    # forcing on Model Runner V2, native, one replay each
 #   bash benchmarks/h200_vllm.sh tests    # tests/gpu/test_vllm_gpu.py
+#   bash benchmarks/h200_vllm.sh server-tests   # tests/gpu/test_vllm_server_gpu.py (issue 53)
+#   bash benchmarks/h200_vllm.sh served SHAPE [BATCHES] [ROUNDS]   # stock server vs offline
+#       # both in one 600 s call: server-tests (<= 280 s), then served smollm2-135m 1,16,64 5
 #   bash benchmarks/h200_vllm.sh bench SHAPE [BATCHES] [ROUNDS] [PARTS] [SECONDS]
 #       # SHAPE: smollm2-135m | llama-3.1-8b; PARTS: speed, or speed,in-process;
 #       # SECONDS: add rounds per batch until its timed calls reach this (short calls)
@@ -96,6 +99,15 @@ overhead)
 steps)
   timeout 560 python3 benchmarks/probe_vllm_steps.py --shape "$2" --batches "${3:-1,16}" \
     --rounds "${4:-9}" --py-spy "${5:-0}" 2>&1 | grep -v -i "warn" | tee "$out/steps_$2.txt"
+  ;;
+server-tests)
+  timeout 280 python3 -m pytest -q -ra -p no:cacheprovider tests/gpu/test_vllm_server_gpu.py \
+    2>&1 | tee "$out/server_tests.txt"
+  ;;
+served)
+  timeout 300 python3 benchmarks/bench_vllm_served.py --shape "${2:-smollm2-135m}" \
+    --batches "${3:-1,16,64}" --rounds "${4:-5}" 2>&1 | grep -v -i "warn" \
+    | tee "$out/served_${2:-smollm2-135m}.txt"
   ;;
 tp-tests)
   timeout 540 python3 -m pytest -q -s -ra -p no:cacheprovider tests/gpu/test_vllm_tp_gpu.py 2>&1 \

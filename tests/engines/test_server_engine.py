@@ -367,7 +367,7 @@ class CraftedHandler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         if self.path == "/v1/models":
-            self._json(200, {"data": [{"id": "SmolLM2-135M-Instruct", "max_model_len": 1024}]})
+            self._json(200, self.server.models)
         else:
             self._json(200, {"version": "crafted"})
 
@@ -429,6 +429,7 @@ def _start_crafted(shift: float = 0.0, fault: str | None = None) -> ThreadingHTT
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), CraftedHandler)
     httpd.craft, httpd.shift, httpd.fault = (lambda step, entry: entry), shift, fault
     httpd.padding = 0  # characters of filler in answers to traces longer than one token
+    httpd.models = {"data": [{"id": "SmolLM2-135M-Instruct", "max_model_len": 1024}]}
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     return httpd
 
@@ -615,6 +616,30 @@ def test_a_base_url_that_is_not_http_is_refused(base_url):
 
 
 # --- start-up checks, checkpoint keys, closing -------------------------------------------------
+
+
+@pytest.mark.parametrize("models, problem", [
+    ({"data": [{"object": "model"}]}, "data[0].id missing, not a model name"),
+    ({"data": "abc"}, "data = 'abc', not a list of models"),
+    ({"data": [{"id": "SmolLM2-135M-Instruct", "max_model_len": "4096"}]},
+     "data[0].max_model_len = '4096', not an integer >= 1"),
+    ({"data": [{"id": "SmolLM2-135M-Instruct", "max_model_len": True}]},
+     "data[0].max_model_len = True, not an integer >= 1"),
+    ({"data": [{"id": "SmolLM2-135M-Instruct", "root": 5}]}, "data[0].root = 5, not a path"),
+    ({"data": ["SmolLM2-135M-Instruct"]}, "data[0] = 'SmolLM2-135M-Instruct', not an object"),
+    ({"data": []}, "data [], no model"),
+    (["SmolLM2-135M-Instruct"], "a list, not an object with a data list"),
+])  # fmt: skip
+def test_a_malformed_model_list_is_a_server_error(start_crafted, models, problem):
+    """A /v1/models answer without a model id, with data that is not a list of objects, or
+    a max_model_len or root of the wrong type, is a ServerError naming the server and the
+    field (they were a bare KeyError 'id', 'string indices must be integers', a TypeError)."""
+    server = start_crafted()
+    server.models = models
+    with pytest.raises(ServerError, match=rf"^the server at {re.escape(_url(server))} answered "
+                                          rf"/v1/models with {re.escape(problem)}"):
+        make_engine("vllm-server", top_k=2, engine_args={"base_url": _url(server),
+                                                         "max_retries": 0})
 
 
 @pytest.mark.parametrize("fault, problem", [

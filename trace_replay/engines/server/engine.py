@@ -45,7 +45,7 @@ from trace_replay.engines.base import (BatchFailed, EngineBase, EngineConfig, Re
                                        TraceResult)
 from trace_replay.engines.server.http_client import JsonClient, ServerError
 from trace_replay.engines.server.responses import (RANK_DEPTH, answer_bytes, completion_steps,
-                                                 emitted_ids, generate_steps)
+                                                 emitted_ids, generate_steps, model_card)
 from trace_replay.engines.server.native import (NOT_OFFERED, TraceNotForced, engine_path,
                                                 how_to_start, native_refusal, trace_field)
 from trace_replay.engines.server.probe import PROBE_TEXT, fingerprint, probe_requests
@@ -265,20 +265,25 @@ class ServerEngine(EngineBase):
     # --- start-up -----------------------------------------------------------------------------
 
     def _model_card(self) -> dict:
+        """The served model's card; a ServerError naming the server (and the field, for an
+        answer that is not a model list)."""
         try:
-            cards = self.client.get("/v1/models").get("data") or []
-        except (ServerError, AttributeError) as error:
+            answer = self.client.get("/v1/models")
+        except ServerError as error:
             raise ServerError(f"cannot list the models of the server at {self.base_url} "
                               f"(is it a vLLM server, with /v1 in base_url?): {error}") from None
-        if not cards:
-            raise ServerError(f"the server at {self.base_url} serves no model")
-        return cards[0]
+        try:
+            return model_card(answer)
+        except ValueError as error:
+            raise ServerError(f"the server at {self.base_url} answered /v1/models with "
+                              f"{error} (is it a vLLM server?)") from None
 
     def _server_version(self) -> str | None:
         try:
-            return self.client.get("/version").get("version")
+            version = self.client.get("/version").get("version")
         except (ServerError, AttributeError):
             return None
+        return version if isinstance(version, str) else None
 
     def _choose_api(self, api: str) -> str:
         if api == "completions":

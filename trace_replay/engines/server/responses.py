@@ -18,7 +18,8 @@ import numpy as np
 from trace_replay.engines.validate import LOGPROB_RULE, ImpossibleResult, not_logprobs
 from trace_replay.traces.trace import VLLM_NEG_INF
 
-__all__ = ["RANK_DEPTH", "answer_bytes", "completion_steps", "emitted_ids", "generate_steps"]
+__all__ = ["RANK_DEPTH", "answer_bytes", "completion_steps", "emitted_ids", "generate_steps",
+           "model_card"]
 
 RANK_DEPTH = 20  # alternatives asked of /v1/completions to count ranks in (vLLM's max_logprobs)
 # what one answer may take: a fixed part, the prompt's ids echoed, and per trace token its
@@ -39,6 +40,37 @@ def answer_bytes(prompt_len: int, trace_len: int, alternatives: int) -> int:
     """
     per_step = ANSWER_STEP_BYTES + ANSWER_ALTERNATIVE_BYTES * max(alternatives, 0)
     return ANSWER_BASE_BYTES + ANSWER_PROMPT_TOKEN_BYTES * prompt_len + per_step * trace_len
+
+
+def model_card(answer: object) -> dict:
+    """The first model a ``/v1/models`` answer lists, checked: ``data`` a non-empty list of
+    objects, the first with a non-empty text ``id``, and ``max_model_len`` (an integer >= 1)
+    and ``root`` (text) where given. Anything else is a ValueError naming the field."""
+    if not isinstance(answer, dict):
+        raise ValueError(f"a {type(answer).__name__}, not an object with a data list")
+    cards = answer.get("data")
+    if not isinstance(cards, list):
+        raise ValueError(f"data {_shown(cards)}, not a list of models")
+    if not cards:
+        raise ValueError("data [], no model")
+    card = cards[0]
+    if not isinstance(card, dict):
+        raise ValueError(f"data[0] {_shown(card)}, not an object")
+    if not isinstance(card.get("id"), str) or not card["id"]:
+        raise ValueError(f"data[0].id {_shown(card.get('id'))}, not a model name")
+    length = card.get("max_model_len")
+    if length is not None and (isinstance(length, bool) or not isinstance(length, int)
+                               or length < 1):
+        raise ValueError(f"data[0].max_model_len {_shown(length)}, not an integer >= 1")
+    if card.get("root") is not None and not isinstance(card["root"], str):
+        raise ValueError(f"data[0].root {_shown(card['root'])}, not a path or name")
+    return card
+
+
+def _shown(value: object) -> str:
+    """``value`` for an error: its repr, cut at 60 characters; "missing" for None."""
+    text = "missing" if value is None else f"= {value!r}"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def emitted_ids(choice: dict) -> list[int]:
