@@ -4,7 +4,7 @@ One random model of a shape (``shapes.py``; a byte-level tokenizer added, which 
 start-up check needs). The offline native engine (``make_engine("vllm")``, engine core in this
 process, the package's default) and a stock ``vllm serve --enable-trace-replay
 --enable-scale-out`` started with the same engine arguments (``serve.llm_options``) share the
-GPU, ``--memory`` of it each. Per batch: random token-id prompts, the offline engine's greedy
+GPU, ``--memory`` of it each, started one after the other. Per batch: random token-id prompts, the offline engine's greedy
 output as the traces; the client (``engine="vllm-server"``, as many requests in flight as the
 batch) sends the batch at once. Rounds time the two in alternating order; the ratio served
 speed / offline speed is taken per round, its median and range printed, with the largest
@@ -56,7 +56,7 @@ def main() -> None:
     folder, vocab = model_folder(args)
     engine_args = {"gpu_memory_utilization": args.memory,
                    "max_model_len": args.prompt_len + args.new_tokens + 16}
-    # what make_engine("vllm") gives vllm.LLM (its llm_args), so the server starts meanwhile
+    # what make_engine("vllm") will give vllm.LLM (its llm_args), checked once it has started
     llm_args = {"model": folder, "dtype": args.dtype, "seed": 0, "max_logprobs": 20,
                 "logprobs_mode": "raw_logprobs", "enable_prefix_caching": False,
                 "use_tqdm_on_load": False, "max_num_seqs": max(batches), **engine_args}
@@ -71,16 +71,19 @@ def main() -> None:
         "--served-model-name", args.shape, "--enable-trace-replay", "--enable-scale-out",
         "--host", "127.0.0.1", "--port", str(port), *llm_options(llm_args)]), log)
     try:
-        offline = make_engine("vllm", folder, dtype=args.dtype, batch_size=max(batches),
-                              top_k=5, engine_args=engine_args)
-        offline_s = time.perf_counter() - started
-        if offline.llm_args != llm_args:
-            print(f"NOTE: the server's arguments differ from the engine's: {offline.llm_args}")
+        # one start-up at a time: vLLM's memory profiling fails where another process
+        # releases GPU memory meanwhile (gpu_worker.py: "Error in memory profiling")
         url = f"http://127.0.0.1:{port}/v1"
         wait_for_server(url, server, timeout_s=400, log_path=log)
         served = make_engine("vllm-server", folder, batch_size=max(batches), top_k=5,
                              engine_args={"base_url": url})
         server_s = time.perf_counter() - started
+        started = time.perf_counter()
+        offline = make_engine("vllm", folder, dtype=args.dtype, batch_size=max(batches),
+                              top_k=5, engine_args=engine_args)
+        offline_s = time.perf_counter() - started
+        if offline.llm_args != llm_args:
+            print(f"NOTE: the server's arguments differ from the engine's: {offline.llm_args}")
         rows = [measure(offline, served, batch, vocab, args, ReplayRequest) for batch in batches]
         settings = (offline.settings(), served.settings())
         served.close()
@@ -92,7 +95,7 @@ def main() -> None:
     print(f"\n{dt.date.today()} · {torch.cuda.get_device_name()} · vLLM {vllm.__version__} · "
           f"torch {torch.__version__} · {args.shape} random weights · {args.dtype} · "
           f"{args.prompt_len}-token prompts · {args.new_tokens} tokens/row · {args.rounds} "
-          f"alternating rounds · ready after s: offline {offline_s:.0f}, server {server_s:.0f}")
+          f"alternating rounds · start-up s: server {server_s:.0f}, offline {offline_s:.0f}")
     print(f"offline: {settings[0]['engine_path']}, model runner {settings[0]['model_runner']}, "
           f"engine core {settings[0]['engine_core']}; served: {settings[1]['engine_path']}, "
           f"server_forcing {settings[1]['server_forcing']}, vLLM {settings[1]['vllm_version']}")
