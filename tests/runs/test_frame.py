@@ -134,3 +134,22 @@ def test_decoder_many_keeps_the_shape_and_decodes_each_id_once(tokenizer):
     assert texts.shape == (3, 2) and Counting.calls == 3
     assert texts.tolist() == [[tokenizer.decode([t]) for t in row] for row in ids.tolist()]
     assert TokenDecoder(Counting()).many(np.zeros((4, 0), np.int64)).shape == (4, 0)
+
+
+@pytest.mark.parametrize("text", [" שלום עולם", " 你好", "🙂🙂 👨‍👩‍👧", " naïve café"])
+def test_token_texts_join_back_into_the_completion(text, tokenizer):
+    """Each token's text is the text it completes: a character whose bytes several tokens
+    share belongs to the token with its last byte (the others get ""), so the token column
+    joins into the decoded completion, with no U+FFFD piece (it used to hold one per
+    split token)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids) or text == " naïve café"
+    traces = {"t": Trace("t", prompt_token_ids=(1,), trace_token_ids=tuple(ids)),
+              "u": Trace("u", prompt_token_ids=(1,), trace_token_ids=tuple(ids[:-1]))}
+    df = to_frame([result("t", 1, ids), result("u", 1, ids[:-1])], traces,
+                  TokenDecoder(tokenizer))
+    tokens = df.groupby("trace_id")["token"].agg("".join)
+    assert tokens["t"] == tokenizer.decode(ids) == text
+    assert "\ufffd" not in tokens["t"]
+    # a trace cut inside a character ends as its own decode does
+    assert tokens["u"] == tokenizer.decode(ids[:-1])

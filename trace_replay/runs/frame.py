@@ -39,12 +39,25 @@ def check_frame(df: pd.DataFrame, name: str) -> None:
         raise ValueError(f"{name} has duplicate rows for trace {row.trace_id!r} step {row.step}")
 
 
+_SPLIT = "\ufffd"  # what a decode gives for the bytes of a character it does not finish
+
+
 class TokenDecoder:
-    """Decode single token ids to text, memoized (datasets repeat tokens a lot)."""
+    """Decode token ids to text, memoized (datasets repeat tokens a lot): each id is decoded
+    once, into a table indexed by id, so an array of ids is looked up without a loop.
+
+    :meth:`completed` gives a trace's tokens the text each one completes, so the texts of a
+    trace's rows join back into the trace's decoded text (a character whose bytes several
+    tokens share belongs to the token holding its last byte).
+    """
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self._texts = np.empty(0, dtype=object)  # id -> its lone decode
+        self._split = np.zeros(0, dtype=bool)  # id -> that decode holds U+FFFD
+        self._known = np.zeros(0, dtype=bool)
+        self._runs: dict[tuple, list] = {}  # (token before, split tokens) -> their texts
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -52,14 +65,88 @@ class TokenDecoder:
             text = self._cache[token_id] = self.tokenizer.decode([int(token_id)])
         return text
 
+    def _table(self, token_ids: np.ndarray) -> None:
+        """Decode the ids of ``token_ids`` (>= 0) not in the table yet."""
+        size = int(token_ids.max()) + 1
+        if size > len(self._known):
+            grow = size - len(self._known)
+            self._texts = np.concatenate([self._texts, np.empty(grow, dtype=object)])
+            self._split = np.concatenate([self._split, np.zeros(grow, dtype=bool)])
+            self._known = np.concatenate([self._known, np.zeros(grow, dtype=bool)])
+        new = np.unique(token_ids[~self._known[token_ids]])
+        for token_id in new.tolist():
+            self._texts[token_id] = text = self(token_id)
+            self._split[token_id] = _SPLIT in text
+        self._known[new] = True
+
     def many(self, token_ids: np.ndarray) -> np.ndarray:
-        """The texts of an array of ids (any shape), as an object array of that shape; each
-        distinct id is looked up once."""
+        """The lone decode of each id of an array (any shape), as an object array of that
+        shape; each distinct id is decoded once."""
         token_ids = np.asarray(token_ids, dtype=np.int64)
-        distinct, where = np.unique(token_ids, return_inverse=True)
-        texts = np.empty(len(distinct), dtype=object)
-        texts[:] = [self(t) for t in distinct.tolist()]
-        return texts[where.reshape(-1)].reshape(token_ids.shape)
+        if token_ids.size == 0 or token_ids.min() < 0:  # no table row (checked ids never)
+            texts = np.empty(token_ids.shape, dtype=object)
+            texts.reshape(-1)[:] = [self(t) for t in token_ids.reshape(-1).tolist()]
+            return texts
+        self._table(token_ids)
+        return self._texts[token_ids]
+
+    def completed(self, token_ids: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        """Per token, the text it completes, for traces of ``steps`` tokens each, laid end to
+        end in ``token_ids``.
+
+        A token decoded alone gives U+FFFD for bytes of a character it does not finish (a
+        multi-byte character split across tokens): such a token gets the characters its
+        bytes finish (maybe none, ``""``), and the token holding a character's last byte
+        gets the whole character, so ``"".join`` of a trace's texts is the trace decoded at
+        once. A trace that ends inside a character keeps U+FFFD on its last token, as the
+        decode of the whole trace does. Only runs of tokens whose lone decode holds U+FFFD
+        are decoded again, after the token before them, once per distinct run.
+        """
+        token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        texts = self.many(token_ids)
+        if token_ids.size == 0 or token_ids.min() < 0:
+            return texts
+        rows = np.flatnonzero(self._split[token_ids])
+        if not rows.size:
+            return texts
+        ends = np.cumsum(steps)
+        trace = np.searchsorted(ends, rows, side="right")
+        # runs of split tokens: consecutive rows of one trace, [first, last)
+        cut = np.flatnonzero((np.diff(rows) != 1) | (np.diff(trace) != 0)) + 1
+        firsts, lasts = rows[np.r_[0, cut]], rows[np.r_[cut - 1, len(rows) - 1]] + 1
+        starts = (ends - steps)[trace[np.r_[0, cut]]]
+        ids = token_ids.tolist()
+        for first, last, start in zip(firsts.tolist(), lasts.tolist(), starts.tolist()):
+            key = (ids[first - 1] if first > start else None, tuple(ids[first:last]))
+            got = self._runs.get(key)
+            if got is None:
+                got = self._runs[key] = self._complete(*key)
+            texts[first:last] = got
+        return texts
+
+    def _complete(self, before: int | None, run: tuple[int, ...]) -> list[str]:
+        """The texts of ``run``, split tokens of one trace (after the token ``before``, if
+        any), each the text it completes."""
+        # decoded after the token before them, which keeps a tokenizer's own spacing at a
+        # start; its text is cut off again
+        texts = [self(t) for t in run]
+        context = [] if before is None else [before]
+        pending, done = [], ""  # done: the text given to the pending tokens so far
+        for at, token_id in enumerate(run):
+            pending.append(token_id)
+            before = self(context[0]) if context else ""
+            full = self.tokenizer.decode(context + pending)
+            if not full.startswith(before):  # no common text to cut: the lone decode stays
+                context, pending, done = pending[-1:], [], ""
+                continue
+            text = full[len(before):]
+            complete = text if at == len(run) - 1 else text.rstrip(_SPLIT)
+            if complete.startswith(done):
+                texts[at] = complete[len(done):]
+            done = complete
+            if complete == text:  # a character boundary: go on from this token
+                context, pending, done = pending[-1:], [], ""
+        return texts
 
 
 def to_frame(results: Sequence[TraceResult], traces: Mapping[str, Trace],
@@ -106,7 +193,7 @@ def to_frame(results: Sequence[TraceResult], traces: Mapping[str, Trace],
         "step": step,
         "position": np.repeat(prompt_len, steps) + step,
         "token_id": token_ids,
-        "token": decode.many(token_ids).tolist(),
+        "token": decode.completed(token_ids, steps).tolist(),
         "logprob": _joined(r.logprob for r in results).astype(np.float64),
         "rank": _joined(r.rank for r in results).astype(np.int64),
         "top_token_ids": top_token_ids,
