@@ -4,9 +4,9 @@ One random model of a shape (``shapes.py``; a byte-level tokenizer added, which 
 start-up check needs). The offline native engine (``make_engine("vllm")``, engine core in this
 process, the package's default) and a stock ``vllm serve --enable-trace-replay
 --enable-scale-out`` started with the same engine arguments (``serve.llm_options``) share the
-GPU, ``--memory`` of it each, started one after the other. Per batch: random token-id prompts, the offline engine's greedy
-output as the traces; the client (``engine="vllm-server"``, as many requests in flight as the
-batch) sends the batch at once. Rounds time the two in alternating order; the ratio served
+GPU, ``--memory`` of it each, started one after the other. Per batch: random token-id
+prompts, the offline engine's greedy output as the traces; the client
+(``engine="vllm-server"``, as many requests in flight as the batch) sends the batch at once. Rounds time the two in alternating order; the ratio served
 speed / offline speed is taken per round, its median and range printed, with the largest
 |Δ logprob| between the two (batched requests: the server may group them otherwise, so
 the bits may differ; ``tests/gpu/test_vllm_server_gpu.py`` checks one trace at a time is

@@ -21,8 +21,8 @@ token ids and ``max_tokens`` = the trace length. Two of the server's APIs are us
 ``"auto"`` takes generate when the server offers it. At start-up the engine checks that the
 server's tokenizer encodes like the local one, how it forces traces (natively where it
 returns a native probe, else through the processor: two one-token traces of different
-tokens must both come back; neither is a ServerError saying how to start it), and that its logprobs are raw (two forced tokens
-cannot both be likely); a server failing a check (an HTTP error, no answer, an answer that
+tokens must both come back; neither is a ServerError saying how to start it), and that its
+logprobs are raw (two forced tokens cannot both be likely); a server failing a check (an HTTP error, no answer, an answer that
 cannot be read) is a :class:`~trace_replay.engines.server.http_client.ServerError` naming
 its address. A checkpoint keys on the server's address and its scores of that probe
 (:mod:`~trace_replay.engines.server.probe`), so rows computed against one server are never
