@@ -455,14 +455,14 @@ def _add_serve(sub) -> None:
 
 def _cmd_serve(args) -> None:
     import os
-    import shlex
 
-    from trace_replay.engines.server.serve import serve_command, serve_environment
+    from trace_replay.engines.server.serve import (serve_command, serve_environment,
+                                                  shown_command)
 
     extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
     command = serve_command(args.model, host=args.host, port=args.port, extra_args=extra)
     env = serve_environment(command)  # refuses a malformed parallel size before printing
-    print(shlex.join(command), flush=True)
+    print(shown_command(command), flush=True)  # --api-key's value hidden
     if args.dry_run:
         return
     print(f"replay through it with --engine vllm-server --engine-arg "

@@ -373,3 +373,13 @@ def test_an_error_answer_is_read_in_part(server):
         client.get("/v1/err")
     assert swell.done.wait(30)
     assert swell.sent < 16 << 20
+
+
+@pytest.mark.parametrize("root", ["http://user:s3cret@127.0.0.1:9", "https://s3cret@host/v1",
+                                  "ftp://user:s3cret@host"])
+def test_credentials_in_the_address_are_refused_unrepeated(root):
+    """An address with user:password@ (or a bare key@) is refused, and the error does not
+    repeat the credentials (it quoted the whole address)."""
+    with pytest.raises(ValueError, match="holds credentials") as error:
+        JsonClient(root)
+    assert "s3cret" not in str(error.value)

@@ -220,3 +220,22 @@ def test_llm_options_parse_back_to_the_engine_arguments():
     for key, value in args.items():
         got = getattr(engine_args, key)
         assert getattr(got, "name", got) == value, key
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "start"])
+def test_serve_hides_the_api_key_it_prints(capsys, monkeypatch, dry_run):
+    """trace-replay serve prints its argv with every --api-key value (several after one flag,
+    or with '=') shown as <hidden>, on a dry run and on a real start (it printed them in
+    clear); the server itself still gets the keys."""
+    from trace_replay.cli import main
+
+    started = []
+    monkeypatch.setattr(os, "execve", lambda path, argv, env: started.append(argv))
+    args = ["serve", "--", "--api-key", "sk-one", "sk-two", "--api-key=sk-three",
+            "--max-model-len", "512"]
+    assert main(args[:1] + ["--dry-run"] * dry_run + args[1:]) == 0
+    printed = capsys.readouterr().out
+    assert "sk-" not in printed
+    assert "--api-key '<hidden>' '<hidden>' '--api-key=<hidden>' --max-model-len 512" in printed
+    if not dry_run:
+        assert started[0][-6:] == args[2:]

@@ -678,6 +678,23 @@ def test_the_cli_exits_2_on_a_failed_start_up_check(start_crafted, tmp_path, cap
     assert error.startswith(f"trace-replay: error: the server at {url} failed its check")
 
 
+def test_the_cli_refuses_credentials_in_base_url_unrepeated(tmp_path, capsys):
+    """--engine-arg base_url=http://user:pass@host/v1 exits 2 with an error that repeats
+    neither the user nor the password (it failed quoting the whole address)."""
+    from trace_replay.cli import main
+
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"id": "t", "prompt_token_ids": [504],
+                                "trace_token_ids": [282]}) + "\n")
+    status = main(["replay", str(path), "--engine", "vllm-server", "--engine-arg",
+                   "base_url=http://alice:pa55word@127.0.0.1:9/v1", "--out",
+                   str(tmp_path / "r.parquet"), "--quiet"])
+    captured = capsys.readouterr()
+    assert status == 2, captured.err
+    assert "holds credentials" in captured.err
+    assert "pa55word" not in captured.err + captured.out and "alice" not in captured.err
+
+
 TWO_TRACES = [{"id": "one", "prompt_token_ids": [504, 3575], "trace_token_ids": [282, 4649]},
               {"id": "two", "prompt_token_ids": [504], "trace_token_ids": [300, 301, 302]}]
 

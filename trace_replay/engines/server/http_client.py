@@ -76,13 +76,19 @@ class JsonClient:
     Raises
     ------
     ValueError
-        For an address that is not http(s), or a bad ``timeout_s``, ``max_retries``,
+        For an address that is not http(s) or holds credentials (``user:password@``; the
+        error does not repeat them), or a bad ``timeout_s``, ``max_retries``,
         ``backoff_s`` or ``max_bytes``, before anything is sent.
     """
 
     def __init__(self, root: str, *, api_key: str | None = None, timeout_s: float = 600.0,
                  max_retries: int = 5, backoff_s: float = 0.5,
                  max_bytes: int = MAX_ANSWER_BYTES) -> None:
+        if _has_credentials(root):  # said without repeating them: errors and logs are read
+            raise ValueError("the server's address holds credentials (user:password@host), "
+                             "which would travel in clear and be repeated in errors: give it "
+                             "without them, and the key as api_key (--engine-arg api_key=… or "
+                             "$VLLM_API_KEY; vllm serve --api-key)")
         if not isinstance(root, str) or not root.lower().startswith(("http://", "https://")):
             raise ValueError(f"the server's address must start with http:// or https://, "
                              f"got {root!r}")
@@ -183,6 +189,14 @@ class JsonClient:
                               "which would drop its body: refused (only 307 and 308 keep it)",
                               error.code)
         return target
+
+
+def _has_credentials(root: Any) -> bool:
+    """Whether ``root`` is an address with a user (and password) before its host."""
+    try:
+        return isinstance(root, str) and "@" in urllib.parse.urlsplit(root.strip()).netloc
+    except ValueError:  # not an address at all: refused as one
+        return False
 
 
 def _origin(url: str) -> tuple[str, str, int | None] | None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -33,9 +34,9 @@ from pathlib import Path
 
 from trace_replay.engines.vllm_contract import FORCING_PROCESSOR, MULTICAST_OFF, TRACE_KEY
 
-__all__ = ["FORCING_PROCESSOR", "MULTICAST_OFF", "TRACE_KEY", "llm_options", "serve_args",
-           "serve_command", "serve_environment", "server_ranks", "start_server", "stop_server",
-           "vllm_serve", "wait_for_server"]
+__all__ = ["FORCING_PROCESSOR", "HIDDEN", "MULTICAST_OFF", "SECRET_OPTIONS", "TRACE_KEY",
+           "llm_options", "serve_args", "serve_command", "serve_environment", "server_ranks",
+           "shown_command", "start_server", "stop_server", "vllm_serve", "wait_for_server"]
 
 _CPU_ARGS = ("--enforce-eager", "--gpu-memory-utilization", "0.3")  # as engine="vllm" on CPU
 _ENTRY = "vllm.entrypoints.launchers.api_server.entry"  # what `vllm serve` runs, as a module
@@ -121,6 +122,25 @@ def llm_options(llm_args: dict) -> list[str]:
         else:
             options += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return options
+
+
+SECRET_OPTIONS = ("--api-key",)  # vllm serve options whose values are secrets
+HIDDEN = "<hidden>"
+
+
+def shown_command(command: Sequence[str]) -> str:
+    """``command`` as the shell line ``trace-replay serve`` prints, each value of a secret
+    option (:data:`SECRET_OPTIONS`, spaced or with ``=``; ``--api-key`` takes several)
+    replaced by :data:`HIDDEN`."""
+    shown, secret = [], False
+    for arg in command:
+        if secret and not arg.startswith("-"):
+            shown.append(HIDDEN)
+            continue
+        secret = arg in SECRET_OPTIONS
+        option, equals, _ = arg.partition("=")
+        shown.append(f"{option}={HIDDEN}" if equals and option in SECRET_OPTIONS else arg)
+    return shlex.join(shown)
 
 
 def server_ranks(command: Sequence[str]) -> int:
