@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,3 +99,82 @@ def test_wheel_ships_the_bundled_traces(tmp_path):
                          capture_output=True, text=True, check=True, cwd=tmp_path,
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(wheel)})
     assert out.stdout.split() == ["True", "64"]
+
+
+def _shadow_site_packages(folder: Path) -> Path:
+    """A folder of links to everything installed beside this interpreter but this package
+    itself: a new virtualenv reads its dependencies from there (no download, no second
+    torch), while ``trace_replay`` can only come from what is installed into it."""
+    import site
+
+    source = Path(next(p for p in site.getsitepackages() if Path(p).is_dir()))
+    folder.mkdir()
+    for entry in source.iterdir():
+        name = entry.name.lower().replace("-", "_")
+        if not (name.startswith("trace_replay") or name.startswith("__editable__")
+                or name.endswith(".pth")):
+            (folder / entry.name).symlink_to(entry)
+    return folder
+
+
+@pytest.mark.slow
+def test_the_built_wheel_installs_into_a_clean_virtualenv_and_replays(tmp_path):
+    """``python -m build`` gives a wheel and an sdist without setuptools' licence warning,
+    ``twine check`` passes both, and the wheel, installed into a new virtualenv with no
+    index (its dependencies already installed, seen through a path file), gives a
+    ``trace-replay`` whose ``--help`` works and that replays one trace on the embedded
+    model (prefill engine) from the installed copy, not this checkout."""
+    import json
+    import shutil
+
+    import pandas as pd
+
+    source = tmp_path / "source"
+    shutil.copytree(ROOT / "trace_replay", source / "trace_replay",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    built = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir",
+                            str(tmp_path / "dist"), str(source)],
+                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    assert "project.license" not in built.stdout + built.stderr  # the TOML-table warning
+    wheel, = (tmp_path / "dist").glob("trace_replay-*.whl")
+    sdist, = (tmp_path / "dist").glob("trace_replay-*.tar.gz")
+    checked = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", str(wheel),
+                              str(sdist)], capture_output=True, text=True, timeout=120)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=120)
+    python = venv / "bin" / "python"
+    site_packages = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True, text=True, check=True).stdout.strip()
+    shadow = _shadow_site_packages(tmp_path / "installed")
+    (Path(site_packages) / "_installed.pth").write_text(f"{shadow}\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    installed = subprocess.run([sys.executable, "-m", "pip", "--python", str(python),
+                                "install", "--no-index", "-q", str(wheel)],
+                               capture_output=True, text=True, timeout=600, env=env)
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+
+    cli = venv / "bin" / "trace-replay"
+    helped = subprocess.run([str(cli), "--help"], capture_output=True, text=True, env=env,
+                            cwd=tmp_path, timeout=120)
+    assert helped.returncode == 0 and "replay" in helped.stdout, helped.stderr
+    where = subprocess.run([str(python), "-c", "import trace_replay; print(trace_replay.__file__)"],
+                           capture_output=True, text=True, env=env, cwd=tmp_path, check=True)
+    assert where.stdout.startswith(site_packages), where.stdout
+    traces = tmp_path / "one.jsonl"
+    traces.write_text(json.dumps({"id": "paris", "prompt": "The capital of France is",
+                                  "completion": " Paris."}) + "\n")
+    out = tmp_path / "one.parquet"
+    replayed = subprocess.run([str(cli), "replay", str(traces), "--engine", "prefill",
+                               "--device", "cpu", "--out", str(out), "--quiet"],
+                              capture_output=True, text=True, env=env, cwd=tmp_path,
+                              timeout=600)
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    df = pd.read_parquet(out)
+    assert df["token"].tolist() == [" Paris", "."] and (df["rank"] == 1).all()
