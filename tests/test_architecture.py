@@ -105,6 +105,34 @@ def test_engines_do_not_reach_into_each_other():
     assert not wrong, "\n".join(sorted(wrong))
 
 
+def _engine_name_tests(source: str, names: set[str]) -> list[str]:
+    """Comparisons in ``source`` of a value with one of ``names`` (``x == "torch"``,
+    ``x in ("vllm", "torch")``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            for side in (node.left, *node.comparators):
+                values = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+                if any(isinstance(v, ast.Constant) and v.value in names for v in values):
+                    found.append(ast.unparse(node))
+    return found
+
+
+def test_engines_are_told_apart_by_the_registry_only():
+    """No module but engines/registry.py tests a value against an engine's name: callers
+    read the engine's spec or check a capability, so adding an engine is its folder and one
+    registry entry (issue 56). ``"auto"`` is left out: it also names a backend kind."""
+    from trace_replay.engines.registry import ENGINES
+
+    names = set(ENGINES) - {"auto"}
+    wrong = [f"{path.relative_to(PACKAGE)}: {found}" for path in sorted(PACKAGE.rglob("*.py"))
+             if path.name != "registry.py"
+             for found in _engine_name_tests(path.read_text(), names)]
+    assert not wrong, "\n".join(wrong)
+    assert _engine_name_tests("ok = engine in ('vllm', 'torch') or name == 'prefill'",
+                              names) == ["engine in ('vllm', 'torch')", "name == 'prefill'"]
+
+
 @pytest.mark.parametrize("source, expected", [
     ("from trace_replay.runs.replay import replay\n", {("runs", "replay"),
                                                         ("runs", "replay", "replay")}),

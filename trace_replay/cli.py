@@ -271,6 +271,17 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="show vLLM's start-up logging (default: errors only)")
 
 
+def _engine_choice(p: argparse.ArgumentParser, default: str, generates: bool = False) -> None:
+    """``--engine``: the registered engines (those that generate, for ``record``), each
+    described by its registry entry."""
+    from trace_replay.engines.registry import engine_specs
+
+    specs = [spec for spec in engine_specs() if spec.generates or not generates]
+    p.add_argument("--engine", default=default, choices=[spec.name for spec in specs],
+                   help="; ".join(f"{spec.name}: {spec.summary}" for spec in specs)
+                   + f" (default: {default})")
+
+
 def _parser() -> argparse.ArgumentParser:
     from trace_replay import __version__
     from trace_replay.datasets import DATASETS
@@ -308,10 +319,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", default=None, choices=["last", "all"],
                    help="chat traces: replay the last assistant turn or every one (default: "
                         "each record's own, else last)")
-    p.add_argument("--engine", default="auto",
-                   choices=["auto", "vllm", "torch", "prefill", "vllm-server"],
-                   help="auto: vLLM when it starts, else torch (with a warning); vllm-server: "
-                        "a running server (trace-replay serve), --engine-arg base_url=…")
+    _engine_choice(p, "auto")
     _engine_options(p)
     p.add_argument("--dtype", default=None,
                    help="weights' dtype, e.g. bfloat16 (default: the weights' own, float32 "
@@ -361,8 +369,7 @@ def _parser() -> argparse.ArgumentParser:
                    ".parquet (what replay reads; other names are refused)")
     p.add_argument("--max-tokens", type=_positive_int, required=True,
                    help="tokens generated per prompt at most (stops earlier at EOS)")
-    p.add_argument("--engine", default="vllm", choices=["vllm", "torch"],
-                   help="the engine that generates")
+    _engine_choice(p, "vllm", generates=True)
     _engine_options(p)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")

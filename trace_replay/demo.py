@@ -102,15 +102,15 @@ def run_demo(out: str | Path = "out", engines: str = "vllm,prefill",
 
 def _engine_names(engines: str) -> list[str]:
     """The comma-separated names, each an engine the demo can build, none twice."""
-    from trace_replay.engines import ENGINES
+    from trace_replay.engines.registry import ENGINES, engine_spec, engine_specs
 
     names = [name.strip() for name in engines.split(",") if name.strip()]
-    usable = [name for name in ENGINES if name != "vllm-server"]
+    usable = [spec.name for spec in engine_specs() if not spec.needs]
     for name in names:
-        if name == "vllm-server":
-            raise ValueError("engines: vllm-server needs a server's base_url, which the demo "
-                             "does not take; replay through it with trace-replay replay "
-                             "--engine vllm-server --engine-arg base_url=…")
+        if name in ENGINES and engine_spec(name).needs:
+            raise ValueError(f"engines: {name} needs {engine_spec(name).needs}, which the "
+                             f"demo does not take; replay through it with trace-replay "
+                             f"replay --engine {name}")
         if name not in ENGINES:
             raise ValueError(f"engines: unknown engine {name!r}; choose from "
                              f"{', '.join(usable)}")

@@ -100,7 +100,7 @@ def test_small_budget_splits_passes_with_equal_results(lm, perturbed, traces):
 
 def test_unsupported_settings_are_refused_before_loading():
     """vLLM, the static backend and speculative verify are refused."""
-    with pytest.raises(ValueError, match="torch and prefill"):
+    with pytest.raises(ValueError, match=r"can be watched \(torch, prefill\), not .vllm."):
         locate_divergence([], {"engine": "vllm"}, {})
     with pytest.raises(ValueError, match="backend='hf'"):
         locate_divergence([], {}, {"backend": "static"})

@@ -68,7 +68,8 @@ def test_an_engine_that_cannot_generate_is_refused(lm):
     """Prefill scoring cannot write traces: a TypeError names the engine; unknown names too."""
     with pytest.raises(TypeError, match="engine 'prefill' cannot generate"):
         record(["Hi"], engine=make_engine("prefill", lm), max_tokens=2)
-    with pytest.raises(ValueError, match="record runs on 'vllm' or 'torch', not 'prefill'"):
+    with pytest.raises(ValueError, match=r"record runs on an engine that generates "
+                       r"\(auto, torch, vllm\), not 'prefill'"):
         record(["Hi"], engine="prefill", max_tokens=2)
 
 

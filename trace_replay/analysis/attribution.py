@@ -32,6 +32,8 @@ from trace_replay.analysis.capture import SITES, Site, SiteCapture, model_sites
 from trace_replay.analysis.capture_rows import RowCapture
 from trace_replay.engines.base import Activations, Engine, ReplayRequest
 from trace_replay.engines.cache import ModelCache, check_settings
+from trace_replay.engines.capabilities import ActivationSource, BatchHooks, supports
+from trace_replay.engines.registry import engine_spec, engine_specs
 from trace_replay.analysis.pairing import METRICS, Comparer, HeldActivations
 from trace_replay.runs.replay import TraceInput, prepare_requests
 from trace_replay.traces.sets import TraceSet, load_traces
@@ -110,8 +112,9 @@ def locate_divergence(traces: TraceInput, a: Mapping[str, Any], b: Mapping[str, 
     engines = []
     try:
         for settings in (a, b):
-            if settings.get("engine", "torch") == "torch" and not settings.get("deterministic"):
-                settings = {"backend": "hf", **settings}
+            takes = engine_spec(settings.get("engine", "torch")).takes()
+            if "backend" in takes and not settings.get("deterministic"):
+                settings = {"backend": "hf", **settings}  # hooks see its modules
             engines.append(models.engine(settings))
         frame = _locate(load_traces(traces), engines, wanted, progress=progress,
                         chunk_size=chunk_size, max_held_bytes=max_held_bytes)
@@ -124,6 +127,10 @@ def locate_divergence(traces: TraceInput, a: Mapping[str, Any], b: Mapping[str, 
 
 def _locate(traceset, engines, wanted: tuple[str, ...], *, progress: bool,
             chunk_size: int | None, max_held_bytes: int) -> pd.DataFrame:
+    for engine in engines:
+        if not (supports(engine, ActivationSource) and supports(engine, BatchHooks)):
+            raise TypeError(f"engine {engine.name!r} gives no activations or on_batch hook "
+                            "(capabilities ActivationSource and BatchHooks)")
     sources = [engine.activations() for engine in engines]
     lms = [source.model for source in sources]
     all_sites = [model_sites(lm) for lm in lms]
@@ -152,9 +159,10 @@ def _locate(traceset, engines, wanted: tuple[str, ...], *, progress: bool,
 def _check_settings(name: str, settings: Mapping[str, Any]) -> None:
     check_settings(settings, f"locate_divergence {name}")
     engine = settings.get("engine", "torch")
-    if engine not in ("torch", "prefill"):
-        raise ValueError(f"{name}: layer attribution runs the torch and prefill engines "
-                         f"(their models are in this process), not {engine!r}")
+    if not engine_spec(engine).activations:
+        watched = ", ".join(spec.name for spec in engine_specs() if spec.activations)
+        raise ValueError(f"{name}: layer attribution runs engines whose forwards run in this "
+                         f"process and can be watched ({watched}), not {engine!r}")
     for key, why in _UNSUPPORTED.items():
         if settings.get(key) is not None:
             raise ValueError(f"{name}: {key} is not supported by layer attribution ({why})")

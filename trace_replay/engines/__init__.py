@@ -1,5 +1,8 @@
 """Engines that drive forced decoding. ``make_engine`` builds one by name.
 
+The names are the registry's (:mod:`~trace_replay.engines.registry`, one
+:class:`~trace_replay.engines.registry.EngineSpec` each):
+
 * ``"torch"``  — built-in batched decode loop over a transformers model (CPU, CUDA).
 * ``"prefill"`` — teacher-forced scoring, one forward over prompt + trace.
 * ``"vllm"``   — vLLM, native trace replay or logits-processor forcing.
@@ -8,7 +11,7 @@
 * ``"auto"``   — vLLM when it imports and starts, else torch; the choice is in the
   engine's ``settings()["selected_by"]``.
 
-Every engine implements :class:`~trace_replay.engines.base.Engine`.
+Every engine implements :class:`~trace_replay.engines.protocol.Engine`.
 """
 
 from __future__ import annotations
@@ -18,19 +21,10 @@ import warnings
 from typing import Any
 
 from trace_replay.engines.base import Engine, EngineConfig
+from trace_replay.engines.registry import ENGINE_OPTIONS, ENGINES, engine_spec
 from trace_replay.engines.vllm.deterministic import deterministic_unavailable
 
 __all__ = ["ENGINES", "ENGINE_OPTIONS", "Engine", "EngineConfig", "make_engine"]
-
-ENGINES = ("auto", "torch", "prefill", "vllm", "vllm-server")
-# keyword options each engine takes beyond EngineConfig
-ENGINE_OPTIONS: dict[str, tuple[str, ...]] = {
-    "torch": ("speculative", "backend", "float32_matmul", "batch1_fusions",
-              "deterministic_attention"),
-    "prefill": ("deterministic_attention",),
-    "vllm": ("engine_args", "native"),  # and verbose, which every engine takes
-    "vllm-server": ("engine_args",),
-}
 
 
 def make_engine(name: str, model: Any = None, *, dtype=None, device=None,
@@ -42,7 +36,8 @@ def make_engine(name: str, model: Any = None, *, dtype=None, device=None,
     Parameters
     ----------
     name
-        One of :data:`ENGINES`.
+        One of :data:`ENGINES`, the registered engines
+        (:func:`~trace_replay.engines.registry.register_engine` adds one).
     model, dtype, device, batch_size, top_k
         The :class:`~trace_replay.engines.base.EngineConfig` fields, validated before
         anything is loaded.
@@ -65,39 +60,22 @@ def make_engine(name: str, model: Any = None, *, dtype=None, device=None,
     Engine
         Ready to ``run``; close it (or use ``with``) to release its model and processes.
     """
-    if name not in ENGINES:
-        raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}")
+    spec = engine_spec(name)
     config = EngineConfig(model=model, dtype=dtype, device=device, batch_size=batch_size,
                           top_k=top_k, deterministic=deterministic)
     options = {k: v for k, v in options.items() if v is not None}
-    if name == "auto":
-        return _make_auto(config, options, verbose)
-    unknown = sorted(set(options) - set(ENGINE_OPTIONS[name]))
+    unknown = sorted(set(options) - set(spec.takes()))
     if unknown:
-        takes = ", ".join(ENGINE_OPTIONS[name]) or "no options"
+        takes = ", ".join(spec.takes()) or "no options"
         raise ValueError(f"engine {name!r} does not take {', '.join(unknown)} (it takes {takes})")
-    if name == "torch":
-        from trace_replay.engines.builtin.engine import TorchEngine
-
-        return TorchEngine(config, **options)
-    if name == "prefill":
-        from trace_replay.engines.builtin.prefill import PrefillEngine
-
-        return PrefillEngine(config, **options)
-    if name == "vllm-server":  # the server's own logging stays in the server
-        from trace_replay.engines.server.engine import ServerEngine
-
-        return ServerEngine(config, **options)
-    from trace_replay.engines.vllm.inprocess import quiet_startup
-
-    with quiet_startup(verbose):  # importing vllm logs platform guesses (Triton, CPU)
-        from trace_replay.engines.vllm.engine import VLLMEngine
-
-    return VLLMEngine(config, verbose=verbose, **options)
+    if spec.verbose:
+        options["verbose"] = verbose
+    return spec.load()(config, **options)
 
 
-def _make_auto(config: EngineConfig, options: dict[str, Any], verbose: bool) -> Engine:
-    """vLLM when it is installed and starts, else the torch engine; say which and why."""
+def _make_auto(config: EngineConfig, *, verbose: bool = False, **options: Any) -> Engine:
+    """vLLM when it is installed and starts, else the torch engine; say which and why (the
+    registry's factory for ``"auto"``)."""
     if "speculative" in options:
         reason = "speculative verify runs in the torch engine"
     elif config.deterministic and (why := deterministic_unavailable(config.device)):

@@ -193,7 +193,7 @@ class EngineBase(ABC):
         raises NotImplementedError: the model runs outside this process."""
         raise NotImplementedError(f"engine {self.name!r} runs its model outside this process: "
                                   "its activations cannot be read (layer attribution runs "
-                                  "the torch and prefill engines)")
+                                  "engines that are an ActivationSource)")
 
     activations._refuses = True  # type: ignore[attr-defined]  # not an ActivationSource
 

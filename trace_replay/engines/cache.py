@@ -15,14 +15,12 @@ from typing import Any
 
 import torch
 
-from trace_replay.engines import ENGINE_OPTIONS, ENGINES, make_engine
+from trace_replay.engines import make_engine
 from trace_replay.engines.base import Engine, EngineConfig
+from trace_replay.engines.registry import engine_spec
 from trace_replay.models.load import load_model, resolve_dtype
 
 __all__ = ["ModelCache", "check_settings", "split_settings"]
-
-# engines that load their own model from a path (no in-memory module)
-_PATH_ENGINES = ("vllm", "auto")
 
 
 def split_settings(settings: Mapping[str, Any]) -> tuple[str, Any, dict[str, Any]]:
@@ -39,10 +37,10 @@ def check_settings(settings: Mapping[str, Any], where: str) -> None:
     :class:`~trace_replay.engines.base.EngineConfig` fields, ``verbose`` and its own options.
     """
     name = settings.get("engine", "torch")
-    if name not in ENGINES:
-        raise ValueError(f"{where}: unknown engine {name!r}; choose one of {', '.join(ENGINES)}")
-    # "auto" passes on the options of whichever engine it builds: it takes every engine's
-    own = ENGINE_OPTIONS.get(name, [o for options in ENGINE_OPTIONS.values() for o in options])
+    try:
+        own = engine_spec(name).takes()  # "auto": every engine's (it passes them on)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
     common = [field.name for field in dataclasses.fields(EngineConfig)]
     valid = list(dict.fromkeys(["engine", *common, "verbose", *own]))
     for key in settings:
@@ -111,7 +109,7 @@ class ModelCache:
         ``deterministic``, ...) pass straight through.
         """
         name, model, rest = split_settings(settings)
-        if name in _PATH_ENGINES and not isinstance(model, torch.nn.Module):
+        if not engine_spec(name).loaded_model and not isinstance(model, torch.nn.Module):
             return make_engine(name, model, **rest)
         module = self.get(model, dtype=rest.get("dtype"), device=rest.get("device"))
         return make_engine(name, module, **rest)

@@ -17,8 +17,9 @@ What is kept, and when an entry is started again:
   every call: a model rewritten in place is loaded again and the old engine closed.
 * An error other than a ``ValueError`` (bad traces, arguments or checkpoint folder, which
   leave the engine as it was) closes and forgets the engine: the next call starts afresh.
-* Not kept, built for the call and closed after it: ``vllm-server`` (a client of a server
-  that may change between calls; nothing to start), a model passed as an ``nn.Module``
+* Not kept, built for the call and closed after it: an engine whose registry entry says
+  so (``kept=False``: ``vllm-server``, a client of a server that may change between calls,
+  with nothing to start), a model passed as an ``nn.Module``
   (nothing to load, and keeping it would keep the caller's module alive), a model that
   cannot be found (``make_engine`` then names the problem), and an engine in use by another
   thread.
@@ -39,10 +40,6 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["KeptEngineWarning", "close_engines", "kept_engine"]
-
-# names whose engines are not kept (see the module docstring)
-_NOT_KEPT = ("vllm-server",)
-
 
 class KeptEngineWarning(UserWarning):
     """``replay`` keeps an engine it started for later calls (said once per process)."""
@@ -127,10 +124,10 @@ def _key(name: str, model: Any, config: dict[str, Any]) -> tuple[tuple, str] | N
     now; None when the engine is not kept."""
     import torch
 
-    from trace_replay.engines import ENGINES
+    from trace_replay.engines.registry import ENGINES, engine_spec
     from trace_replay.models.load import folder_digest, hf_folder, resolve_dtype
 
-    if name not in ENGINES or name in _NOT_KEPT or isinstance(model, torch.nn.Module):
+    if name not in ENGINES or not engine_spec(name).kept or isinstance(model, torch.nn.Module):
         return None
     try:
         folder = hf_folder(model).resolve()

@@ -9,6 +9,7 @@ from trace_replay.traces.chat import tokenize_chat_prompt
 from trace_replay.engines import make_engine
 from trace_replay.engines.base import check_engine
 from trace_replay.engines.capabilities import Generates, supports
+from trace_replay.engines.registry import engine_specs
 from trace_replay.traces.sets import Trace, TraceSet
 
 __all__ = ["record"]
@@ -50,7 +51,8 @@ def record(prompts: Iterable, model=None, *, engine="vllm", max_tokens: int,
     model
         As in :func:`trace_replay.runs.replay`.
     engine
-        ``"vllm"`` or ``"torch"``, or an :class:`~trace_replay.engines.Engine` that
+        The name of a registered engine that generates (``"vllm"``, ``"torch"``,
+        ``"auto"``), or an :class:`~trace_replay.engines.Engine` that
         generates (:class:`~trace_replay.engines.capabilities.Generates`).
     max_tokens
         Tokens generated per prompt at most; generation stops earlier at EOS when
@@ -74,21 +76,27 @@ def record(prompts: Iterable, model=None, *, engine="vllm", max_tokens: int,
                          f"{temperature!r}")
     owned = isinstance(engine, str)
     if owned:
-        if engine not in ("vllm", "torch"):
-            raise ValueError(f"record runs on 'vllm' or 'torch', not {engine!r}")
+        if engine not in generating_engines():
+            raise ValueError(f"record runs on an engine that generates "
+                             f"({', '.join(generating_engines())}), not {engine!r}")
         engine = make_engine(engine, model, batch_size=batch_size, top_k=top_k,
                              engine_args=engine_args, verbose=verbose)
     else:
         check_engine(engine)
     if not supports(engine, Generates):
-        raise TypeError(f"engine {engine.name!r} cannot generate; "
-                        "record with the 'vllm' or 'torch' engine")
+        raise TypeError(f"engine {engine.name!r} cannot generate; record with an engine "
+                        f"that does ({', '.join(generating_engines())})")
     try:
         return _record(prompts, engine, max_tokens=max_tokens, temperature=temperature,
                        seed=seed, stop_at_eos=stop_at_eos)
     finally:
         if owned:
             engine.close()
+
+
+def generating_engines() -> list[str]:
+    """The registered engines that generate, by name (the registry's ``generates``)."""
+    return [spec.name for spec in engine_specs() if spec.generates]
 
 
 def _record(prompts, engine, *, max_tokens: int, temperature: float, seed: int,
