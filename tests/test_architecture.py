@@ -105,6 +105,54 @@ def test_engines_do_not_reach_into_each_other():
     assert not wrong, "\n".join(sorted(wrong))
 
 
+def _module_graph() -> dict[tuple[str, ...], set[tuple[str, ...]]]:
+    """Each package module and the package modules it imports (lazy imports too; a package's
+    own ``__init__`` run by Python before a submodule is not counted: it is no choice of the
+    importer)."""
+    modules = {tuple(_module(path)) for path in PACKAGE.rglob("*.py")}
+    graph: dict[tuple[str, ...], set[tuple[str, ...]]] = {module: set() for module in modules}
+    for path in PACKAGE.rglob("*.py"):
+        source = tuple(_module(path))
+        graph[source] |= {tuple(t) for t in _imports(path) if tuple(t) in modules} - {source}
+    return graph
+
+
+def _circles(graph: dict) -> list[list]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict = {}
+    low: dict = {}
+    stack: list = []
+    circles = []
+
+    def visit(node) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while not group or group[-1] != node:
+                group.append(stack.pop())
+            if len(group) > 1:
+                circles.append(sorted(".".join(part) for part in group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return circles
+
+
+def test_no_module_imports_itself_through_others():
+    """No circle of imports between the package's modules, lazy imports included (issue 56:
+    the backend factory and the run stages moved out of the modules their users import)."""
+    assert _circles(_module_graph()) == []
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
 def _engine_name_tests(source: str, names: set[str]) -> list[str]:
     """Comparisons in ``source`` of a value with one of ``names`` (``x == "torch"``,
     ``x in ("vllm", "torch")``)."""

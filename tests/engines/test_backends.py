@@ -11,8 +11,8 @@ import torch
 
 from trace_replay.engines import make_engine
 from trace_replay.engines.base import Activations
-from trace_replay.engines.builtin.backends.base import (BACKEND_MEMBERS, KINDS, check_backend,
-                                                        make_backend)
+from trace_replay.engines.builtin.backends.base import BACKEND_MEMBERS, check_backend
+from trace_replay.engines.builtin.backends.factory import KINDS, make_backend
 
 
 @pytest.mark.parametrize("kind", [k for k in KINDS if k != "auto"])

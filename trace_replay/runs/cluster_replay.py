@@ -33,7 +33,7 @@ from trace_replay.runs.checkpoint import Checkpoint
 from trace_replay.runs.cluster import ClusterPlan, RayCluster, connect, import_ray, plan_actors
 from trace_replay.runs.cluster_actor import ITEMS, EngineFacts, ReplayActor, engine_facts, pack
 from trace_replay.runs.frame import TokenDecoder
-from trace_replay.runs.replay import finish_frame, prepare_run, resuming_message, run_attrs
+from trace_replay.runs.stages import finish_frame, prepare_run, resuming_message, run_attrs
 from trace_replay.traces.sets import TraceSet
 
 __all__ = ["replay_on_ray"]

