@@ -214,7 +214,7 @@ def _cmd_report(args) -> None:
 
     results_b = args.results_b and _input_file(args.results_b, "results file")
     out = write_report(_input_file(args.results, "results file"), results_b, out=args.out,
-                       tol=args.tol)
+                       tol=args.tol, drop_mismatched=args.drop_mismatched)
     print(f"report -> {out}")
 
 
@@ -396,6 +396,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="report.html", help="HTML file to write")
     p.add_argument("--tol", type=float, default=1e-3,
                    help="|Δlogprob| above which a token counts as diverged")
+    p.add_argument("--drop-mismatched", action="store_true",
+                   help="leave out traces whose prompt or trace tokens differ between the two "
+                        "results (a warning says how many) instead of refusing them")
 
     p = _command(sub, "demo", "replay the bundled traces with several engines; print a table, "
                  "write results and a figure", "  trace-replay demo --out out\n"

@@ -43,7 +43,7 @@ def test_capture_restores_state_and_replays_the_eager_step():
     for batch in (4, 2):
         tokens = torch.randint(0, 50, (batch, 2), device="cuda")
         positions = torch.randint(0, 50, (batch, 2), device="cuda")
-        out = graph.replay(tokens, positions)[:batch].clone()
+        out = graph.launch(tokens, positions)[:batch].clone()
         # the twin runs eagerly on all rows (rows past `batch` advance in both)
         padded = torch.cat([tokens, graph.tokens[batch:]]), torch.cat([positions,
                                                                       graph.positions[batch:]])

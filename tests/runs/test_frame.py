@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from trace_replay.engines.base import TraceResult
-from trace_replay.runs.frame import COLUMNS, TokenDecoder, to_frame
+from trace_replay.runs.frame import COLUMNS, TokenDecoder, to_frame, tokens_digest
 from trace_replay.traces.sets import Trace
 
 
@@ -34,7 +34,7 @@ def frame(traces, tokenizer):
 
 def test_one_row_per_step_with_its_position(frame):
     """Rows are (trace, step) in result order; step counts from 0, position = prompt_len + step."""
-    assert list(frame.columns) == [*COLUMNS, "ref_logprob"]
+    assert list(frame.columns) == [*COLUMNS, "ref_logprob", "tokens_digest"]
     assert frame["trace_id"].tolist() == ["a", "a", "a", "b", "b"]
     assert frame["step"].tolist() == [0, 1, 2, 0, 1]
     assert frame["position"].tolist() == [3, 4, 5, 1, 2]
@@ -64,7 +64,7 @@ def test_a_cut_replay_keeps_the_matching_ref_logprobs(traces, tokenizer):
 def test_no_results_give_an_empty_frame_with_every_column(traces, tokenizer):
     """An empty run still has the frame's columns, so later code can select them."""
     df = to_frame([], traces, TokenDecoder(tokenizer))
-    assert df.empty and list(df.columns) == [*COLUMNS, "ref_logprob"]
+    assert df.empty and list(df.columns) == [*COLUMNS, "ref_logprob", "tokens_digest"]
 
 
 def test_decoder_decodes_each_id_once(tokenizer):
@@ -96,7 +96,7 @@ def test_chat_and_plain_traces_in_one_call_keep_labels_and_nulls(traces, tokeniz
     both = {**traces, "c": chat}
     results = [result("a", 3, [3575, 282, 4649]), result("c", 2, list(ids))]
     df = to_frame(results, both, TokenDecoder(tokenizer))
-    assert list(df.columns) == [*COLUMNS, "ref_logprob", "turn", "role"]
+    assert list(df.columns) == [*COLUMNS, "ref_logprob", "turn", "role", "tokens_digest"]
     assert df["turn"].dtype == "Int64" and df["turn"].isna().tolist() == [True] * 3 + [False] * 2
     assert df["role"].tolist() == [None, None, None, "assistant", "template"]
     plain = to_frame(results[:1], traces, TokenDecoder(tokenizer))
@@ -111,7 +111,7 @@ def test_extra_columns_follow_entropy_and_are_checked_for_length(traces, tokeniz
     exact = [replace(result("a", 3, [3575, 282, 4649]), extra={"rank_exact": np.ones(3, bool)}),
              replace(result("b", 1, [314, 1201]), extra={"rank_exact": np.array([True, False])})]
     df = to_frame(exact, traces, TokenDecoder(tokenizer))
-    assert list(df.columns) == [*COLUMNS, "rank_exact", "ref_logprob"]
+    assert list(df.columns) == [*COLUMNS, "rank_exact", "ref_logprob", "tokens_digest"]
     assert df["rank_exact"].tolist() == [True, True, True, True, False]
     short = [exact[0], replace(exact[1], extra={"rank_exact": np.array([True])})]
     with pytest.raises(ValueError, match="trace 'b': rank_exact has 1 values for its 2 steps"):
@@ -153,3 +153,14 @@ def test_token_texts_join_back_into_the_completion(text, tokenizer):
     assert "\ufffd" not in tokens["t"]
     # a trace cut inside a character ends as its own decode does
     assert tokens["u"] == tokenizer.decode(ids[:-1])
+
+
+def test_every_row_carries_its_traces_tokens_digest(frame, traces, tokenizer):
+    """tokens_digest is one value per trace, of its prompt ids and its rows' token ids: the
+    same trace under another prompt gets another digest (comparisons pair traces by it)."""
+    assert frame.groupby("trace_id")["tokens_digest"].nunique().tolist() == [1, 1]
+    first = frame.groupby("trace_id")["tokens_digest"].first()
+    assert first["a"] == tokens_digest((1, 2, 3), (3575, 282, 4649)) != first["b"]
+    moved = {"a": Trace("a", prompt_token_ids=(1, 2, 4), trace_token_ids=(3575, 282, 4649))}
+    other = to_frame([result("a", 3, [3575, 282, 4649])], moved, TokenDecoder(tokenizer))
+    assert other["tokens_digest"].iloc[0] != first["a"]

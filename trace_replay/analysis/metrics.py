@@ -60,6 +60,7 @@ import numpy as np
 import pandas as pd
 
 from trace_replay.runs.frame import check_frame
+from trace_replay.analysis.same_traces import same_traces
 from trace_replay.wording import plural
 from trace_replay.analysis.mismatch import (
     NOISE_SE,
@@ -165,8 +166,13 @@ def compare(
     b: pd.DataFrame | str,
     *,
     labels: tuple[str, str] | None = None,
+    drop_mismatched: bool = False,
 ) -> pd.DataFrame:
     """Join two replay frames on (trace_id, step) into a per-token comparison frame.
+
+    Traces are paired by id only where both runs scored the same prompt and trace tokens
+    (:mod:`~trace_replay.analysis.same_traces`: equal ``tokens_digest``, or for frames
+    without one, equal token columns).
 
     Parameters
     ----------
@@ -179,6 +185,10 @@ def compare(
         Names of the two sides, stored in ``attrs["labels"]`` for legends and titles.
         Default: :func:`run_labels` of the two frames' attrs (engine, dtype, device, only
         those that differ), or ``("ref", "replay")`` for ``b="ref"``.
+    drop_mismatched : bool
+        Leave out the traces whose tokens differ between a and b, with a
+        :class:`~trace_replay.analysis.same_traces.TracesLeftOut` warning saying how many
+        (their ids in ``attrs["left_out"]``); by default they are an error.
 
     Returns
     -------
@@ -199,6 +209,9 @@ def compare(
 
     Raises
     ------
+    TracesDiffer
+        (a ValueError) If a trace id holds other prompt or trace tokens in a than in b,
+        naming how many and the first ones, unless ``drop_mismatched``.
     ValueError
         If the (trace_id, step) sets differ or a token id differs between the sides.
 
@@ -218,6 +231,7 @@ def compare(
     1     1  -0.25       2       3        True
     2     2   0.00       1       1        True
     """
+    paired_with_ref = isinstance(b, str)  # both sides are one frame's rows
     if isinstance(b, str):
         if b != "ref":
             raise ValueError(f'b must be a DataFrame or "ref", got {b!r}')
@@ -227,6 +241,10 @@ def compare(
     labels = tuple(labels or run_labels([a.attrs, b.attrs]))
     check_frame(a, f"a ({labels[0]})")
     check_frame(b, f"b ({labels[1]})")
+    left_out: list[str] = []
+    if not paired_with_ref:
+        a, b, left_out = same_traces(a, b, labels=(f"a ({labels[0]})", f"b ({labels[1]})"),
+                                     drop_mismatched=drop_mismatched)
 
     keys_a = pd.MultiIndex.from_frame(a[_KEY])
     keys_b = pd.MultiIndex.from_frame(b[_KEY])
@@ -283,6 +301,8 @@ def compare(
              "top1_agree", "bit_mismatch", "ulp_distance", "nonfinite"]  # fmt: skip
     cmp = cmp[first + [c for c in cmp.columns if c not in first]]
     cmp.attrs = {"labels": labels, "attrs_a": dict(a.attrs), "attrs_b": dict(b.attrs)}
+    if left_out:
+        cmp.attrs["left_out"] = left_out
     return cmp
 
 

@@ -40,6 +40,7 @@ from trace_replay.plots.frames import (
 from trace_replay.html.tokens import render_tokens
 from trace_replay.runs.frame import check_frame
 from trace_replay.runs.result_file import check_scores, read_result
+from trace_replay.wording import plural
 
 __all__ = ["write_report"]
 
@@ -165,6 +166,7 @@ def write_report(
     tol: float = 1e-3,
     n_traces: int = 5,
     title: str | None = None,
+    drop_mismatched: bool = False,
 ) -> Path:
     """Write a self-contained HTML report of a replay, or of two replays compared.
 
@@ -190,6 +192,9 @@ def write_report(
         Number of worst traces drawn and rendered token by token.
     title : str, optional
         Page title; by default names the run(s), "b vs a" for a comparison.
+    drop_mismatched : bool
+        Leave out traces whose prompt or trace tokens differ between a and b (the page and
+        a warning say how many) instead of refusing them (:func:`~trace_replay.compare`).
 
     Returns
     -------
@@ -213,8 +218,15 @@ def write_report(
     if b is not None:
         df_b, name_b = _load(b, "b")
         named = name_a is not None and name_b is not None and name_a != name_b
-        cmp = compare(df_a, df_b, labels=(name_a, name_b) if named else None)
+        cmp = compare(df_a, df_b, labels=(name_a, name_b) if named else None,
+                      drop_mismatched=drop_mismatched)
         labels = cmp.attrs["labels"]
+        if cmp.attrs.get("left_out"):
+            left_out = cmp.attrs["left_out"]
+            parts.append(f"<p class='tr-warn'>left out {plural(len(left_out), 'trace')} whose "
+                         f"prompt or trace tokens differ between the runs: "
+                         f"{html.escape(', '.join(map(repr, left_out[:20])))}"
+                         f"{' …' if len(left_out) > 20 else ''}</p>")
         title = title or f"trace replay: {labels[1]} vs {labels[0]}"
         sides = [(f"a: {labels[0]}", df_a.attrs), (f"b: {labels[1]}", df_b.attrs)]
         parts += _comparison_sections(cmp, tol)

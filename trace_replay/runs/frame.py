@@ -8,6 +8,7 @@ requests through :func:`run_checked`, so each engine result passes the same chec
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -19,12 +20,32 @@ from trace_replay.engines.validate import ImpossibleResult, check_results
 from trace_replay.traces.sets import Trace
 
 __all__ = ["COLUMNS", "REQUIRED", "TokenDecoder", "check_frame", "possible", "run_checked",
-           "to_frame"]
+           "to_frame", "tokens_digest"]
 
 COLUMNS = ["trace_id", "step", "position", "token_id", "token", "logprob", "rank",
            "top_token_ids", "top_logprobs", "top_tokens", "entropy", "tail_logmass"]
 # what every reader of a replay frame needs (analysis, report, merge); the rest is optional
 REQUIRED = ("trace_id", "step", "token_id", "logprob", "rank")
+
+
+def tokens_digest(prompt_token_ids: Sequence[int] | None,
+                  trace_token_ids: Sequence[int]) -> str | None:
+    """A trace's ``tokens_digest``: 16 hex digits of a SHA-256 of its prompt and trace token
+    ids (``None`` without prompt ids). Two runs' rows of one trace id are compared only
+    where it is equal (:mod:`trace_replay.analysis.same_traces`).
+
+    Examples
+    --------
+    >>> tokens_digest([1, 2], [3]) == tokens_digest((1, 2), (3,)) != tokens_digest([1], [2, 3])
+    True
+    """
+    if prompt_token_ids is None:
+        return None
+    digest = hashlib.sha256()
+    for ids in (prompt_token_ids, trace_token_ids):
+        digest.update(len(ids).to_bytes(8, "little"))
+        digest.update(np.asarray(ids, dtype="<i8").tobytes())
+    return digest.hexdigest()[:16]
 
 
 def check_frame(df: pd.DataFrame, name: str) -> None:
@@ -158,7 +179,9 @@ def to_frame(results: Sequence[TraceResult], traces: Mapping[str, Trace],
     elsewhere), every row also gets its ``turn`` (index of the message, nullable Int64) and
     ``role`` (that message's role, or ``"template"``); rows of other traces get nulls there.
     An engine's per-step ``extra`` arrays become columns of their own, after ``entropy``
-    (null on the rows of a result without one). The columns are built for all results at
+    (null on the rows of a result without one). The last column, ``tokens_digest``, is
+    each trace's :func:`tokens_digest` (its prompt ids and the token ids of its rows), by
+    which comparisons pair two runs' traces. The columns are built for all results at
     once (one array per column, not one frame per trace): this runs after every engine
     call, on the host, while the device waits.
 
@@ -173,7 +196,7 @@ def to_frame(results: Sequence[TraceResult], traces: Mapping[str, Trace],
     if not results:
         labels = ["turn", "role"] if labelled else []
         return pd.DataFrame({c: pd.Series(dtype=object)
-                             for c in COLUMNS + ["ref_logprob"] + labels})
+                             for c in COLUMNS + ["ref_logprob"] + labels + ["tokens_digest"]})
     steps = np.array([len(r.token_ids) for r in results], dtype=np.int64)
     starts = np.cumsum(steps) - steps
     step = np.arange(steps.sum(), dtype=np.int64) - np.repeat(starts, steps)
@@ -217,6 +240,8 @@ def to_frame(results: Sequence[TraceResult], traces: Mapping[str, Trace],
         # text when every row has a role, else objects with None (as a frame per trace gave)
         unlabelled = any(not traces[r.trace_id].trace_roles for r in results)
         columns["role"] = pd.Series(roles, dtype=object) if unlabelled else roles.tolist()
+    digests = [tokens_digest(traces[r.trace_id].prompt_token_ids, r.token_ids) for r in results]
+    columns["tokens_digest"] = np.repeat(np.array(digests, dtype=object), steps).tolist()
     return pd.DataFrame(columns)
 
 

@@ -16,8 +16,8 @@ CUDA graph), :class:`~trace_replay.engines.builtin.verify.VerifySteps` (``k`` dr
 
 :class:`ForcedSteps` runs the same ``_step`` eagerly or, when the backend's ``decode`` returns
 the same static logits tensor every step (``StaticCacheBackend.static_logits``), captured once
-and replayed: one launch per step for the argmax, forcing, advance, scoring and next inputs.
-Forward 0 of a later wave replays it too, on the prefill's logits copied into that tensor.
+and launched: one launch per step for the argmax, forcing, advance, scoring and next inputs.
+Forward 0 of a later wave launches it too, on the prefill's logits copied into that tensor.
 Each step's scores land in row ``cursor`` of buffers held for the wave (a device counter), so
 nothing is overwritten and nothing is read back. A capture depends on every address it reads
 and every host-side choice it made (the key: slot and trace-length tensors, rows, top-k,
@@ -147,7 +147,7 @@ def replay_steps(backend: Backend, slots: SlotTable, idx_mapping: torch.Tensor,
 
     Returns the steps (views into :class:`ForcedSteps` buffers, valid until its next wave) and
     the ``[num_steps, B]`` int32 count of tokens each row committed per forward (all ones).
-    ``graph``: every step replays one CUDA graph, captured at forward 1 of the first wave it
+    ``graph``: every step launches one CUDA graph, captured at forward 1 of the first wave it
     fits (needs a backend whose ``decode`` returns static logits); else the same steps run
     eagerly. ``cache`` (a dict the
     caller keeps) holds the steps, and their capture, for the next wave.
@@ -164,9 +164,9 @@ class ForcedSteps:
     steps (rows, trace tokens, cursor). ``step(logits, forward)`` forces and scores
     ``logits`` ``[B, V]``, commits one token per row, writes the next ``tokens``/``positions``
     ``[B, 1]`` and the scores to row ``cursor``, then advances ``cursor`` — eagerly, or with
-    ``graph`` (CUDA) by replaying one graph captured on the decode logits' memory at forward
+    ``graph`` (CUDA) by launching one graph captured on the decode logits' memory at forward
     1 (captured anew there if that memory moved since; moving later is an error); forward 0
-    replays it on the prefill's logits copied into that memory once it exists.
+    launches it on the prefill's logits copied into that memory once it exists.
     ``steps()`` gives the wave's steps as views, valid until the next ``start``.
     """
 
@@ -205,7 +205,7 @@ class ForcedSteps:
         elif forward == 0:
             self._first(logits)
         else:
-            self._replay(logits, forward)
+            self._launch(logits, forward)
         return forward + 1 < self.num_steps
 
     def steps(self) -> Steps:
@@ -214,7 +214,7 @@ class ForcedSteps:
 
     def _first(self, logits: torch.Tensor) -> None:
         """Forward 0 scores the prefill's logits, another tensor than the decode's: once a
-        capture exists they are copied into the memory it reads and it is replayed (one copy
+        capture exists they are copied into the memory it reads and it is launched (one copy
         of ``[B, V]`` instead of the step's launches); before that the step runs eagerly."""
         captured = self._logits
         if (self._graph is None or captured.shape != logits.shape
@@ -224,7 +224,7 @@ class ForcedSteps:
         captured.copy_(logits)
         self._graph.replay()
 
-    def _replay(self, logits: torch.Tensor, forward: int) -> None:
+    def _launch(self, logits: torch.Tensor, forward: int) -> None:
         if self._graph is None or not _same_memory(logits, self._logits):
             if forward > 1:
                 raise RuntimeError("the backend's decode moved its logits within a wave; "

@@ -116,7 +116,7 @@ class PrefillEngine(EngineBase):
         if self.on_batch is not None:
             self.on_batch(batch)
         if self.deterministic:
-            return self._run_invariant(batch)
+            return self._run_deterministic(batch)
         # the last trace token is scored but never fed
         width = max(r.prompt_len + r.trace_len - 1 for r in batch)
         input_ids = torch.zeros((len(batch), width), dtype=torch.long)
@@ -150,7 +150,7 @@ class PrefillEngine(EngineBase):
         bounds = np.cumsum([0] + [r.trace_len for r in batch])
         return split_results(batch, host, [np.arange(a, b) for a, b in zip(bounds, bounds[1:])])
 
-    def _run_invariant(self, batch: Sequence[ReplayRequest]) -> list[TraceResult]:
+    def _run_deterministic(self, batch: Sequence[ReplayRequest]) -> list[TraceResult]:
         """Teacher forcing through the batch-invariant backend, scored row-invariantly."""
         sequences = [r.prompt_token_ids + r.trace_token_ids[:-1] for r in batch]
         # logits at position p predict the token at p + 1

@@ -4,8 +4,8 @@ The server forces traces one of two ways, found at start-up and recorded in
 ``settings()["server_forcing"]``: ``"native"``, a stock vLLM >= 0.29 started with
 ``--enable-trace-replay --enable-scale-out``, each request carrying its trace in
 ``SamplingParams.trace_decode_token_ids`` (:mod:`~trace_replay.engines.server.native`), or
-``"logits-processor"``, the package's processor (``vllm serve --logits-processors
-trace_replay.engines.vllm.forcing:TraceForcingProcessor``, which ``trace-replay serve``
+``"logits-processor"``, the package's processor (``vllm serve --logits-processors`` with
+:data:`~trace_replay.engines.vllm_contract.FORCING_PROCESSOR`, which ``trace-replay serve``
 starts), each request carrying its trace in ``vllm_xargs``. Either way the prompt goes as
 token ids and ``max_tokens`` = the trace length. Two of the server's APIs are used:
 

@@ -1,11 +1,11 @@
-"""A decode step captured once in a CUDA graph and replayed: what both graph backends share.
+"""A decode step captured once in a CUDA graph and launched: what both graph backends share.
 
 :class:`~trace_replay.engines.builtin.backends.static.StaticCacheBackend` and
 :class:`~trace_replay.engines.builtin.backends.deterministic.DeterministicBackend` each write a capturable
 ``step(tokens, positions) -> logits`` over their own cache. :func:`capture_step` warms it up
 (compiling and autotuning happen there, for real, on a side stream), puts back the
 bookkeeping the warm-up advanced, and captures one step; :class:`StepGraph` holds the graph
-with its static input and output tensors and replays it for any batch up to its rows.
+with its static input and output tensors and launches it for any batch up to its rows.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ class StepGraph(NamedTuple):
     positions: torch.Tensor  # [rows, q] int64
     logits: torch.Tensor  # what the step returned while captured
 
-    def replay(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def launch(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Run the step on ``tokens``/``positions`` ``[B, q]`` (B <= rows); no host sync.
 
         Rows past ``B`` keep the inputs of an earlier step: their outputs are to be ignored.
-        Returns the static output, valid until the next replay.
+        Returns the static output, valid until the next launch.
         """
         batch = tokens.shape[0]
         self.tokens[:batch].copy_(tokens)

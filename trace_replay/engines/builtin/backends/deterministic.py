@@ -130,11 +130,11 @@ class DeterministicBackend:
             raise ValueError(f"decode of {q} tokens per row; the cache was sized for "
                              f"max_query_len={self.max_query_len}")
         self.forwards += 1
-        # an observer (layer attribution) sees Python calls: a graph replay would skip it
+        # an observer (layer attribution) sees Python calls: a graph launch would skip it
         if not self.cuda_graphs or self.model.observer is not None:
             return self._decode_step(tokens, positions).view(batch, q, -1)
         graph = self._graphs.get(q) or self._capture(q)
-        return graph.replay(tokens, positions).view(self.shape[0], q, -1)[:batch]
+        return graph.launch(tokens, positions).view(self.shape[0], q, -1)[:batch]
 
     @torch.inference_mode()
     def keep(self, keep: torch.Tensor) -> None:

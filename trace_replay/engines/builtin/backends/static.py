@@ -11,7 +11,7 @@ layers read and write a
 is never modified, so other backends can keep using it.
 
 On CUDA a decode step is captured once per (rows, cache length, tokens per row) in a CUDA
-graph and replayed: no host synchronization in ``decode`` or ``keep``. Inside the capture the
+graph and launched: no host synchronization in ``decode`` or ``keep``. Inside the capture the
 decoder layers run compiled by ``torch.compile`` — one compiled region that all layers of a
 kind share (the layers differ only in their weights), so start-up compiles one layer per
 shape rather than the whole model. A float32 model's view multiplies on tensor cores with
@@ -207,7 +207,7 @@ class StaticCacheBackend:
         With ``cuda_graphs`` the prompt width is padded up to a bucket of :func:`_bucket`
         and the decoder layers run compiled (one compile per rows × bucket, counted in
         ``compile_seconds``). Up to :data:`PREFILL_GRAPH_TOKENS` tokens (rows × width) the
-        prefill is also captured in a CUDA graph per width, replayed by later waves: a
+        prefill is also captured in a CUDA graph per width, launched by later waves: a
         short prefill is host-bound (launches through Python) and a capture's memory (its
         own pool) is small at that size. Longer prefills keep the GPU busy on their own and
         hold no memory after they return.
@@ -229,7 +229,7 @@ class StaticCacheBackend:
             logits = self._forward(tokens, positions, present=present, logits_to_keep=1)
         elif rows * width <= PREFILL_GRAPH_TOKENS:
             graph = self._prefills.get(width) or self._capture_prefill(width)
-            logits = graph.replay(tokens, positions, present)
+            logits = graph.launch(tokens, positions, present)
         else:  # long prompts keep the GPU busy: compiled layers, no graph (no memory held)
             self.cache.reset()
             with self._compiled(startup=(rows, width) not in self._prefill_shapes):
@@ -253,7 +253,7 @@ class StaticCacheBackend:
                 positions = torch.cat([positions, positions.new_zeros((rows - batch, q))])
             return self._forward(tokens, positions)[:batch]
         graph = self._graphs.get(q) or self._capture(q)
-        return graph.replay(tokens, positions)[:batch]
+        return graph.launch(tokens, positions)[:batch]
 
     @torch.inference_mode()
     def keep(self, keep: torch.Tensor) -> None:
@@ -276,7 +276,7 @@ class StaticCacheBackend:
         self.cache = StaticKVCache(len(self.lm.model.layers), batch, config.num_key_value_heads,
                                    length, head_dim, self.dtype, self.device)
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
-        # prefill graphs apart: a decode replay must never write where a prefill's
+        # prefill graphs apart: a decode graph must never write where a prefill's
         # output, still to be read, lives (and the other way round)
         self._prefill_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
 
@@ -352,7 +352,7 @@ class _PrefillGraph(NamedTuple):
     present: torch.Tensor
     logits: torch.Tensor
 
-    def replay(self, tokens: torch.Tensor, positions: torch.Tensor,
+    def launch(self, tokens: torch.Tensor, positions: torch.Tensor,
                present: torch.Tensor) -> torch.Tensor:
         self.tokens.copy_(tokens)
         self.positions.copy_(positions)
