@@ -5,8 +5,6 @@
 #   bash benchmarks/h200_perf.sh tests    # the GPU tests (run these first on new code)
 #   bash benchmarks/h200_perf.sh determinism   # deterministic mode's cost and bits, both attentions
 #   python3 benchmarks/bench_fp32_linear.py [--sweep]      # float32 linears: cuBLAS vs 3xTF32
-#   python3 benchmarks/bench_tf32_split.py                  # 576/1,024-row float32 linears: TF32 splits
-#   (cd benchmarks && python3 probe_skinny_gemm.py)         # 8B linears at 16/64 rows: cuBLAS vs a Triton GEMM
 #   bash benchmarks/h200_perf.sh vllm W   # vLLM 0.26 forcing vs greedy; W = the assembled
 #       bundle of ../shared/tools/vllm-h200 (carry .vllm-bundle/p0..p3 into W in four calls
 #       back to back, the machine idles out after 30 s; then `bash W/p3/assemble.sh W`)
