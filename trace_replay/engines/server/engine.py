@@ -353,6 +353,8 @@ class ServerEngine(EngineBase):
         try:
             results = self._score_probe()
         except TraceNotForced as error:
+            if refusal is None:  # native replay took the probe, then did not follow it
+                raise
             raise ServerError(f"the server at {self.base_url} does not force traces (native "
                               f"trace replay: {refusal}; the package's processor: "
                               f"{error.what} for a one-token trace): {how_to_start()}") from None
