@@ -139,6 +139,20 @@ class TorchEngine(EngineBase):
         (deterministic); the static backend's compiled steps call no module."""
         return self.backend.activations()
 
+    @property
+    def routing_layout(self) -> str | None:
+        """How forwards lay out a batch's rows for MoE routing
+        (:class:`~trace_replay.engines.routing.RoutingSource`): ``"decode"`` where they run
+        the model's own modules (the hf backend), else None."""
+        return "decode" if self.backend is not None and self.backend.name == "hf" else None
+
+    def step_logits(self, requests: Sequence[ReplayRequest]):
+        """Each replay step's full logits, one step at a time
+        (:class:`~trace_replay.engines.distributions.StepLogits`)."""
+        from trace_replay.engines.builtin.step_logits import decode_step_logits
+
+        return decode_step_logits(self, requests)
+
     @torch.inference_mode()
     def run(self, requests: Sequence[ReplayRequest], *,
             on_tokens: Callable[[int], None] | None = None) -> list[TraceResult]:

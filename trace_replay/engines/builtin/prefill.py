@@ -99,6 +99,20 @@ class PrefillEngine(EngineBase):
         """``lm``'s own modules, or in deterministic mode the row-wise model's rows."""
         return Activations(self.lm) if self.backend is None else self.backend.activations()
 
+    @property
+    def routing_layout(self) -> str | None:
+        """``"teacher-forced"`` (:class:`~trace_replay.engines.routing.RoutingSource`): with
+        ``on_batch`` set, one forward of the model's own modules per batch; None in
+        deterministic mode, whose rows bypass them."""
+        return None if self.deterministic else "teacher-forced"
+
+    def step_logits(self, requests: Sequence[ReplayRequest]):
+        """Each replay step's full logits, one step at a time
+        (:class:`~trace_replay.engines.distributions.StepLogits`)."""
+        from trace_replay.engines.builtin.step_logits import prefill_step_logits
+
+        return prefill_step_logits(self, requests)
+
     @torch.inference_mode()
     def run(self, requests: Sequence[ReplayRequest], *,
             on_tokens: Callable[[int], None] | None = None) -> list[TraceResult]:

@@ -208,13 +208,14 @@ class _Logprobs:
     256) is read with the same rule, so both forms give the same arrays.
     """
 
-    __slots__ = ("token_ids", "logprobs", "ranks", "counts")
+    __slots__ = ("token_ids", "logprobs", "ranks", "counts", "routed")
 
     def __init__(self) -> None:
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.ranks: list[int] = []
         self.counts: list[int] = []  # entries per position
+        self.routed = None  # vLLM's routed experts [positions, layers, top-k], when asked
 
     def extend(self, positions) -> None:
         """Append vLLM's ``CompletionOutput.logprobs``: a ``FlatLogprobs``, or one
@@ -332,6 +333,14 @@ class VLLMEngine(EngineBase):
             args["max_num_seqs"] = config.batch_size
         args.update(engine_args or {})
         cuda = torch.cuda.is_available()
+        # MoE routing per step (R3): vLLM returns it from Model Runner V2, on GPUs only
+        self.returns_routing = bool(args.get("enable_return_routed_experts"))
+        if self.returns_routing and not cuda:
+            raise ValueError("engine_args enable_return_routed_experts needs vLLM's Model "
+                             "Runner V2, which runs on GPUs only: the CPU build refuses it at "
+                             "start-up. Record routing on the CPU with the prefill engine "
+                             "(trace_replay.analysis.routing.record_routing)")
+        self.routed: dict[str, np.ndarray] = {}  # trace id -> [T, layers, top-k] experts
         if cuda and self.dtype == "float32":
             # vLLM's default float32 backend on CUDA (TRITON_ATTN) multiplies in TF32 (Triton's
             # tl.dot default): max |d logprob| 0.21 against IEEE float32; FlexAttention's is 1.7e-4
@@ -465,6 +474,8 @@ class VLLMEngine(EngineBase):
                       logprobs=self.top_k, ignore_eos=True, stop=[], stop_token_ids=[],
                       detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY, **_NO_COPY,
                       **_FLAT)
+        if self.returns_routing:  # rows from the last prompt token: row s routes step s
+            common["routed_experts_prompt_start"] = request.prompt_len - 1
         if self.engine_path == "vllm-native-trace-replay":
             return SamplingParams(**common, trace_decode_token_ids=trace)
         return SamplingParams(**common, extra_args={TRACE_KEY: trace})
@@ -495,6 +506,7 @@ class VLLMEngine(EngineBase):
                         completion = out.outputs[0]
                         logprobs = _Logprobs()
                         logprobs.extend(completion.logprobs or ())
+                        logprobs.routed = getattr(completion, "routed_experts", None)
                         outputs[index] = (list(completion.token_ids), logprobs)
                         finished.append((index, len(completion.token_ids)))
                     if progress is not None and (new := progress.step(finished)):
@@ -540,6 +552,11 @@ class VLLMEngine(EngineBase):
                 f"trace {request.trace_id!r}: vLLM ({self.engine_path}) emitted {len(emitted)} tokens "
                 f"that leave the trace at step {first}; replay cannot be trusted")
         token_ids, logprob, rank, top_ids, top_lps = logprobs.arrays(self.top_k)
+        if self.returns_routing:
+            if logprobs.routed is None:
+                raise RuntimeError(f"trace {request.trace_id!r}: vLLM returned no routed "
+                                   "experts (is the model a mixture of experts?)")
+            self.routed[request.trace_id] = np.asarray(logprobs.routed)[:request.trace_len]
         return TraceResult(trace_id=request.trace_id, prompt_len=request.prompt_len,
                            token_ids=token_ids, logprob=logprob, rank=rank,
                            top_token_ids=top_ids, top_logprobs=top_lps,
