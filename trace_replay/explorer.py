@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from trace_replay.analysis.metrics import summarize, trace_summary
+from trace_replay.analysis.ranks import rank_label
 from trace_replay.html.tokens import render_tokens
 from trace_replay.wording import visible_token
 
@@ -33,7 +34,7 @@ def _topk_table(row: pd.Series, suffix: str, label: str) -> str:
     logprobs = row.get(f"top_logprobs{suffix}")
     names = row.get(f"top_tokens{suffix}")
     rank = row.get(f"rank{suffix}")
-    rank_text = "?" if pd.isna(rank) else str(int(rank))
+    rank_text = rank_label(rank, row.get(f"rank_exact{suffix}", True))
     lines = [
         f"<caption>{html.escape(label)}: trace token {html.escape(repr(row.get('token', '')))} "
         f"(id {int(row['token_id'])}) · logprob {float(row[f'logprob{suffix}']):.4f} · "

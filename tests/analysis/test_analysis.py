@@ -61,10 +61,11 @@ def test_compare_columns_in_documented_order():
     """The documented per-token columns come first; side columns keep their _a/_b suffixes."""
     a = frame([-1.0], entropy=[0.5], top_token_ids=[[100, 7]], top_logprobs=[[-1.0, -2.0]])
     cmp = compare(a, a.copy())
-    assert cmp.columns[:21].tolist() == [
+    assert cmp.columns[:23].tolist() == [
         "trace_id", "step", "position", "token", "token_id", "logprob_a", "logprob_b", "delta",
-        "abs_delta", "ratio", "k1", "k3", "abs_delta_prob", "rank_a", "rank_b", "top1_a",
-        "top1_b", "top1_agree", "bit_mismatch", "ulp_distance", "nonfinite",
+        "abs_delta", "ratio", "k1", "k3", "abs_delta_prob", "rank_a", "rank_b", "rank_exact_a",
+        "rank_exact_b", "top1_a", "top1_b", "top1_agree", "bit_mismatch", "ulp_distance",
+        "nonfinite",
     ]  # fmt: skip
     assert {"entropy_a", "entropy_b", "top_token_ids_a", "top_logprobs_b"} <= set(cmp.columns)
 

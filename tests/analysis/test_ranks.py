@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from trace_replay.analysis.metrics import compare
+from trace_replay.analysis.metrics import compare, dataset_summary, summarize
 from trace_replay.analysis.ranks import (RANK_BUCKETS, engine_table, rank_bucket, rank_bucket_transitions,
                                 trace_summary)
 
@@ -43,10 +43,10 @@ def test_rank_bucket_keeps_series_index():
 
 
 def test_rank_bucket_transitions_crosstab():
-    """4 x 4 counts, zeros included, rows side a and columns side b."""
+    """5 x 5 counts (the last, lower bounds), zeros included, rows side a and columns side b."""
     cmp = compare(frame([-1.0] * 3, [1, 50, 5000]), frame([-1.0] * 3, [2, 500, 5000]))
     table = rank_bucket_transitions(cmp)
-    assert table.shape == (4, 4) and table.to_numpy().sum() == 3
+    assert table.shape == (5, 5) and table.to_numpy().sum() == 3
     assert table.loc["1-10", "1-10"] == 1
     assert table.loc["11-100", "101-1000"] == 1
     assert table.loc[">1000", ">1000"] == 1
@@ -129,3 +129,33 @@ def test_single_run_summaries_refuse_concatenated_runs(replay_df):
         trace_summary(both)
     with pytest.raises(ValueError, match=r"^engine_table \(run 'x'\) takes one run"):
         engine_table({"x": both})
+
+
+def test_lower_bound_ranks_are_bounds_in_every_rank_statistic():
+    """rank_exact False marks a lower bound (rank 21: above 20). It has its own bucket
+    unless it decides one (a bound past 1000 is >1000), counts in a rank fraction only
+    where it decides it (not <= 10, unknown for <= 100), is counted apart as n_rank_bound,
+    and is never top-1 or a rank flip (a bound of 1 says nothing); compare carries it."""
+    exact = frame([-1.0] * 4, [1, 21, 1001, 1])
+    bounded = exact.assign(rank_exact=[True, False, False, False])
+    assert rank_bucket(bounded["rank"], bounded["rank_exact"]).tolist() == [
+        "1-10", "bound", ">1000", "bound"]
+    summary = trace_summary(bounded).iloc[0]
+    assert summary["n_rank_bound"] == 3
+    assert summary["frac_rank_le_1"] == pytest.approx(1 / 3)  # the bound of 1 is unknown
+    assert summary["frac_rank_le_10"] == pytest.approx(1 / 3)  # 21 and 1001 are not <= 10
+    assert summary["frac_rank_le_100"] == pytest.approx(1 / 2)  # 21 may be, or not
+    assert summary["frac_rank_gt_1000"] == pytest.approx(1 / 2)
+    assert engine_table({"server": bounded}).iloc[0]["n_rank_bound"] == 3
+    cmp = compare(exact, bounded)
+    assert cmp["rank_exact_a"].tolist() == [True] * 4
+    assert cmp["rank_exact_b"].tolist() == [True, False, False, False]
+    assert cmp["top1_b"].tolist()[:3] == [True, False, False] and pd.isna(cmp["top1_b"][3])
+    per_trace = summarize(cmp).iloc[0]
+    assert per_trace["n_rank_bound_b"] == 3 and pd.isna(per_trace["first_rank_flip_step"])
+    metrics = dataset_summary(cmp).set_index("metric")["value"]
+    assert metrics["n_rank_bound_a"] == 0 and metrics["n_rank_bound_b"] == 3
+    assert metrics["frac_rank_le_100_b"] == pytest.approx(1 / 2)
+    moved = rank_bucket_transitions(cmp)
+    assert moved.loc["11-100", "bound"] == 1 and moved.loc[">1000", ">1000"] == 1
+    assert moved.loc["1-10", "bound"] == 1 and moved.loc["1-10", "1-10"] == 1

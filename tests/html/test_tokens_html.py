@@ -187,3 +187,21 @@ def test_save_refuses_a_fifo_and_writes_through_a_link(tmp_path, replay_df):
     link.symlink_to(target)
     out.save(link)
     assert link.is_symlink() and out.html in target.read_text(encoding="utf-8")
+
+
+def test_a_lower_bound_rank_is_shown_as_a_bound():
+    """A rank the server only bounds (rank 21, rank_exact False: past its 20 alternatives)
+    shows as ">20" in the tooltip and takes the bound bucket's colour, not 11-100's "rank
+    21"; an exact rank beside it keeps its own; in a comparison each side says its own."""
+    df = tiny([" a", " b", " c"], [21, 21, 1]).assign(rank_exact=[False, True, True])
+    got = spans(render_tokens(df, "t").html)
+    assert "rank >20" in got[0]["title"] and "rank 21" not in got[0]["title"]
+    assert "rank 21" in got[1]["title"]
+    colours = [re.search(r"background:(#\w+)", s["style"]).group(1) for s in got]
+    assert colours[0] != colours[1] and colours[0] not in (colours[2], "#e6e6e6")
+    assert ">bound</span>" in render_tokens(df, "t").html  # the legend names its swatch
+    exact = df.drop(columns="rank_exact")
+    cmp = spans(render_tokens(compare(exact, df), "t").html)
+    assert "a: logprob -0.5000 · rank 21" in cmp[0]["title"]
+    assert "b: logprob -0.5000 · rank >20" in cmp[0]["title"]
+    assert re.search(r"background:(#\w+)", cmp[0]["style"]).group(1) == colours[0]

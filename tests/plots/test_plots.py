@@ -103,7 +103,7 @@ def test_rank_buckets_single_bar_sums_to_one(replay_df):
     _, ax = plt.subplots()
     assert plot_rank_buckets(replay_df, ax=ax) is ax
     bars = [c for c in ax.containers if isinstance(c, BarContainer)]
-    assert [b.get_label() for b in bars] == ["1-10", "11-100", "101-1000", ">1000"]
+    assert [b.get_label() for b in bars] == ["1-10", "11-100", "101-1000", ">1000", "bound"]
     assert sum(b.patches[0].get_height() for b in bars) == pytest.approx(1.0)
 
 

@@ -113,3 +113,20 @@ def test_plot_trace_legend_hides_no_data(cmp, size):
     assert legend.x0 >= ax.get_window_extent(renderer).x1
     assert legend.x0 >= ax.rank_ax.get_tightbbox(renderer).x1
     assert fig.bbox.x0 <= legend.x0 and legend.x1 <= fig.bbox.x1
+
+
+def test_lower_bound_ranks_are_drawn_as_bounds():
+    """Ranks a server only bounds (rank_exact False) are drawn apart, as downward marks
+    labelled "lower bound", and make their own bar segment in the rank buckets."""
+    from trace_replay.plots.frames import plot_rank_buckets
+
+    df = pd.DataFrame({"trace_id": "t", "step": [0, 1, 2], "token_id": [5, 6, 7],
+                       "logprob": [-0.1, -4.0, -5.0], "rank": [1, 21, 21],
+                       "rank_exact": [True, False, True]})
+    ax = plot_trace(df, "t")
+    handles, names = ax.rank_ax.get_legend_handles_labels()
+    assert names == ["rank", "rank (lower bound)"]
+    assert handles[1].get_xdata().tolist() == [1] and handles[1].get_marker() == "v"
+    bars = plot_rank_buckets(df).containers
+    heights = {b.get_label(): b.patches[0].get_height() for b in bars}
+    assert heights["bound"] == pytest.approx(1 / 3) and heights["11-100"] == pytest.approx(1 / 3)

@@ -76,6 +76,7 @@ from trace_replay.analysis.ranks import (
     RANK_BUCKETS,
     as_float64,
     engine_table,
+    exact_ranks,
     first_step,
     rank_bucket,
     rank_bucket_transitions,
@@ -99,7 +100,7 @@ __all__ = [
 ]
 
 _KEY = ["trace_id", "step"]
-_SIDE_COLUMNS = ("logprob", "rank", "top_token_ids", "top_logprobs", "top_tokens", "entropy")
+_SIDE_COLUMNS = ("logprob", "rank", "rank_exact", "top_token_ids", "top_logprobs", "top_tokens", "entropy")
 
 
 def _ref_side(df: pd.DataFrame) -> pd.DataFrame:
@@ -198,8 +199,11 @@ def compare(
         ``token_id, logprob_a, logprob_b``,
         ``delta`` (logprob_b - logprob_a), ``abs_delta``, ``ratio`` (exp(delta) = p_b / p_a),
         ``k1`` (-delta), ``k3`` (ratio - 1 - delta), ``abs_delta_prob``
-        (|p_b - p_a|), ``rank_a, rank_b`` (Int64), ``top1_a, top1_b`` (rank == 1),
-        ``top1_agree`` (top1_a == top1_b; boolean, ``<NA>`` when a rank is unknown),
+        (|p_b - p_a|), ``rank_a, rank_b`` (Int64), ``rank_exact_a, rank_exact_b`` (boolean:
+        False where that rank is only a lower bound, as a side's ``rank_exact`` column says;
+        True where it has none; ``<NA>`` with the rank), ``top1_a, top1_b`` (rank == 1;
+        ``<NA>`` for a bound of 1), ``top1_agree`` (top1_a == top1_b; boolean, ``<NA>``
+        when a top-1 is unknown),
         ``bit_mismatch`` (the float32 logprobs differ in any bit, see
         :func:`~trace_replay.analysis.mismatch.bit_mismatch`), ``ulp_distance`` (Int64, float32
         ULPs, see :func:`~trace_replay.analysis.mismatch.ulp_distance`), ``nonfinite`` (either
@@ -289,15 +293,21 @@ def compare(
         cmp["k3"] = np.expm1(delta) - delta
         cmp["abs_delta_prob"] = np.abs(np.exp(lb) - np.exp(la))
     for side in ("a", "b"):
-        cmp[f"rank_{side}"] = pd.array(cmp[f"rank_{side}"], dtype="Int64")
-        cmp[f"top1_{side}"] = (cmp[f"rank_{side}"] == 1).astype("boolean")
+        rank = cmp[f"rank_{side}"] = pd.array(cmp[f"rank_{side}"], dtype="Int64")
+        exact = pd.array(exact_ranks(cmp, f"_{side}"), dtype="boolean")
+        exact[pd.isna(rank)] = pd.NA
+        cmp[f"rank_exact_{side}"] = exact
+        top1 = pd.array(rank == 1, dtype="boolean")
+        top1[(rank == 1).fillna(False) & ~exact.fillna(True)] = pd.NA  # a bound of 1: >= 1
+        cmp[f"top1_{side}"] = top1
     cmp["top1_agree"] = cmp["top1_a"] == cmp["top1_b"]
     cmp["bit_mismatch"] = bit_mismatch(la, lb)
     cmp["ulp_distance"] = ulp_distance(la, lb)
     cmp["nonfinite"] = ~(np.isfinite(la) & np.isfinite(lb))
 
     first = [*_KEY, *shared, "token_id", "logprob_a", "logprob_b", "delta", "abs_delta",
-             "ratio", "k1", "k3", "abs_delta_prob", "rank_a", "rank_b", "top1_a", "top1_b",
+             "ratio", "k1", "k3", "abs_delta_prob", "rank_a", "rank_b", "rank_exact_a",
+             "rank_exact_b", "top1_a", "top1_b",
              "top1_agree", "bit_mismatch", "ulp_distance", "nonfinite"]  # fmt: skip
     cmp = cmp[first + [c for c in cmp.columns if c not in first]]
     cmp.attrs = {"labels": labels, "attrs_a": dict(a.attrs), "attrs_b": dict(b.attrs)}
@@ -330,8 +340,10 @@ def summarize(cmp: pd.DataFrame, *, tol: float = 1e-3) -> pd.DataFrame:
         all three Int64, ``<NA>`` when none), ``n_bit_mismatch, n_nonfinite``,
         ``mean_abs_delta``, ``max_abs_delta`` (inf when any delta is not finite),
         ``sum_delta`` (the log of the sequence importance ratio), ``mean_k1, mean_k3``
-        (per-trace KL(a ‖ b) estimates), ``max_ulp_distance`` (Int64) and ``ppl_a, ppl_b``
-        (exp of minus the mean logprob). Delta statistics use finite deltas.
+        (per-trace KL(a ‖ b) estimates), ``max_ulp_distance`` (Int64), ``ppl_a, ppl_b``
+        (exp of minus the mean logprob) and ``n_rank_bound_a, n_rank_bound_b`` (ranks that
+        are only lower bounds; a bound is never a top-1 flip). Delta statistics use finite
+        deltas.
 
     Raises
     ------
@@ -374,6 +386,9 @@ def summarize(cmp: pd.DataFrame, *, tol: float = 1e-3) -> pd.DataFrame:
     out["max_ulp_distance"] = cmp["ulp_distance"].groupby(by_trace, sort=False).max()
     for side in ("a", "b"):
         out[f"ppl_{side}"] = np.exp(-g[f"logprob_{side}"].mean().astype("float64"))
+    for side in ("a", "b"):
+        out[f"n_rank_bound_{side}"] = (~exact_ranks(cmp, f"_{side}")).groupby(
+            by_trace, sort=False).sum()
     se_k1 = (-finite).groupby(by_trace, sort=False).std() / np.sqrt(
         finite.notna().groupby(by_trace, sort=False).sum())
     _warn_negative_traces(out["mean_k1"], se_k1)
@@ -417,7 +432,8 @@ def dataset_summary(cmp: pd.DataFrame) -> pd.DataFrame:
         max_ulp_distance``), then ``frac_top1_agree, n_nonfinite, frac_nonfinite`` and each
         side's cumulative rank fractions (:func:`~trace_replay.analysis.ranks.rank_fractions`)
         ``frac_rank_le_1_a, frac_rank_le_10_a, frac_rank_le_100_a, frac_rank_le_1000_a,
-        frac_rank_gt_1000_a``, then the same for ``_b``.
+        frac_rank_gt_1000_a`` (a lower-bound rank counted only where it decides) and
+        ``n_rank_bound_a`` (lower-bound ranks), then the same for ``_b``.
 
     Raises
     ------
@@ -455,7 +471,9 @@ def dataset_summary(cmp: pd.DataFrame) -> pd.DataFrame:
         "frac_nonfinite": cmp["nonfinite"].mean(),
     }
     for side in ("a", "b"):
-        for name, value in rank_fractions(cmp[f"rank_{side}"]).items():
+        exact = exact_ranks(cmp, f"_{side}")
+        for name, value in rank_fractions(cmp[f"rank_{side}"], exact).items():
             metrics[f"{name}_{side}"] = value
+        metrics[f"n_rank_bound_{side}"] = (~exact).sum()
     values = [float(v) if pd.notna(v) else np.nan for v in metrics.values()]
     return pd.DataFrame({"metric": list(metrics), "value": np.array(values, dtype="float64")})

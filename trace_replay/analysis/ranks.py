@@ -5,6 +5,14 @@ Names follow the scheme of :mod:`trace_replay.analysis.metrics` (``frac_*`` frac
 (a partition) are labelled by their rank ranges, ``"1-10"``, ``"11-100"``, ``"101-1000"``,
 ``">1000"``; the rank fractions are cumulative, ``frac_rank_le_K`` the fraction of tokens
 with rank <= K for K in :data:`RANK_CUTS`, and ``frac_rank_gt_1000`` the rest.
+
+A rank is exact unless the frame's ``rank_exact`` column says it is a lower bound (a server
+that lists 20 alternatives knows only that a token past them ranks above 20; the column is
+absent where every rank is exact). A bound is part of the rank everywhere: shown as
+``">20"`` (:func:`rank_label`), in its own bucket ``"bound"`` unless it decides one (a bound
+past 1000 is ``">1000"``), counted in a rank fraction only where it decides the predicate
+(rank 21 and up is not <= 10, but may be <= 100), counted apart as ``n_rank_bound``, and
+never top-1 unless it is exact.
 """
 
 from __future__ import annotations
@@ -16,10 +24,12 @@ import pandas as pd
 
 from trace_replay.analysis.mismatch import repeated_step, require_comparison
 
-__all__ = ["RANK_BUCKETS", "RANK_CUTS", "rank_bucket", "rank_fractions",
-           "rank_bucket_transitions", "trace_summary", "engine_table"]
+__all__ = ["BOUND_BUCKET", "RANK_BUCKETS", "RANK_CUTS", "exact_ranks", "rank_bucket",
+           "rank_fractions", "rank_label", "rank_bucket_transitions", "trace_summary",
+           "engine_table"]
 
-RANK_BUCKETS = ("1-10", "11-100", "101-1000", ">1000")
+BOUND_BUCKET = "bound"  # a lower-bound rank whose bucket it does not decide
+RANK_BUCKETS = ("1-10", "11-100", "101-1000", ">1000", BOUND_BUCKET)
 _BUCKET_EDGES = [0, 10, 100, 1000, np.inf]
 RANK_CUTS = (1, 10, 100, 1000)  # frac_rank_le_<cut>; then frac_rank_gt_<last cut>
 
@@ -52,19 +62,47 @@ def as_float64(series: pd.Series) -> np.ndarray:
     return pd.to_numeric(series).to_numpy(dtype="float64", na_value=np.nan)
 
 
+def exact_ranks(df: pd.DataFrame, suffix: str = "") -> pd.Series:
+    """Per row, whether ``rank<suffix>`` is exact: ``rank_exact<suffix>`` where present and
+    known, else True (frames of engines that give exact ranks have no such column)."""
+    column = f"rank_exact{suffix}"
+    if column not in df.columns:
+        return pd.Series(True, index=df.index)
+    return df[column].astype("boolean").fillna(True).astype(bool)
+
+
+def rank_label(rank: float, exact: bool = True) -> str:
+    """A rank as text: ``"21"``, a lower bound as ``">20"``, a missing one as ``"?"``.
+
+    Examples
+    --------
+    >>> rank_label(21), rank_label(21, exact=False), rank_label(float("nan"))
+    ('21', '>20', '?')
+    """
+    if pd.isna(rank):
+        return "?"
+    return str(int(rank)) if exact or pd.isna(exact) else f">{int(rank) - 1}"
+
+
 def first_step(df: pd.DataFrame, mask: pd.Series) -> pd.Series:
     """Per trace (in order of appearance), the smallest step where ``mask`` holds; Int64."""
     steps = df["step"].where(mask.fillna(False).astype(bool))
     return steps.groupby(df["trace_id"], sort=False).min().astype("Int64")
 
 
-def rank_bucket(rank: pd.Series | Sequence[float] | np.ndarray) -> pd.Series | pd.Categorical:
-    """GLTR bucket of each rank: "1-10", "11-100", "101-1000" or ">1000" (its rank range).
+def rank_bucket(rank: pd.Series | Sequence[float] | np.ndarray,
+                exact: pd.Series | Sequence[bool] | np.ndarray | None = None,
+                ) -> pd.Series | pd.Categorical:
+    """GLTR bucket of each rank: "1-10", "11-100", "101-1000" or ">1000" (its rank range),
+    or "bound" for a lower bound that does not decide its range.
 
     Parameters
     ----------
     rank : Series or array-like
         1-based ranks; missing ranks map to a missing bucket.
+    exact : Series or array-like of bool, optional
+        False where ``rank`` is a lower bound (the true rank is ``rank`` or more); default
+        all exact.
 
     Returns
     -------
@@ -76,31 +114,46 @@ def rank_bucket(rank: pd.Series | Sequence[float] | np.ndarray) -> pd.Series | p
     --------
     >>> list(rank_bucket([1, 10, 11, 1000, 1001]))
     ['1-10', '1-10', '11-100', '101-1000', '>1000']
+    >>> list(rank_bucket([21, 1001], exact=[False, False]))  # ranks above 20, above 1000
+    ['bound', '>1000']
     """
     values = pd.to_numeric(pd.Series(np.asarray(rank, dtype=object)), errors="coerce")
-    buckets = pd.cut(values.astype("float64"), _BUCKET_EDGES, labels=list(RANK_BUCKETS))
+    buckets = pd.cut(values.astype("float64"), _BUCKET_EDGES, labels=list(RANK_BUCKETS[:-1]))
+    buckets = buckets.cat.add_categories([BOUND_BUCKET])
+    if exact is not None:
+        bound = ~pd.Series(np.asarray(exact, dtype=object)).fillna(True).astype(bool)
+        # a bound past the last edge still decides its bucket
+        buckets[(bound & (values <= _BUCKET_EDGES[-2])).to_numpy()] = BOUND_BUCKET
     if isinstance(rank, pd.Series):
         return buckets.set_axis(rank.index).rename("rank_bucket")
     return buckets.array
 
 
-def _rank_hits(rank: pd.Series) -> pd.DataFrame:
-    """Per token, 1.0 where each rank predicate holds, else 0.0, NaN where the rank is unknown;
-    one column per :func:`rank_fractions` name, so column means are those fractions."""
+def _rank_hits(rank: pd.Series, exact: pd.Series | None = None) -> pd.DataFrame:
+    """Per token, 1.0 where each rank predicate holds, else 0.0, NaN where the rank is unknown
+    or a lower bound that does not decide it; one column per :func:`rank_fractions` name, so
+    column means are those fractions."""
     values = pd.Series(as_float64(rank), index=rank.index)
     known = values.notna()
-    hits = {f"frac_rank_le_{cut}": values <= cut for cut in RANK_CUTS}
-    hits[f"frac_rank_gt_{RANK_CUTS[-1]}"] = values > RANK_CUTS[-1]
-    return pd.DataFrame({name: hit.astype("float64").where(known) for name, hit in hits.items()})
+    exact = pd.Series(True, index=rank.index) if exact is None else exact
+    # a bound r says rank >= r: it decides "rank <= K" (false) only when r > K
+    hits = {f"frac_rank_le_{cut}": (values <= cut, exact | (values > cut))
+            for cut in RANK_CUTS}
+    last = RANK_CUTS[-1]
+    hits[f"frac_rank_gt_{last}"] = (values > last, exact | (values > last))
+    return pd.DataFrame({name: hit.astype("float64").where(known & decided)
+                         for name, (hit, decided) in hits.items()})
 
 
-def rank_fractions(rank: pd.Series) -> pd.Series:
+def rank_fractions(rank: pd.Series, exact: pd.Series | None = None) -> pd.Series:
     """Cumulative fractions of the known ranks: ``frac_rank_le_1`` ... ``frac_rank_gt_1000``.
 
     Parameters
     ----------
     rank : Series
         1-based ranks; missing ranks are left out.
+    exact : Series of bool, optional
+        False where ``rank`` is a lower bound: it counts only in the fractions it decides.
 
     Returns
     -------
@@ -113,7 +166,7 @@ def rank_fractions(rank: pd.Series) -> pd.Series:
     >>> rank_fractions(pd.Series([1, 5, 50, 2000])).tolist()
     [0.25, 0.5, 0.75, 0.75, 0.25]
     """
-    return _rank_hits(rank).mean()
+    return _rank_hits(rank, exact).mean()
 
 
 def rank_bucket_transitions(cmp: pd.DataFrame) -> pd.DataFrame:
@@ -122,13 +175,14 @@ def rank_bucket_transitions(cmp: pd.DataFrame) -> pd.DataFrame:
     Parameters
     ----------
     cmp : DataFrame
-        Output of :func:`compare`. Tokens with an unknown rank on either side are left out.
+        Output of :func:`compare`. Tokens with an unknown rank on either side are left out;
+        a lower bound is in the ``"bound"`` bucket unless it decides its range.
 
     Returns
     -------
     DataFrame
-        4 x 4 integer crosstab, index ``rank_bucket_a``, columns ``rank_bucket_b``, both in
-        :data:`RANK_BUCKETS` order; zeros included.
+        5 x 5 integer crosstab, index ``rank_bucket_a``, columns ``rank_bucket_b``, both in
+        :data:`RANK_BUCKETS` order (the last, ``"bound"``); zeros included.
 
     Raises
     ------
@@ -141,11 +195,12 @@ def rank_bucket_transitions(cmp: pd.DataFrame) -> pd.DataFrame:
     >>> a = pd.DataFrame({"trace_id": "t", "step": [0, 1, 2], "token_id": [11, 12, 13],
     ...                   "logprob": [-0.5, -1.0, -2.0], "rank": [1, 2, 1]})
     >>> moved = rank_bucket_transitions(compare(a, a.assign(rank=[1, 30, 1])))
-    >>> moved.loc["1-10"].tolist()  # from ranks 1-10 to 1-10, 11-100, 101-1000, >1000
-    [2, 1, 0, 0]
+    >>> moved.loc["1-10"].tolist()  # from ranks 1-10 to 1-10, 11-100, 101-1000, >1000, bound
+    [2, 1, 0, 0, 0]
     """
     require_comparison(cmp, "rank_bucket_transitions")
-    a, b = rank_bucket(cmp["rank_a"]), rank_bucket(cmp["rank_b"])
+    a = rank_bucket(cmp["rank_a"], exact_ranks(cmp, "_a"))
+    b = rank_bucket(cmp["rank_b"], exact_ranks(cmp, "_b"))
     known = a.notna() & b.notna()
     table = pd.crosstab(a[known].astype(str), b[known].astype(str))
     table = table.reindex(index=list(RANK_BUCKETS), columns=list(RANK_BUCKETS), fill_value=0)
@@ -168,7 +223,8 @@ def trace_summary(df: pd.DataFrame) -> pd.DataFrame:
         One row per trace, in order of first appearance: ``trace_id, n_tokens,
         mean_logprob, ppl``, the cumulative rank fractions of :func:`rank_fractions`
         (``frac_rank_le_1, frac_rank_le_10, frac_rank_le_100, frac_rank_le_1000,
-        frac_rank_gt_1000``, over the trace's known ranks), ``first_off_top1_step`` (first
+        frac_rank_gt_1000``, over the trace's known ranks, a lower bound only where it
+        decides), ``n_rank_bound`` (lower-bound ranks), ``first_off_top1_step`` (first
         step with rank > 1, Int64, ``<NA>`` when none), ``min_logprob, mean_entropy`` (NaN
         when the engine gave no entropy).
 
@@ -191,7 +247,9 @@ def trace_summary(df: pd.DataFrame) -> pd.DataFrame:
     out = pd.DataFrame({"n_tokens": df.groupby("trace_id", sort=False).size()})
     out["mean_logprob"] = per_trace(logprob)
     out["ppl"] = np.exp(-out["mean_logprob"])
-    out = out.join(_rank_hits(rank).groupby(df["trace_id"], sort=False).mean())
+    exact = exact_ranks(df)
+    out = out.join(_rank_hits(rank, exact).groupby(df["trace_id"], sort=False).mean())
+    out["n_rank_bound"] = (~exact).groupby(df["trace_id"], sort=False).sum()
     out["first_off_top1_step"] = first_step(df, rank > 1)
     out["min_logprob"] = logprob.groupby(df["trace_id"], sort=False).min()
     out["mean_entropy"] = per_trace(pd.Series(as_float64(entropy), index=df.index))
@@ -210,8 +268,9 @@ def engine_table(results: dict[str, pd.DataFrame]) -> pd.DataFrame:
     -------
     DataFrame
         ``engine`` (the label), ``path`` (``attrs["engine_path"]``), ``traces, tokens,
-        mean_logprob, frac_rank_le_1`` (share of rank-1 tokens), ``ppl`` and ``wall_s``
-        (``attrs["wall_s"]`` when the caller timed the run, else ``None``).
+        mean_logprob, frac_rank_le_1`` (share of rank-1 tokens among those whose rank
+        decides it), ``ppl``, ``wall_s`` (``attrs["wall_s"]`` when the caller timed the run,
+        else ``None``) and ``n_rank_bound`` (lower-bound ranks).
 
     Examples
     --------
@@ -227,7 +286,9 @@ def engine_table(results: dict[str, pd.DataFrame]) -> pd.DataFrame:
         rows.append({"engine": name, "path": df.attrs.get("engine_path"),
                      "traces": df["trace_id"].nunique(), "tokens": len(df),
                      "mean_logprob": df["logprob"].mean(),
-                     "frac_rank_le_1": (df["rank"] == 1).mean(),
+                     "frac_rank_le_1": _rank_hits(df["rank"], exact_ranks(df))
+                     ["frac_rank_le_1"].mean(),
                      "ppl": float(np.exp(-df["logprob"].mean())),
-                     "wall_s": df.attrs.get("wall_s")})
+                     "wall_s": df.attrs.get("wall_s"),
+                     "n_rank_bound": int((~exact_ranks(df)).sum())})
     return pd.DataFrame(rows)

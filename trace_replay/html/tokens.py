@@ -18,11 +18,12 @@ import pandas as pd
 from trace_replay._io import write_atomic
 from trace_replay.wording import WHITESPACE_MARKS, plural, visible_token
 from trace_replay.analysis.metrics import compare, rank_bucket
+from trace_replay.analysis.ranks import exact_ranks, rank_label
 
 __all__ = ["TokenHTML", "render_tokens"]
 
 _BUCKET_BG = {"1-10": "#b8e6b8", "11-100": "#fbe99a", "101-1000": "#f7b3ae",
-              ">1000": "#dcc6f2"}  # fmt: skip
+              ">1000": "#dcc6f2", "bound": "#b9d3ee"}  # fmt: skip
 _UNKNOWN_BG = "#e6e6e6"
 _NONFINITE_BG = "#555555"
 _LOGPROB_FLOOR = -10.0
@@ -153,7 +154,7 @@ def _tooltip(row: pd.Series, comparison: bool, labels: tuple[str, str] | None) -
     for side, label in sides:
         suffix = f"_{side}" if side else ""
         rank = row.get(f"rank{suffix}")
-        rank_text = "?" if pd.isna(rank) else str(int(rank))
+        rank_text = rank_label(rank, row.get(f"rank_exact{suffix}", True))
         prefix = f"{label}: " if label else ""
         lines.append(f"{prefix}logprob {float(row[f'logprob{suffix}']):.4f} · rank {rank_text}")
         top = _alternatives(row, suffix)
@@ -226,8 +227,13 @@ def render_tokens(
     rows = rows.sort_values("step")
 
     if color_by == "rank":
-        rank = rows["rank_b"].fillna(rows["rank_a"]) if comparison else rows["rank"]
-        values = rank_bucket(rank).astype(object).tolist()
+        if comparison:  # side b's rank, or side a's where b has none
+            on_b = rows["rank_b"].notna()
+            rank = rows["rank_b"].fillna(rows["rank_a"])
+            exact = exact_ranks(rows, "_b").where(on_b, exact_ranks(rows, "_a"))
+        else:
+            rank, exact = rows["rank"], exact_ranks(rows)
+        values = rank_bucket(rank, exact).astype(object).tolist()
     elif color_by == "delta":
         values = rows["delta"].to_numpy(dtype="float64").tolist()
     else:

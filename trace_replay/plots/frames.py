@@ -32,7 +32,7 @@ from trace_replay.plots._figures import (
 from trace_replay.wording import plural
 from trace_replay.analysis.metrics import NegativeEstimateWarning, summarize
 from trace_replay.analysis.mismatch import require_comparison
-from trace_replay.analysis.ranks import RANK_BUCKETS, rank_bucket
+from trace_replay.analysis.ranks import RANK_BUCKETS, exact_ranks, rank_bucket
 from trace_replay.plots.trace import plot_trace
 
 __all__ = [
@@ -397,7 +397,9 @@ def plot_rank_buckets(
     """Stacked bars of GLTR rank-bucket fractions, one bar per value of ``hue``.
 
     A comparison frame gets one bar per side with a known rank (``hue`` ignored), named by
-    ``labels``; a single run without ``hue`` one bar named from its attrs.
+    ``labels``; a single run without ``hue`` one bar named from its attrs. Lower-bound
+    ranks (``rank_exact`` False) that do not decide their range make a bucket of their own,
+    ``"bound"``.
 
     Parameters
     ----------
@@ -428,15 +430,17 @@ def plot_rank_buckets(
     hue = hue or by
     if _is_comparison(data):
         label_a, label_b = side_labels(data, labels)
-        sides = [(label_a, data["rank_a"]), (label_b, data["rank_b"])]
-        groups = [(name, rank) for name, rank in sides if rank.notna().any()]
+        sides = [(label_a, rank_bucket(data["rank_a"], exact_ranks(data, "_a"))),
+                 (label_b, rank_bucket(data["rank_b"], exact_ranks(data, "_b")))]
+        groups = [(name, buckets) for name, buckets in sides if buckets.notna().any()]
     elif hue is None:
-        groups = [(run_label(data.attrs) or "all", data["rank"])]
+        groups = [(run_label(data.attrs) or "all", rank_bucket(data["rank"], exact_ranks(data)))]
     else:
-        groups = [(key, part["rank"]) for key, part in _groups(data, hue)]
+        groups = [(key, rank_bucket(part["rank"], exact_ranks(part)))
+                  for key, part in _groups(data, hue)]
     ax = own_axes(ax, (max(4.0, 1.1 * len(groups) + 2.5), 4.0))
     fractions = pd.DataFrame(
-        {name: rank_bucket(rank).value_counts(normalize=True) for name, rank in groups}
+        {name: buckets.value_counts(normalize=True) for name, buckets in groups}
     ).reindex(list(RANK_BUCKETS)).fillna(0.0)
     bottom = np.zeros(fractions.shape[1])
     for bucket, row in fractions.iterrows():

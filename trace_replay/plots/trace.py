@@ -11,6 +11,7 @@ from matplotlib.transforms import offset_copy
 
 from trace_replay.plots._figures import finish, own_axes, run_label, side_labels
 from trace_replay.analysis.metrics import compare
+from trace_replay.analysis.ranks import exact_ranks
 from trace_replay.wording import visible_token
 
 __all__ = ["plot_trace"]
@@ -144,9 +145,13 @@ def plot_trace(
         ax.plot(steps, part[logprob], style, color=color, lw=3 if wide else 1, ms=4,
                 alpha=0.45 if wide else 1.0, label=f"logprob {name}".strip())  # fmt: skip
         ranks = part[rank].astype("float64")
-        if ranks.notna().any():
-            rank_ax.plot(steps, ranks, "x", color=color, ms=4, alpha=0.5,
+        bound = ~exact_ranks(part, rank[len("rank"):]).to_numpy()
+        if ranks[~bound].notna().any():
+            rank_ax.plot(steps[~bound], ranks[~bound], "x", color=color, ms=4, alpha=0.5,
                          label=f"rank {name}".strip())  # fmt: skip
+        if bound.any():  # a lower bound: the rank is this or below it (the axis runs down)
+            rank_ax.plot(steps[bound], ranks[bound], "v", color=color, ms=4, alpha=0.5,
+                         label=f"rank {name} (lower bound)".replace("  ", " "))  # fmt: skip
     steps = np.unique(shown["step"].to_numpy())
     if cmp is not None:
         delta = shown["delta"].to_numpy(dtype="float64")
