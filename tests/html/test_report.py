@@ -193,3 +193,23 @@ def test_a_partial_result_is_marked_at_the_top(tmp_path, frames):
         write_report(shard, out=tmp_path / "s.html")
     whole = write_report(frames[0], out=tmp_path / "w.html").read_text(encoding="utf-8")
     assert "tr-warn'" not in whole
+
+
+def test_comparison_report_has_bounded_distributions_when_tails_were_recorded(frames,
+                                                                             tmp_path):
+    """Two frames with their tail mass get a 'Full distributions (bounded)' section (table
+    and three figures); an exact replay_pair frame passed in is shown as exact."""
+    import numpy as np
+
+    from trace_replay.engines.distributions import tail_from_top
+
+    a, b = (f.assign(tail_logmass=tail_from_top(np.stack(f["top_logprobs"].map(np.asarray))))
+            for f in frames)
+    page = write_report(a, b, out=tmp_path / "d.html", n_traces=2).read_text(encoding="utf-8")
+    assert "Full distributions (bounded)" in page and "kl_ab_lower" in page
+    assert page.count('src="data:image/png;base64,') == 5 + 2 + 3
+    exact = a[["trace_id", "step"]].assign(kl_ab=1e-4, kl_ba=1e-4, tv=1e-2, js=1e-5)
+    exact.attrs = {"distribution_form": "exact"}
+    page = write_report(*frames, out=tmp_path / "e.html", n_traces=2,
+                        distributions=exact).read_text(encoding="utf-8")
+    assert "Full distributions (exact)" in page

@@ -148,6 +148,42 @@ def _comparison_sections(cmp: pd.DataFrame, tol: float) -> list[str]:
     ]
 
 
+def _bounds(df_a: pd.DataFrame, df_b: pd.DataFrame, cmp: pd.DataFrame) -> pd.DataFrame | None:
+    """The bounded divergences of two frames that both recorded their tail mass, else None."""
+    from trace_replay.analysis.distribution_bounds import distribution_bounds
+
+    if not all("tail_logmass" in f and f["tail_logmass"].notna().all() for f in (df_a, df_b)):
+        return None
+    keep = cmp[["trace_id", "step"]]
+    return distribution_bounds(df_a.merge(keep, on=["trace_id", "step"]),
+                               df_b.merge(keep, on=["trace_id", "step"]),
+                               labels=cmp.attrs["labels"])
+
+
+def _distribution_sections(dist: pd.DataFrame, tol: float) -> list[str]:
+    """Full-distribution divergence: a table of means and p99s, the KL and TV histograms and
+    the first token past ``tol`` in KL, saying which form (exact or bounded) each is."""
+    from trace_replay.plots.distributions import plot_distribution_hist, plot_first_past
+
+    form = dist.attrs.get("distribution_form", "exact")
+    rows = []
+    for metric in ("kl_ab", "kl_ba", "tv", "js"):
+        for column in ([metric] if form == "exact" else [f"{metric}_lower", f"{metric}_upper"]):
+            values = dist[column].astype(float)
+            rows.append({"column": column, "mean": values.mean(),
+                         "p99": values.quantile(0.99, interpolation="higher"),  # inf-safe
+                         "max": values.max()})
+    note = ("exact: from both engines' full logits (a paired replay)" if form == "exact" else
+            "bounded: from each run's top-k and tail mass; the exact value lies between "
+            "_lower and _upper (KL's upper bound is infinite)")
+    return [f"<h2>Full distributions ({form})</h2><p class='tr-note'>{html.escape(note)}</p>",
+            _table(pd.DataFrame(rows)),
+            _figure(lambda ax: plot_distribution_hist(dist, metric="kl_ab", ax=ax), "KL hist"),
+            _figure(lambda ax: plot_distribution_hist(dist, metric="tv", ax=ax), "TV hist"),
+            _figure(lambda ax: plot_first_past(dist, metric="kl_ab", tol=tol, ax=ax),
+                    "first token past tol in KL")]
+
+
 def _trace_sections(frame: pd.DataFrame, trace_ids: list, color_by: str, tol: float) -> list[str]:
     parts = ["<h2>Worst traces</h2>"]
     for trace_id in trace_ids:
@@ -167,6 +203,7 @@ def write_report(
     n_traces: int = 5,
     title: str | None = None,
     drop_mismatched: bool = False,
+    distributions: pd.DataFrame | None = None,
 ) -> Path:
     """Write a self-contained HTML report of a replay, or of two replays compared.
 
@@ -195,6 +232,10 @@ def write_report(
     drop_mismatched : bool
         Leave out traces whose prompt or trace tokens differ between a and b (the page and
         a warning say how many) instead of refusing them (:func:`~trace_replay.compare`).
+    distributions : DataFrame, optional
+        A :func:`~trace_replay.replay_pair` frame of the same traces (exact full-distribution
+        divergence). Without it, a comparison of two frames that recorded their tail mass
+        gets the bounded form (:func:`~trace_replay.distribution_bounds`).
 
     Returns
     -------
@@ -230,6 +271,9 @@ def write_report(
         title = title or f"trace replay: {labels[1]} vs {labels[0]}"
         sides = [(f"a: {labels[0]}", df_a.attrs), (f"b: {labels[1]}", df_b.attrs)]
         parts += _comparison_sections(cmp, tol)
+        dist = distributions if distributions is not None else _bounds(df_a, df_b, cmp)
+        if dist is not None:
+            parts += _distribution_sections(dist, tol)
         worst = summarize(cmp, tol=tol).nlargest(n_traces, "max_abs_delta", keep="first")
         parts += _trace_sections(cmp, worst["trace_id"].tolist(), "delta", tol)
     else:
