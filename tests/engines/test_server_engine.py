@@ -7,6 +7,7 @@ reference numbers while the first server boots.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import re
@@ -387,6 +388,8 @@ class CraftedHandler(BaseHTTPRequestHandler):
         else:
             trace = body["sampling_params"]["extra_args"][TRACE_KEY]
             fault = fault if len(trace) == 1 else None
+            if len(trace) > 1:
+                self.server.swap_when_asked()
             if fault == "slow":
                 time.sleep(1.0)
             if fault == "error":
@@ -423,12 +426,24 @@ def _honest_entry(token: int, shift: float = 0.0) -> dict:
                              for t, lp, r in alternatives]}
 
 
+def _swap_when_asked(httpd: ThreadingHTTPServer) -> None:
+    """Count a trace asked of ``httpd``; the one after the first ``swap_after`` is scored,
+    and everything after it (probes too), with ``swapped_shift``: weights loaded mid-run."""
+    with httpd.lock:
+        if httpd.swap_after is not None and httpd.asked >= httpd.swap_after:
+            httpd.shift = httpd.swapped_shift
+        httpd.asked += 1
+
+
 def _start_crafted(shift: float = 0.0, fault: str | None = None) -> ThreadingHTTPServer:
     """A crafted server on a free port of 127.0.0.1, answering honestly but for ``shift`` and
     ``fault``; shut it down with ``shutdown()`` and ``server_close()``."""
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), CraftedHandler)
+    httpd.lock = threading.Lock()
     httpd.craft, httpd.shift, httpd.fault = (lambda step, entry: entry), shift, fault
     httpd.padding = 0  # characters of filler in answers to traces longer than one token
+    httpd.swap_after = httpd.swapped_shift = None  # see _swap_when_asked
+    httpd.asked, httpd.swap_when_asked = 0, functools.partial(_swap_when_asked, httpd)
     httpd.models = {"data": [{"id": "SmolLM2-135M-Instruct", "max_model_len": 1024}]}
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     return httpd
@@ -747,3 +762,80 @@ def test_a_closed_server_engine_says_it_is_closed(crafted):
         engine.run([request])
     with pytest.raises(EngineClosed, match=r"engine 'vllm-server' is closed: weights_digest"):
         engine.weights_digest()
+
+
+# --- a server whose weights change mid-run --------------------------------------------------
+
+SIX_TRACES = [{"id": f"t{i}", "prompt_token_ids": [504, 3575], "trace_token_ids": [282, 4649 + i]}
+              for i in range(6)]
+
+
+def _parts_traces(folder: Path) -> list[str]:
+    """The trace ids the checkpoint parts in ``folder`` hold, sorted."""
+    return sorted({t for part in folder.glob("part-*.parquet")
+                   for t in pd.read_parquet(part, columns=["trace_id"])["trace_id"]})
+
+
+def test_the_cli_refuses_a_server_that_swaps_weights_mid_run(start_crafted, tmp_path, capsys):
+    """Six traces, --batch-size 1 --chunk-size 1 --checkpoint, against a server whose weights
+    change when the 4th trace is asked: exit 2 naming t3, the first trace scored with the new
+    weights; the parts of t0-t2, each verified by a probe after it, are kept, and nothing of
+    t3-t5 is written (exit 0 before, t0-t2 old numbers, t3-t5 new, one weights_digest). A
+    rerun against the moved server is refused as other weights."""
+    from trace_replay.cli import main
+
+    server = start_crafted()
+    server.swap_after, server.swapped_shift = 3, 0.5
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(t) + "\n" for t in SIX_TRACES))
+    args = ["replay", str(path), "--engine", "vllm-server", "--engine-arg",
+            f"base_url={_url(server)}", "--engine-arg", "max_retries=0", "--top-k", "2",
+            "--batch-size", "1", "--chunk-size", "1", "--checkpoint", str(tmp_path / "ck"),
+            "--out", str(tmp_path / "r.parquet"), "--quiet"]
+    status = main(args)
+    error = capsys.readouterr().err
+    assert status == 2, error
+    assert error.startswith("trace-replay: error: the weights of engine 'vllm-server' changed "
+                            "during the run"), error
+    assert "trace 't3' may hold the new weights' numbers" in error
+    assert "the 3 traces verified before it are in checkpoint" in error
+    assert _parts_traces(tmp_path / "ck") == ["t0", "t1", "t2"]
+    assert not (tmp_path / "r.parquet").exists()
+    assert main(args) == 2
+    assert "other settings (weights_digest" in capsys.readouterr().err
+
+
+def test_replay_without_checkpoint_refuses_a_swap_naming_the_batch(start_crafted):
+    """Without a checkpoint the weights are read again after each engine call: a swap at the
+    4th trace, with 2 traces per call, stops the run naming t2, the first trace of the call
+    that saw the change."""
+    from trace_replay.runs.weights_watch import WeightsChanged
+
+    server = start_crafted()
+    server.swap_after, server.swapped_shift = 3, 0.5
+    with pytest.raises(WeightsChanged, match=r"trace 't2' and the 1 trace computed after it "
+                                             r"may hold") as error:
+        replay(SIX_TRACES, engine="vllm-server", top_k=2, batch_size=1, chunk_size=2,
+               progress=False, engine_args={"base_url": _url(server), "max_retries": 0})
+    assert error.value.trace_id == "t2"
+
+
+def test_a_server_steady_within_its_rounding_is_not_refused(start_crafted, tmp_path):
+    """A probe number moving 0.002 nats mid-run across a rounding edge of the fingerprint
+    (-1.004 to -1.006: -1.0 and -1.01 rounded) keeps the run's digest, so the run ends as
+    usual (exit 0), its rows keyed on the digest it started with; a move of 0.05 is a
+    change. The engine's digest stands while every number stays within 0.005 nats of the
+    scores that first gave it."""
+    server = start_crafted(shift=0.004)
+    with make_engine("vllm-server", top_k=2, engine_args={"base_url": _url(server)}) as engine:
+        first = engine.weights_digest()
+        server.shift = 0.006
+        assert engine.weights_digest() == first
+        server.shift = 0.054
+        assert engine.weights_digest() != first
+    server.shift = 0.004
+    server.swap_after, server.swapped_shift = 3, 0.006
+    df = replay(SIX_TRACES, engine="vllm-server", top_k=2, batch_size=1, chunk_size=1,
+                progress=False, checkpoint=tmp_path / "ck",
+                engine_args={"base_url": _url(server), "max_retries": 0})
+    assert df["trace_id"].unique().tolist() == [f"t{i}" for i in range(6)]

@@ -276,6 +276,31 @@ def test_impossible_rows_are_named_and_the_rest_saved(engine, records, tmp_path)
     assert not list(tmp_path.glob("*.corrupt"))
 
 
+def test_a_part_that_fails_verification_is_never_written(engine, records, tmp_path):
+    """``verify`` hears of each part's traces, in order, before it is written; a part it
+    refuses (the engine's weights changed) is not written, not even by the save on the way
+    out of the error, while the parts verified before it stay."""
+    from trace_replay.runs.checkpoint import Checkpoint
+
+    requests, rows = _requests_and_rows(engine, records[:3])
+    heard = []
+
+    def verify(trace_ids: list[str]) -> None:
+        heard.append(trace_ids)
+        if len(heard) == 2:
+            raise RuntimeError("weights changed")
+
+    with pytest.raises(RuntimeError, match="weights changed"):
+        with Checkpoint(tmp_path, engine.settings(), requests, batch_size=1, max_traces=1,
+                        verify=verify) as store:
+            while group := store.claim():
+                store.add(rows[rows["trace_id"].isin([r.trace_id for r in group])])
+    assert heard == [["paris"], ["code"]]
+    with Checkpoint(tmp_path, engine.settings(), requests) as store:
+        assert store.resumed == 1
+        assert [r.trace_id for r in store.claim(most=3)] == ["code", "long"]
+
+
 def test_rows_lost_again_and_again_are_an_error_not_a_loop(engine, records, tmp_path):
     """A trace whose rows never reach a part (here: left out of every frame added) is
     computed at most ``max_computations`` times, then an error names it."""

@@ -16,7 +16,7 @@ import os
 import time
 import warnings
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -111,6 +111,9 @@ class Checkpoint:
       runs on one folder split the work; a dead run's claims are taken over.
     * A part is written every ``max_traces`` traces and every ``every_s`` seconds of
       compute (at engine-call granularity; calls shrink to fit ``every_s``).
+    * Before a part is written, ``verify`` hears of its traces; when it raises (the
+      engine's weights changed, :mod:`~trace_replay.runs.weights_watch`), the part's rows
+      are dropped, never written, on the way out of the error too.
 
     The run loop: ``claim()`` traces, compute them, ``add()`` their frame; when ``claim()``
     gives nothing, ``waiting()`` sleeps while other runs hold claims on this run's traces,
@@ -135,6 +138,9 @@ class Checkpoint:
     vocab_size
         The engine's vocabulary size: parts are checked against its bounds (ranks, token
         ids, the most likely token's logprob) as the engine's results were; ``None``: not.
+    verify
+        Called with the trace ids of each part before it is written, in the order they
+        were computed; raising refuses the part (``None``: every part is written).
     """
 
     poll_s = 0.5  # how often a run waiting on other runs' claims looks again
@@ -145,7 +151,8 @@ class Checkpoint:
                  traces: Mapping[str, Trace] | None = None, *,
                  batch_size: int = 1,
                  max_traces: int = 32, every_s: float = 10.0,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None,
+                 verify: Callable[[list[str]], None] | None = None) -> None:
         self.path = Path(path)
         if self.path.exists() and not self.path.is_dir():
             raise ValueError(f"checkpoint {self.path} exists and is not a folder")
@@ -154,6 +161,7 @@ class Checkpoint:
         self.key = settings_key(settings)
         self.top_k, self.vocab_size = settings.get("top_k"), vocab_size
         self.batch_size, self.max_traces, self.every_s = batch_size, max_traces, every_s
+        self._verify = verify
         traces = traces or {}
         self._labelled = any(t.trace_roles is not None for t in traces.values())
         self._requests = {trace_digest(self.key, r, traces.get(r.trace_id)): r for r in requests}
@@ -301,7 +309,14 @@ class Checkpoint:
         waited = time.monotonic() - self._last_write
         due = self._buffered() >= self.max_traces or waited >= self.every_s
         if force or due:
-            failed = self._write(pd.concat(self._buffer, ignore_index=True))
+            frame = pd.concat(self._buffer, ignore_index=True)
+            if self._verify is not None:
+                try:
+                    self._verify(frame["trace_id"].unique().tolist())
+                except BaseException:
+                    self._buffer = []  # rows that failed verification are never written
+                    raise
+            failed = self._write(frame)
             self._buffer = []
             if failed:
                 raise not_saved(self.path, failed)

@@ -20,10 +20,12 @@ from trace_replay.runs.checkpoint import Checkpoint
 from trace_replay.runs.kept_engines import kept_engine
 from trace_replay.engines import ENGINES
 from trace_replay.engines.base import Engine, ReplayRequest, check_engine, engine_identity
+from trace_replay.engines.moving_weights import MovingWeights
 from trace_replay.runs.cluster import RayCluster, as_cluster
 from trace_replay.runs.frame import TokenDecoder, run_checked
 from trace_replay.runs.stages import (finish_frame, package_versions, prepare_requests,
                                   prepare_run, resuming_message, run_attrs)
+from trace_replay.runs.weights_watch import WeightsWatch
 from trace_replay.traces.trace import FIELDS
 from trace_replay.traces.sets import TraceError, TraceSet, load_traces
 
@@ -281,14 +283,24 @@ def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
             advance(max(target - counted, 0))  # an engine that reported fewer catches up
             return frame
 
+        # an engine whose weights can change under it (a server) is read again before rows
+        # are kept: after each engine call, or before each checkpoint part
+        watch = None
+        if isinstance(engine, MovingWeights) and engine.weights_can_change is True:
+            watch = WeightsWatch(engine, settings.get("weights_digest"),
+                                 kept_in=checkpoint and f"checkpoint {checkpoint}")
         if checkpoint is None:
-            frames = [run(requests[start:start + chunk])
-                      for start in range(0, len(requests), chunk)]
+            frames = []
+            for start in range(0, len(requests), chunk):
+                frames.append(run(requests[start:start + chunk]))
+                if watch is not None:
+                    watch.check([r.trace_id for r in requests[start:start + chunk]])
             result = pd.concat(frames, ignore_index=True) if frames else None
         else:
             with Checkpoint(checkpoint, settings, requests, by_id,
                             batch_size=batch, max_traces=chunk, every_s=checkpoint_every,
-                            vocab_size=vocab_size) as store:
+                            vocab_size=vocab_size,
+                            verify=None if watch is None else watch.check) as store:
                 resumed = store.resumed
                 advance(store.resumed_tokens)
                 if resumed and progress:

@@ -48,7 +48,7 @@ from trace_replay.engines.server.responses import (RANK_DEPTH, answer_bytes, com
                                                  emitted_ids, generate_steps, model_card)
 from trace_replay.engines.server.native import (NOT_OFFERED, TraceNotForced, engine_path,
                                                 how_to_start, native_refusal, trace_field)
-from trace_replay.engines.server.probe import PROBE_TEXT, fingerprint, probe_requests
+from trace_replay.engines.server.probe import PROBE_TEXT, Fingerprints, probe_requests
 from trace_replay.engines.validate import ImpossibleResult, check_results
 from trace_replay.models.load import EMBEDDED_MODEL, ModelNotFoundError, hf_folder
 from trace_replay.engines.vllm_contract import TRACE_KEY
@@ -91,6 +91,7 @@ class ServerEngine(EngineBase):
     """
 
     name = "vllm-server"
+    weights_can_change = True  # a server may load other weights while it serves: MovingWeights
     _pool: ThreadPoolExecutor | None = None  # None until started, and once closed
 
     def __init__(self, config: EngineConfig | None = None, *,
@@ -117,6 +118,7 @@ class ServerEngine(EngineBase):
             raise TypeError("engine 'vllm-server' runs the server's model: pass model= only "
                             "to name its tokenizer (a folder or a cached name)")
         self.base_url = str(options["base_url"]).rstrip("/")
+        self._fingerprints = Fingerprints(self.base_url)
         self.engine_path = "vllm-server-forcing"
         self.client = JsonClient(self.base_url.removesuffix("/v1"),
                                  api_key=options.get("api_key") or os.environ.get("VLLM_API_KEY"),
@@ -161,8 +163,12 @@ class ServerEngine(EngineBase):
         """What the server serves, read now: a digest of ``base_url`` and of the scores it
         gives the fixed probe, rounded (:func:`~trace_replay.engines.server.probe.
         fingerprint`). A checkpoint keys on it, so rows computed against another server, or
-        against this address before a restart with other weights, are never served."""
-        return fingerprint(self.base_url, self._score_probe())
+        against this address before a restart with other weights, are never served. Read
+        again, it stands while the probe's numbers move less than 0.005 nats
+        (:class:`~trace_replay.engines.server.probe.Fingerprints`); ``replay`` reads it
+        before it keeps rows, since a server's weights can change while it serves
+        (``weights_can_change``)."""
+        return self._fingerprints(self._score_probe())
 
     def stats(self) -> dict[str, Any]:
         return {"server_url": self.base_url, "server_requests": self.client.requests,

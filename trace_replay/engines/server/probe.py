@@ -13,6 +13,14 @@ server that moves its numbers a little between start-ups (another batch composit
 load: ~1e-6 in float32) keep its checkpoint; a number that happens to lie within that
 movement of a rounding edge flips the digest, and the checkpoint is then refused as other
 settings: a false refusal, never a false resume.
+
+A server's weights can change while it serves (an RL rollout server loads each training
+step's), so a replay reads the fingerprint again before it keeps rows
+(:mod:`~trace_replay.runs.weights_watch`). One engine reads it through one
+:class:`Fingerprints`, which gives the digest it gave before while every probe number stays
+within :data:`STEADY_NATS` of the scores that first gave it: a number lying near a rounding
+edge does not flip the digest mid-run. A change moving a probe number by more than 0.01 nats
+always changes the digest; one of less than 0.005 never does.
 """
 
 from __future__ import annotations
@@ -23,12 +31,16 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from trace_replay.engines.base import ReplayRequest, TraceResult
 
-__all__ = ["FINGERPRINT_DECIMALS", "PROBE_TEXT", "fingerprint", "probe_requests"]
+__all__ = ["FINGERPRINT_DECIMALS", "PROBE_TEXT", "STEADY_NATS", "Fingerprints", "fingerprint",
+           "probe_requests"]
 
 PROBE_TEXT = "Replay checks the tokenizer: déjà vu, 3.14 ✓\n    return x"
 FINGERPRINT_DECIMALS = 2  # 0.01 nats: far above float32 noise, far below another model's
+STEADY_NATS = 0.005  # half a rounding step: an engine's digest stands while scores move less
 
 
 def probe_requests(tokenizer: Any) -> list[ReplayRequest]:
@@ -49,3 +61,42 @@ def fingerprint(base_url: str, results: Sequence[TraceResult]) -> str:
               for r in results]
     text = json.dumps({"base_url": base_url, "probe": scores}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+class Fingerprints:
+    """The fingerprints of the server at ``base_url`` as one engine reads them, run after run.
+
+    Each call digests the probe's ``results`` (:func:`fingerprint`), but gives the digest it
+    gave before while every probe number is within :data:`STEADY_NATS` of the scores that
+    first gave that digest; those scores stay the reference while the digest does, so a slow
+    drift cannot carry it along.
+    """
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+        self._first: tuple[np.ndarray, str] | None = None  # (scores, the digest they gave)
+
+    def __call__(self, results: Sequence[TraceResult]) -> str:
+        scores = _scores(results)
+        if self._first is not None and _within(scores, self._first[0], STEADY_NATS):
+            return self._first[1]
+        digest = fingerprint(self.base_url, results)
+        if self._first is None or digest != self._first[1]:
+            self._first = (scores, digest)
+        return digest
+
+
+def _scores(results: Sequence[TraceResult]) -> np.ndarray:
+    """The numbers :func:`fingerprint` digests, in one flat array."""
+    return np.concatenate([np.concatenate([[r.token_ids[0], r.logprob[0]],
+                                           np.asarray(r.top_logprobs[0], dtype=np.float64)])
+                           for r in results]).astype(np.float64)
+
+
+def _within(a: np.ndarray, b: np.ndarray, nats: float) -> bool:
+    """Whether ``a`` and ``b`` are numbers of one shape each within ``nats`` of the other
+    (an infinity equal to the same infinity only)."""
+    if a.shape != b.shape:
+        return False
+    same = (a == b) | (np.abs(a - b) <= nats)
+    return bool(same.all())
