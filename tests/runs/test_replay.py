@@ -201,7 +201,7 @@ def test_an_engine_object_lacking_protocol_members_is_refused(engine):
 
     hello = [{"id": "t", "prompt": "Hi", "completion": " there"}]
     with pytest.raises(TypeError, match=r"^engine must be a name \(auto, .*\) or an Engine: "
-                                        r"Scorer is not an Engine: it lacks .*activations, "
+                                        r"Scorer is not an Engine: it lacks .*"
                                         r"batch_size, .*tokenizer, vocab_size, weights_digest"):
         replay(hello, engine=Scorer(), progress=False)
 
