@@ -120,6 +120,35 @@ def test_wait_returns_once_models_are_listed():
         httpd.server_close()
 
 
+def test_wait_asks_through_the_server_client_with_the_key():
+    """wait_for_server asks as every server call does (JsonClient): a server started with
+    --api-key answers 401 without the key, so waiting times out saying so, and returns
+    once the key is given (it could not wait for such a server)."""
+
+    class Keyed(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            ok = self.headers["Authorization"] == "Bearer k"
+            body = json.dumps({"data": [{"id": "m"}]} if ok else {"error": "unauthorized"})
+            self.send_response(200 if ok else 401)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Keyed)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_port}/v1"
+    try:
+        with pytest.raises(TimeoutError, match=r"within 1 s \(last: .*HTTP 401: unauthorized"):
+            wait_for_server(url, timeout_s=1)
+        wait_for_server(url, timeout_s=30, api_key="k")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads /proc (Linux)")
 def test_stop_ends_the_whole_process_group(tmp_path):
     """stop_server ends the server and the processes it started (vLLM's engine core and

@@ -14,8 +14,9 @@ Parallelism is vLLM's own (``--tensor-parallel-size 2`` among the extra options)
 more than one rank starts with NVLink multicast off (:data:`MULTICAST_OFF`, where the user has
 not set those variables), see :func:`serve_environment`.
 
-This module imports only the standard library and the constants of
-:mod:`~trace_replay.engines.vllm_contract`; the model is resolved when a command is built.
+This module imports only the standard library, the constants of
+:mod:`~trace_replay.engines.vllm_contract` and the server client (standard library only);
+the model is resolved when a command is built.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from trace_replay.engines.server.http_client import JsonClient, ServerError
 from trace_replay.engines.vllm_contract import FORCING_PROCESSOR, MULTICAST_OFF, TRACE_KEY
 
 __all__ = ["FORCING_PROCESSOR", "HIDDEN", "MULTICAST_OFF", "SECRET_OPTIONS", "TRACE_KEY",
@@ -189,26 +190,33 @@ def start_server(command: Sequence[str], log_path: str | os.PathLike) -> subproc
 
 
 def wait_for_server(base_url: str, process: subprocess.Popen | None = None, *,
-                    timeout_s: float = 600.0, log_path: str | os.PathLike | None = None) -> None:
+                    timeout_s: float = 600.0, log_path: str | os.PathLike | None = None,
+                    api_key: str | None = None) -> None:
     """Return once ``base_url`` lists its models; raise if ``process`` exits or time runs out.
 
-    The error carries the end of ``log_path`` (the server's output), which says why.
+    It asks through the client every server call goes through
+    (:class:`~trace_replay.engines.server.http_client.JsonClient`: no redirect to another
+    address, answers capped), with ``api_key`` for a server started with ``--api-key``. The
+    error carries the last problem and the end of ``log_path`` (the server's output), which
+    says why.
     """
     deadline = time.monotonic() + timeout_s
-    url = base_url.rstrip("/") + "/models"
+    client = JsonClient(base_url.rstrip("/"), api_key=api_key, timeout_s=5, max_retries=0)
+    problem = "nothing tried"
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
             raise RuntimeError(f"the server exited with status {process.returncode} before "
                                f"answering at {base_url}{_log_tail(log_path)}")
         try:
-            with urllib.request.urlopen(url, timeout=5) as response:
-                if json.loads(response.read()).get("data"):
-                    return
-        except (OSError, ValueError):
-            pass  # not listening yet
+            answer = client.get("/models")
+            if isinstance(answer, dict) and answer.get("data"):
+                return
+            problem = "it lists no model yet"
+        except ServerError as error:
+            problem = str(error)  # not listening yet, or not ready
         time.sleep(1.0)
-    raise TimeoutError(f"no server answered at {base_url} within {timeout_s:.0f} s"
-                       f"{_log_tail(log_path)}")
+    raise TimeoutError(f"no server answered at {base_url} within {timeout_s:.0f} s (last: "
+                       f"{problem}){_log_tail(log_path)}")
 
 
 def stop_server(process: subprocess.Popen, *, grace_s: float = 30.0) -> None:
