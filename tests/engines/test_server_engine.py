@@ -839,3 +839,32 @@ def test_a_server_steady_within_its_rounding_is_not_refused(start_crafted, tmp_p
                 progress=False, checkpoint=tmp_path / "ck",
                 engine_args={"base_url": _url(server), "max_retries": 0})
     assert df["trace_id"].unique().tolist() == [f"t{i}" for i in range(6)]
+
+
+def test_a_cluster_actor_refuses_a_swap_before_writing_its_part(start_crafted, tmp_path):
+    """A cluster actor replaying through a server reads its weights again before each part,
+    as a single-process run does: a swap at the 4th trace reaches the driver as
+    WeightsChanged naming t3, and only the parts of t0-t2 are written."""
+    import pickle
+
+    from trace_replay.runs.checkpoint import Checkpoint
+    from trace_replay.runs.cluster_actor import ReplayActor, engine_facts, pack
+    from trace_replay.runs.stages import prepare_run
+    from trace_replay.runs.weights_watch import WeightsChanged
+
+    server = start_crafted()
+    options = {"name": "vllm-server", "top_k": 2, "batch_size": 1,
+               "engine_args": {"base_url": _url(server), "max_retries": 0}}
+    facts = engine_facts(options)
+    traces, requests, _ = prepare_run(load_traces(SIX_TRACES), tokenizer=facts.tokenizer,
+                                      vocab_size=facts.vocab_size,
+                                      max_model_len=facts.max_model_len, top_k=2,
+                                      truncate=False)
+    with Checkpoint(tmp_path, facts.keyed, requests, {t.id: t for t in traces}) as store:
+        items = [(store.digest(r), r, t) for r, t in zip(requests, traces)]
+    actor = ReplayActor(options, str(tmp_path), facts.keyed, labelled=False, every_s=0.0)
+    server.swap_after, server.swapped_shift = 3, 0.5
+    assert not actor.score(pack(items[:3]))["error"][0]
+    error = pickle.loads(actor.score(pack(items[3:]))["error"][0])
+    assert isinstance(error, WeightsChanged) and error.trace_id == "t3", error
+    assert _parts_traces(tmp_path) == ["t0", "t1", "t2"]

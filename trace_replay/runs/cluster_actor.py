@@ -25,9 +25,11 @@ import pandas as pd
 from trace_replay._io import HOST
 from trace_replay.engines import make_engine
 from trace_replay.engines.base import ReplayRequest, engine_identity
+from trace_replay.engines.moving_weights import MovingWeights
 from trace_replay.runs.checkpoint import call_size, settings_key
 from trace_replay.runs.frame import TokenDecoder, run_checked
 from trace_replay.runs.parts import PART_NAME, not_saved, write_checked
+from trace_replay.runs.weights_watch import WeightsWatch
 
 __all__ = ["ITEMS", "EngineFacts", "ReplayActor", "engine_facts", "pack"]
 
@@ -77,7 +79,10 @@ class ReplayActor:
     written when ``every_s`` seconds passed since the last one and at the batch's end, on an
     error too (the possible traces of a failed engine call included). The folder's parts
     are read by the driver, which verifies them; here only their ``trace_digest`` column
-    is read, to skip.
+    is read, to skip. An engine whose weights can change under it (a server) has its
+    weights read again before each part (:mod:`~trace_replay.runs.weights_watch`), as a
+    single-process run does: a change is a ``WeightsChanged`` for the driver, and the part
+    is not written.
 
     A failure to start (an engine that cannot be built, a folder this node cannot see,
     settings other than the run's) is raised at the first batch: Ray Data reports an error
@@ -107,6 +112,7 @@ class ReplayActor:
         self.written: set[str] = set()  # digests in the parts seen so far
         self._seen_parts: set[str] = set()
         self.failure: BaseException | None = None
+        self.watch: WeightsWatch | None = None  # for an engine whose weights can change
         try:
             self._start(options, keyed)
         except Exception as error:  # noqa: BLE001 - raised at the first batch, see above
@@ -131,6 +137,10 @@ class ReplayActor:
         self.key = settings_key(dict(keyed))
         self.decode = TokenDecoder(self.engine.tokenizer)
         self.limits = {"top_k": keyed.get("top_k"), "vocab_size": self.engine.vocab_size}
+        # an engine whose weights can change under it (a server): read again before a part
+        if isinstance(self.engine, MovingWeights) and self.engine.weights_can_change is True:
+            self.watch = WeightsWatch(self.engine, keyed.get("weights_digest"),
+                                      kept_in=f"checkpoint {self.folder}")
 
     def __call__(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Score a batch's unwritten traces into parts; one summary row per trace, or one
@@ -199,6 +209,12 @@ class ReplayActor:
         frame = frame[~frame["trace_digest"].isin(self.written)]
         if frame.empty:
             return
+        if self.watch is not None:
+            try:
+                self.watch.check(frame["trace_id"].unique().tolist())
+            except BaseException:
+                frames.clear()  # rows that failed verification are never written
+                raise
         part, failed = write_checked(self.folder, frame, self.key, requests=requests,
                                      **self.limits)
         if part is not None:
