@@ -119,3 +119,16 @@ def test_missing_ipywidgets_says_what_to_install(monkeypatch, replay_df):
     monkeypatch.setitem(sys.modules, "ipywidgets", None)
     with pytest.raises(ImportError, match=r"pip install 'trace-replay\[notebook\]'"):
         explore(replay_df)
+
+
+def test_a_lower_bound_rank_reads_as_a_bound(replay_df):
+    """A rank the server only bounds (rank_exact False) reads "rank >k" in the top-k table,
+    not an exact rank."""
+    df = replay_df.assign(rank_exact=True)
+    at = (df.trace_id == "t0") & (df.step == 5)
+    df.loc[at, "rank"], df.loc[at, "rank_exact"] = 21, False
+    ex = explore(df)
+    ex.trace_dropdown.value = "t0"
+    ex.step_slider.value = 5
+    assert "rank &gt;20" in ex.topk_html.value or "rank >20" in ex.topk_html.value
+    assert "rank 21<" not in ex.topk_html.value
