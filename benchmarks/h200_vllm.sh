@@ -5,6 +5,7 @@
 #   bash benchmarks/h200_vllm.sh smoke    # forcing on Model Runner V2, native, one replay each
 #   bash benchmarks/h200_vllm.sh tests    # tests/gpu/test_vllm_gpu.py
 #   bash benchmarks/h200_vllm.sh server-tests   # tests/gpu/test_vllm_server_gpu.py (issue 53)
+#   bash benchmarks/h200_vllm.sh routing-tests  # tests/gpu/test_routing_gpu.py (issue 54: routed experts)
 #   bash benchmarks/h200_vllm.sh served SHAPE [BATCHES] [ROUNDS]   # stock server vs offline
 #       # both in one 600 s call: server-tests (<= 280 s), then served smollm2-135m 1,16,64 5
 #   bash benchmarks/h200_vllm.sh bench SHAPE [BATCHES] [ROUNDS] [PARTS] [SECONDS]
@@ -99,6 +100,10 @@ overhead)
 steps)
   timeout 560 python3 benchmarks/probe_vllm_steps.py --shape "$2" --batches "${3:-1,16}" \
     --rounds "${4:-9}" --py-spy "${5:-0}" 2>&1 | grep -v -i "warn" | tee "$out/steps_$2.txt"
+  ;;
+routing-tests)
+  timeout 400 python3 -m pytest -q -ra -p no:cacheprovider tests/gpu/test_routing_gpu.py 2>&1 \
+    | tee "$out/routing_tests.txt"
   ;;
 server-tests)
   timeout 280 python3 -m pytest -q -ra -p no:cacheprovider tests/gpu/test_vllm_server_gpu.py \
