@@ -314,12 +314,12 @@ def _read_until(response: http.client.HTTPResponse, deadline: float, limit: int,
     trickling its answer cannot stretch an attempt past its deadline.
     """
     def too_large(size: str) -> ServerError:
-        return ServerError(f"{url} answered {size}, more than the {limit:,} bytes an answer "
-                           "to this request may take: refused without reading the rest")
+        return ServerError(f"{url} answered {size}more than the {limit:,} bytes an answer to "
+                           "this request may take: refused without reading the rest")
 
     declared = response.headers.get("Content-Length", "")
     if declared.strip().isdigit() and int(declared) > limit:
-        raise too_large(f"{int(declared):,} bytes (its Content-Length)")
+        raise too_large(f"{int(declared):,} bytes (its Content-Length), ")
     sock = getattr(getattr(response.fp, "raw", None), "_sock", None)  # the answer's socket
     chunks, size = [], 0
     while True:
@@ -334,7 +334,7 @@ def _read_until(response: http.client.HTTPResponse, deadline: float, limit: int,
         chunks.append(chunk)
         size += len(chunk)
         if size > limit:
-            raise too_large(f"more than {limit:,} bytes")
+            raise too_large("")
 
 
 def _error_message(error: urllib.error.HTTPError) -> str:
