@@ -37,20 +37,8 @@ ENGINE_ARGS = {"enforce_eager": True, "max_model_len": 256, "max_num_batched_tok
                "gpu_memory_utilization": 0.3}
 
 
-def _byte_tokenizer(folder: Path) -> None:
-    """A byte-level tokenizer (256 ids, no merges) saved in ``folder``."""
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(folder)
-
-
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
+def folder(tmp_path_factory, byte_tokenizer):
     import transformers
 
     config = transformers.LlamaConfig(
@@ -61,7 +49,7 @@ def folder(tmp_path_factory):
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("random-llama-served")
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    _byte_tokenizer(path)
+    byte_tokenizer(path)
     return str(path)
 
 
