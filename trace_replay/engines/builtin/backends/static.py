@@ -19,7 +19,10 @@ the 3xTF32 split (``float32_matmul``); a bfloat16 or float16 model's, at one row
 decode steps), through :func:`~trace_replay.kernels.gemv.gemv`, with the batch-1 fusions
 unless turned off (:mod:`~trace_replay.engines.builtin.passes.batch1_fusions`); the compiler
 puts the linears that read the same input (q/k/v, gate/up) in one launch each
-(:mod:`~trace_replay.engines.builtin.passes.linear_groups`). On CPU everything runs eagerly.
+(:mod:`~trace_replay.engines.builtin.passes.linear_groups`). On CPU everything runs eagerly;
+a float32 model's linears there multiply through oneDNN over weights packed once
+(:mod:`~trace_replay.engines.builtin.backends.packed_linear`, as vLLM's CPU build does;
+``name`` ends ``+onednn``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import torch
 
 from trace_replay.engines.base import Activations
 from trace_replay.engines.builtin.backends.base import check_float32_matmul
+from trace_replay.engines.builtin.backends.packed_linear import (PackedLinears,
+                                                                packed_linears_available)
 from trace_replay.engines.builtin.backends.captured_step import StepGraph, capture, capture_step
 from trace_replay.engines.builtin.backends.static_cache import StaticKVCache, register_attention
 from trace_replay.engines.builtin.backends.static_view import layer_forward, model_view
@@ -162,9 +167,12 @@ class StaticCacheBackend:
             self.product = fp32_linear
         elif self.dtype in (torch.bfloat16, torch.float16) and self.device.type == "cuda":
             self.product = gemv
+        elif self.device.type == "cpu" and packed_linears_available(self.dtype):
+            self.product = PackedLinears()
         self.batch1_fusions = batch1_fusions
         self.name = ("static+compiled" if self.cuda_graphs else "static") + (
-            "+3xtf32" if self.tensor_cores else "")
+            "+3xtf32" if self.tensor_cores else "") + (
+            "+onednn" if isinstance(self.product, PackedLinears) else "")
         self.score = scorer_for(self.device)
         self.forwards = 0
         self.compile_seconds = 0.0

@@ -1,0 +1,39 @@
+"""The static backend's CPU product: oneDNN linears over weights packed once
+(``engines/builtin/backends/packed_linear.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trace_replay.engines.builtin.backends.packed_linear import (PackedLinears,
+                                                                packed_linears_available)
+
+pytestmark = pytest.mark.skipif(not packed_linears_available(torch.float32),
+                                reason="this torch has no oneDNN weight packing")
+
+
+@pytest.mark.parametrize("rows", [1, 8, 37])
+def test_product_is_the_float64_linear_to_float32_rounding(rows):
+    """Any number of rows and leading dims, with and without bias: the product is the float64
+    ``x @ W.T + b`` within float32 rounding of a 256-term sum."""
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(96, 256, generator=gen), torch.randn(96, generator=gen)
+    x = torch.randn(2, rows, 256, generator=gen)
+    product = PackedLinears()
+    for b in (bias, None):
+        expected = x.double() @ weight.double().T + (0 if b is None else b.double())
+        out = product(x, weight, b)
+        assert out.shape == (2, rows, 96) and out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), expected, atol=5e-5, rtol=0)
+
+
+def test_weights_edited_in_place_are_packed_again():
+    """A weight changed in place after its first product is multiplied as it is now."""
+    weight = torch.randn(32, 64)
+    x = torch.randn(3, 64)
+    product = PackedLinears()
+    product(x, weight)
+    with torch.no_grad():
+        weight.mul_(-2.0)
+    torch.testing.assert_close(product(x, weight), x @ weight.T, atol=1e-4, rtol=0)
