@@ -153,6 +153,45 @@ def test_no_module_imports_itself_through_others():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+_BLOCKS = (ast.If, ast.For, ast.While, ast.With, ast.Try, ast.FunctionDef, ast.AsyncFunctionDef,
+           ast.AsyncFor, ast.AsyncWith, ast.Match)
+
+
+def _depth(node: ast.AST, depth: int = 0) -> int:
+    """How deep blocks nest under ``node`` (an ``elif`` is no deeper than its ``if``)."""
+    deepest = depth
+    for child in ast.iter_child_nodes(node):
+        elif_ = isinstance(node, ast.If) and isinstance(child, ast.If) and child in node.orelse
+        deeper = isinstance(child, _BLOCKS) and not elif_
+        deepest = max(deepest, _depth(child, depth + deeper))
+    return deepest
+
+
+def _too_deep(source: str, most: int) -> list[str]:
+    """The functions of ``source`` whose bodies nest blocks deeper than ``most``."""
+    return [node.name for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and max(_depth(statement, isinstance(statement, _BLOCKS))
+                    for statement in node.body) > most]
+
+
+# in flight when issue 56 set the rule (the Ray helper's cluster loop); flatten, then remove
+_DEEP_FOR_NOW = {"runs/cluster_replay.py: _run"}
+
+
+def test_no_function_in_runs_nests_deeper_than_three_blocks():
+    """runs/ reads top to bottom: no function nests its blocks (if, for, while, with, try,
+    def) more than three deep (issue 56: replay's loop nested five deep with two closures)."""
+    deep = {f"{path.relative_to(PACKAGE)}: {name}"
+            for path in sorted((PACKAGE / "runs").rglob("*.py"))
+            for name in _too_deep(path.read_text(), 3)}
+    assert deep - _DEEP_FOR_NOW == set()
+    assert _too_deep("def f():\n    for a in b:\n        with c:\n            if d:\n"
+                     "                while e:\n                    pass\n", 3) == ["f"]
+    assert _too_deep("def f():\n    for a in b:\n        if c:\n            pass\n"
+                     "        elif d:\n            if e:\n                pass\n", 3) == []
+
+
 def _engine_name_tests(source: str, names: set[str]) -> list[str]:
     """Comparisons in ``source`` of a value with one of ``names`` (``x == "torch"``,
     ``x in ("vllm", "torch")``)."""

@@ -118,7 +118,7 @@ def _traces_input(name: str):
 
 
 def _cmd_replay(args) -> None:
-    from trace_replay.runs.replay import replay
+    from trace_replay.runs.replay import ReplayOptions, replay_with
 
     traces = _traces_input(args.traces)
     if not isinstance(traces, str) and args.format != "traces":
@@ -137,14 +137,16 @@ def _cmd_replay(args) -> None:
         from trace_replay.traces.sets import load_traces
 
         traces = load_traces(traces)[:args.limit]
-    df = replay(traces, args.model, engine=args.engine,
-                top_k=args.top_k, dtype=args.dtype, device=args.device,
-                batch_size=args.batch_size, speculative=args.speculative,
-                engine_args=dict(args.engine_arg) or None, progress=not args.quiet,
-                checkpoint=args.checkpoint, shard=args.shard, truncate=args.truncate,
-                chunk_size=args.chunk_size, checkpoint_every=args.checkpoint_every,
-                deterministic=args.deterministic,
-                verbose=args.verbose, cluster=_cluster(args))
+    options = ReplayOptions(engine=args.engine, model=args.model, top_k=args.top_k,
+                            dtype=args.dtype, device=args.device, batch_size=args.batch_size,
+                            speculative=args.speculative,
+                            engine_args=dict(args.engine_arg) or None,
+                            deterministic=args.deterministic, verbose=args.verbose,
+                            progress=not args.quiet, checkpoint=args.checkpoint,
+                            shard=args.shard, truncate=args.truncate,
+                            chunk_size=args.chunk_size,
+                            checkpoint_every=args.checkpoint_every, cluster=_cluster(args))
+    df = replay_with(traces, options)
     _write_frame(df, args.out)
     print(f"{plural(df['trace_id'].nunique(), 'trace')}, {plural(len(df), 'token')} "
           f"({df.attrs.get('engine_path')}) -> {args.out}")

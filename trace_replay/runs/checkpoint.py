@@ -213,20 +213,27 @@ class Checkpoint:
             taken = self._claims.others() | self._claims.mine
             # a part holds at most max_traces: fill up what is buffered, no more
             size = most or min(self._group, self.max_traces - self._buffered())
-            group, finished = [], []
-            for digest in self._todo:  # finished and claimed digests leave, so this stays short
-                if self._held[digest]:
-                    finished.append(digest)
-                elif digest not in taken:
-                    self._count_computation(digest)
-                    group.append(digest)
-                    if len(group) == size:
-                        break
+            group, finished = self._next_unclaimed(taken, size)
             self._claims.set(self._claims.mine | set(group))
         for digest in finished + group:
             del self._todo[digest]
         self._claimed_at = time.monotonic()
         return [self._requests[d] for d in group]
+
+    def _next_unclaimed(self, taken: set[str], size: int) -> tuple[list[str], list[str]]:
+        """The first ``size`` digests to compute that no run holds, in request order, each
+        counted as one more computation; and the finished ones passed on the way."""
+        group: list[str] = []
+        finished: list[str] = []
+        for digest in self._todo:  # finished and claimed digests leave, so this stays short
+            if self._held[digest]:
+                finished.append(digest)
+            elif digest not in taken:
+                self._count_computation(digest)
+                group.append(digest)
+                if len(group) == size:
+                    break
+        return group, finished
 
     def _count_computation(self, digest: str) -> None:
         """Count one more computation of ``digest``; refuse one beyond ``max_computations``."""

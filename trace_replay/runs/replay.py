@@ -23,6 +23,7 @@ from trace_replay.engines.base import Engine, ReplayRequest, check_engine, engin
 from trace_replay.engines.moving_weights import MovingWeights
 from trace_replay.runs.cluster import RayCluster, as_cluster
 from trace_replay.runs.frame import TokenDecoder, run_checked
+from trace_replay.runs.options import ReplayOptions
 from trace_replay.runs.stages import (finish_frame, package_versions, prepare_requests,
                                   prepare_run, resuming_message, run_attrs)
 from trace_replay.runs.weights_watch import WeightsWatch
@@ -34,8 +35,8 @@ TraceInput = str | os.PathLike | TraceSet | pd.DataFrame | Iterable[Mapping[str,
 # None (the embedded model), a local folder, a cached model name, or a loaded nn.Module
 ModelArg = str | os.PathLike | torch.nn.Module | None
 
-__all__ = ["replay", "prepare_requests", "prepare_run", "finish_frame", "run_attrs",
-           "resuming_message", "package_versions"]
+__all__ = ["ReplayOptions", "replay", "replay_with", "prepare_requests", "prepare_run",
+           "finish_frame", "run_attrs", "resuming_message", "package_versions"]
 
 
 def _traces_digest(traces: TraceSet) -> str:
@@ -154,81 +155,67 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
     >>> df[["step", "token", "rank"]].values.tolist()
     [[0, ' Paris', 1], [1, '.', 1]]
     """
-    _check_arguments(shard=shard, chunk_size=chunk_size, checkpoint_every=checkpoint_every,
-                     truncate=truncate, progress=progress, checkpoint=checkpoint)
-    if cluster is not None:
-        cluster = _cluster_run(cluster, engine, model)
+    options = ReplayOptions(engine=engine, model=model, top_k=top_k, dtype=dtype, device=device,
+                            batch_size=batch_size, speculative=speculative,
+                            engine_args=engine_args, deterministic=deterministic,
+                            verbose=verbose, progress=progress, checkpoint=checkpoint,
+                            shard=shard, truncate=truncate, chunk_size=chunk_size,
+                            checkpoint_every=checkpoint_every, cluster=cluster)
+    return replay_with(traces, options)
+
+
+def replay_with(traces: TraceInput, options: ReplayOptions) -> pd.DataFrame:
+    """:func:`replay` with its options as one :class:`ReplayOptions` (the CLI's way in)."""
+    cluster = None
+    if options.cluster is not None:
+        cluster = _cluster_run(options.cluster, options.engine, options.model)
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     traceset = load_traces(traces)
     digest = _traces_digest(traceset)  # before sharding: every shard of the set shares it
     if not len(traceset):
         raise TraceError("no traces to replay", location=traceset.source)
+    shard = options.shard
     if shard is not None:
         total, traceset = len(traceset), traceset.shard(*shard)
         if not len(traceset):
             warnings.warn(f"shard {shard[0]}/{shard[1]} holds none of the "
                           f"{plural(total, 'trace')} of "
-                          f"{traceset.source}: its result is empty on purpose", stacklevel=2)
+                          f"{traceset.source}: its result is empty on purpose", stacklevel=3)
     if cluster is not None:
         from trace_replay.runs.cluster_replay import replay_on_ray
 
-        options = {"name": engine, "model": model, "dtype": dtype, "device": device,
-                   "batch_size": batch_size, "top_k": top_k, "speculative": speculative,
-                   "engine_args": engine_args, "deterministic": deterministic,
-                   "verbose": verbose}
-        return replay_on_ray(traceset, cluster, options, progress=progress,
-                             checkpoint=checkpoint, shard=shard, truncate=truncate,
-                             chunk_size=chunk_size, checkpoint_every=checkpoint_every,
-                             started=started, digest=digest)
-    if isinstance(engine, str):  # started once per process, reused by later calls
-        with kept_engine(engine, model, dtype=dtype, device=device, batch_size=batch_size,
-                         top_k=top_k, speculative=speculative, engine_args=engine_args,
-                         deterministic=deterministic, verbose=verbose) as engine_obj:
-            return _replay(traceset, engine_obj, progress=progress, checkpoint=checkpoint,
-                           shard=shard, truncate=truncate, chunk_size=chunk_size,
-                           checkpoint_every=checkpoint_every, started=started, digest=digest)
+        return replay_on_ray(traceset, cluster, {"name": options.engine, "model": options.model,
+                                                 **options.engine_settings()},
+                             progress=options.progress, checkpoint=options.checkpoint,
+                             shard=shard, truncate=options.truncate,
+                             chunk_size=options.chunk_size,
+                             checkpoint_every=options.checkpoint_every, started=started,
+                             digest=digest)
+    if isinstance(options.engine, str):  # started once per process, reused by later calls
+        with kept_engine(options.engine, options.model,
+                         **options.engine_settings()) as engine_obj:
+            return _replay(traceset, engine_obj, options, started=started, digest=digest)
+    _check_engine_object(options)
+    return _replay(traceset, options.engine, options, started=started, digest=digest)
+
+
+def _check_engine_object(options: ReplayOptions) -> None:
+    """Refuse an engine object that is not an Engine, or given options that configure one."""
+    engine = options.engine
     try:
         check_engine(engine)
     except TypeError as error:
         raise TypeError(f"engine must be a name ({', '.join(ENGINES)}) or an Engine: "
                         f"{error}") from None
-    given = {"model": model, "dtype": dtype, "device": device, "batch_size": batch_size,
-             "speculative": speculative, "engine_args": engine_args}
-    given = sorted(name for name, value in given.items() if value is not None)
-    if top_k != 5:
-        given.append("top_k")
-    if verbose:
-        given.append("verbose")
+    given = options.engine_settings_given()
     if given:
         names = given[0] if len(given) == 1 else f"{', '.join(given[:-1])} and {given[-1]}"
         verb, them = ("configures", "it") if len(given) == 1 else ("configure", "them")
         raise ValueError(f"{names} {verb} an engine; an engine object was passed, so give "
                          f"{them} to make_engine instead")
-    if deterministic and not engine.settings().get("deterministic"):
+    if options.deterministic and not engine.settings().get("deterministic"):
         raise ValueError("deterministic=True, but the engine passed was built without it; "
                          "build it with make_engine(..., deterministic=True)")
-    return _replay(traceset, engine, progress=progress, checkpoint=checkpoint, shard=shard,
-                   truncate=truncate, chunk_size=chunk_size, checkpoint_every=checkpoint_every,
-                   started=started, digest=digest)
-
-
-def _check_arguments(*, shard: Any, chunk_size: Any, checkpoint_every: Any, truncate: Any,
-                     progress: Any, checkpoint: Any) -> None:
-    """Refuse a bad argument before anything is loaded (engine settings: EngineConfig)."""
-    if shard is not None:
-        if (not isinstance(shard, (tuple, list)) or len(shard) != 2
-                or not all(_is_int(x) for x in shard) or not 0 <= shard[0] < shard[1]):
-            raise ValueError(f"shard must be (index, count) with 0 <= index < count, got {shard!r}")
-    if chunk_size is not None and (not _is_int(chunk_size) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
-    if (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, (int, float))
-            or not checkpoint_every >= 0):
-        raise ValueError(f"checkpoint_every must be seconds >= 0, got {checkpoint_every!r}")
-    for name, value in (("truncate", truncate), ("progress", progress)):
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be True or False, got {value!r}")
-    if checkpoint is not None and not isinstance(checkpoint, (str, os.PathLike)):
-        raise ValueError(f"checkpoint must be a folder path, got {type(checkpoint).__name__}")
 
 
 def _cluster_run(cluster: Any, engine: Any, model: Any) -> RayCluster:
@@ -243,80 +230,100 @@ def _cluster_run(cluster: Any, engine: Any, model: Any) -> RayCluster:
     return cluster
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+class _Calls:
+    """One replay's engine calls: each checked and made rows, the bar moved as tokens are
+    scored (and caught up where an engine reported fewer)."""
+
+    def __init__(self, engine: Engine, by_id: dict, decode: TokenDecoder, limits: dict,
+                 bar: tqdm) -> None:
+        self.engine, self.by_id, self.decode, self.limits, self.bar = (engine, by_id, decode,
+                                                                       limits, bar)
+        self.counted = 0  # tokens shown so far (bar.n stays 0 when the bar is disabled)
+
+    def advance(self, tokens: int) -> None:
+        self.counted += tokens
+        self.bar.update(tokens)
+
+    def catch_up(self, target: int) -> None:
+        self.advance(max(target - self.counted, 0))
+
+    def run(self, group: list[ReplayRequest],
+            keep: Callable[[pd.DataFrame], None] | None = None) -> pd.DataFrame:
+        target = self.counted + sum(r.trace_len for r in group)
+        frame = run_checked(self.engine, group, self.by_id, self.decode, limits=self.limits,
+                            on_tokens=self.advance, keep=keep)
+        self.catch_up(target)
+        return frame
 
 
-def _replay(traceset: TraceSet, engine: Engine, *, progress: bool,
-            checkpoint: str | os.PathLike | None, shard: tuple[int, int] | None,
-            truncate: bool, chunk_size: int | None, checkpoint_every: float,
-            started: str, digest: str) -> pd.DataFrame:
+def _replay(traceset: TraceSet, engine: Engine, options: ReplayOptions, *, started: str,
+            digest: str) -> pd.DataFrame:
     # with the weights' digest, read once: merge and checkpoints refuse other weights
     settings = engine_identity(engine)
     vocab_size = engine.vocab_size
     tokenizer = engine.tokenizer
     traceset, requests, cut_notes = prepare_run(
         traceset, tokenizer=tokenizer, vocab_size=vocab_size,
-        max_model_len=engine.max_model_len, top_k=settings.get("top_k", 0), truncate=truncate)
-    by_id = {t.id: t for t in traceset}
+        max_model_len=engine.max_model_len, top_k=settings.get("top_k", 0),
+        truncate=options.truncate)
     decode = TokenDecoder(tokenizer)
-    batch = max(engine.batch_size, 1)
-    chunk = chunk_size or batch * 4
-    resumed = 0
-    total = sum(r.trace_len for r in requests)
-    with tqdm(total=total, unit="tok", disable=not progress,
-              desc=f"replay[{engine.name}]") as bar:
-        counted = 0  # tokens shown so far (bar.n stays 0 when the bar is disabled)
-
-        def advance(tokens: int) -> None:
-            nonlocal counted
-            counted += tokens
-            bar.update(tokens)
-
-        limits = {"top_k": settings.get("top_k"), "vocab_size": vocab_size}
-
-        def run(group: list[ReplayRequest],
-                keep: Callable[[pd.DataFrame], None] | None = None) -> pd.DataFrame:
-            target = counted + sum(r.trace_len for r in group)
-            frame = run_checked(engine, group, by_id, decode, limits=limits,
-                                on_tokens=advance, keep=keep)
-            advance(max(target - counted, 0))  # an engine that reported fewer catches up
-            return frame
-
-        # an engine whose weights can change under it (a server) is read again before rows
-        # are kept: after each engine call, or before each checkpoint part
-        watch = None
-        if isinstance(engine, MovingWeights) and engine.weights_can_change is True:
-            watch = WeightsWatch(engine, settings.get("weights_digest"),
-                                 kept_in=checkpoint and f"checkpoint {checkpoint}")
-        if checkpoint is None:
-            frames = []
-            for start in range(0, len(requests), chunk):
-                frames.append(run(requests[start:start + chunk]))
-                if watch is not None:
-                    watch.check([r.trace_id for r in requests[start:start + chunk]])
-            result = pd.concat(frames, ignore_index=True) if frames else None
+    chunk = options.chunk_size or max(engine.batch_size, 1) * 4
+    limits = {"top_k": settings.get("top_k"), "vocab_size": vocab_size}
+    # an engine whose weights can change under it (a server) is read again before rows
+    # are kept: after each engine call, or before each checkpoint part
+    watch = None
+    if isinstance(engine, MovingWeights) and engine.weights_can_change is True:
+        watch = WeightsWatch(engine, settings.get("weights_digest"),
+                             kept_in=options.checkpoint and f"checkpoint {options.checkpoint}")
+    with tqdm(total=sum(r.trace_len for r in requests), unit="tok",
+              disable=not options.progress, desc=f"replay[{engine.name}]") as bar:
+        calls = _Calls(engine, {t.id: t for t in traceset}, decode, limits, bar)
+        if options.checkpoint is None:
+            result, resumed = _in_memory(calls, requests, chunk, watch), 0
         else:
-            with Checkpoint(checkpoint, settings, requests, by_id,
-                            batch_size=batch, max_traces=chunk, every_s=checkpoint_every,
-                            vocab_size=vocab_size,
-                            verify=None if watch is None else watch.check) as store:
-                resumed = store.resumed
-                advance(store.resumed_tokens)
-                if resumed and progress:
-                    bar.write(resuming_message(checkpoint, store, len(requests)),
-                              file=sys.stderr)
-                result = None
-                while result is None:
-                    group = store.claim()
-                    if group:
-                        store.add(run(group, keep=store.add))
-                    elif not store.waiting():  # other runs hold claims on our traces: wait
-                        result = store.read()  # None: a part failed verification, go on
-                advance(max(total - counted, 0))  # traces other runs sharing it replayed
+            result, resumed = _checkpointed(calls, requests, settings, options, chunk=chunk,
+                                            vocab_size=vocab_size, watch=watch)
     result = finish_frame(result, traceset, decode)
     result.attrs = run_attrs(settings, engine.stats(), traceset=traceset, requests=requests,
                              num_tokens=len(result), vocab_size=vocab_size, resumed=resumed,
-                             notes=cut_notes, shard=shard, digest=digest, started=started)
+                             notes=cut_notes, shard=options.shard, digest=digest,
+                             started=started)
     return result
 
+
+def _in_memory(calls: _Calls, requests: list[ReplayRequest],
+               chunk: int, watch: WeightsWatch | None) -> pd.DataFrame | None:
+    """Without a checkpoint: ``chunk`` traces per engine call, every frame kept in memory."""
+    frames = []
+    for start in range(0, len(requests), chunk):
+        frames.append(calls.run(requests[start:start + chunk]))
+        if watch is not None:
+            watch.check([r.trace_id for r in requests[start:start + chunk]])
+    return pd.concat(frames, ignore_index=True) if frames else None
+
+
+def _checkpointed(calls: _Calls, requests: list[ReplayRequest], settings: dict[str, Any],
+                  options: ReplayOptions, *, chunk: int,
+                  vocab_size: int | None,
+                  watch: WeightsWatch | None) -> tuple[pd.DataFrame | None, int]:
+    """With a checkpoint: traces claimed from the folder a part at a time, each part written
+    as it finishes; the rows read back from the folder (runs sharing it included). Returns
+    them and the traces served from the folder."""
+    total = sum(r.trace_len for r in requests)
+    with Checkpoint(options.checkpoint, settings, requests, calls.by_id,
+                    batch_size=max(calls.engine.batch_size, 1), max_traces=chunk,
+                    every_s=options.checkpoint_every, vocab_size=vocab_size,
+                    verify=None if watch is None else watch.check) as store:
+        calls.advance(store.resumed_tokens)
+        if store.resumed and options.progress:
+            calls.bar.write(resuming_message(options.checkpoint, store, len(requests)),
+                            file=sys.stderr)
+        result = None
+        while result is None:
+            group = store.claim()
+            if group:
+                store.add(calls.run(group, keep=store.add))
+            elif not store.waiting():  # other runs hold claims on our traces: wait
+                result = store.read()  # None: a part failed verification, go on
+        calls.catch_up(total)  # traces other runs sharing it replayed
+    return result, store.resumed
