@@ -335,6 +335,11 @@ class VLLMEngine(EngineBase):
         cuda = torch.cuda.is_available()
         # MoE routing per step (R3): vLLM returns it from Model Runner V2, on GPUs only
         self.returns_routing = bool(args.get("enable_return_routed_experts"))
+        if self.returns_routing and "enable_prefix_caching" not in (engine_args or {}):
+            # vLLM hands routed experts out through a connector that requires prefix caching
+            # ("AuxOutput Connector requires prefix caching", 0.32, H100); the recorded rows
+            # start at the last prompt token, which a prefix hit always recomputes
+            args["enable_prefix_caching"] = True
         if self.returns_routing and not cuda:
             raise ValueError("engine_args enable_return_routed_experts needs vLLM's Model "
                              "Runner V2, which runs on GPUs only: the CPU build refuses it at "
