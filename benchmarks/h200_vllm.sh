@@ -66,6 +66,19 @@ sys.exit(v < (2, 29, 7) or torch.cuda.device_count() < 2)" || { echo "TP needs N
 esac
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 case $1 in
+server-tests|served)
+  # `vllm serve` imports three pure-Python packages the bundle (made for offline LLM) lacks
+  # (H100, 2026-12-07: "No module named 'model_hosting_container_standards'"). Here:
+  #   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  #     --platform any -d .vw/whl model_hosting_container_standards==0.1.16 jmespath==1.1.0 \
+  #     supervisor==4.3.0
+  # and carry .vw/whl with any bundle part.
+  [ -d "$w/site/model_hosting_container_standards" ] || {
+    ls .vw/whl/*.whl >/dev/null 2>&1 || { echo "carry .vw/whl (see above)"; exit 1; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$w/site" .vw/whl/*.whl; }
+  ;;
+esac
+case $1 in
 smoke)
   timeout 300 python3 - <<'PY' 2>&1 | tee "$out/smoke.txt"
 import tempfile, torch, transformers
