@@ -46,7 +46,7 @@ class TracesLeftOut(UserWarning):
 
 def _digests(frame: pd.DataFrame) -> pd.Series:
     """Per trace (in order of appearance), its ``tokens_digest``; missing where the column
-    is, or where a row lacks one or two rows disagree."""
+    is absent, a row lacks one, or two rows disagree."""
     by = frame["trace_id"]
     if "tokens_digest" not in frame.columns:
         return pd.Series(None, index=pd.unique(by), dtype=object)
@@ -55,7 +55,7 @@ def _digests(frame: pd.DataFrame) -> pd.Series:
     return digest.first().where(whole)
 
 
-def mismatched_traces(a: pd.DataFrame, b: pd.DataFrame) -> list[str]:
+def mismatched_traces(a: pd.DataFrame, b: pd.DataFrame) -> list:
     """The trace ids both frames hold whose tokens differ between them (the module
     docstring's rule), in order of ``a``. Without digests only the steps both hold are
     compared: other step sets are ``compare``'s error.
@@ -84,7 +84,7 @@ def mismatched_traces(a: pd.DataFrame, b: pd.DataFrame) -> list[str]:
             vb = pd.to_numeric(joined[f"{column}_b"]).to_numpy(dtype="float64", na_value=np.nan)
             other |= (va != vb) & ~(np.isnan(va) & np.isnan(vb))
         differ |= set(joined.loc[other, "trace_id"])
-    return [str(t) for t in both if t in differ]
+    return [t for t in both if t in differ]
 
 
 def _first_difference(a: pd.DataFrame, b: pd.DataFrame, trace_id: str) -> str:
