@@ -122,7 +122,8 @@ def main() -> None:
     parser.add_argument("--batch1-traces", type=int, default=2,
                         help="traces replayed one at a time for the batch-1 rows")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--engines", default="vllm,torch")
+    parser.add_argument("--engines", default="vllm,torch,torch:static",
+                        help="vllm, torch (its default backend), torch:<backend>")
     parser.add_argument("--matmul-size", type=int, default=2048)
     args = parser.parse_args()
     traces = datasets.load(limit=args.limit).tokenize(load_tokenizer())
@@ -136,7 +137,9 @@ def main() -> None:
     engines = {}
     labels = {}
     for name in args.engines.split(","):
-        engine = make_engine(name, device="cpu", batch_size=args.batch)
+        kind, _, backend = name.partition(":")  # torch:static, the built-in engine's backend
+        engine = make_engine(kind, device="cpu", batch_size=args.batch,
+                             **({"backend": backend} if backend else {}))
         engines[name] = engine
         labels[name] = engine.settings()["engine_path"]
         greedy = vllm_greedy if name == "vllm" else torch_greedy
@@ -193,11 +196,13 @@ def main() -> None:
             print(f"| {labels[name]} | {batch} | {rate[g]:,.0f} | {rate[r]:,.0f} | "
                   f"{median[g] / median[r]:.2f} |")
     b = args.batch
-    if "vllm" in engines and "torch" in engines:
-        print(f"\nbuilt-in replay / vLLM greedy: batch {b} "
-              f"{rate[f'torch replay b{b}'] / rate[f'vllm greedy b{b}']:.2f}, batch 1 "
-              f"{rate['torch replay b1'] / rate['vllm greedy b1']:.2f}")
-    print("\n| deterministic mode | replay tok/s | default tok/s | cost (default / deterministic time) |")
+    for name in engines:
+        if name != "vllm" and "vllm" in engines:
+            print(f"\n{labels[name]} replay / vLLM greedy: batch {b} "
+                  f"{rate[f'{name} replay b{b}'] / rate[f'vllm greedy b{b}']:.2f}, batch 1 "
+                  f"{rate[f'{name} replay b1'] / rate['vllm greedy b1']:.2f}", end="")
+    print()
+    print("\n| deterministic mode | replay tok/s | default tok/s | cost (deterministic / default time) |")
     print("|---|---:|---:|---:|")
     if "torch" in engines:
         print(f"| {labels['torch-det']} | {rate[f'torch-det replay b{b}']:,.0f} | "
