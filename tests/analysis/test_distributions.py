@@ -40,6 +40,17 @@ def test_step_divergences_match_numpy_float64():
     np.testing.assert_array_equal(got[:, -1], shared)
 
 
+def test_a_token_of_probability_zero_on_one_side_gives_infinite_kl():
+    """A logit of -inf on side b only makes KL(a||b) and max |Δ logprob| infinite and leaves
+    KL(b||a), TV and JS finite; on both sides it adds nothing."""
+    a = torch.tensor([[0.0, 1.0, 2.0], [0.0, 1.0, -torch.inf]])
+    b = torch.tensor([[0.0, -torch.inf, 2.0], [0.0, 1.0, -torch.inf]])
+    got = step_divergences(a, b, torch.tensor([1, 0]), 2).numpy()
+    assert np.isinf(got[0, 2]) and np.isinf(got[0, 6]) and np.isfinite(got[0, 3:6]).all()
+    assert got[0, 1] == -np.inf
+    np.testing.assert_allclose(got[1, 2:7], 0.0, atol=1e-12)
+
+
 @pytest.fixture(scope="module")
 def engines():
     """The built-in decode engine and the prefill engine, each in float32 and bfloat16."""

@@ -30,6 +30,7 @@ import torch
 
 from trace_replay.engines.base import Engine, ReplayRequest, engine_identity
 from trace_replay.engines.distributions import StepLogits
+from trace_replay.engines.threads import intra_op_threads
 from trace_replay.runs.replay import prepare_run
 from trace_replay.traces.sets import load_traces
 
@@ -38,6 +39,8 @@ __all__ = ["METRICS", "replay_pair", "step_divergences"]
 # the per-token divergences, in column order (topk_overlap after them)
 METRICS = ("kl_ab", "kl_ba", "tv", "js", "max_abs_dlogprob")
 _COLUMNS = ("logprob_a", "logprob_b", *METRICS, "topk_overlap")
+_LOG_ZERO = -1e300  # log of a probability 0 (-inf) is clamped here, so 0 * log 0 is 0
+_INFINITE = 1e299  # a KL term or |Δ logprob| from _LOG_ZERO: infinite
 
 
 def step_divergences(logits_a: torch.Tensor, logits_b: torch.Tensor, token_ids: torch.Tensor,
@@ -71,21 +74,24 @@ def step_divergences(logits_a: torch.Tensor, logits_b: torch.Tensor, token_ids: 
     if logits_a.shape != logits_b.shape:
         raise ValueError(f"the two engines' step logits differ in shape: "
                          f"{tuple(logits_a.shape)} and {tuple(logits_b.shape)}")
-    la = torch.log_softmax(logits_a.double(), dim=-1)
-    lb = torch.log_softmax(logits_b.double(), dim=-1)
-    pa, pb = la.exp(), lb.exp()
-    diff = la - lb  # -inf - -inf is NaN: a token neither side can emit
-    lm = torch.logaddexp(la, lb) - math.log(2.0)
-    # p log(p / q) is 0 where p = 0, whatever q
-    kl_ab = torch.where(pa > 0, pa * diff, 0.0).sum(dim=-1)
-    kl_ba = torch.where(pb > 0, -pb * diff, 0.0).sum(dim=-1)
-    js = 0.5 * (torch.where(pa > 0, pa * (la - lm), 0.0).sum(dim=-1)
-                + torch.where(pb > 0, pb * (lb - lm), 0.0).sum(dim=-1))
-    tv = 0.5 * (pa - pb).abs().sum(dim=-1)
-    biggest = diff.abs().nan_to_num(nan=0.0).amax(dim=-1)
+    # few full-vocabulary passes, all float64: log-softmax in place, then dot products
+    (la, pa), (lb, pb) = _log_softmax(logits_a), _log_softmax(logits_b)
+    diff = la - lb
+    kl_ab = _dot(pa, diff)
+    kl_ba = -_dot(pb, diff)
+    tv = 0.5 * torch.linalg.vector_norm(pa - pb, ord=1, dim=-1)
+    # JS = H(m) - (H(a) + H(b)) / 2, m the mixture: no log of the mixture per pair of terms
+    mix = (pa + pb).mul_(0.5)
+    entropy_mix = -torch.special.xlogy(mix, mix).sum(dim=-1)
+    js = entropy_mix + 0.5 * (_dot(pa, la) + _dot(pb, lb))
+    low, high = torch.aminmax(diff, dim=-1)
+    biggest = torch.maximum(high, -low)
     ids = token_ids.long().to(la.device)[:, None]
-    columns = [la.gather(1, ids).squeeze(1), lb.gather(1, ids).squeeze(1),
-               kl_ab, kl_ba, tv, js, biggest]
+    token_lps = [side.gather(1, ids).squeeze(1) for side in (la, lb)]
+    # a token one side gives probability 0 and the other not: infinite KL and |Δ logprob|
+    columns = [*(torch.where(lp <= _LOG_ZERO, -torch.inf, lp) for lp in token_lps),
+               *(torch.where(c > _INFINITE, torch.inf, c) for c in (kl_ab, kl_ba)),
+               tv, js, torch.where(biggest > _INFINITE, torch.inf, biggest)]
     if top_k > 0:
         top_a = logits_a.topk(top_k, dim=-1).indices
         top_b = logits_b.topk(top_k, dim=-1).indices
@@ -94,6 +100,23 @@ def step_divergences(logits_a: torch.Tensor, logits_b: torch.Tensor, token_ids: 
     else:
         columns.append(torch.full_like(tv, float("nan")))
     return torch.stack(columns, dim=1)
+
+
+def _log_softmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 log-probabilities (clamped at ``_LOG_ZERO``: 0 * log 0 is then 0, not NaN) and
+    probabilities of ``[n, V]`` logits, in six passes and two buffers."""
+    logs = logits.double()
+    logs -= logs.amax(dim=-1, keepdim=True)
+    probs = logs.exp()
+    total = probs.sum(dim=-1, keepdim=True)
+    probs /= total
+    logs -= total.log()
+    return logs.clamp_(min=_LOG_ZERO), probs
+
+
+def _dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Row-wise dot products of ``[n, V]`` float64 tensors (one BLAS call)."""
+    return torch.bmm(x[:, None, :], y[:, :, None]).reshape(-1)
 
 
 def replay_pair(traces: Any, engine_a: Engine, engine_b: Engine, *, top_k: int = 5,
@@ -148,8 +171,10 @@ def replay_pair(traces: Any, engine_a: Engine, engine_b: Engine, *, top_k: int =
                                  max_model_len=_shorter(engine_a, engine_b), top_k=top_k,
                                  truncate=False)
     batch = batch_size or min(engine_a.batch_size, engine_b.batch_size)
-    frames = [_pair_batch(requests[i:i + batch], engine_a, engine_b, top_k)
-              for i in range(0, len(requests), batch)]
+    # one thread setting for both engines' steps and the reductions between them
+    with intra_op_threads(getattr(engine_a, "threads", None)):
+        frames = [_pair_batch(requests[i:i + batch], engine_a, engine_b, top_k)
+                  for i in range(0, len(requests), batch)]
     df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(
         columns=["trace_id", "step", "token_id", *_COLUMNS, "form"])
     if labels is None:
