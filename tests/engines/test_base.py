@@ -17,11 +17,27 @@ from trace_replay.engines import ENGINES
 from trace_replay.engines.base import (ENGINE_MEMBERS, PROVENANCE, Engine, EngineBase,
                                        EngineClosed, EngineConfig, ReplayRequest,
                                        check_engine)
-from trace_replay.engines.capabilities import (ActivationSource, BatchHooks, Generates,
-                                               protocol_members)
+from trace_replay.engines.capabilities import protocol_members
+
+PACKAGE = Path(trace_replay.__file__).parent
+
+
+
+def _capabilities() -> list[type]:
+    """Every protocol declared by a shared module of engines/ but the core one: the
+    capabilities (capabilities.py's, and those other modules add) a caller may check."""
+    found = []
+    for path in sorted((PACKAGE / "engines").glob("*.py")):
+        module = importlib.import_module(f"trace_replay.engines.{path.stem}".replace(
+            ".__init__", ""))
+        found += [value for value in vars(module).values()
+                  if isinstance(value, type) and getattr(value, "_is_protocol", False)
+                  and value.__module__ == module.__name__ and value is not Engine]
+    return found
+
 
 # what a caller may use: the core protocol's members and each capability's
-DECLARED = {*ENGINE_MEMBERS, *(name for capability in (Generates, ActivationSource, BatchHooks)
+DECLARED = {*ENGINE_MEMBERS, *(name for capability in _capabilities()
                                for name in protocol_members(capability))}
 
 # --- EngineConfig: checked before any model is loaded ---------------------------------------
@@ -268,7 +284,6 @@ def test_request_lengths_count_its_tokens():
 
 # --- the protocol is declared, complete, and the only way in --------------------------------
 
-PACKAGE = Path(trace_replay.__file__).parent
 ENGINE_CLASSES = {  # every engine make_engine builds: its module and class
     "torch": ("engines/builtin/engine.py", "TorchEngine"),
     "prefill": ("engines/builtin/prefill.py", "PrefillEngine"),
