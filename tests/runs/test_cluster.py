@@ -80,7 +80,7 @@ def test_missing_ray_names_the_extra():
             "try:\n    import_ray()\nexcept ImportError as error:\n    print(error)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
-    assert "pip install 'trace-replay[ray]'" in out.stdout
+    assert "pip install -e '.[ray]'" in out.stdout
 
 
 @pytest.mark.slow

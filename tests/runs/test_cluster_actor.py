@@ -1,7 +1,7 @@
 """A cluster actor writes the parts a single-process run writes, skips written traces, and
 hands every error to the driver as it was raised (runs/cluster_actor.py).
 
-The actor is a plain class that Ray Data constructs once per actor; here it runs in this
+The actor is a plain class that the driver makes a Ray actor; here it runs in this
 process, on the embedded model's prefill engine.
 """
 
@@ -16,7 +16,7 @@ import pytest
 
 from trace_replay.engines.validate import ImpossibleResult
 from trace_replay.runs.checkpoint import Checkpoint
-from trace_replay.runs.cluster_actor import ITEMS, ReplayActor, engine_facts, pack
+from trace_replay.runs.cluster_actor import ReplayActor, engine_facts, pack
 from trace_replay.runs.replay import prepare_run, replay
 from trace_replay.traces.sets import load_traces
 
@@ -48,12 +48,12 @@ def _open(folder, facts, run) -> Checkpoint:
     return Checkpoint(folder, facts.keyed, requests, {t.id: t for t in traces})
 
 
-def _batch(folder, facts, run) -> dict:
+def _batch(folder, facts, run) -> bytes:
     traces, requests = run
     with _open(folder, facts, run) as store:
         by_id = {t.id: t for t in traces}
         items = [(store.digest(r), r, by_id[r.trace_id]) for r in requests]
-        return {ITEMS: np.array([pack(items)], dtype=object)}
+        return pack(items)
 
 
 def _actor(folder, facts) -> ReplayActor:
@@ -69,7 +69,7 @@ def test_a_batch_becomes_parts_a_single_process_run_resumes(tmp_path, facts, run
     """Every trace of a batch is written with the run's settings key: a single-process run
     on the folder resumes all of them and serves the rows a replay computes."""
     batch = _batch(tmp_path, facts, run)
-    rows = _actor(tmp_path, facts)(batch)
+    rows = _actor(tmp_path, facts).score(batch)
     assert not any(rows["error"])
     assert rows["trace_id"].tolist() == [r.trace_id for r in run[1]]
     with _open(tmp_path, facts, run) as store:
@@ -85,9 +85,9 @@ def test_written_traces_are_not_computed_again(tmp_path, facts, run):
     """A batch given again (as Ray retries one whose actor died) to a new actor computes
     none of the traces already in a part: no part is added."""
     batch = _batch(tmp_path, facts, run)
-    _actor(tmp_path, facts)(batch)
+    _actor(tmp_path, facts).score(batch)
     parts = sorted(tmp_path.glob("part-*.parquet"))
-    rows = _actor(tmp_path, facts)(batch)
+    rows = _actor(tmp_path, facts).score(batch)
     assert not any(rows["error"]) and sorted(tmp_path.glob("part-*.parquet")) == parts
 
 
@@ -116,7 +116,7 @@ def test_an_impossible_score_is_the_error_and_the_rest_is_saved(tmp_path, facts,
     batch = _batch(tmp_path, facts, run)
     actor = _actor(tmp_path, facts)
     actor.engine = NaNAt(actor.engine, "code")
-    error = _error(actor(batch))
+    error = _error(actor.score(batch))
     assert isinstance(error, ImpossibleResult)
     assert (error.trace_id, error.step, error.field) == ("code", 1, "logprob")
     written = pd.concat(pd.read_parquet(p) for p in tmp_path.glob("part-*.parquet"))
@@ -142,7 +142,7 @@ def test_rows_the_part_writer_refuses_stop_the_batch_and_the_rest_is_saved_once(
     batch = _batch(tmp_path, facts, run)
     actor = ReplayActor(OPTIONS, str(tmp_path), facts.keyed, labelled=False, every_s=0.0)
     with pytest.warns(RuntimeWarning, match="finished traces not saved.*trace 'code'"):
-        error = _error(actor(batch))  # the save on the way out refuses 'code' again
+        error = _error(actor.score(batch))  # the save on the way out refuses 'code' again
     assert isinstance(error, ImpossibleResult) and "trace 'code'" in str(error)
     written = pd.concat(pd.read_parquet(p) for p in tmp_path.glob("part-*.parquet"))
     assert written["trace_id"].unique().tolist() == ["paris"]
@@ -152,7 +152,7 @@ def test_rows_the_part_writer_refuses_stop_the_batch_and_the_rest_is_saved_once(
 def test_a_folder_the_node_cannot_see_is_named(tmp_path, facts):
     """An actor whose node does not find the driver's settings.json (no shared storage) says
     so at its first batch, and builds no engine."""
-    rows = _actor(tmp_path / "elsewhere", facts)({ITEMS: np.array([pack([])], dtype=object)})
+    rows = _actor(tmp_path / "elsewhere", facts).score(pack([]))
     error = _error(rows)
     assert isinstance(error, FileNotFoundError) and "not visible on node" in str(error)
 
@@ -162,8 +162,8 @@ def test_an_engine_with_other_settings_than_the_runs_is_refused(tmp_path, facts,
     refuses its batches, naming the settings that differ."""
     _batch(tmp_path, facts, run)  # the driver's settings.json
     other = {**facts.keyed, "top_k": 4}
-    rows = ReplayActor(OPTIONS, str(tmp_path), other, labelled=False, every_s=10.0)(
-        {ITEMS: np.array([pack([])], dtype=object)})
+    rows = ReplayActor(OPTIONS, str(tmp_path), other, labelled=False, every_s=10.0).score(
+        pack([]))
     error = _error(rows)
     assert isinstance(error, ValueError) and "other settings than the run's (top_k)" in str(error)
 
@@ -191,7 +191,7 @@ def test_the_actor_sizes_engine_calls_as_a_single_process_run(tmp_path, run):
         items = [(store.digest(r), r, t) for r, t in zip(requests, traces)]
     actor = ReplayActor(options, str(tmp_path / "a"), one.keyed, labelled=False, every_s=10.0)
     actor_calls = recorded_calls(actor.engine)
-    rows = actor({ITEMS: np.array([pack(items)], dtype=object)})
+    rows = actor.score(pack(items))
     assert not any(rows["error"])
 
     with make_engine(**options) as engine:

@@ -92,7 +92,7 @@ def test_a_folder_of_other_settings_is_refused(cluster, tmp_path):
 def _actor_pids() -> list[int]:
     """The processes of live ReplayActor actors on this machine."""
     return [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
-            if "MapBatches(ReplayActor)" in " ".join(p.info["cmdline"] or [])]
+            if " ".join(p.info["cmdline"] or []).startswith("ray::ReplayActor")]
 
 
 def _kill_an_actor_after_the_first_part(folder: Path, killed: dict) -> None:

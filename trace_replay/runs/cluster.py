@@ -89,13 +89,12 @@ def as_cluster(cluster: Any) -> RayCluster:
 
 
 def import_ray() -> ModuleType:
-    """The ``ray`` module, with Ray Data; a clear ImportError naming the extra when absent."""
+    """The ``ray`` module; a clear ImportError naming the extra when absent."""
     try:
         import ray
-        import ray.data  # noqa: F401 - Ray Data is the part a cluster run needs
     except ImportError as error:
-        raise ImportError(f"cluster runs need Ray with Ray Data ({error}); install the "
-                          "extra: pip install 'trace-replay[ray]'") from None
+        raise ImportError(f"cluster runs need Ray ({error}); install the extra, from a "
+                          "checkout of this package: pip install -e '.[ray]'") from None
     return ray
 
 

@@ -1,10 +1,11 @@
 """A cluster run's worker: one engine per Ray actor, scoring batches into checkpoint parts.
 
-Nothing here imports Ray: Ray Data constructs :class:`ReplayActor` once per actor and calls
-it with rows of the dataset's one column, :data:`ITEMS`, each the traces of one part. The actor writes the parts a
-single-process run writes (:func:`~trace_replay.runs.parts.write_checked`, the run's
-settings key), so a folder is shared between both kinds of run, and a killed actor or
-driver loses only the traces in flight.
+Nothing here imports Ray: the driver makes :class:`ReplayActor` a Ray actor
+(``ray.remote(ReplayActor)``) and calls its :meth:`~ReplayActor.score` with one part's
+traces at a time, packed by :func:`pack`. The actor writes the parts a single-process run
+writes (:func:`~trace_replay.runs.parts.write_checked`, the run's settings key), so a
+folder is shared between both kinds of run, and a killed actor or driver loses only the
+traces in flight.
 """
 
 from __future__ import annotations
@@ -31,11 +32,7 @@ from trace_replay.runs.frame import TokenDecoder, run_checked
 from trace_replay.runs.parts import PART_NAME, not_saved, write_checked
 from trace_replay.runs.weights_watch import WeightsWatch
 
-__all__ = ["ITEMS", "EngineFacts", "ReplayActor", "engine_facts", "pack"]
-
-# the dataset's column; a row: a pickled list of (trace_digest, ReplayRequest, tokenized Trace),
-# the driver's batch, so that the driver, not Ray's block bundling, decides what a task holds
-ITEMS = "items"
+__all__ = ["EngineFacts", "ReplayActor", "engine_facts", "pack"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +60,8 @@ def engine_facts(options: Mapping[str, Any]) -> EngineFacts:
 
 
 def pack(items: list[tuple[str, ReplayRequest, Any]]) -> bytes:
-    """One dataset row's :data:`ITEMS`: ``(trace_digest, request, tokenized trace)`` each."""
+    """One part's traces for :meth:`ReplayActor.score`: ``(trace_digest, request, tokenized
+    trace)`` each, pickled, so that the driver decides what a call holds."""
     return pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -85,8 +83,8 @@ class ReplayActor:
     is not written.
 
     A failure to start (an engine that cannot be built, a folder this node cannot see,
-    settings other than the run's) is raised at the first batch: Ray Data reports an error
-    in a constructor without the error itself.
+    settings other than the run's) is raised at the first batch, as it was raised: an
+    error in a Ray actor's constructor would reach the driver as Ray's own error instead.
 
     Parameters
     ----------
@@ -142,14 +140,19 @@ class ReplayActor:
             self.watch = WeightsWatch(self.engine, keyed.get("weights_digest"),
                                       kept_in=f"checkpoint {self.folder}")
 
-    def __call__(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Score a batch's unwritten traces into parts; one summary row per trace, or one
-        row whose ``error`` holds the pickled error that stopped the batch (returned, not
-        raised: Ray Data would append its retry advice to the error's message)."""
+    def ready(self) -> str:
+        """This actor's name (host and a random suffix), once its engine is built (or failed
+        to be: that failure is raised at the first batch); the driver counts the answers."""
+        return self.instance
+
+    def score(self, packed: bytes) -> dict[str, np.ndarray]:
+        """Score the unwritten traces of one part (:func:`pack`'s) into parts; one summary
+        row per trace, or one row whose ``error`` holds the pickled error that stopped the
+        batch (returned, not raised, so that it reaches the driver as it was raised)."""
         try:
             if self.failure is not None:
                 raise self.failure
-            return self._score([item for row in batch[ITEMS] for item in pickle.loads(row)])
+            return self._score(pickle.loads(packed))
         except Exception as error:  # noqa: BLE001 - every error goes to the driver as it is
             return self._rows([], error=_portable(error))
 

@@ -1,21 +1,26 @@
-"""``replay(..., cluster="ray")``: a trace set through a Ray Data actor pool, one frame back.
+"""``replay(..., cluster="ray")``: a trace set through a pool of Ray actors, one frame back.
 
 The driver (this process) does what a single-process run does around its engine calls, with
 the same code: it builds the engine once on the cluster to learn what the actors' engines
 are (settings, tokenizer, context length: :func:`~trace_replay.runs.cluster_actor.
 engine_facts`), tokenizes and checks the traces, opens the checkpoint folder (settings
 refused as ever, finished traces skipped, claims held for the traces it hands out), and
-streams the rest through ``map_batches`` over an actor pool, one engine per actor
+hands the rest, a part's traces at a time, to Ray actors, one engine per actor
 (:class:`~trace_replay.runs.cluster_actor.ReplayActor`), which write checkpoint parts
 themselves. It then reads the folder as a single-process run reads it: every part verified,
 one copy of each trace, in order, the same attrs plus ``attrs["cluster"]``.
+
+The actors are plain Ray Core actors (``max_restarts=-1``, ``max_task_retries=-1``: a killed
+one is started again and its part handed to it again), created with their few small
+arguments inline, so Ray keeps nothing of theirs in the object store, and killed after the
+run: nothing of the run stays on a cluster it joined.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
-import logging
 import pickle
 import shutil
 import sys
@@ -31,7 +36,7 @@ from tqdm.auto import tqdm
 from trace_replay.engines.base import ReplayRequest
 from trace_replay.runs.checkpoint import Checkpoint
 from trace_replay.runs.cluster import ClusterPlan, RayCluster, connect, import_ray, plan_actors
-from trace_replay.runs.cluster_actor import ITEMS, EngineFacts, ReplayActor, engine_facts, pack
+from trace_replay.runs.cluster_actor import EngineFacts, ReplayActor, engine_facts, pack
 from trace_replay.runs.frame import TokenDecoder
 from trace_replay.runs.stages import finish_frame, prepare_run, resuming_message, run_attrs
 from trace_replay.traces.sets import TraceSet
@@ -51,25 +56,32 @@ def replay_on_ray(traceset: TraceSet, cluster: RayCluster, options: dict[str, An
 
     ``options`` are ``make_engine``'s arguments, each actor's the same. Without a
     ``checkpoint`` the parts go to a temporary folder, removed after the run (on one
-    machine; a cluster of several needs a folder every node mounts).
+    machine; a cluster of several needs a folder every node mounts). The progress bar
+    names each start-up phase (connecting, the probe engine, the actors' engines loaded)
+    until tokens are counted.
     """
     ray = import_ray()
-    with connect(cluster, verbose=options.get("verbose", False)) as address:
-        plan = plan_actors(cluster, options.get("device"), ray.cluster_resources())
-        options = {**options, "device": plan.device}
-        facts = _probe(ray, options, plan)
-        traceset, requests, notes = prepare_run(
-            traceset, tokenizer=facts.tokenizer, vocab_size=facts.vocab_size,
-            max_model_len=facts.max_model_len, top_k=facts.keyed.get("top_k", 0),
-            truncate=truncate)
-        batch = max(facts.batch_size, 1)
-        # whole engine batches, at most 4 per part, and work for every actor
-        chunk = chunk_size or max(1, min(4 * batch, -(-len(requests) // plan.actors)))
-        with _folder(checkpoint) as folder:
-            result, resumed, stats = _run(ray, traceset, requests, facts, options, plan,
-                                          folder=folder, named=checkpoint is not None,
-                                          chunk=chunk, every_s=checkpoint_every,
-                                          progress=progress)
+    with tqdm(total=None, unit="tok", disable=not progress,
+              desc=f"replay[{options.get('name')} on ray]") as bar:
+        bar.set_postfix_str("connecting to Ray")
+        with connect(cluster, verbose=options.get("verbose", False)) as address:
+            plan = plan_actors(cluster, options.get("device"), ray.cluster_resources())
+            options = {**options, "device": plan.device}
+            bar.set_postfix_str("loading the engine once on the cluster (probe)")
+            facts = _probe(ray, options, plan)
+            traceset, requests, notes = prepare_run(
+                traceset, tokenizer=facts.tokenizer, vocab_size=facts.vocab_size,
+                max_model_len=facts.max_model_len, top_k=facts.keyed.get("top_k", 0),
+                truncate=truncate)
+            batch = max(facts.batch_size, 1)
+            # whole engine batches, at most 4 per part, and work for every actor
+            chunk = chunk_size or max(1, min(4 * batch, -(-len(requests) // plan.actors)))
+            bar.set_description(f"replay[{facts.name} on ray ×{plan.actors}]")
+            bar.reset(total=sum(r.trace_len for r in requests))
+            with _folder(checkpoint) as folder:
+                result, resumed, stats = _run(ray, traceset, requests, facts, options, plan,
+                                              folder=folder, named=checkpoint is not None,
+                                              chunk=chunk, every_s=checkpoint_every, bar=bar)
     result = finish_frame(result, traceset, TokenDecoder(facts.tokenizer))
     # the keyed settings carry the weights' digest, as a single-process run's attrs do
     result.attrs = run_attrs(facts.keyed, stats, traceset=traceset, requests=requests,
@@ -84,8 +96,9 @@ def replay_on_ray(traceset: TraceSet, cluster: RayCluster, options: dict[str, An
 
 def _run(ray: Any, traceset: TraceSet, requests: list[ReplayRequest], facts: EngineFacts,
          options: dict[str, Any], plan: ClusterPlan, *, folder: Path, named: bool, chunk: int,
-         every_s: float, progress: bool) -> tuple[pd.DataFrame | None, int, dict[str, Any]]:
-    """The checkpoint loop of a single-process run, a pool pass where it calls the engine.
+         every_s: float, bar: tqdm) -> tuple[pd.DataFrame | None, int, dict[str, Any]]:
+    """The checkpoint loop of a single-process run, a pass over the actors where it calls
+    the engine.
 
     Returns the rows, the traces served from the folder, and the actors' stats combined.
     """
@@ -94,13 +107,11 @@ def _run(ray: Any, traceset: TraceSet, requests: list[ReplayRequest], facts: Eng
                   "labelled": any(t.trace_roles is not None for t in traceset),
                   "every_s": every_s}
     reports: dict[str, tuple[int, dict]] = {}  # actor instance -> (its calls, its stats)
-    total = sum(r.trace_len for r in requests)
-    with tqdm(total=total, unit="tok", disable=not progress,
-              desc=f"replay[{facts.name} on ray ×{plan.actors}]") as bar, \
-            Checkpoint(folder, facts.keyed, requests, by_id, batch_size=facts.batch_size,
-                       max_traces=chunk, every_s=every_s) as store:
+    with Checkpoint(folder, facts.keyed, requests, by_id, batch_size=facts.batch_size,
+                    max_traces=chunk, every_s=every_s) as store, \
+            _Actors(ray, plan, actor_args, bar) as actors:
         bar.update(store.resumed_tokens)
-        if store.resumed and progress and named:
+        if store.resumed and not bar.disable and named:
             bar.write(resuming_message(folder, store, len(requests)), file=sys.stderr)
 
         def report(rows: Mapping[str, np.ndarray]) -> None:
@@ -114,48 +125,77 @@ def _run(ray: Any, traceset: TraceSet, requests: list[ReplayRequest], facts: Eng
             group = store.claim(most=len(requests))  # all of them: the actors write parts
             if group:
                 items = [(store.digest(r), r, by_id[r.trace_id]) for r in group]
-                batches = [pack(items[i:i + chunk]) for i in range(0, len(items), chunk)]
-                _pass(ray, batches, plan, actor_args, report=report)
+                actors.run([pack(items[i:i + chunk]) for i in range(0, len(items), chunk)],
+                           report=report)
                 store.refresh()
             elif not store.waiting():  # other runs hold claims on our traces: wait
                 result = store.read()  # None: a part failed verification, go on
-        bar.update(max(total - bar.n, 0))
+        bar.update(max(bar.total - bar.n, 0))
     stats = [s for _, s in reports.values()] or [facts.stats]
     return result, store.resumed, _combined(stats)
 
 
-def _pass(ray: Any, batches: list[bytes], plan: ClusterPlan, actor_args: dict[str, Any], *,
-          report: Callable[[Mapping[str, np.ndarray]], None]) -> None:
-    """One pass of ``batches`` (packed, a part's traces each) through a pool of actors, one
-    batch per task and at most one task per actor at a time (an idle actor takes the next
-    batch; a dead one takes only its own back to the queue); ``report`` hears of each."""
-    pool = ray.data.ActorPoolStrategy(size=min(plan.actors, len(batches)),  # none idle
-                                      max_tasks_in_flight_per_actor=1)
-    dataset = ray.data.from_items([{ITEMS: batch} for batch in batches],
-                                  override_num_blocks=len(batches)).map_batches(
-        ReplayActor, batch_size=1, batch_format="numpy", compute=pool,
-        num_cpus=plan.num_cpus, num_gpus=plan.num_gpus, fn_constructor_kwargs=actor_args)
-    verbose = actor_args["options"].get("verbose", False)
-    dataset.context.enable_progress_bars = verbose  # the run's own bar counts the tokens
-    dataset.context.print_on_execution_start = verbose
-    with _logging_at(logging.getLogger("ray.data"), logging.INFO if verbose else logging.ERROR):
-        for rows in dataset.iter_batches(batch_size=None, batch_format="numpy"):
-            failed = [error for error in rows["error"] if error]
-            if failed:  # stops the pass; the parts written so far stay
-                raise pickle.loads(failed[0])
-            report(rows)
+class _Actors:
+    """The run's actors: started at its first pass (as many as that pass has parts, at most
+    the plan's), one part at a time each (an idle actor takes the next; a restarted one is
+    handed its own again by Ray), and killed when the run ends, failed or not.
 
+    The bar's postfix counts the actors whose engine is loaded until all are.
+    """
 
-@contextlib.contextmanager
-def _logging_at(logger: logging.Logger, level: int) -> Iterator[None]:
-    """Ray Data's logging at ``level`` for the block (its notes on each execution, and on
-    the progress bars this run turns off, are noise beside the run's own bar)."""
-    before = logger.level
-    logger.setLevel(level)
-    try:
-        yield
-    finally:
-        logger.setLevel(before)
+    def __init__(self, ray: Any, plan: ClusterPlan, args: dict[str, Any], bar: tqdm) -> None:
+        self.ray, self.plan, self.args, self.bar = ray, plan, args, bar
+        self.actors: list[Any] = []
+        self.loading: dict[Any, Any] = {}  # ready() call -> its actor, until it answers
+
+    def __enter__(self) -> _Actors:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for actor in self.actors:
+            self.ray.kill(actor)  # no restart: the run is over
+        self.actors.clear()
+
+    def _start(self, count: int) -> None:
+        remote = self.ray.remote(ReplayActor).options(
+            num_cpus=self.plan.num_cpus, num_gpus=self.plan.num_gpus, max_restarts=-1,
+            max_task_retries=-1)
+        self.actors = [remote.remote(**self.args) for _ in range(count)]
+        self.loading = {actor.ready.remote(): actor for actor in self.actors}
+        self._loaded()
+
+    def _loaded(self) -> None:
+        waiting = len(self.loading)
+        self.bar.set_postfix_str(
+            f"{len(self.actors) - waiting}/{len(self.actors)} actors' engines loaded"
+            if waiting else "", refresh=True)
+
+    def run(self, parts: list[bytes], *,
+            report: Callable[[Mapping[str, np.ndarray]], None]) -> None:
+        """Score ``parts`` (packed, a part's traces each); ``report`` hears of each. The
+        first error an actor returns is raised; the parts written before it stay."""
+        if not self.actors:
+            self._start(min(self.plan.actors, len(parts)))
+        queue = collections.deque(parts)
+        calls = dict(self.loading)  # call -> actor; an actor with no call is idle
+        busy = set(calls.values())
+        for actor in self.actors:
+            if actor not in busy and queue:
+                calls[actor.score.remote(queue.popleft())] = actor
+        while calls:
+            (done,), _ = self.ray.wait(list(calls), num_returns=1)
+            actor = calls.pop(done)
+            answer = self.ray.get(done)
+            if done in self.loading:
+                del self.loading[done]
+                self._loaded()
+            else:
+                failed = [error for error in answer["error"] if error]
+                if failed:  # stops the pass; the parts written so far stay
+                    raise pickle.loads(failed[0])
+                report(answer)
+            if queue:
+                calls[actor.score.remote(queue.popleft())] = actor
 
 
 def _probe(ray: Any, options: dict[str, Any], plan: ClusterPlan) -> EngineFacts:
