@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from trace_replay.engines.routing import RoutingRecorder
+from trace_replay.engines.capabilities import supports
+from trace_replay.engines.routing import RoutedExperts, RoutingRecorder
 
 __all__ = ["flip_matrix", "record_routing", "routing_flips"]
 
@@ -51,7 +52,7 @@ def record_routing(traces: Any, engine: Any, **replay_options: Any) -> tuple[pd.
     if replay_options.get("checkpoint") is not None:
         raise ValueError("record_routing cannot resume a checkpoint: skipped traces would "
                          "have no routing")
-    if getattr(engine, "returns_routing", False):  # vLLM's own routed experts (GPU)
+    if supports(engine, RoutedExperts) and engine.returns_routing:  # vLLM's own (GPU)
         engine.routed.clear()
         df = replay(traces, engine=engine, progress=replay_options.pop("progress", False),
                     **replay_options)

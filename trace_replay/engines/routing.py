@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from trace_replay.engines.protocol import ReplayRequest
 
-__all__ = ["LAYOUTS", "RoutingRecorder", "RoutingSource", "find_routers"]
+__all__ = ["LAYOUTS", "RoutedExperts", "RoutingRecorder", "RoutingSource", "find_routers"]
 
 LAYOUTS = ("teacher-forced", "decode")
 
@@ -40,6 +40,16 @@ class RoutingSource(Protocol):
     routing_layout: str
 
     def activations(self): ...
+
+
+@runtime_checkable
+class RoutedExperts(Protocol):
+    """An engine whose runtime reports each trace's routed experts itself (vLLM with
+    ``enable_return_routed_experts``): when ``returns_routing`` is true, a replay leaves
+    ``routed[trace_id]``, an int array ``[steps, layers, top_k]`` of expert ids."""
+
+    returns_routing: bool
+    routed: dict[str, np.ndarray]
 
 
 def find_routers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
