@@ -4,7 +4,7 @@
 implements every :class:`~trace_replay.engines.protocol.Engine` member but ``run``;
 :func:`check_engine` names what a user engine lacks. The protocol, the capabilities, the
 weights' digest and the closed-engine guard live in their own modules
-(``protocol.py``, ``capabilities.py``, ``weights.py``, ``closing.py``); their names are
+(``protocol.py``, ``capabilities.py``, ``identity.py``); their names are
 importable from here too.
 """
 
@@ -18,12 +18,11 @@ from typing import Any
 import torch
 
 from trace_replay.engines.capabilities import (ActivationSource, Activations, BatchHooks,
-                                               Generates, missing_members, protocol_members,
-                                               supports)
-from trace_replay.engines.closing import (EngineClosed, guard_class, marking_closed,
-                                          refused_when_closed)
-from trace_replay.engines.protocol import BatchFailed, Engine, ReplayRequest, TraceResult
-from trace_replay.engines.weights import engine_identity, glance, read_weights
+                                               Generates, protocol_members, supports)
+from trace_replay.engines.identity import (EngineClosed, engine_identity, glance, guard_class,
+                                           marking_closed, read_weights, refused_when_closed)
+from trace_replay.engines.protocol import (BatchFailed, Engine, ReplayRequest, TraceResult,
+                                           missing_members)
 
 __all__ = ["ActivationSource", "Activations", "BatchFailed", "BatchHooks", "ENGINE_MEMBERS",
            "Engine", "EngineBase", "EngineClosed", "EngineConfig", "Generates", "PROVENANCE",
@@ -163,7 +162,7 @@ class EngineBase(ABC):
         That pass takes seconds on a CPU (float64 sums of 135M float32 weights), so its
         digest is kept while a glance at the weights stays the same: per parameter its
         storage, its count of in-place edits and a sample
-        (:func:`~trace_replay.engines.weights.glance`).
+        (:func:`~trace_replay.engines.identity.glance`).
         """
         if self.lm is None:
             return None

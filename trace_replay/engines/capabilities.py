@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from trace_replay.engines.protocol import missing_members
+
 if TYPE_CHECKING:
     import torch
 
@@ -81,16 +83,6 @@ def protocol_members(protocol: type, dunders: Sequence[str] = ()) -> tuple[str, 
         if inspect.isfunction(value) and (not name.startswith("_") or name in dunders))}))
 
 
-def missing_members(obj: Any, names: Sequence[str]) -> list[str]:
-    """The ``names`` that ``obj`` lacks, in order.
-
-    A member the object or its class defines counts without being read (a lazy property is
-    not evaluated); any other is read as a user would (``hasattr``), so an object that
-    forwards attributes to a wrapped one has them.
-    """
-    return [name for name in names if not _defines(obj, name)]
-
-
 def supports(engine: Any, capability: type) -> bool:
     """Whether ``engine`` (an engine or an engine class) has ``capability``: it defines every
     member, and none is a default that only refuses (``EngineBase.generate``)."""
@@ -107,9 +99,3 @@ def _static(obj: Any, name: str) -> Any:
         return getattr(obj, name, None)
 
 
-def _defines(obj: Any, name: str) -> bool:
-    try:
-        inspect.getattr_static(obj, name)
-    except AttributeError:
-        return hasattr(obj, name)
-    return True

@@ -10,13 +10,14 @@ only some engines can do (free generation, watched forwards) is declared in
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["BatchFailed", "Engine", "ReplayRequest", "TraceResult"]
+__all__ = ["BatchFailed", "Engine", "ReplayRequest", "TraceResult", "missing_members"]
 
 
 @dataclass(frozen=True)
@@ -105,3 +106,21 @@ class Engine(Protocol):
     def __enter__(self) -> Engine: ...
 
     def __exit__(self, *exc_info: object) -> None: ...
+
+
+def missing_members(obj: Any, names: Sequence[str]) -> list[str]:
+    """The ``names`` that ``obj`` lacks, in order.
+
+    A member the object or its class defines counts without being read (a lazy property is
+    not evaluated); any other is read as a user would (``hasattr``), so an object that
+    forwards attributes to a wrapped one has them.
+    """
+    return [name for name in names if not _defines(obj, name)]
+
+
+def _defines(obj: Any, name: str) -> bool:
+    try:
+        inspect.getattr_static(obj, name)
+    except AttributeError:
+        return hasattr(obj, name)
+    return True

@@ -23,7 +23,7 @@ from trace_replay.engines.base import Engine, ReplayRequest, check_engine, engin
 from trace_replay.engines.moving_weights import MovingWeights
 from trace_replay.runs.cluster import RayCluster, as_cluster
 from trace_replay.runs.frame import TokenDecoder, run_checked
-from trace_replay.runs.options import ReplayOptions
+from trace_replay.runs.stages import ReplayOptions
 from trace_replay.runs.stages import (finish_frame, package_versions, prepare_requests,
                                   prepare_run, resuming_message, run_attrs)
 from trace_replay.runs.weights_watch import WeightsWatch

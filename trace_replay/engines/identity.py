@@ -1,20 +1,28 @@
-"""Which weights an engine scores with: their digest, and the identity results carry.
+"""What :class:`~trace_replay.engines.base.EngineBase` adds around every engine: which weights it
+scores with, and the guard that makes a closed engine refuse work.
 
-A checkpoint keys on :func:`engine_identity`, so rows computed with other weights under the
-same model name are never served; every replay records it in ``df.attrs``.
+- The weights' digest and the identity results carry (:func:`engine_identity`): a checkpoint
+  keys on it, so rows computed with other weights under the same model name are never
+  served; every replay records it in ``df.attrs``.
+- The closed-engine guard: once ``close`` has run, what needs the model refuses.
+  ``EngineBase`` wraps each class's own ``close`` and the methods of :data:`NEEDS_OPEN` when
+  the class is defined, so no engine repeats the check.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
     from trace_replay.engines.protocol import Engine
 
-__all__ = ["engine_identity", "glance", "read_weights"]
+__all__ = ["NEEDS_OPEN", "EngineClosed", "engine_identity", "glance", "guard_class",
+           "marking_closed", "read_weights", "refused_when_closed"]
 
 
 def glance(lm: torch.nn.Module) -> bytes:
@@ -65,3 +73,49 @@ def engine_identity(engine: Engine) -> dict:
     settings = engine.settings()
     weights = engine.weights_digest()
     return settings if weights is None else {**settings, "weights_digest": weights}
+
+
+# what a closed engine refuses: each needs the model (or worker, or connection) it released
+NEEDS_OPEN = ("run", "generate", "weights_digest", "activations")
+
+
+class EngineClosed(RuntimeError):
+    """An engine was asked to score, generate, digest its weights or give its activations
+    after ``close()`` (or its ``with`` block) released what it needs."""
+
+
+def refused_when_closed(method: Callable) -> Callable:
+    """``method``, raising :class:`EngineClosed` instead on an engine that is closed."""
+    @functools.wraps(method)
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._closed:
+            raise EngineClosed(f"engine {self.name!r} is closed: {method.__name__}() needs "
+                               "what close() (or the end of its with block) released; build "
+                               "a new engine")
+        return method(self, *args, **kwargs)
+
+    guarded._guarded = True  # type: ignore[attr-defined]
+    return guarded
+
+
+def marking_closed(close: Callable) -> Callable:
+    """``close``, marking the engine closed once it has run (or failed part way: a half
+    released engine is no more usable)."""
+    @functools.wraps(close)
+    def marking(self: Any) -> None:
+        try:
+            close(self)
+        finally:
+            self._closed = True
+
+    marking._guarded = True  # type: ignore[attr-defined]
+    return marking
+
+
+def guard_class(cls: type) -> None:
+    """Wrap the methods ``cls`` itself defines among ``close`` and :data:`NEEDS_OPEN`."""
+    for name in (*NEEDS_OPEN, "close"):
+        method = vars(cls).get(name)
+        if callable(method) and not getattr(method, "_guarded", False):
+            wrap = marking_closed if name == "close" else refused_when_closed
+            setattr(cls, name, wrap(method))

@@ -1,4 +1,4 @@
-"""replay's options as one record (trace_replay.runs.options): checked when made, frozen,
+"""replay's options as one record (trace_replay.runs.stages): checked when made, frozen,
 and the one source of what starts an engine by name."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from trace_replay.engines import make_engine
-from trace_replay.runs.options import ReplayOptions
+from trace_replay.runs.stages import ReplayOptions
 
 
 @pytest.mark.parametrize("fields, message", [
