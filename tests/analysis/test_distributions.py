@@ -99,17 +99,19 @@ def test_paired_replay_equals_a_float64_reference(engines):
 
 
 @pytest.mark.slow
-def test_bounds_contain_the_exact_values_on_every_bundled_token(engines):
-    """On every token of the bundled datasets, the bounds from two result frames (the
-    teacher-forced prefill in float32 and in bfloat16) contain the exact values a paired
-    replay of the same engines gives."""
+def test_bounds_contain_the_exact_values_on_bundled_tokens(engines):
+    """On every token of the first trace of each bundled file (both datasets, both sources),
+    the bounds from two result frames (the teacher-forced prefill in float32 and in
+    bfloat16) contain the exact values a paired replay of the same engines gives. Not every
+    bundled trace: bfloat16 matmuls on a CPU without native bfloat16 take ~80 ms a token
+    here (measured 2026-12-07), so the whole bundle would take ~20 minutes."""
     _, _, fp32, bf16 = engines
-    traces = tr.datasets.load()
+    traces = tr.datasets.load(limit=1)
     exact = replay_pair(traces, fp32, bf16)
     bounds = distribution_bounds(tr.replay(traces, engine=fp32, progress=False),
                                  tr.replay(traces, engine=bf16, progress=False))
     both = exact.merge(bounds, on=["trace_id", "step"], validate="one_to_one")
-    assert len(both) == len(exact) == len(bounds) > 5000
+    assert len(both) == len(exact) == len(bounds) > 200
     for name in METRICS:
         inside = (both[f"{name}_lower"] <= both[name]) & (both[name] <= both[f"{name}_upper"])
         assert inside.all(), (name, both.loc[~inside, [name, f"{name}_lower"]].head())
