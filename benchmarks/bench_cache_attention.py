@@ -39,8 +39,9 @@ LENGTH = 256
 def inputs(rows, kv_heads, groups, q, dim, dtype, gen):
     """Random query and cache; each row sees slots up to its own cursor (16..144)."""
     query = torch.randn(rows, kv_heads, groups * q, dim, generator=gen).to("cuda", dtype)
-    key, value = (torch.randn(rows, kv_heads, LENGTH, dim, generator=gen).to("cuda", dtype)
-                  for _ in range(2))
+    key, value = (
+        torch.randn(rows, kv_heads, LENGTH, dim, generator=gen).to("cuda", dtype) for _ in range(2)
+    )
     cursor = torch.randint(16, 145 - q, (rows,), generator=gen)
     own = cursor[:, None] + torch.arange(q)
     hidden = torch.arange(LENGTH)[None, None, :] > own[:, :, None]
@@ -59,25 +60,43 @@ def main() -> None:
         query, key, value, mask = inputs(rows, kv_heads, groups, q, dim, dtype, gen)
         scale = dim**-0.5
         expected = cache_attention_reference(query, key, value, mask, scale)
-        sdpa = time_graph_us(lambda: cache_attention_reference(query, key, value, mask, scale),
-                             args.repeats, 20)
+        sdpa = time_graph_us(
+            lambda: cache_attention_reference(query, key, value, mask, scale), args.repeats, 20
+        )
         cells = []
         # float32 inputs: FMAs (the default) and the 3xTF32 split the static backend uses
         for precision in ("ieee", "tf32x3") if dtype == torch.float32 else ("ieee",):
-            kernel = time_graph_us(lambda p=precision: cache_attention(
-                query, key, value, mask, scale, precision=p), args.repeats, 20)
-            error = (cache_attention(query, key, value, mask, scale, precision=precision)
-                     .float() - expected.float()).abs().max().item()
+            kernel = time_graph_us(
+                lambda p=precision: cache_attention(query, key, value, mask, scale, precision=p),
+                args.repeats,
+                20,
+            )
+            error = (
+                (
+                    cache_attention(query, key, value, mask, scale, precision=precision).float()
+                    - expected.float()
+                )
+                .abs()
+                .max()
+                .item()
+            )
             cells.append((kernel, error))
         (kernel, error), tf32x3 = cells[0], cells[1:]
         extra = f"{tf32x3[0][0]:.1f} | {tf32x3[0][1]:.1e}" if tf32x3 else "– | –"
-        print(f"| {name} | {sdpa:.1f} | {kernel:.1f} | {sdpa / kernel:.2f} | {error:.1e} | "
-              f"{extra} |", flush=True)
+        print(
+            f"| {name} | {sdpa:.1f} | {kernel:.1f} | {sdpa / kernel:.2f} | {error:.1e} | {extra} |",
+            flush=True,
+        )
         if args.sweep:
-            sweeps[name] = {(n, w): time_graph_us(lambda: launch(query, key, value, mask, scale,
-                                                                 block_n=n, num_warps=w),
-                                                  args.repeats, 20)
-                            for n in (16, 32, 64, 128) for w in (1, 2, 4, 8)}
+            sweeps[name] = {
+                (n, w): time_graph_us(
+                    lambda: launch(query, key, value, mask, scale, block_n=n, num_warps=w),
+                    args.repeats,
+                    20,
+                )
+                for n in (16, 32, 64, 128)
+                for w in (1, 2, 4, 8)
+            }
     if sweeps:
         configs = list(next(iter(sweeps.values())))
         print("\nSweep (slots per block × warps; µs per call):\n")

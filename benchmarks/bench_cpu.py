@@ -35,7 +35,7 @@ from trace_replay.models.load import load_tokenizer
 
 
 def chunks(items: list, size: int) -> list[list]:
-    return [items[i:i + size] for i in range(0, len(items), size)]
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 def vllm_greedy(engine, requests: list[ReplayRequest], batch: int) -> Callable[[], None]:
@@ -48,9 +48,18 @@ def vllm_greedy(engine, requests: list[ReplayRequest], batch: int) -> Callable[[
         with intra_op_threads(engine.threads):
             for part in chunks(requests, batch):
                 prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_token_ids)) for r in part]
-                params = [SamplingParams(temperature=0.0, max_tokens=r.trace_len, ignore_eos=True,
-                                         logprobs=engine.top_k, detokenize=False) for r in part]
+                params = [
+                    SamplingParams(
+                        temperature=0.0,
+                        max_tokens=r.trace_len,
+                        ignore_eos=True,
+                        logprobs=engine.top_k,
+                        detokenize=False,
+                    )
+                    for r in part
+                ]
                 engine.llm.generate(prompts, params, use_tqdm=False)
+
     return run
 
 
@@ -60,8 +69,10 @@ def replay(engine, requests: list[ReplayRequest], batch: int) -> Callable[[], No
 
 def torch_greedy(engine, requests: list[ReplayRequest], batch: int) -> Callable[[], None]:
     length = max(r.trace_len for r in requests)
-    return lambda: [engine.generate([r.prompt_token_ids for r in part], max_tokens=length)
-                    for part in chunks(requests, batch)]
+    return lambda: [
+        engine.generate([r.prompt_token_ids for r in part], max_tokens=length)
+        for part in chunks(requests, batch)
+    ]
 
 
 def matmul(threads: int, size: int) -> Callable[[], None]:
@@ -73,6 +84,7 @@ def matmul(threads: int, size: int) -> Callable[[], None]:
         with intra_op_threads(threads):
             for _ in range(4):
                 torch.mm(a, b, out=out)
+
     return run
 
 
@@ -83,8 +95,16 @@ def prefill_flops(config, requests: list[ReplayRequest]) -> float:
     d, layers = config.hidden_size, config.num_hidden_layers
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or d // heads
-    per_token = 2 * layers * (d * heads * head_dim + 2 * d * kv * head_dim + heads * head_dim * d
-                              + 3 * d * config.intermediate_size)
+    per_token = (
+        2
+        * layers
+        * (
+            d * heads * head_dim
+            + 2 * d * kv * head_dim
+            + heads * head_dim * d
+            + 3 * d * config.intermediate_size
+        )
+    )
     total = 0.0
     for r in requests:
         n = r.prompt_len + r.trace_len - 1
@@ -100,16 +120,26 @@ def load() -> str:
 def cpu_model() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines()
-                    if line.startswith("Model name"))
+        return next(
+            line.split(":", 1)[1].strip()
+            for line in out.splitlines()
+            if line.startswith("Model name")
+        )
     except (OSError, StopIteration):
         return platform.processor() or platform.machine()
 
 
 def commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=os.path.dirname(__file__)).stdout.strip() or "?"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=os.path.dirname(__file__),
+            ).stdout.strip()
+            or "?"
+        )
     except OSError:
         return "?"
 
@@ -119,17 +149,26 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=8, help="traces per bundled file")
     parser.add_argument("--length", type=int, default=64, help="trace tokens per row")
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--batch1-traces", type=int, default=2,
-                        help="traces replayed one at a time for the batch-1 rows")
+    parser.add_argument(
+        "--batch1-traces",
+        type=int,
+        default=2,
+        help="traces replayed one at a time for the batch-1 rows",
+    )
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--engines", default="vllm,torch,torch:static",
-                        help="vllm, torch (its default backend), torch:<backend>")
+    parser.add_argument(
+        "--engines",
+        default="vllm,torch,torch:static",
+        help="vllm, torch (its default backend), torch:<backend>",
+    )
     parser.add_argument("--matmul-size", type=int, default=2048)
     args = parser.parse_args()
     traces = datasets.load(limit=args.limit).tokenize(load_tokenizer())
-    requests = [ReplayRequest(t.id, tuple(t.prompt_token_ids),
-                              tuple(t.trace_token_ids[: args.length]))
-                for t in traces if len(t.trace_token_ids) >= args.length]
+    requests = [
+        ReplayRequest(t.id, tuple(t.prompt_token_ids), tuple(t.trace_token_ids[: args.length]))
+        for t in traces
+        if len(t.trace_token_ids) >= args.length
+    ]
     single = requests[: args.batch1_traces]
     sizes = {args.batch: requests, 1: single}
     # name -> (tokens, fn); pairs -> ratio rows
@@ -138,8 +177,9 @@ def main() -> None:
     labels = {}
     for name in args.engines.split(","):
         kind, _, backend = name.partition(":")  # torch:static, the built-in engine's backend
-        engine = make_engine(kind, device="cpu", batch_size=args.batch,
-                             **({"backend": backend} if backend else {}))
+        engine = make_engine(
+            kind, device="cpu", batch_size=args.batch, **({"backend": backend} if backend else {})
+        )
         engines[name] = engine
         labels[name] = engine.settings()["engine_path"]
         greedy = vllm_greedy if name == "vllm" else torch_greedy
@@ -183,41 +223,56 @@ def main() -> None:
     median = {key: statistics.median(values) for key, values in times.items()}
     rate = {key: timed[key][0] / median[key] for key in timed if timed[key][0]}
 
-    print(f"\n{dt.date.today()} · commit {commit()} · {cpu_model()} ({platform.machine()}, "
-          f"{os.cpu_count()} CPUs) · load average {' → '.join(loads)} · torch "
-          f"{torch.__version__} · float32 · engine threads {threads} · {len(requests)} bundled "
-          f"traces × {args.length} tokens ({tokens} tokens) at batch {args.batch}, "
-          f"{len(single)} × {args.length} at batch 1 · median of {args.rounds} interleaved rounds")
+    print(
+        f"\n{dt.date.today()} · commit {commit()} · {cpu_model()} ({platform.machine()}, "
+        f"{os.cpu_count()} CPUs) · load average {' → '.join(loads)} · torch "
+        f"{torch.__version__} · float32 · engine threads {threads} · {len(requests)} bundled "
+        f"traces × {args.length} tokens ({tokens} tokens) at batch {args.batch}, "
+        f"{len(single)} × {args.length} at batch 1 · median of {args.rounds} interleaved rounds"
+    )
     print("\n| engine path | batch | greedy tok/s | replay tok/s | replay / greedy |")
     print("|---|---:|---:|---:|---:|")
     for name in engines:
         for batch in sizes:
             g, r = f"{name} greedy b{batch}", f"{name} replay b{batch}"
-            print(f"| {labels[name]} | {batch} | {rate[g]:,.0f} | {rate[r]:,.0f} | "
-                  f"{median[g] / median[r]:.2f} |")
+            print(
+                f"| {labels[name]} | {batch} | {rate[g]:,.0f} | {rate[r]:,.0f} | "
+                f"{median[g] / median[r]:.2f} |"
+            )
     b = args.batch
     for name in engines:
         if name != "vllm" and "vllm" in engines:
-            print(f"\n{labels[name]} replay / vLLM greedy: batch {b} "
-                  f"{rate[f'{name} replay b{b}'] / rate[f'vllm greedy b{b}']:.2f}, batch 1 "
-                  f"{rate[f'{name} replay b1'] / rate['vllm greedy b1']:.2f}", end="")
+            print(
+                f"\n{labels[name]} replay / vLLM greedy: batch {b} "
+                f"{rate[f'{name} replay b{b}'] / rate[f'vllm greedy b{b}']:.2f}, batch 1 "
+                f"{rate[f'{name} replay b1'] / rate['vllm greedy b1']:.2f}",
+                end="",
+            )
     print()
-    print("\n| deterministic mode | replay tok/s | default tok/s | cost (deterministic / default time) |")
+    print(
+        "\n| deterministic mode | replay tok/s | default tok/s | cost (deterministic / default time) |"
+    )
     print("|---|---:|---:|---:|")
     if "torch" in engines:
-        print(f"| {labels['torch-det']} | {rate[f'torch-det replay b{b}']:,.0f} | "
-              f"{rate[f'torch replay b{b}']:,.0f} | "
-              f"{median[f'torch-det replay b{b}'] / median[f'torch replay b{b}']:.2f}× |")
-    print(f"| {labels['prefill-det']} | {rate['prefill-det']:,.0f} | {rate['prefill']:,.0f} | "
-          f"{median['prefill-det'] / median['prefill']:.2f}× |")
+        print(
+            f"| {labels['torch-det']} | {rate[f'torch-det replay b{b}']:,.0f} | "
+            f"{rate[f'torch replay b{b}']:,.0f} | "
+            f"{median[f'torch-det replay b{b}'] / median[f'torch replay b{b}']:.2f}× |"
+        )
+    print(
+        f"| {labels['prefill-det']} | {rate['prefill-det']:,.0f} | {rate['prefill']:,.0f} | "
+        f"{median['prefill-det'] / median['prefill']:.2f}× |"
+    )
     if "vllm" in engines:
         print(f"| {labels['vllm']} | – | – | no batch-invariant mode in vLLM's CPU build |")
     flops = prefill_flops(prefill.lm.config, requests)
     achieved, peak = flops / median["prefill"], mm_flops / median["matmul"]
-    print(f"\nprefill: {rate['prefill']:,.0f} trace tok/s, {flops / 1e9:.1f} GFLOP per pass "
-          f"(prompt and trace tokens, lm_head at scored positions) → {achieved / 1e9:.1f} "
-          f"GFLOP/s; float32 matmul {args.matmul_size}³ at {threads} thread(s): "
-          f"{peak / 1e9:.1f} GFLOP/s; prefill at {achieved / peak:.0%} of it")
+    print(
+        f"\nprefill: {rate['prefill']:,.0f} trace tok/s, {flops / 1e9:.1f} GFLOP per pass "
+        f"(prompt and trace tokens, lm_head at scored positions) → {achieved / 1e9:.1f} "
+        f"GFLOP/s; float32 matmul {args.matmul_size}³ at {threads} thread(s): "
+        f"{peak / 1e9:.1f} GFLOP/s; prefill at {achieved / peak:.0%} of it"
+    )
 
 
 if __name__ == "__main__":

@@ -45,10 +45,17 @@ def random_llama(device: str, dtype: torch.dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                         max_position_embeddings=8192, rope_theta=100000.0,
-                         tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    )
     return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
 
 
@@ -89,7 +96,9 @@ def profile(engine, requests, label: str, rows: int = 12) -> None:
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     launches = sum(e.count for e in kernels)
     device_us = sum(e.self_device_time_total for e in kernels)
-    print(f"\nprofile of {label}: {launches} kernel launches, {device_us / 1e3:.1f} ms on the device")
+    print(
+        f"\nprofile of {label}: {launches} kernel launches, {device_us / 1e3:.1f} ms on the device"
+    )
     print(events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=60))
 
 
@@ -126,11 +135,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-cost", action="store_true", help="checks only")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    parser.add_argument("--attention", choices=["rows", "tiles"], default=None,
-                        help="deterministic mode's Triton attention (default: the engines', "
-                             "deterministic_attention='tiles')")
-    parser.add_argument("--profile", action="store_true",
-                        help="a torch.profiler table of one run of each engine (CUDA)")
+    parser.add_argument(
+        "--attention",
+        choices=["rows", "tiles"],
+        default=None,
+        help="deterministic mode's Triton attention (default: the engines', "
+        "deterministic_attention='tiles')",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="a torch.profiler table of one run of each engine (CUDA)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -144,18 +160,21 @@ def main() -> None:
         lm = load_model(device=args.device, dtype=args.dtype)
     requests = make_requests(args.traces or args.batch, args.new_tokens, lm.config.vocab_size)
     tokens = sum(r.trace_len for r in requests)
-    print(f"{dt.date.today()} {platform.node()} {platform.processor() or platform.machine()} "
-          f"{torch.cuda.get_device_name() if device.type == 'cuda' else ''} torch "
-          f"{torch.__version__} threads {torch.get_num_threads()}; {args.model} model, "
-          f"{args.dtype}, {len(requests)} traces, {tokens} tokens, batch {args.batch}")
+    print(
+        f"{dt.date.today()} {platform.node()} {platform.processor() or platform.machine()} "
+        f"{torch.cuda.get_device_name() if device.type == 'cuda' else ''} torch "
+        f"{torch.__version__} threads {torch.get_num_threads()}; {args.model} model, "
+        f"{args.dtype}, {len(requests)} traces, {tokens} tokens, batch {args.batch}"
+    )
 
     results, rows = {}, []
     # decode and prefill share the attention: their bits agree only then
     attention = {"deterministic_attention": args.attention} if args.attention else {}
     for name in ("torch", "prefill"):
         for deterministic in (False, True):
-            engine = make_engine(name, lm, batch_size=args.batch, deterministic=deterministic,
-                                 **attention)
+            engine = make_engine(
+                name, lm, batch_size=args.batch, deterministic=deterministic, **attention
+            )
             path = engine.settings()["engine_path"]
             if deterministic and name == "torch":
                 print("deterministic arithmetic:", engine.settings()["arithmetic"])
@@ -168,8 +187,9 @@ def main() -> None:
                 profile(engine, requests, f"{path} (deterministic={deterministic})")
             rows.append((name, path, deterministic, seconds))
             if name == "torch":  # batch invariance: batch 7, traces reversed
-                small = make_engine(name, lm, batch_size=7, deterministic=deterministic,
-                                    **attention)
+                small = make_engine(
+                    name, lm, batch_size=7, deterministic=deterministic, **attention
+                )
                 results["small", deterministic] = small.run(requests[::-1])
             engine.close()
 
@@ -178,8 +198,10 @@ def main() -> None:
         print("|---|---|---:|---:|---:|")
         for name, path, deterministic, seconds in rows:
             base = next(s for n, _, d, s in rows if n == name and not d)
-            print(f"| {path} | {deterministic} | {seconds:.3f} | {tokens / seconds:,.0f} | "
-                  f"{seconds / base:.2f} |")
+            print(
+                f"| {path} | {deterministic} | {seconds:.3f} | {tokens / seconds:,.0f} | "
+                f"{seconds / base:.2f} |"
+            )
     if device.type == "cuda":  # what deterministic mode would do without Triton
         from trace_replay.engines.builtin.backends.deterministic_ops import probe_linear
 
@@ -194,15 +216,24 @@ def main() -> None:
     for deterministic in (False, True):
         mode = "deterministic" if deterministic else "default"
         for label, a, b in (
-                (f"batch {args.batch} vs batch 7 reversed", ("torch", deterministic),
-                 ("small", deterministic)),
-                ("decode replay vs teacher-forced prefill", ("torch", deterministic),
-                 ("prefill", deterministic))):
+            (
+                f"batch {args.batch} vs batch 7 reversed",
+                ("torch", deterministic),
+                ("small", deterministic),
+            ),
+            (
+                "decode replay vs teacher-forced prefill",
+                ("torch", deterministic),
+                ("prefill", deterministic),
+            ),
+        ):
             equal, total, worst = agreement(results[a], results[b])
             print(f"| {label} | {mode} | {equal}/{total} | {worst:.3g} |")
     # how far deterministic arithmetic moves a token from the default path's
     _, total, worst = agreement(results["torch", True], results["torch", False])
-    print(f"\ndeterministic vs default decode replay: max |Δ logprob| {worst:.3g} over {total} tokens")
+    print(
+        f"\ndeterministic vs default decode replay: max |Δ logprob| {worst:.3g} over {total} tokens"
+    )
 
 
 if __name__ == "__main__":

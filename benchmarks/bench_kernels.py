@@ -30,14 +30,14 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from trace_replay.kernels._triton import HAS_TRITON, tl, triton  # noqa: E402
+from trace_replay.engines.replay_state import RequestState, TraceReplayState  # noqa: E402
 from trace_replay.kernels import (  # noqa: E402
     apply_trace_tokens,
     apply_trace_tokens_reference,
     apply_trace_tokens_to_verified,
     apply_trace_tokens_to_verified_reference,
 )
-from trace_replay.engines.replay_state import RequestState, TraceReplayState  # noqa: E402
+from trace_replay.kernels._triton import HAS_TRITON, tl, triton  # noqa: E402
 
 NUM_REQS = (1, 4, 16, 64, 256, 1024, 4096)
 
@@ -107,12 +107,23 @@ def baseline_trace_tokens(sampled, idx_mapping, traces, trace_len, total_len, pr
     )
 
 
-def baseline_verified(sampled, num_sampled, drafts, cu, idx_mapping, traces, trace_len,
-                      total_len, prompt_len):  # fmt: skip
+def baseline_verified(
+    sampled, num_sampled, drafts, cu, idx_mapping, traces, trace_len, total_len, prompt_len
+):
     _baseline_verified_kernel[(idx_mapping.shape[0],)](
-        sampled, sampled.stride(0), num_sampled, drafts, cu, idx_mapping, traces,
-        traces.stride(0), trace_len, total_len, prompt_len, sampled.shape[1],
-    )  # fmt: skip
+        sampled,
+        sampled.stride(0),
+        num_sampled,
+        drafts,
+        cu,
+        idx_mapping,
+        traces,
+        traces.stride(0),
+        trace_len,
+        total_len,
+        prompt_len,
+        sampled.shape[1],
+    )
 
 
 def make_inputs(num_reqs, k, device, gen, max_trace_len):
@@ -157,16 +168,21 @@ def launchers(state, x):
     return {
         ("trace_tokens", "ours"): lambda: apply_trace_tokens(*plain, *ragged, *lens, **offsets),
         ("trace_tokens", "baseline"): lambda: baseline_trace_tokens(
-            *plain, x["dense"], state.trace_len, *lens),
+            *plain, x["dense"], state.trace_len, *lens
+        ),
         ("trace_tokens", "reference"): lambda: apply_trace_tokens_reference(
-            *plain, *ragged, *lens, **offsets),
+            *plain, *ragged, *lens, **offsets
+        ),
         ("verified", "ours"): lambda: apply_trace_tokens_to_verified(
-            *spec, *ragged, *lens, **offsets),
+            *spec, *ragged, *lens, **offsets
+        ),
         ("verified", "baseline"): lambda: baseline_verified(
-            *spec, x["dense"], state.trace_len, *lens),
+            *spec, x["dense"], state.trace_len, *lens
+        ),
         ("verified", "reference"): lambda: apply_trace_tokens_to_verified_reference(
-            *spec, *ragged, *lens, **offsets),
-    }  # fmt: skip
+            *spec, *ragged, *lens, **offsets
+        ),
+    }
 
 
 def time_eager_us(fn, repeats, inner, device):
@@ -230,8 +246,11 @@ def per_call_arguments(doc: str, configure=None) -> argparse.Namespace:
     if configure is not None:
         configure(parser)
     args = parser.parse_args()
-    print(f"{torch.cuda.get_device_name()} · torch {torch.__version__} · µs per call in a "
-          f"CUDA graph, median of {args.repeats}", end="")
+    print(
+        f"{torch.cuda.get_device_name()} · torch {torch.__version__} · µs per call in a "
+        f"CUDA graph, median of {args.repeats}",
+        end="",
+    )
     return args
 
 
@@ -246,12 +265,16 @@ def latency_table(args, device):
         state, x = make_inputs(num_reqs, args.k, device, gen, args.max_trace_len)
         fns = launchers(state, x)
         for kernel in ("trace_tokens", "verified"):
-            eager = {impl: time_eager_us(fns[kernel, impl], args.repeats, args.inner, device)
-                     for impl in ("ours", "baseline", "reference")}  # fmt: skip
+            eager = {
+                impl: time_eager_us(fns[kernel, impl], args.repeats, args.inner, device)
+                for impl in ("ours", "baseline", "reference")
+            }
             graph = {impl: float("nan") for impl in ("ours", "baseline")}
             if device.type == "cuda":  # the reference syncs (nonzero): it cannot be captured
-                graph = {impl: time_graph_us(fns[kernel, impl], args.repeats, args.graph_launches)
-                         for impl in graph}  # fmt: skip
+                graph = {
+                    impl: time_graph_us(fns[kernel, impl], args.repeats, args.graph_launches)
+                    for impl in graph
+                }
             rows.append(
                 f"| {num_reqs} | {kernel} | {eager['ours']:.2f} | {eager['baseline']:.2f} "
                 f"| {eager['reference']:.2f} | {graph['ours']:.2f} | {graph['baseline']:.2f} "
@@ -312,8 +335,11 @@ def main() -> None:
     parser.add_argument("--max-trace-len", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=131072)
     parser.add_argument("--storage-reqs", type=int, default=1024)
-    parser.add_argument("--interpret-smoke", action="store_true",
-                        help="one tiny iteration on CPU under TRITON_INTERPRET=1")  # fmt: skip
+    parser.add_argument(
+        "--interpret-smoke",
+        action="store_true",
+        help="one tiny iteration on CPU under TRITON_INTERPRET=1",
+    )
     args = parser.parse_args()
     if not HAS_TRITON:
         sys.exit("bench_kernels needs triton (pip install triton)")
@@ -328,10 +354,14 @@ def main() -> None:
 
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (Triton interpreter)"
     print(f"# Trace-replay kernels on {name}")
-    print(f"torch {torch.__version__}, triton {triton.__version__}, "
-          f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}")  # fmt: skip
-    print(f"k = {args.k}; eager: median of {args.repeats} bursts of {args.inner} launches; "
-          f"graph: {args.graph_launches} launches per captured graph\n")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, triton {triton.__version__}, "
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}"
+    )
+    print(
+        f"k = {args.k}; eager: median of {args.repeats} bursts of {args.inner} launches; "
+        f"graph: {args.graph_launches} launches per captured graph\n"
+    )
     print("\n".join(latency_table(args, device)))
     print()
     print("\n".join(storage_table(args, device)))

@@ -29,8 +29,13 @@ def traces(n: int, length: int) -> list[dict]:
     out = []
     for i in range(n):
         trace = loaded[i % len(loaded)]
-        out.append({"id": f"t{i}", "prompt_token_ids": list(trace.prompt_token_ids),
-                    "trace_token_ids": list(trace.trace_token_ids)[:length]})
+        out.append(
+            {
+                "id": f"t{i}",
+                "prompt_token_ids": list(trace.prompt_token_ids),
+                "trace_token_ids": list(trace.trace_token_ids)[:length],
+            }
+        )
     return out
 
 
@@ -57,8 +62,10 @@ def timing(args) -> None:
         separate.append(time.perf_counter() - start)
     p, s = statistics.median(paired), statistics.median(separate)
     tokens = sum(len(t["trace_token_ids"]) for t in data)
-    print(f"{args.traces} traces x {args.length} tokens ({tokens} tokens), torch float32 + "
-          f"prefill float32, {args.threads} threads, {args.rounds} rounds (medians)")
+    print(
+        f"{args.traces} traces x {args.length} tokens ({tokens} tokens), torch float32 + "
+        f"prefill float32, {args.threads} threads, {args.rounds} rounds (medians)"
+    )
     print(f"{'paired replay_pair':<28}{p:8.2f} s")
     print(f"{'replay(a) + replay(b)':<28}{s:8.2f} s")
     print(f"{'ratio paired / separate':<28}{p / s:8.3f}")
@@ -78,19 +85,33 @@ def memory_child(n: int, length: int) -> None:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     df = tr.replay_pair(data, a, b)
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"tokens": len(df), "vocab": a.vocab_size, "rss_before_mib": before / 1024,
-                      "rss_peak_mib": after / 1024}))
+    print(
+        json.dumps(
+            {
+                "tokens": len(df),
+                "vocab": a.vocab_size,
+                "rss_before_mib": before / 1024,
+                "rss_peak_mib": after / 1024,
+            }
+        )
+    )
 
 
 def memory(args) -> None:
     print(f"\n{'tokens':>8}{'peak RSS MiB':>14}{'growth MiB':>12}{'[tokens, V] f32 MiB':>21}")
     for scale in (1, 4, 16):
-        out = subprocess.run([sys.executable, __file__, "--memory-child", str(4 * scale),
-                              str(args.length)], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, __file__, "--memory-child", str(4 * scale), str(args.length)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         got = json.loads(out.stdout.strip().splitlines()[-1])
         full = got["tokens"] * got["vocab"] * 4 / 2**20
-        print(f"{got['tokens']:>8}{got['rss_peak_mib']:>14.0f}"
-              f"{got['rss_peak_mib'] - got['rss_before_mib']:>12.0f}{full:>21.0f}")
+        print(
+            f"{got['tokens']:>8}{got['rss_peak_mib']:>14.0f}"
+            f"{got['rss_peak_mib'] - got['rss_before_mib']:>12.0f}{full:>21.0f}"
+        )
 
 
 def main() -> None:

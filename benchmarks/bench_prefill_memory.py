@@ -45,8 +45,15 @@ def _rss_mib() -> float:
     return float("nan")
 
 
-def measure(count: int, length: int, mode: str, batch_size: int, deterministic: bool,
-            device: str = "cpu", model: str = "embedded") -> dict:
+def measure(
+    count: int,
+    length: int,
+    mode: str,
+    batch_size: int,
+    deterministic: bool,
+    device: str = "cpu",
+    model: str = "embedded",
+) -> dict:
     """One measurement, in this process: peak RSS (CPU) or peak CUDA allocation of
     replaying ``count`` traces."""
     import torch
@@ -59,14 +66,20 @@ def measure(count: int, length: int, mode: str, batch_size: int, deterministic: 
         from bench_determinism import random_llama  # this folder is on sys.path
 
         lm = random_llama(device, torch.float32)
-    engine = make_engine("prefill", lm, device=device, batch_size=batch_size, top_k=5,
-                         deterministic=deterministic)
+    engine = make_engine(
+        "prefill", lm, device=device, batch_size=batch_size, top_k=5, deterministic=deterministic
+    )
     if mode == "full":
         engine.score_chunk_bytes = 2**62
     gen = torch.Generator().manual_seed(count * 7919 + length)
-    requests = [ReplayRequest(str(i), tuple(torch.randint(3, 49152, (16,), generator=gen).tolist()),
-                              tuple(torch.randint(3, 49152, (length,), generator=gen).tolist()))
-                for i in range(count)]
+    requests = [
+        ReplayRequest(
+            str(i),
+            tuple(torch.randint(3, 49152, (16,), generator=gen).tolist()),
+            tuple(torch.randint(3, 49152, (length,), generator=gen).tolist()),
+        )
+        for i in range(count)
+    ]
     cuda = torch.device(device).type == "cuda"
     if cuda:
         torch.cuda.synchronize()
@@ -89,64 +102,116 @@ def measure(count: int, length: int, mode: str, batch_size: int, deterministic: 
     for r in results:
         for column in (r.logprob, r.rank, r.top_token_ids, r.top_logprobs, r.entropy):
             digest.update(np.ascontiguousarray(column).tobytes())
-    return {"count": count, "length": length, "mode": mode, "peak_mib": peak,
-            "after_load_mib": resident, "load_peak_mib": loaded, "seconds": seconds,
-            "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "digest": digest.hexdigest()[:16]}
+    return {
+        "count": count,
+        "length": length,
+        "mode": mode,
+        "peak_mib": peak,
+        "after_load_mib": resident,
+        "load_peak_mib": loaded,
+        "seconds": seconds,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "digest": digest.hexdigest()[:16],
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--counts", default="1,8,64")
     parser.add_argument("--length", type=int, default=2048)
-    parser.add_argument("--full-counts", default="1",
-                        help="counts measured with full logits too (8 x 2048 needs ~13 GB)")
+    parser.add_argument(
+        "--full-counts",
+        default="1",
+        help="counts measured with full logits too (8 x 2048 needs ~13 GB)",
+    )
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--deterministic", action="store_true",
-                        help="the batch-invariant path (deterministic=True)")
+    parser.add_argument(
+        "--deterministic", action="store_true", help="the batch-invariant path (deterministic=True)"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", default="embedded", choices=["embedded", "random"])
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # COUNT:MODE, internal
     args = parser.parse_args()
     if args.one:
         count, mode = args.one.split(":")
-        print(json.dumps(measure(int(count), args.length, mode, args.batch_size,
-                                 args.deterministic, args.device, args.model)))
+        print(
+            json.dumps(
+                measure(
+                    int(count),
+                    args.length,
+                    mode,
+                    args.batch_size,
+                    args.deterministic,
+                    args.device,
+                    args.model,
+                )
+            )
+        )
         return
     rows = []
     runs = [("chunked", int(c)) for c in args.counts.split(",")]
     runs += [("full", int(c)) for c in args.full_counts.split(",") if c]
     what = "peak CUDA allocation" if args.device.startswith("cuda") else "peak RSS"
     for mode, count in runs:
-        out = subprocess.run([sys.executable, __file__, "--one", f"{count}:{mode}",
-                              "--length", str(args.length), "--batch-size",
-                              str(args.batch_size), "--device", args.device, "--model",
-                              args.model] + ["--deterministic"] * args.deterministic,
-                             capture_output=True, text=True,
-                             env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--one",
+                f"{count}:{mode}",
+                "--length",
+                str(args.length),
+                "--batch-size",
+                str(args.batch_size),
+                "--device",
+                args.device,
+                "--model",
+                args.model,
+            ]
+            + ["--deterministic"] * args.deterministic,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        )
         if out.returncode != 0:
             print(f"{count} traces, {mode}: failed ({out.stderr.strip().splitlines()[-1]})")
             continue
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         r = rows[-1]
-        print(f"{mode:8s} {count:3d} traces x {r['length']} tokens: {what} "
-              f"{r['peak_mib']:8,.0f} MiB (after load {r['after_load_mib']:,.0f} MiB), "
-              f"{r['seconds']:.1f} s", flush=True)
+        print(
+            f"{mode:8s} {count:3d} traces x {r['length']} tokens: {what} "
+            f"{r['peak_mib']:8,.0f} MiB (after load {r['after_load_mib']:,.0f} MiB), "
+            f"{r['seconds']:.1f} s",
+            flush=True,
+        )
     full = {r["count"]: r for r in rows if r["mode"] == "full"}
-    print(f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-          f"torch {rows[0]['torch'] if rows else '?'} with "
-          f"{rows[0]['threads'] if rows else '?'} threads, device {args.device}, "
-          f"{args.model} model, batch {args.batch_size}, deterministic {args.deterministic}")
-    print(f"| traces × tokens | chunked {what} MiB | full-logits {what} MiB | full / chunked "
-          "| same bits |")
+    print(
+        f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"torch {rows[0]['torch'] if rows else '?'} with "
+        f"{rows[0]['threads'] if rows else '?'} threads, device {args.device}, "
+        f"{args.model} model, batch {args.batch_size}, deterministic {args.deterministic}"
+    )
+    print(
+        f"| traces × tokens | chunked {what} MiB | full-logits {what} MiB | full / chunked "
+        "| same bits |"
+    )
     print("|---|---:|---:|---:|---|")
     for r in (r for r in rows if r["mode"] == "chunked"):
         other = full.get(r["count"])
-        cells = ("—", "—", "—") if other is None else (
-            f"{other['peak_mib']:,.0f}", f"{other['peak_mib'] / r['peak_mib']:.1f}",
-            "yes" if other["digest"] == r["digest"] else "NO")
-        print(f"| {r['count']} × {r['length']:,} | {r['peak_mib']:,.0f} | " + " | ".join(cells)
-              + " |")
+        cells = (
+            ("—", "—", "—")
+            if other is None
+            else (
+                f"{other['peak_mib']:,.0f}",
+                f"{other['peak_mib'] / r['peak_mib']:.1f}",
+                "yes" if other["digest"] == r["digest"] else "NO",
+            )
+        )
+        print(
+            f"| {r['count']} × {r['length']:,} | {r['peak_mib']:,.0f} | " + " | ".join(cells) + " |"
+        )
+
 
 if __name__ == "__main__":
     main()

@@ -55,9 +55,14 @@ from trace_replay.engines.base import ReplayRequest
 from trace_replay.models.load import load_model, load_tokenizer, resolve_dtype
 
 PROMPTS = [
-    "def fibonacci(n):", "The capital of France is", "Write a haiku about the sea.",
-    "Q: What is 17 * 23?\nA:", "import numpy as np\n\n", "Once upon a time,",
-    "The three laws of motion are", "SELECT name FROM users WHERE",
+    "def fibonacci(n):",
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "Q: What is 17 * 23?\nA:",
+    "import numpy as np\n\n",
+    "Once upon a time,",
+    "The three laws of motion are",
+    "SELECT name FROM users WHERE",
 ]
 
 
@@ -78,7 +83,7 @@ def timed_rounds(fns, device, repeats):
     times = [[] for _ in fns]
     for round_ in range(repeats):
         order = list(range(len(fns)))
-        order = order[round_ % len(fns):] + order[: round_ % len(fns)]
+        order = order[round_ % len(fns) :] + order[: round_ % len(fns)]
         for i in order:
             _sync(device)
             start = time.perf_counter()
@@ -110,9 +115,14 @@ def host_profile(run, label, top=14):
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(top)
     lines = [line for line in text.getvalue().splitlines() if line.strip()]
-    body = lines[next(i for i, line in enumerate(lines) if "ncalls" in line):]
-    return "\n".join([f"{label}: host profile of one run ({wall * 1e3:.1f} ms wall under "
-                      "cProfile), top functions by cumulative time:", *body])
+    body = lines[next(i for i, line in enumerate(lines) if "ncalls" in line) :]
+    return "\n".join(
+        [
+            f"{label}: host profile of one run ({wall * 1e3:.1f} ms wall under "
+            "cProfile), top functions by cumulative time:",
+            *body,
+        ]
+    )
 
 
 def hf_generate_forcing(lm, prompts, traces, pad_id):
@@ -124,8 +134,8 @@ def hf_generate_forcing(lm, prompts, traces, pad_id):
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(input_ids)
     for row, p in enumerate(prompts):
-        input_ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
+        input_ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
     forced = torch.tensor(traces, device=device)
 
     class Force(LogitsProcessor):
@@ -136,10 +146,17 @@ def hf_generate_forcing(lm, prompts, traces, pad_id):
             return out.scatter_(1, keep[:, None], 0.0)
 
     def run():
-        out = lm.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device),
-                          max_new_tokens=forced.shape[1], min_new_tokens=forced.shape[1],
-                          do_sample=False, logits_processor=LogitsProcessorList([Force()]),
-                          output_logits=True, return_dict_in_generate=True, pad_token_id=pad_id)
+        out = lm.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=forced.shape[1],
+            min_new_tokens=forced.shape[1],
+            do_sample=False,
+            logits_processor=LogitsProcessorList([Force()]),
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=pad_id,
+        )
         # logprob and rank of the forced token from the raw logits, as replay reports them
         logits = torch.stack(out.logits, 1).float()
         logprobs = torch.log_softmax(logits, -1)
@@ -171,8 +188,11 @@ def profile_replay(engine, requests, device, prompts=None, new_tokens=0):
             run()
             _sync(device)
         ms = (time.perf_counter() - start) * 1e3
-        events = sorted((e for e in prof.key_averages() if e.device_type.name == kind),
-                        key=lambda e: getattr(e, key), reverse=True)
+        events = sorted(
+            (e for e in prof.key_averages() if e.device_type.name == kind),
+            key=lambda e: getattr(e, key),
+            reverse=True,
+        )
         return ms, events
 
     sums = []
@@ -183,19 +203,30 @@ def profile_replay(engine, requests, device, prompts=None, new_tokens=0):
     total = sum(getattr(e, key) for e in events) or 1
     sums.append(("replay", ms, total))
     per = "trace token" if "verify" in engine.settings()["engine_path"] else "step"
-    lines = [f"{engine.settings()['engine_path']}: one replay ({steps} trace tokens + prefill) "
-             f"in {ms:.1f} ms under the profiler; kernels per {per} (device time):",
-             "| kernel | µs/step | calls/step | share |", "|---|---:|---:|---:|"]
+    lines = [
+        f"{engine.settings()['engine_path']}: one replay ({steps} trace tokens + prefill) "
+        f"in {ms:.1f} ms under the profiler; kernels per {per} (device time):",
+        "| kernel | µs/step | calls/step | share |",
+        "|---|---:|---:|---:|",
+    ]
     for e in events[:25]:
-        lines.append(f"| {e.key[:70]} | {getattr(e, key) / steps:.1f} | {e.count / steps:.1f} | "
-                     f"{getattr(e, key) / total:.1%} |")
+        lines.append(
+            f"| {e.key[:70]} | {getattr(e, key) / steps:.1f} | {e.count / steps:.1f} | "
+            f"{getattr(e, key) / total:.1%} |"
+        )
     lines.append(f"(all kernels: {total / steps:.0f} µs per {per})")
     if len(sums) > 1:
-        lines += ["", "Kernel time against wall time under the profiler, per step:",
-                  "| path | kernels µs/step | wall µs/step | kernels / wall |",
-                  "|---|---:|---:|---:|"]
-        lines += [f"| {path} | {busy / steps:.0f} | {wall * 1e3 / steps:.0f} | "
-                  f"{busy / (wall * 1e3):.0%} |" for path, wall, busy in sums]
+        lines += [
+            "",
+            "Kernel time against wall time under the profiler, per step:",
+            "| path | kernels µs/step | wall µs/step | kernels / wall |",
+            "|---|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {path} | {busy / steps:.0f} | {wall * 1e3 / steps:.0f} | "
+            f"{busy / (wall * 1e3):.0%} |"
+            for path, wall, busy in sums
+        ]
     return "\n".join(lines)
 
 
@@ -214,10 +245,10 @@ def phases(engine, run, label):
             torch.cuda.synchronize()
             spent[name] += time.perf_counter() - start
             return out
+
         return call
 
-    patches = [(engine.slots, "admit"), (engine.backend, "prefill"),
-               (torch_engine, "wave_results")]
+    patches = [(engine.slots, "admit"), (engine.backend, "prefill"), (torch_engine, "wave_results")]
     saved = [getattr(obj, name) for obj, name in patches]
     for (obj, name), fn, phase in zip(patches, saved, spent):
         setattr(obj, name, fenced(phase, fn))
@@ -234,9 +265,11 @@ def phases(engine, run, label):
             else:
                 delattr(obj, name)  # back to the class's method
     loop = total - sum(spent.values())
-    return (f"{label}: phases of one run, ms (fenced): " +
-            ", ".join(f"{name} {value * 1e3:.1f}" for name, value in spent.items()) +
-            f", decode loop {loop * 1e3:.1f}, total {total * 1e3:.1f}")
+    return (
+        f"{label}: phases of one run, ms (fenced): "
+        + ", ".join(f"{name} {value * 1e3:.1f}" for name, value in spent.items())
+        + f", decode loop {loop * 1e3:.1f}, total {total * 1e3:.1f}"
+    )
 
 
 def count_syncs(engine, requests, device):
@@ -262,10 +295,12 @@ def float64_logprobs(lm, requests):
     out = {}
     with torch.inference_mode():
         for r in requests:
-            ids = torch.tensor([list(r.prompt_token_ids) + list(r.trace_token_ids)],
-                               device=next(lm64.parameters()).device)
-            logits = lm64(input_ids=ids).logits[0, r.prompt_len - 1:-1]
-            lp = torch.log_softmax(logits, -1).gather(1, ids[0, r.prompt_len:, None])
+            ids = torch.tensor(
+                [list(r.prompt_token_ids) + list(r.trace_token_ids)],
+                device=next(lm64.parameters()).device,
+            )
+            logits = lm64(input_ids=ids).logits[0, r.prompt_len - 1 : -1]
+            lp = torch.log_softmax(logits, -1).gather(1, ids[0, r.prompt_len :, None])
             out[r.trace_id] = lp[:, 0].cpu().numpy()
     return out
 
@@ -285,21 +320,41 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--k", type=int, default=8, help="drafts per verify step (0: none)")
     parser.add_argument("--skip-hf", action="store_true", help="skip hf-generate+forcing")
-    parser.add_argument("--backends", default="hf,static",
-                        help="torch engine backends; static:ieee = float32 without tensor cores")
+    parser.add_argument(
+        "--backends",
+        default="hf,static",
+        help="torch engine backends; static:ieee = float32 without tensor cores",
+    )
     parser.add_argument("--bandwidth", type=float, default=4.8e12, help="HBM bytes/s")
-    parser.add_argument("--topk-chunk", type=int, default=None,
-                        help="first-pass chunk of the top-k kernel (default: its CHUNK)")
-    parser.add_argument("--topk-group", type=int, default=None,
-                        help="chunks per first-pass program of the top-k kernel")
-    parser.add_argument("--topk-warps", type=int, default=None,
-                        help="warps of the top-k kernel's first pass (default: its NUM_WARPS)")
-    parser.add_argument("--profile", action="store_true",
-                        help="kernel table of one replay per backend")
-    parser.add_argument("--host-profile", action="store_true",
-                        help="per engine (CUDA): phases of one run, and its cProfile")
-    parser.add_argument("--fidelity", action="store_true",
-                        help="max |Δ logprob| of each replay against float64")
+    parser.add_argument(
+        "--topk-chunk",
+        type=int,
+        default=None,
+        help="first-pass chunk of the top-k kernel (default: its CHUNK)",
+    )
+    parser.add_argument(
+        "--topk-group",
+        type=int,
+        default=None,
+        help="chunks per first-pass program of the top-k kernel",
+    )
+    parser.add_argument(
+        "--topk-warps",
+        type=int,
+        default=None,
+        help="warps of the top-k kernel's first pass (default: its NUM_WARPS)",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="kernel table of one replay per backend"
+    )
+    parser.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="per engine (CUDA): phases of one run, and its cProfile",
+    )
+    parser.add_argument(
+        "--fidelity", action="store_true", help="max |Δ logprob| of each replay against float64"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.topk_chunk or args.topk_group or args.topk_warps:  # module defaults, read per call
@@ -330,8 +385,10 @@ def run_batch(lm, args, batch, device):
         prompts = [tok.encode(PROMPTS[i % len(PROMPTS)]) for i in range(batch)]
     else:
         gen = torch.Generator().manual_seed(batch)
-        prompts = [torch.randint(3, lm.config.vocab_size, (args.prompt_len,), generator=gen)
-                   .tolist() for _ in range(batch)]
+        prompts = [
+            torch.randint(3, lm.config.vocab_size, (args.prompt_len,), generator=gen).tolist()
+            for _ in range(batch)
+        ]
     backends = args.backends.split(",")
     greedy = make_engine("torch", lm, batch_size=batch, **engine_options(backends[0]))
     generated = greedy.generate(prompts, max_tokens=args.new_tokens)  # no EOS stop: fixed length
@@ -339,20 +396,24 @@ def run_batch(lm, args, batch, device):
     first_compile = greedy.backend.compile_seconds if compiled else None
     del greedy
     traces = [ids for ids, _ in generated]
-    requests = [ReplayRequest(str(i), tuple(p), tuple(t))
-                for i, (p, t) in enumerate(zip(prompts, traces))]
+    requests = [
+        ReplayRequest(str(i), tuple(p), tuple(t)) for i, (p, t) in enumerate(zip(prompts, traces))
+    ]
     tokens = sum(len(t) for t in traces)
-    bound = hbm_bound_seconds(lm, batch, sum(map(len, prompts)) / len(prompts),
-                              args.new_tokens, args.bandwidth)
+    bound = hbm_bound_seconds(
+        lm, batch, sum(map(len, prompts)) / len(prompts), args.new_tokens, args.bandwidth
+    )
     reference = float64_logprobs(lm, requests) if args.fidelity else None
 
     notes = []
     if first_compile is not None:
         from torch._dynamo.utils import counters
 
-        notes.append(f"torch[{backends[0]}] first decode shape: compile + capture "
-                     f"{first_compile:.1f} s; dynamo graphs so far "
-                     f"{counters['stats']['unique_graphs']}")
+        notes.append(
+            f"torch[{backends[0]}] first decode shape: compile + capture "
+            f"{first_compile:.1f} s; dynamo graphs so far "
+            f"{counters['stats']['unique_graphs']}"
+        )
 
     paths = []  # (name, backend spec, fn)
     if not args.skip_hf:
@@ -362,15 +423,26 @@ def run_batch(lm, args, batch, device):
         engine = make_engine("torch", lm, batch_size=batch, **engine_options(backend))
         label = f"torch[{engine.backend.name}]"
         engines[backend] = {"replay": engine}
-        paths.append((f"{label} greedy (no trace)", backend, lambda e=engine: e.generate(
-            prompts, max_tokens=args.new_tokens)))
+        paths.append(
+            (
+                f"{label} greedy (no trace)",
+                backend,
+                lambda e=engine: e.generate(prompts, max_tokens=args.new_tokens),
+            )
+        )
         paths.append((f"{label} replay", backend, lambda e=engine: e.run(requests)))
         if args.k:
-            verify = make_engine("torch", lm, batch_size=batch, **engine_options(backend),
-                                 speculative={"method": "trace", "num_tokens": args.k})
+            verify = make_engine(
+                "torch",
+                lm,
+                batch_size=batch,
+                **engine_options(backend),
+                speculative={"method": "trace", "num_tokens": args.k},
+            )
             engines[backend][f"verify(trace, k={args.k})"] = verify
-            paths.append((f"{label} verify(trace, k={args.k})", backend,
-                          lambda e=verify: e.run(requests)))
+            paths.append(
+                (f"{label} verify(trace, k={args.k})", backend, lambda e=verify: e.run(requests))
+            )
     if args.shape == "embedded":
         prefill = make_engine("prefill", lm, batch_size=batch)
         paths.append(("prefill (teacher-forced)", "–", lambda: prefill.run(requests)))
@@ -383,37 +455,51 @@ def run_batch(lm, args, batch, device):
         label = f"torch[{of_backend['replay'].backend.name}]"
         for what, e in of_backend.items():
             if getattr(e.backend, "cuda_graphs", False):
-                notes.append(f"{label} {what}: compile + capture {e.backend.compile_seconds:.1f} s"
-                             " at start-up")
+                notes.append(
+                    f"{label} {what}: compile + capture {e.backend.compile_seconds:.1f} s"
+                    " at start-up"
+                )
             if reference is not None:
-                notes.append(f"{label} {what}: max |Δ logprob| vs float64 "
-                             f"{max_abs_delta(e.run(requests), reference):.2e}")
+                notes.append(
+                    f"{label} {what}: max |Δ logprob| vs float64 "
+                    f"{max_abs_delta(e.run(requests), reference):.2e}"
+                )
             if args.host_profile and device.type == "cuda":
                 notes.append(phases(e, lambda e=e: e.run(requests), f"{label} {what}"))
                 if what == "replay":
-                    notes.append(phases(e, lambda e=e: e.generate(
-                        prompts, max_tokens=args.new_tokens), f"{label} greedy"))
+                    notes.append(
+                        phases(
+                            e,
+                            lambda e=e: e.generate(prompts, max_tokens=args.new_tokens),
+                            f"{label} greedy",
+                        )
+                    )
                 profiles.append(host_profile(lambda e=e: e.run(requests), f"{label} {what}"))
         engine = of_backend["replay"]
         syncs[label] = count_syncs(engine, requests, device)
         if args.profile:
             profiles.append(profile_replay(engine, requests, device, prompts, args.new_tokens))
             if args.k:  # the verify forward: where its time goes against k + 1 single steps
-                profiles.append(profile_replay(of_backend[f"verify(trace, k={args.k})"],
-                                               requests, device))
+                profiles.append(
+                    profile_replay(of_backend[f"verify(trace, k={args.k})"], requests, device)
+                )
     del engines
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-    print(f"\n{dt.date.today()} · {name or platform.machine()} · torch {torch.__version__} · "
-          f"{args.shape} · {args.dtype} · batch {batch} · {args.new_tokens} trace tokens/row"
-          f" · {args.repeats} interleaved rounds · HBM bound {bound * 1e3 / args.new_tokens:.2f} ms/step")
+    print(
+        f"\n{dt.date.today()} · {name or platform.machine()} · torch {torch.__version__} · "
+        f"{args.shape} · {args.dtype} · batch {batch} · {args.new_tokens} trace tokens/row"
+        f" · {args.repeats} interleaved rounds · HBM bound {bound * 1e3 / args.new_tokens:.2f} ms/step"
+    )
     by_name = {name: (backend, seconds) for (name, backend, _), seconds in zip(paths, times)}
     greedy = {b: seconds for name, (b, seconds) in by_name.items() if "greedy" in name}
     replay = {b: seconds for name, (b, seconds) in by_name.items() if name.endswith(" replay")}
     hf = by_name.get("hf-generate+forcing", (None, None))[1]
     print("\nRatios are medians over rounds of the ratio within a round (min–max over rounds).")
-    print("\n| path | median s | ms/step | tokens/s | × hf-generate+forcing | "
-          "× greedy (same backend) | HBM bound / time |")
+    print(
+        "\n| path | median s | ms/step | tokens/s | × hf-generate+forcing | "
+        "× greedy (same backend) | HBM bound / time |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, (backend, seconds) in by_name.items():
         median = statistics.median(seconds)
@@ -426,11 +512,15 @@ def run_batch(lm, args, batch, device):
         stepwise = "verify" not in name and "prefill" not in name
         step_ms = f"{median * 1e3 / args.new_tokens:.2f}" if stepwise else "–"
         of_bound = f"{bound / median:.0%}" if stepwise else "–"
-        print(f"| {name} | {median:.3f} | {step_ms} | {tokens / median:,.0f} | {vs_hf} | "
-              f"{vs_greedy} | {of_bound} |")
+        print(
+            f"| {name} | {median:.3f} | {step_ms} | {tokens / median:,.0f} | {vs_hf} | "
+            f"{vs_greedy} | {of_bound} |"
+        )
     if device.type == "cuda":
-        print("\nHost synchronizations in one full replay (CUDA sync debug mode): " +
-              ", ".join(f"{label} {n}" for label, n in syncs.items()))
+        print(
+            "\nHost synchronizations in one full replay (CUDA sync debug mode): "
+            + ", ".join(f"{label} {n}" for label, n in syncs.items())
+        )
     for note in notes:
         print(note)
     for table in profiles:
@@ -439,7 +529,7 @@ def run_batch(lm, args, batch, device):
 
 
 def _ratio(baseline, seconds):
-    """"median (min–max)" of ``baseline / seconds`` over rounds: × the baseline's speed."""
+    """ "median (min–max)" of ``baseline / seconds`` over rounds: × the baseline's speed."""
     mid, low, high = paired(baseline, seconds)
     return f"{mid:.2f} ({low:.2f}–{high:.2f})"
 

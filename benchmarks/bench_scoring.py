@@ -39,7 +39,9 @@ GROUPS = (1, 4, 16)
 WARPS = (1, 4, 8)
 CONFIGS = [(c, g, w) for c in CHUNKS for g in GROUPS for w in WARPS]
 SHAPES = [  # (rows, vocabulary, dtype): the 135M and 8B decode steps
-    (64, 49152, torch.float32), (256, 49152, torch.bfloat16), (1, 128256, torch.bfloat16),
+    (64, 49152, torch.float32),
+    (256, 49152, torch.bfloat16),
+    (1, 128256, torch.bfloat16),
     (64, 128256, torch.bfloat16),
 ]
 
@@ -66,11 +68,15 @@ def main() -> None:
     device, k = torch.device(args.device), args.top_k
     compiled = scorer_for(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"{name}, torch {torch.__version__}, top_k={k}, median of {args.repeats} bursts "
-          f"of {args.calls} calls, µs per call\n")
-    print("| rows × vocab | dtype | argmax | eager k=0 | eager k=K | fast k=0 | fast k=K | "
-          "topk fp32 logprobs | topk logits | topk two-stage | topk kernel | "
-          "fast vs eager max Δ | ranks, top-k equal |")
+    print(
+        f"{name}, torch {torch.__version__}, top_k={k}, median of {args.repeats} bursts "
+        f"of {args.calls} calls, µs per call\n"
+    )
+    print(
+        "| rows × vocab | dtype | argmax | eager k=0 | eager k=K | fast k=0 | fast k=K | "
+        "topk fp32 logprobs | topk logits | topk two-stage | topk kernel | "
+        "fast vs eager max Δ | ranks, top-k equal |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     gen = torch.Generator(device=device).manual_seed(0)
     sweep = {}
@@ -92,30 +98,49 @@ def main() -> None:
         us = {key: time_eager_us(fn, args.repeats, args.calls, device) for key, fn in t.items()}
         eager, fast = score_tokens(logits, tokens, k), compiled(logits, tokens, k)
         delta = float((eager.logprob - fast.logprob).abs().max())
-        same = bool(torch.equal(eager.rank, fast.rank)
-                    and float((eager.top_logprobs - fast.top_logprobs).abs().max()) <= 1e-5)
+        same = bool(
+            torch.equal(eager.rank, fast.rank)
+            and float((eager.top_logprobs - fast.top_logprobs).abs().max()) <= 1e-5
+        )
         want = logprobs.topk(k, -1).values
-        for ids in (logits.topk(k, -1).indices, two_stage_topk(logits, k),
-                    top_k_indices(logits, k)):
+        for ids in (
+            logits.topk(k, -1).indices,
+            two_stage_topk(logits, k),
+            top_k_indices(logits, k),
+        ):
             assert torch.equal(logprobs.gather(1, ids), want), "top-k variants disagree"
         cells = " | ".join(f"{us[key]:.1f}" for key in t)
         print(f"| {rows} × {vocab} | {str(dtype)[6:]} | {cells} | {delta:.1e} | {same} |")
         if device.type == "cuda":
             sweep[f"{rows} × {vocab}"] = {
-                config: time_graph_us(lambda c=config: top_k_indices(
-                    logits, k, chunk=c[0], group=c[1], num_warps=c[2]), args.repeats, 20)
-                for config in CONFIGS}
+                config: time_graph_us(
+                    lambda c=config: top_k_indices(
+                        logits, k, chunk=c[0], group=c[1], num_warps=c[2]
+                    ),
+                    args.repeats,
+                    20,
+                )
+                for config in CONFIGS
+            }
     if not sweep:
         return
-    print(f"\nThe top-k kernel by first-pass chunk × group × warps: device µs per call inside "
-          f"a CUDA graph (default {CHUNK}×{GROUP}×{NUM_WARPS}):\n")
+    print(
+        f"\nThe top-k kernel by first-pass chunk × group × warps: device µs per call inside "
+        f"a CUDA graph (default {CHUNK}×{GROUP}×{NUM_WARPS}):\n"
+    )
     print("| chunk×group×warps | " + " | ".join(sweep) + " |")
     print("|---|" + "---:|" * len(sweep))
     for config in CONFIGS:
-        print(f"| {'×'.join(map(str, config))} | " +
-              " | ".join(f"{times[config]:.1f}" for times in sweep.values()) + " |")
-    print("| best | " + " | ".join("×".join(map(str, min(times, key=times.get)))
-                                   for times in sweep.values()) + " |")
+        print(
+            f"| {'×'.join(map(str, config))} | "
+            + " | ".join(f"{times[config]:.1f}" for times in sweep.values())
+            + " |"
+        )
+    print(
+        "| best | "
+        + " | ".join("×".join(map(str, min(times, key=times.get))) for times in sweep.values())
+        + " |"
+    )
 
 
 if __name__ == "__main__":

@@ -35,10 +35,16 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=48, help="trace tokens")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    trace = next(t for t in datasets.load(limit=4).tokenize(load_tokenizer())
-                 if len(t.trace_token_ids) >= args.length)
-    request = [ReplayRequest(trace.id, tuple(trace.prompt_token_ids),
-                             tuple(trace.trace_token_ids[: args.length]))]
+    trace = next(
+        t
+        for t in datasets.load(limit=4).tokenize(load_tokenizer())
+        if len(t.trace_token_ids) >= args.length
+    )
+    request = [
+        ReplayRequest(
+            trace.id, tuple(trace.prompt_token_ids), tuple(trace.trace_token_ids[: args.length])
+        )
+    ]
     engine = make_engine("torch", device="cpu", batch_size=1)
     chosen, default = engine.threads, torch.get_num_threads()
 
@@ -61,10 +67,12 @@ def main() -> None:
         rows.append((f"right after a vLLM replay (engine core {core})", n, timed(n)))
     vllm.close()
 
-    print(f"\n{platform.machine()} CPU, {os.cpu_count()} cores, load average "
-          f"{os.getloadavg()[0]:.1f} · torch {torch.__version__} · torch engine, batch 1, one "
-          f"trace × {args.length} tokens · median of {args.repeats}; threads {default}: "
-          f"torch's default, {chosen}: the engine's choice")
+    print(
+        f"\n{platform.machine()} CPU, {os.cpu_count()} cores, load average "
+        f"{os.getloadavg()[0]:.1f} · torch {torch.__version__} · torch engine, batch 1, one "
+        f"trace × {args.length} tokens · median of {args.repeats}; threads {default}: "
+        f"torch's default, {chosen}: the engine's choice"
+    )
     print("\n| condition | threads | replay s | × alone at threads |")
     print("|---|---:|---:|---:|")
     alone = {n: seconds for label, n, seconds in rows if label == "alone"}

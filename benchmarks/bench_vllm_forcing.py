@@ -48,17 +48,28 @@ def main():
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--vanilla", action="store_true",
-                        help="also time greedy on a second LLM without the processor")
-    parser.add_argument("--keep-output-tokens", action="store_true",
-                        help="leave vLLM completing output-token lists for the processor")
-    parser.add_argument("--profile", metavar="DIR",
-                        help="engine core in process; cProfile one run of each path per batch")
+    parser.add_argument(
+        "--vanilla",
+        action="store_true",
+        help="also time greedy on a second LLM without the processor",
+    )
+    parser.add_argument(
+        "--keep-output-tokens",
+        action="store_true",
+        help="leave vLLM completing output-token lists for the processor",
+    )
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="engine core in process; cProfile one run of each path per batch",
+    )
     args = parser.parse_args()
     if args.profile and args.vanilla and torch.cuda.is_available():
         # seen on the H200: "CUDA graph capturing detected at an inappropriate time"
-        parser.error("--profile runs the engine cores in this process, where vLLM refuses to "
-                     "capture a second LLM's CUDA graphs: drop --vanilla")
+        parser.error(
+            "--profile runs the engine cores in this process, where vLLM refuses to "
+            "capture a second LLM's CUDA graphs: drop --vanilla"
+        )
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core's calls show up
@@ -84,24 +95,36 @@ def main():
     def start_llm(processor: bool):
         # both instances live side by side (on CPU: host memory, a fixed KV cache each)
         memory = (0.3 if args.vanilla else 0.5) if torch.cuda.is_available() else 0.1
-        return LLM(model=folder, skip_tokenizer_init=True, dtype=args.dtype, seed=0,
-                   max_num_seqs=max(batches),
-                   max_model_len=args.prompt_len + args.new_tokens + 16,
-                   max_logprobs=20, logprobs_mode="raw_logprobs", enable_prefix_caching=False,
-                   gpu_memory_utilization=memory,
-                   **({} if torch.cuda.is_available() else
-                      dict(enforce_eager=True, kv_cache_memory_bytes=512 << 20)),
-                   logits_processors=([f"{TraceForcingProcessor.__module__}:"
-                                       "TraceForcingProcessor"] if processor else None),
-                   worker_extension_cls=WORKER_EXTENSION if processor else "")
+        return LLM(
+            model=folder,
+            skip_tokenizer_init=True,
+            dtype=args.dtype,
+            seed=0,
+            max_num_seqs=max(batches),
+            max_model_len=args.prompt_len + args.new_tokens + 16,
+            max_logprobs=20,
+            logprobs_mode="raw_logprobs",
+            enable_prefix_caching=False,
+            gpu_memory_utilization=memory,
+            **(
+                {}
+                if torch.cuda.is_available()
+                else dict(enforce_eager=True, kv_cache_memory_bytes=512 << 20)
+            ),
+            logits_processors=(
+                [f"{TraceForcingProcessor.__module__}:TraceForcingProcessor"] if processor else None
+            ),
+            worker_extension_cls=WORKER_EXTENSION if processor else "",
+        )
 
     start = time.perf_counter()
     llm = start_llm(processor=True)
     startup = time.perf_counter() - start
     lengths_only = not args.keep_output_tokens and read_lengths_only(llm)
     vanilla = start_llm(processor=False) if args.vanilla else None
-    common = dict(temperature=0.0, max_tokens=args.new_tokens, logprobs=5, ignore_eos=True,
-                  detokenize=False)
+    common = dict(
+        temperature=0.0, max_tokens=args.new_tokens, logprobs=5, ignore_eos=True, detokenize=False
+    )
 
     def generate(prompts, params, engine=None):
         start = time.perf_counter()
@@ -111,15 +134,20 @@ def main():
     rows = []
     for batch in batches:
         gen = torch.Generator().manual_seed(batch)
-        prompts = [TokensPrompt(prompt_token_ids=torch.randint(
-            3, vocab, (args.prompt_len,), generator=gen).tolist()) for _ in range(batch)]
+        prompts = [
+            TokensPrompt(
+                prompt_token_ids=torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist()
+            )
+            for _ in range(batch)
+        ]
         greedy_params = SamplingParams(**common)
         _, greedy = generate(prompts, greedy_params)  # warm-up; these are the traces
         traces = [list(c.token_ids) for c in greedy]
         # one SamplingParams per request, never reused: skip vLLM's deep copy of the
         # trace, as the package's engine does
-        forcing_params = [SamplingParams(**common, skip_clone=True, extra_args={TRACE_KEY: t})
-                          for t in traces]
+        forcing_params = [
+            SamplingParams(**common, skip_clone=True, extra_args={TRACE_KEY: t}) for t in traces
+        ]
         generate(prompts, forcing_params)  # warm-up
         if vanilla is not None:
             generate(prompts, greedy_params, vanilla)  # warm-up
@@ -132,8 +160,11 @@ def main():
             if vanilla is not None:
                 vanilla_s.append(generate(prompts, greedy_params, vanilla)[0])
         exact = all(list(c.token_ids) == t for c, t in zip(forced, traces))
-        delta = max(abs(f.logprobs[i][tok].logprob - g.logprobs[i][tok].logprob)
-                    for f, g in zip(forced, greedy) for i, tok in enumerate(g.token_ids))
+        delta = max(
+            abs(f.logprobs[i][tok].logprob - g.logprobs[i][tok].logprob)
+            for f, g in zip(forced, greedy)
+            for i, tok in enumerate(g.token_ids)
+        )
         tokens = batch * args.new_tokens
         g, f = statistics.median(greedy_s), statistics.median(forcing_s)
         v = statistics.median(vanilla_s) if vanilla_s else float("nan")
@@ -141,10 +172,22 @@ def main():
         # machine between repeats moves both members of a pair
         paired = [gs / fs for gs, fs in zip(greedy_s, forcing_s)]
         paired_v = [vs / fs for vs, fs in zip(vanilla_s, forcing_s)] or [float("nan")]
-        rows.append((batch, tokens / v, tokens / g, tokens / f, spread(paired),
-                     spread(paired_v), exact, delta))
-        print(f"  batch {batch}: vanilla greedy {v:.3f} s, greedy {g:.3f} s, "
-              f"forcing {f:.3f} s", flush=True)
+        rows.append(
+            (
+                batch,
+                tokens / v,
+                tokens / g,
+                tokens / f,
+                spread(paired),
+                spread(paired_v),
+                exact,
+                delta,
+            )
+        )
+        print(
+            f"  batch {batch}: vanilla greedy {v:.3f} s, greedy {g:.3f} s, forcing {f:.3f} s",
+            flush=True,
+        )
         if args.profile:
             stats = {}
             for path, params in (("greedy", greedy_params), ("forcing", forcing_params)):
@@ -155,42 +198,58 @@ def main():
             print(profile_difference(stats["greedy"], stats["forcing"], args.new_tokens))
 
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    print(f"\n{dt.date.today()} · {name} · vLLM {vllm.__version__} · "
-          f"torch {torch.__version__} · {args.shape} random weights · {args.dtype} · "
-          f"{args.prompt_len}-token prompts · "
-          f"{args.new_tokens} tokens/row · median of {args.repeats} · start-up {startup:.0f} s · "
-          f"output tokens to processors: {'no (lengths only)' if lengths_only else 'yes'}")
+    print(
+        f"\n{dt.date.today()} · {name} · vLLM {vllm.__version__} · "
+        f"torch {torch.__version__} · {args.shape} random weights · {args.dtype} · "
+        f"{args.prompt_len}-token prompts · "
+        f"{args.new_tokens} tokens/row · median of {args.repeats} · start-up {startup:.0f} s · "
+        f"output tokens to processors: {'no (lengths only)' if lengths_only else 'yes'}"
+    )
     print("\nRatios: median over repeats of each repeat's pair (min–max in brackets).")
-    print("\n| batch | vanilla greedy tok/s | greedy tok/s (processor loaded) | forcing tok/s | "
-          "forcing / greedy | forcing / vanilla greedy | emitted = trace | "
-          "max |Δ logprob| vs greedy |")
+    print(
+        "\n| batch | vanilla greedy tok/s | greedy tok/s (processor loaded) | forcing tok/s | "
+        "forcing / greedy | forcing / vanilla greedy | emitted = trace | "
+        "max |Δ logprob| vs greedy |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---|---:|")
     for batch, vanilla_tps, greedy_tps, forcing_tps, ratio, ratio_vanilla, exact, delta in rows:
-        print(f"| {batch} | {vanilla_tps:,.0f} | {greedy_tps:,.0f} | {forcing_tps:,.0f} | "
-              f"{ratio} | {ratio_vanilla} | {exact} | {delta:.1e} |")
+        print(
+            f"| {batch} | {vanilla_tps:,.0f} | {greedy_tps:,.0f} | {forcing_tps:,.0f} | "
+            f"{ratio} | {ratio_vanilla} | {exact} | {delta:.1e} |"
+        )
 
 
 def spread(ratios: list[float]) -> str:
     """``median (min–max)`` of per-repeat ratios."""
     return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})"
 
-def profile_difference(greedy: pstats.Stats, forcing: pstats.Stats, steps: int,
-                       top: int = 25) -> str:
+
+def profile_difference(
+    greedy: pstats.Stats, forcing: pstats.Stats, steps: int, top: int = 25
+) -> str:
     """The functions whose own (and cumulative) time per step grows most with forcing."""
+
     def table(stats):
-        return {f"{func[0].rsplit('/', 2)[-1]}:{func[1]}({func[2]})": (tt, ct, nc)
-                for func, (_, nc, tt, ct, _) in stats.stats.items()}
+        return {
+            f"{func[0].rsplit('/', 2)[-1]}:{func[1]}({func[2]})": (tt, ct, nc)
+            for func, (_, nc, tt, ct, _) in stats.stats.items()
+        }
 
     a, b = table(greedy), table(forcing)
-    lines = [f"    total: greedy {greedy.total_tt:.3f} s, forcing {forcing.total_tt:.3f} s "
-             f"(+{(forcing.total_tt - greedy.total_tt) / steps * 1e3:.3f} ms/step)",
-             "    Δ own ms/step | Δ cum ms/step | calls greedy → forcing | function"]
-    keys = sorted(a.keys() | b.keys(),
-                  key=lambda k: -(b.get(k, (0, 0, 0))[0] - a.get(k, (0, 0, 0))[0]))
+    lines = [
+        f"    total: greedy {greedy.total_tt:.3f} s, forcing {forcing.total_tt:.3f} s "
+        f"(+{(forcing.total_tt - greedy.total_tt) / steps * 1e3:.3f} ms/step)",
+        "    Δ own ms/step | Δ cum ms/step | calls greedy → forcing | function",
+    ]
+    keys = sorted(
+        a.keys() | b.keys(), key=lambda k: -(b.get(k, (0, 0, 0))[0] - a.get(k, (0, 0, 0))[0])
+    )
     for key in keys[:top]:
         (tt_a, ct_a, n_a), (tt_b, ct_b, n_b) = a.get(key, (0, 0, 0)), b.get(key, (0, 0, 0))
-        lines.append(f"    {(tt_b - tt_a) / steps * 1e3:+.3f} | {(ct_b - ct_a) / steps * 1e3:+.3f}"
-                     f" | {n_a} → {n_b} | {key}")
+        lines.append(
+            f"    {(tt_b - tt_a) / steps * 1e3:+.3f} | {(ct_b - ct_a) / steps * 1e3:+.3f}"
+            f" | {n_a} → {n_b} | {key}"
+        )
     return "\n".join(lines)
 
 

@@ -64,21 +64,41 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--seconds", type=float, default=0.0,
-                        help="per batch, add rounds (up to 8 x --rounds) until the timed calls "
-                        "reach this many seconds: more rounds where calls are short")
-    parser.add_argument("--memory", type=float, default=0.28,
-                        help="gpu_memory_utilization of each of the three engines")
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=0.0,
+        help="per batch, add rounds (up to 8 x --rounds) until the timed calls "
+        "reach this many seconds: more rounds where calls are short",
+    )
+    parser.add_argument(
+        "--memory",
+        type=float,
+        default=0.28,
+        help="gpu_memory_utilization of each of the three engines",
+    )
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
-    parser.add_argument("--layers", type=int, default=None,
-                        help="layers of the random model (default: the shape's own)")
-    parser.add_argument("--model-dir", default=None,
-                        help="save the random model here, or reuse the one saved there")
-    parser.add_argument("--parts", default=None,
-                        help="speed, in-process, agreement, served, comma-separated (default: "
-                        "speed; speed, agreement and served with --tp > 1)")
-    parser.add_argument("--check-batch", type=int, default=32,
-                        help="traces of the agreement part (as many off-policy)")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="layers of the random model (default: the shape's own)",
+    )
+    parser.add_argument(
+        "--model-dir", default=None, help="save the random model here, or reuse the one saved there"
+    )
+    parser.add_argument(
+        "--parts",
+        default=None,
+        help="speed, in-process, agreement, served, comma-separated (default: "
+        "speed; speed, agreement and served with --tp > 1)",
+    )
+    parser.add_argument(
+        "--check-batch",
+        type=int,
+        default=32,
+        help="traces of the agreement part (as many off-policy)",
+    )
     args = parser.parse_args()
     parts = (args.parts or ("speed,agreement,served" if args.tp > 1 else "speed")).split(",")
     # each engine core in its own process: vLLM captures CUDA graphs for one LLM per process
@@ -115,8 +135,9 @@ def add_byte_tokenizer(folder: str) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))},
-                                     merges=[]))
+    tokenizer = Tokenizer(
+        models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[])
+    )
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(folder)
@@ -130,9 +151,12 @@ def random_prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
 
 def speed_engine_args(args) -> dict:
     """The ``engine_args`` of the speed and in-process parts' engines."""
-    return {"skip_tokenizer_init": True, "gpu_memory_utilization": args.memory,
-            "max_model_len": args.prompt_len + args.new_tokens + 16,
-            "tensor_parallel_size": args.tp}
+    return {
+        "skip_tokenizer_init": True,
+        "gpu_memory_utilization": args.memory,
+        "max_model_len": args.prompt_len + args.new_tokens + 16,
+        "tensor_parallel_size": args.tp,
+    }
 
 
 def speed(folder: str, vocab: int, args) -> tuple[dict, dict]:
@@ -156,17 +180,32 @@ def speed(folder: str, vocab: int, args) -> tuple[dict, dict]:
     engines = {}
     for path, native in (("native", None), ("forcing", False)):
         start = time.perf_counter()
-        engines[path] = make_engine("vllm", folder, dtype=args.dtype, batch_size=max(batches),
-                                    top_k=5, engine_args=engine_args, native=native)
+        engines[path] = make_engine(
+            "vllm",
+            folder,
+            dtype=args.dtype,
+            batch_size=max(batches),
+            top_k=5,
+            engine_args=engine_args,
+            native=native,
+        )
         startup[path] = time.perf_counter() - start
     start = time.perf_counter()
     with multicast_off(args.tp > 1):  # as the package's engines start
         plain = LLM(**engines["native"].llm_args)
     startup["greedy"] = time.perf_counter() - start
     settings = {p: engines[p].settings() for p in engines}
-    greedy_params = {flat: SamplingParams(temperature=0.0, max_tokens=args.new_tokens,
-                                          logprobs=5, ignore_eos=True, detokenize=False,
-                                          flat_logprobs=flat) for flat in (False, True)}
+    greedy_params = {
+        flat: SamplingParams(
+            temperature=0.0,
+            max_tokens=args.new_tokens,
+            logprobs=5,
+            ignore_eos=True,
+            detokenize=False,
+            flat_logprobs=flat,
+        )
+        for flat in (False, True)
+    }
 
     def timed(path, prompts, requests):
         start = time.perf_counter()
@@ -183,11 +222,14 @@ def speed(folder: str, vocab: int, args) -> tuple[dict, dict]:
         prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
         _, greedy = timed("greedy", prompts, None)  # warm-up; its outputs are the traces
         greedy = [o.outputs[0] for o in greedy]
-        requests = [ReplayRequest(f"b{batch}-{i}", tuple(p), tuple(g.token_ids))
-                    for i, (p, g) in enumerate(zip(ids, greedy))]
+        requests = [
+            ReplayRequest(f"b{batch}-{i}", tuple(p), tuple(g.token_ids))
+            for i, (p, g) in enumerate(zip(ids, greedy))
+        ]
         all_requests[batch] = requests
-        want = np.concatenate([[lp[t].logprob for t, lp in zip(g.token_ids, g.logprobs)]
-                               for g in greedy])
+        want = np.concatenate(
+            [[lp[t].logprob for t, lp in zip(g.token_ids, g.logprobs)] for g in greedy]
+        )
         seconds = {p: [] for p in PATHS}
         delta = {}
         timed("greedy-flat", prompts, None)  # warm-up
@@ -195,8 +237,9 @@ def speed(folder: str, vocab: int, args) -> tuple[dict, dict]:
             _, results = timed(path, prompts, requests)
             delta[path] = float(np.abs(np.concatenate([r.logprob for r in results]) - want).max())
         r = 0
-        while r < args.rounds or (sum(map(sum, seconds.values())) < args.seconds
-                                  and r < 8 * args.rounds):
+        while r < args.rounds or (
+            sum(map(sum, seconds.values())) < args.seconds and r < 8 * args.rounds
+        ):
             shift = r % len(PATHS)
             order = PATHS[shift:] + PATHS[:shift]  # rotating: no path always runs first
             for path in order:
@@ -204,36 +247,53 @@ def speed(folder: str, vocab: int, args) -> tuple[dict, dict]:
             r += 1
         tokens = batch * args.new_tokens
         ratios = {p: [g / s for g, s in zip(seconds["greedy"], seconds[p])] for p in PATHS[1:]}
-        ratios.update({f"{p}/flat": [g / s for g, s in zip(seconds["greedy-flat"], seconds[p])]
-                       for p in PATHS[2:]})
+        ratios.update(
+            {
+                f"{p}/flat": [g / s for g, s in zip(seconds["greedy-flat"], seconds[p])]
+                for p in PATHS[2:]
+            }
+        )
         native_seconds[batch] = statistics.median(seconds["native"])
-        rows.append((batch, {p: tokens / statistics.median(seconds[p]) for p in PATHS},
-                     ratios, delta))
-        print(f"  batch {batch}, {r} rounds: "
-              + ", ".join(f"{p} {statistics.median(seconds[p]):.3f} s" for p in PATHS),
-              flush=True)
+        rows.append(
+            (batch, {p: tokens / statistics.median(seconds[p]) for p in PATHS}, ratios, delta)
+        )
+        print(
+            f"  batch {batch}, {r} rounds: "
+            + ", ".join(f"{p} {statistics.median(seconds[p]):.3f} s" for p in PATHS),
+            flush=True,
+        )
     for engine in engines.values():
         engine.close()
 
     rounds = f"{args.rounds}" + (f"+ (to {args.seconds:g} s a batch)" if args.seconds else "")
-    print(f"\n{header(args)} · {rounds} interleaved rounds · start-up s: "
-          + ", ".join(f"{p} {startup[p]:.0f}" for p in startup))
+    print(
+        f"\n{header(args)} · {rounds} interleaved rounds · start-up s: "
+        + ", ".join(f"{p} {startup[p]:.0f}" for p in startup)
+    )
     for path in engines:
-        print(f"{path}: {settings[path]['engine_path']}, model runner "
-              f"{settings[path]['model_runner']}, engine core {settings[path]['engine_core']}, "
-              f"tensor_parallel_size {settings[path]['tensor_parallel_size']}")
-    print("\nRatios: replay speed / greedy speed, the median over rounds of each round's "
-          "ratio (min–max in brackets). >= 0.97 is the target.")
-    print("\n| batch | greedy tok/s | native tok/s | forcing tok/s | native / greedy | "
-          "forcing / greedy | greedy-flat / greedy | native / greedy-flat | "
-          "forcing / greedy-flat | max |Δ logprob| native, forcing vs greedy |")
+        print(
+            f"{path}: {settings[path]['engine_path']}, model runner "
+            f"{settings[path]['model_runner']}, engine core {settings[path]['engine_core']}, "
+            f"tensor_parallel_size {settings[path]['tensor_parallel_size']}"
+        )
+    print(
+        "\nRatios: replay speed / greedy speed, the median over rounds of each round's "
+        "ratio (min–max in brackets). >= 0.97 is the target."
+    )
+    print(
+        "\n| batch | greedy tok/s | native tok/s | forcing tok/s | native / greedy | "
+        "forcing / greedy | greedy-flat / greedy | native / greedy-flat | "
+        "forcing / greedy-flat | max |Δ logprob| native, forcing vs greedy |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for batch, speed, ratios, delta in rows:
-        print(f"| {batch} | {speed['greedy']:,.0f} | {speed['native']:,.0f} | "
-              f"{speed['forcing']:,.0f} | {spread(ratios['native'])} | "
-              f"{spread(ratios['forcing'])} | {spread(ratios['greedy-flat'])} | "
-              f"{spread(ratios['native/flat'])} | {spread(ratios['forcing/flat'])} | "
-              f"{delta['native']:.1e}, {delta['forcing']:.1e} |")
+        print(
+            f"| {batch} | {speed['greedy']:,.0f} | {speed['native']:,.0f} | "
+            f"{speed['forcing']:,.0f} | {spread(ratios['native'])} | "
+            f"{spread(ratios['forcing'])} | {spread(ratios['greedy-flat'])} | "
+            f"{spread(ratios['native/flat'])} | {spread(ratios['forcing/flat'])} | "
+            f"{delta['native']:.1e}, {delta['forcing']:.1e} |"
+        )
     return all_requests, native_seconds
 
 
@@ -246,12 +306,22 @@ def in_process(folder: str, requests: dict, native_seconds: dict, args) -> None:
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     start = time.perf_counter()
-    engine = make_engine("vllm", folder, dtype=args.dtype, batch_size=max(requests),
-                         top_k=5, engine_args=speed_engine_args(args))
-    print(f"\nin-process native: started in {time.perf_counter() - start:.0f} s, "
-          f"engine core {engine.settings()['engine_core']}")
-    print("\n| batch | native in-process tok/s | in-process / own process (medians) | "
-          "in-process rounds s |")
+    engine = make_engine(
+        "vllm",
+        folder,
+        dtype=args.dtype,
+        batch_size=max(requests),
+        top_k=5,
+        engine_args=speed_engine_args(args),
+    )
+    print(
+        f"\nin-process native: started in {time.perf_counter() - start:.0f} s, "
+        f"engine core {engine.settings()['engine_core']}"
+    )
+    print(
+        "\n| batch | native in-process tok/s | in-process / own process (medians) | "
+        "in-process rounds s |"
+    )
     print("|---:|---:|---:|---|")
     for batch, group in requests.items():
         engine.run(group)  # warm-up
@@ -261,9 +331,12 @@ def in_process(folder: str, requests: dict, native_seconds: dict, args) -> None:
             engine.run(group)
             seconds.append(time.perf_counter() - start)
         median = statistics.median(seconds)
-        print(f"| {batch} | {batch * args.new_tokens / median:,.0f} | "
-              f"{native_seconds[batch] / median:.2f} | "
-              f"{', '.join(f'{s:.3f}' for s in seconds)} |", flush=True)
+        print(
+            f"| {batch} | {batch * args.new_tokens / median:,.0f} | "
+            f"{native_seconds[batch] / median:.2f} | "
+            f"{', '.join(f'{s:.3f}' for s in seconds)} |",
+            flush=True,
+        )
     engine.close()
 
 
@@ -272,35 +345,46 @@ def header(args) -> str:
     import vllm
 
     layers = f" ({args.layers} layers)" if args.layers else ""
-    return (f"{dt.date.today()} · {torch.cuda.device_count()}x {torch.cuda.get_device_name()} · "
-            f"vLLM {vllm.__version__} · torch {torch.__version__} · {args.shape}{layers} random "
-            f"weights · {args.dtype} · TP={args.tp} · {args.prompt_len}-token prompts · "
-            f"{args.new_tokens} tokens/row")
+    return (
+        f"{dt.date.today()} · {torch.cuda.device_count()}x {torch.cuda.get_device_name()} · "
+        f"vLLM {vllm.__version__} · torch {torch.__version__} · {args.shape}{layers} random "
+        f"weights · {args.dtype} · TP={args.tp} · {args.prompt_len}-token prompts · "
+        f"{args.new_tokens} tokens/row"
+    )
 
 
-def agreement(folder: str, vocab: int, args, in_process: bool = True,
-              served: bool = False) -> None:
+def agreement(folder: str, vocab: int, args, in_process: bool = True, served: bool = False) -> None:
     """Native and forcing at TP=1 and (``in_process``) at ``--tp``, and (``served``) a
     server at ``--tp``, on the same traces, one engine at a time: the table of differences
     of each against its TP=1 run (the server's against TP=1 forcing)."""
     from trace_replay.engines import make_engine
     from trace_replay.engines.base import ReplayRequest
 
-    engine_args = {"skip_tokenizer_init": True, "enforce_eager": True,
-                   "max_model_len": args.prompt_len + args.new_tokens + 16}
+    engine_args = {
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "max_model_len": args.prompt_len + args.new_tokens + 16,
+    }
     if torch.cuda.is_available():  # one engine at a time
         engine_args["gpu_memory_utilization"] = 0.7
     prompts = random_prompts(args.check_batch, args.prompt_len, vocab)
     results, requests = {}, None
     for tp in (1, args.tp) if in_process else (1,):
         for path, native in (("native", None), ("forcing", False)):
-            engine = make_engine("vllm", folder, dtype=args.dtype, batch_size=2 * len(prompts),
-                                 top_k=5, native=native,
-                                 engine_args={**engine_args, "tensor_parallel_size": tp})
+            engine = make_engine(
+                "vllm",
+                folder,
+                dtype=args.dtype,
+                batch_size=2 * len(prompts),
+                top_k=5,
+                native=native,
+                engine_args={**engine_args, "tensor_parallel_size": tp},
+            )
             try:
                 if requests is None:  # TP=1 native's greedy output, then every 7th replaced
-                    traces = [ids for ids, _ in engine.generate(prompts,
-                                                                max_tokens=args.new_tokens)]
+                    traces = [
+                        ids for ids, _ in engine.generate(prompts, max_tokens=args.new_tokens)
+                    ]
                     requests = on_and_off_policy(prompts, traces, vocab, ReplayRequest)
                 results[tp, path] = (engine.settings()["engine_path"], engine.run(requests))
             except RuntimeError as exc:  # a trace not followed: the finding, said below
@@ -311,36 +395,55 @@ def agreement(folder: str, vocab: int, args, in_process: bool = True,
     if served:
         results[args.tp, "served"] = replay_served(folder, requests, args)
         rows.append(("served", "forcing"))
-    print(f"\n{header(args)} · {len(requests)} traces ({len(prompts)} greedy, "
-          f"{len(prompts)} with every 7th token replaced) · eager")
-    print("\n| path | engine path at TP | median |Δ logprob| | max |Δ logprob| | "
-          "rank agreement | tokens followed exactly |")
+    print(
+        f"\n{header(args)} · {len(requests)} traces ({len(prompts)} greedy, "
+        f"{len(prompts)} with every 7th token replaced) · eager"
+    )
+    print(
+        "\n| path | engine path at TP | median |Δ logprob| | max |Δ logprob| | "
+        "rank agreement | tokens followed exactly |"
+    )
     print("|---|---|---:|---:|---:|---:|")
     for path, reference in rows:
         base, other = results[1, reference][1], results[args.tp, path][1]
         if base is None or other is None:
-            print(f"| {path} | failed: {results[1, reference][0]} / "
-                  f"{results[args.tp, path][0]} |")
+            print(f"| {path} | failed: {results[1, reference][0]} / {results[args.tp, path][0]} |")
             continue
         delta = np.abs(np.concatenate([a.logprob - b.logprob for a, b in zip(base, other)]))
         ranks = np.concatenate([a.rank == b.rank for a, b in zip(base, other)])
-        followed = sum(int((r.token_ids == q.trace_token_ids).sum())
-                       for r, q in zip(other, requests))
+        followed = sum(
+            int((r.token_ids == q.trace_token_ids).sum()) for r, q in zip(other, requests)
+        )
         total = sum(q.trace_len for q in requests)
-        print(f"| {path} | {results[args.tp, path][0]} | {np.median(delta):.2e} | "
-              f"{delta.max():.2e} | {ranks.mean():.4f} | {followed}/{total} |")
+        print(
+            f"| {path} | {results[args.tp, path][0]} | {np.median(delta):.2e} | "
+            f"{delta.max():.2e} | {ranks.mean():.4f} | {followed}/{total} |"
+        )
 
 
 def replay_served(folder: str, requests: list, args) -> tuple[str, list | None]:
     """Start ``trace-replay serve``'s command at ``--tp`` (in ``--dtype``, eager), replay
     ``requests`` through ``engine="vllm-server"``, stop it: (what ran, results or None)."""
     from trace_replay.engines import make_engine
-    from trace_replay.engines.server.serve import serve_command, start_server, stop_server, wait_for_server
+    from trace_replay.engines.server.serve import (
+        serve_command,
+        start_server,
+        stop_server,
+        wait_for_server,
+    )
 
     port = 8321
-    extra = ["--tensor-parallel-size", str(args.tp), "--dtype", args.dtype, "--enforce-eager",
-             "--max-model-len", str(args.prompt_len + args.new_tokens + 16),
-             "--max-num-seqs", str(len(requests))]
+    extra = [
+        "--tensor-parallel-size",
+        str(args.tp),
+        "--dtype",
+        args.dtype,
+        "--enforce-eager",
+        "--max-model-len",
+        str(args.prompt_len + args.new_tokens + 16),
+        "--max-num-seqs",
+        str(len(requests)),
+    ]
     if torch.cuda.is_available():
         extra += ["--gpu-memory-utilization", "0.7"]
     command = serve_command(folder, port=port, extra_args=extra)
@@ -349,10 +452,16 @@ def replay_served(folder: str, requests: list, args) -> tuple[str, list | None]:
     try:
         base_url = f"http://127.0.0.1:{port}/v1"
         wait_for_server(base_url, process, timeout_s=500, log_path=log)
-        with make_engine("vllm-server", folder, batch_size=len(requests), top_k=5,
-                         engine_args={"base_url": base_url}) as engine:
-            label = (f"vllm serve --tensor-parallel-size {args.tp}, "
-                     f"{engine.settings()['engine_path']}")
+        with make_engine(
+            "vllm-server",
+            folder,
+            batch_size=len(requests),
+            top_k=5,
+            engine_args={"base_url": base_url},
+        ) as engine:
+            label = (
+                f"vllm serve --tensor-parallel-size {args.tp}, {engine.settings()['engine_path']}"
+            )
             try:
                 return label, engine.run(requests)
             except RuntimeError as exc:  # a trace not followed: the finding
@@ -371,9 +480,11 @@ def on_and_off_policy(prompts, traces, vocab, request_type) -> list:
         for step in range(3, len(trace), 7):
             trace[step] = int(torch.randint(3, vocab, (1,), generator=gen))
         off.append(trace)
-    return [request_type(f"{kind}{i}", tuple(p), tuple(t))
-            for kind, group in (("on", traces), ("off", off))
-            for i, (p, t) in enumerate(zip(prompts, group))]
+    return [
+        request_type(f"{kind}{i}", tuple(p), tuple(t))
+        for kind, group in (("on", traces), ("off", off))
+        for i, (p, t) in enumerate(zip(prompts, group))
+    ]
 
 
 def spread(ratios: list[float]) -> str:

@@ -33,7 +33,9 @@ def reference64(traces):
             ids = list(t.prompt_token_ids) + list(t.trace_token_ids)
             logits = lm(input_ids=torch.tensor([ids])).logits[0]
             start = len(t.prompt_token_ids) - 1
-            out[t.id] = torch.log_softmax(logits[start:start + len(t.trace_token_ids)], -1).numpy()
+            out[t.id] = torch.log_softmax(
+                logits[start : start + len(t.trace_token_ids)], -1
+            ).numpy()
     return out
 
 
@@ -47,8 +49,13 @@ def score(df, ref, tie=1e-4):
             hi = 1 + int((lp64 > target - tie).sum())
             rank_ok.append(lo <= row.rank <= hi)
     deltas = np.asarray(deltas)
-    return {"tokens": len(deltas), "max_abs": deltas.max(), "median_abs": np.median(deltas),
-            "p99_abs": np.quantile(deltas, 0.99), "rank_match": np.mean(rank_ok)}
+    return {
+        "tokens": len(deltas),
+        "max_abs": deltas.max(),
+        "median_abs": np.median(deltas),
+        "p99_abs": np.quantile(deltas, 0.99),
+        "rank_match": np.mean(rank_ok),
+    }
 
 
 def main():
@@ -64,20 +71,32 @@ def main():
         for dtype in args.dtypes.split(","):
             engine = make_engine(engine_name, dtype=dtype, device="cpu")
             df = replay(traces, engine=engine, progress=False)
-            rows.append({"engine": engine_name, "path": df.attrs["engine_path"], "dtype": dtype,
-                         **score(df, ref)})
+            rows.append(
+                {
+                    "engine": engine_name,
+                    "path": df.attrs["engine_path"],
+                    "dtype": dtype,
+                    **score(df, ref),
+                }
+            )
             if hasattr(engine, "close"):
                 engine.close()
             del engine
-    print(f"\n{dt.date.today()} · {platform.machine()} CPU · torch {torch.__version__} · "
-          f"{len(traces)} bundled traces ({args.limit} per file)")
-    print("\n| engine | path | dtype | tokens | max abs Δ | median abs Δ | p99 abs Δ | "
-          "rank = float64 (up to ties) |")
+    print(
+        f"\n{dt.date.today()} · {platform.machine()} CPU · torch {torch.__version__} · "
+        f"{len(traces)} bundled traces ({args.limit} per file)"
+    )
+    print(
+        "\n| engine | path | dtype | tokens | max abs Δ | median abs Δ | p99 abs Δ | "
+        "rank = float64 (up to ties) |"
+    )
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['engine']} | {r['path']} | {r['dtype']} | {r['tokens']} | "
-              f"{r['max_abs']:.2e} | {r['median_abs']:.2e} | {r['p99_abs']:.2e} | "
-              f"{r['rank_match']:.3f} |")
+        print(
+            f"| {r['engine']} | {r['path']} | {r['dtype']} | {r['tokens']} | "
+            f"{r['max_abs']:.2e} | {r['median_abs']:.2e} | {r['p99_abs']:.2e} | "
+            f"{r['rank_match']:.3f} |"
+        )
 
 
 if __name__ == "__main__":

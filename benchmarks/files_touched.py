@@ -51,16 +51,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--backend", default=None, help="hf or static (default: the engine's)")
-    parser.add_argument("--functions", action="store_true",
-                        help="also list the functions each steady-state file ran")
+    parser.add_argument(
+        "--functions",
+        action="store_true",
+        help="also list the functions each steady-state file ran",
+    )
     args = parser.parse_args()
-    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=128)
+    config = transformers.LlamaConfig(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     lm = transformers.AutoModelForCausalLM.from_config(config).eval().to(args.device)
-    df = pd.DataFrame({"id": ["a", "b"], "prompt_token_ids": [[1, 2, 3], [4, 5]],
-                       "trace_token_ids": [[7, 8, 9, 10], [11, 12]]})
+    df = pd.DataFrame(
+        {
+            "id": ["a", "b"],
+            "prompt_token_ids": [[1, 2, 3], [4, 5]],
+            "trace_token_ids": [[7, 8, 9, 10], [11, 12]],
+        }
+    )
     engine = None
 
     def first() -> None:
@@ -71,8 +85,10 @@ def main() -> None:
 
     first_call = functions_run(first)
     steady = functions_run(lambda: tr.replay(df, engine=engine, progress=False))
-    print(f"{args.device}, {engine.settings()['engine_path']}: first call {len(first_call)} "
-          f"files (module bodies included), steady state {len(steady)}")
+    print(
+        f"{args.device}, {engine.settings()['engine_path']}: first call {len(first_call)} "
+        f"files (module bodies included), steady state {len(steady)}"
+    )
     print("steady state:", " ".join(steady))
     print("first call only:", " ".join(sorted(set(first_call) - set(steady))))
     if args.functions:

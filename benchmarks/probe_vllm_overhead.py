@@ -69,32 +69,57 @@ def main() -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
     folder, vocab = saved_random_model(args.shape, args.device)
     batches = [int(b) for b in args.batches.split(",")]
-    engine_args = {"skip_tokenizer_init": True,
-                   "max_model_len": args.prompt_len + args.new_tokens + 16}
+    engine_args = {
+        "skip_tokenizer_init": True,
+        "max_model_len": args.prompt_len + args.new_tokens + 16,
+    }
     if cuda:
         engine_args["gpu_memory_utilization"] = 0.3
-    engine = make_engine("vllm", folder, dtype=str(dtype)[6:], batch_size=max(batches), top_k=5,
-                         native=None if args.native == "auto" else False,
-                         engine_args=engine_args)
+    engine = make_engine(
+        "vllm",
+        folder,
+        dtype=str(dtype)[6:],
+        batch_size=max(batches),
+        top_k=5,
+        native=None if args.native == "auto" else False,
+        engine_args=engine_args,
+    )
     settings = engine.settings()
-    greedy = {flat: SamplingParams(temperature=0.0, max_tokens=args.new_tokens, logprobs=5,
-                                   ignore_eos=True, detokenize=False, flat_logprobs=flat)
-              for flat in (False, True)}
-    machine = torch.cuda.get_device_name() if cuda else f"{platform.processor() or 'CPU'}, " \
-        f"{os.cpu_count()} cores"
-    print(f"{dt.date.today()} · {machine} · {args.shape} · {settings['engine_path']} · engine "
-          f"core {settings['engine_core']} · {args.rounds} rounds · {args.new_tokens} tokens/row")
-    print("\n| batch | greedy-flat tok/s | " + " | ".join(f"{p} × greedy-flat" for p in PATHS
-                                                      if p != "greedy-flat")
-          + " | engine.run × greedy |")
+    greedy = {
+        flat: SamplingParams(
+            temperature=0.0,
+            max_tokens=args.new_tokens,
+            logprobs=5,
+            ignore_eos=True,
+            detokenize=False,
+            flat_logprobs=flat,
+        )
+        for flat in (False, True)
+    }
+    machine = (
+        torch.cuda.get_device_name()
+        if cuda
+        else f"{platform.processor() or 'CPU'}, {os.cpu_count()} cores"
+    )
+    print(
+        f"{dt.date.today()} · {machine} · {args.shape} · {settings['engine_path']} · engine "
+        f"core {settings['engine_core']} · {args.rounds} rounds · {args.new_tokens} tokens/row"
+    )
+    print(
+        "\n| batch | greedy-flat tok/s | "
+        + " | ".join(f"{p} × greedy-flat" for p in PATHS if p != "greedy-flat")
+        + " | engine.run × greedy |"
+    )
     print("|---:|---:|" + "---:|" * len(PATHS))
     ids = itertools.count()
     for batch in batches:
         prompt_ids = random_prompts(batch, args.prompt_len, vocab)
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
         outs = engine.llm.generate(prompts, greedy[True], use_tqdm=False)
-        requests = [ReplayRequest(f"r{i}", tuple(p), tuple(o.outputs[0].token_ids))
-                    for i, (p, o) in enumerate(zip(prompt_ids, outs))]
+        requests = [
+            ReplayRequest(f"r{i}", tuple(p), tuple(o.outputs[0].token_ids))
+            for i, (p, o) in enumerate(zip(prompt_ids, outs))
+        ]
 
         def replay_params(kind):
             params = [engine._params(r) for r in requests]
@@ -120,8 +145,11 @@ def main() -> None:
                 while core.has_unfinished_requests():
                     core.step()
             else:
-                params = (replay_params(RequestOutputKind.FINAL_ONLY) if path == "vllm-replay"
-                          else greedy[path == "greedy-flat"])
+                params = (
+                    replay_params(RequestOutputKind.FINAL_ONLY)
+                    if path == "vllm-replay"
+                    else greedy[path == "greedy-flat"]
+                )
                 start = time.perf_counter()
                 engine.llm.generate(prompts, params, use_tqdm=False)
             return time.perf_counter() - start
@@ -138,9 +166,12 @@ def main() -> None:
             return spread([b / s for b, s in zip(seconds[base], seconds[path])])
 
         tokens = batch * args.new_tokens
-        print(f"| {batch} | {tokens / statistics.median(seconds['greedy-flat']):,.0f} | "
-              + " | ".join(ratio(p) for p in PATHS if p != "greedy-flat")
-              + f" | {ratio('engine.run', 'greedy')} |", flush=True)
+        print(
+            f"| {batch} | {tokens / statistics.median(seconds['greedy-flat']):,.0f} | "
+            + " | ".join(ratio(p) for p in PATHS if p != "greedy-flat")
+            + f" | {ratio('engine.run', 'greedy')} |",
+            flush=True,
+        )
     engine.close()
 
 

@@ -63,10 +63,13 @@ class StepClock:
 def split(start: float, end: float, stamps: list[float]) -> dict[str, float]:
     """``head``, median ``step``, ``tail`` and ``total`` seconds of one call."""
     steps = [b - a for a, b in zip(stamps, stamps[1:])]
-    return {"head": stamps[0] - start if stamps else float("nan"),
-            "step": statistics.median(steps) if steps else float("nan"),
-            "tail": end - stamps[-1] if stamps else float("nan"),
-            "total": end - start, "steps": len(stamps)}
+    return {
+        "head": stamps[0] - start if stamps else float("nan"),
+        "step": statistics.median(steps) if steps else float("nan"),
+        "tail": end - stamps[-1] if stamps else float("nan"),
+        "total": end - start,
+        "steps": len(stamps),
+    }
 
 
 def main() -> None:
@@ -92,29 +95,46 @@ def main() -> None:
     cuda = args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     folder, vocab = saved_random_model(args.shape, args.device)
-    engine_args = {"skip_tokenizer_init": True,
-                   "max_model_len": args.prompt_len + args.new_tokens + 16}
+    engine_args = {
+        "skip_tokenizer_init": True,
+        "max_model_len": args.prompt_len + args.new_tokens + 16,
+    }
     if cuda:
         engine_args["gpu_memory_utilization"] = args.memory
     engines = {}
     for path, native in (("native", None), ("forcing", False)) if cuda else (("forcing", False),):
-        engines[path] = make_engine("vllm", folder, dtype=str(dtype)[6:],
-                                    batch_size=args.max_num_seqs, top_k=5, native=native,
-                                    engine_args=engine_args)
+        engines[path] = make_engine(
+            "vllm",
+            folder,
+            dtype=str(dtype)[6:],
+            batch_size=args.max_num_seqs,
+            top_k=5,
+            native=native,
+            engine_args=engine_args,
+        )
     first = next(iter(engines.values()))
     plain = LLM(**first.llm_args)
     clocks = {"greedy": StepClock(plain.llm_engine)}
     for path, engine in engines.items():
         clocks[path] = StepClock(engine.llm.llm_engine)
-    greedy = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, logprobs=5,
-                            ignore_eos=True, detokenize=False, flat_logprobs=True)
+    greedy = SamplingParams(
+        temperature=0.0,
+        max_tokens=args.new_tokens,
+        logprobs=5,
+        ignore_eos=True,
+        detokenize=False,
+        flat_logprobs=True,
+    )
     paths = ["greedy", *engines]
     if "native" in engines:
         paths += ["native-greedy", "native-vllm"]
     settings = first.settings()
-    print(f"{dt.date.today()} · {torch.cuda.get_device_name() if cuda else 'CPU'} · "
-          f"{args.shape} · engine core {settings['engine_core']} · max_num_seqs "
-          f"{args.max_num_seqs} · {args.rounds} rounds · {args.new_tokens} tokens/row", flush=True)
+    print(
+        f"{dt.date.today()} · {torch.cuda.get_device_name() if cuda else 'CPU'} · "
+        f"{args.shape} · engine core {settings['engine_core']} · max_num_seqs "
+        f"{args.max_num_seqs} · {args.rounds} rounds · {args.new_tokens} tokens/row",
+        flush=True,
+    )
 
     def call(path, prompts, requests):
         """Run ``path`` once: ``(start, end, stamps)``."""
@@ -136,23 +156,32 @@ def main() -> None:
         ids = random_prompts(batch, args.prompt_len, vocab)
         prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
         outs = plain.generate(prompts, greedy, use_tqdm=False)
-        requests = [ReplayRequest(f"b{batch}-{i}", tuple(p), tuple(o.outputs[0].token_ids))
-                    for i, (p, o) in enumerate(zip(ids, outs))]
+        requests = [
+            ReplayRequest(f"b{batch}-{i}", tuple(p), tuple(o.outputs[0].token_ids))
+            for i, (p, o) in enumerate(zip(ids, outs))
+        ]
         for path in paths:  # warm-up
             call(path, prompts, requests)
         runs = collections.defaultdict(list)
         for r in range(args.rounds):
-            for path in paths[r % len(paths):] + paths[:r % len(paths)]:
+            for path in paths[r % len(paths) :] + paths[: r % len(paths)]:
                 runs[path].append(split(*call(path, prompts, requests)))
-        print(f"\nbatch {batch}: ms (median over rounds); ratio = greedy total / path total "
-              "per round\n\n| path | total | head | step | tail | steps | greedy / path |\n"
-              "|---|---:|---:|---:|---:|---:|---:|")
+        print(
+            f"\nbatch {batch}: ms (median over rounds); ratio = greedy total / path total "
+            "per round\n\n| path | total | head | step | tail | steps | greedy / path |\n"
+            "|---|---:|---:|---:|---:|---:|---:|"
+        )
         for path in paths:
-            med = {k: 1e3 * statistics.median(r[k] for r in runs[path])
-                   for k in ("total", "head", "step", "tail")}
+            med = {
+                k: 1e3 * statistics.median(r[k] for r in runs[path])
+                for k in ("total", "head", "step", "tail")
+            }
             ratio = spread([g["total"] / p["total"] for g, p in zip(runs["greedy"], runs[path])])
-            print(f"| {path} | {med['total']:.1f} | {med['head']:.2f} | {med['step']:.3f} | "
-                  f"{med['tail']:.2f} | {runs[path][0]['steps']} | {ratio} |", flush=True)
+            print(
+                f"| {path} | {med['total']:.1f} | {med['head']:.2f} | {med['step']:.3f} | "
+                f"{med['tail']:.2f} | {runs[path][0]['steps']} | {ratio} |",
+                flush=True,
+            )
         if args.py_spy:
             for path in ("greedy", "native" if "native" in engines else "forcing"):
                 sample(path, args.py_spy, lambda p=path: call(p, prompts, requests))
@@ -165,10 +194,26 @@ def sample(path: str, seconds: float, run) -> None:
     top functions by samples per process."""
     with tempfile.NamedTemporaryFile(suffix=".txt", delete=False) as file:
         out = file.name
-    spy = subprocess.Popen(["py-spy", "record", "--pid", str(os.getpid()), "--subprocesses",
-                            "--nonblocking", "--rate", "400", "--duration", str(int(seconds)),
-                            "--format", "raw", "--output", out],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    spy = subprocess.Popen(
+        [
+            "py-spy",
+            "record",
+            "--pid",
+            str(os.getpid()),
+            "--subprocesses",
+            "--nonblocking",
+            "--rate",
+            "400",
+            "--duration",
+            str(int(seconds)),
+            "--format",
+            "raw",
+            "--output",
+            out,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     stop = time.monotonic() + seconds
     time.sleep(0.5)
     while time.monotonic() < stop:
@@ -190,8 +235,10 @@ def sample(path: str, seconds: float, run) -> None:
             for frame in set(frames[1:]):
                 inclusive[process][frame] += int(count)
             totals[process] += int(count)
-    print(f"\npy-spy, {path}: samples per process; leaf functions holding >= 2% (self), "
-          "then functions by inclusive share")
+    print(
+        f"\npy-spy, {path}: samples per process; leaf functions holding >= 2% (self), "
+        "then functions by inclusive share"
+    )
     for process, count in totals.most_common(4):
         print(f"- {process}: {count} samples")
         for leaf, n in per_process[process].most_common(12):

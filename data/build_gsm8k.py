@@ -52,8 +52,12 @@ def read_exemplars() -> list[dict]:
 
 
 def _meta(i: int, exemplar: dict, source: str) -> dict:
-    return {"dataset": "gsm8k-cot", "exemplar": i,
-            "answer": ANSWER.search(exemplar["target"]).group(1), "source": source}
+    return {
+        "dataset": "gsm8k-cot",
+        "exemplar": i,
+        "answer": ANSWER.search(exemplar["target"]).group(1),
+        "source": source,
+    }
 
 
 def main() -> None:
@@ -68,18 +72,29 @@ def main() -> None:
 
     exemplars = read_exemplars()[: args.limit]
     human = trace_replay.load_traces(
-        [{"id": f"gsm8k-human/{i}", "prompt": f"Q: {e['question']}\nA:",
-          "completion": " " + e["target"], "meta": _meta(i, e, "human")}
-         for i, e in enumerate(exemplars)])
+        [
+            {
+                "id": f"gsm8k-human/{i}",
+                "prompt": f"Q: {e['question']}\nA:",
+                "completion": " " + e["target"],
+                "meta": _meta(i, e, "human"),
+            }
+            for i, e in enumerate(exemplars)
+        ]
+    )
     human.to_jsonl(args.out_dir / "gsm8k_cot_human.jsonl")
 
-    model = record_chat([{"id": f"gsm8k-model/{i}", "user": e["question"],
-                          "meta": _meta(i, e, "model")} for i, e in enumerate(exemplars)],
-                        max_tokens=args.max_tokens, batch_size=args.batch_size)
+    model = record_chat(
+        [
+            {"id": f"gsm8k-model/{i}", "user": e["question"], "meta": _meta(i, e, "model")}
+            for i, e in enumerate(exemplars)
+        ],
+        max_tokens=args.max_tokens,
+        batch_size=args.batch_size,
+    )
     model.to_jsonl(args.out_dir / "gsm8k_cot_model.jsonl")
 
-    print(f"{len(human)} human + {len(model)} model traces "
-          f"in {time.perf_counter() - start:.1f} s")
+    print(f"{len(human)} human + {len(model)} model traces in {time.perf_counter() - start:.1f} s")
 
 
 if __name__ == "__main__":

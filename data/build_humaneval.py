@@ -49,7 +49,7 @@ INSTRUCTION = "Complete the following Python function:\n```python\n{prompt}```"
 def split(problem: dict) -> tuple[str, str]:
     """``(prompt, completion)``: the prompt's trailing whitespace starts the completion."""
     prompt = problem["prompt"].rstrip()
-    return prompt, problem["prompt"][len(prompt):] + problem["canonical_solution"]
+    return prompt, problem["prompt"][len(prompt) :] + problem["canonical_solution"]
 
 
 def select_problems(limit: int, max_solution_tokens: int, tokenizer) -> list[dict]:
@@ -85,18 +85,37 @@ def main() -> None:
 
     problems = select_problems(args.limit, args.max_solution_tokens, load_tokenizer())
     human = trace_replay.load_traces(
-        [{"id": _id("he-human", p), "prompt": split(p)[0], "completion": split(p)[1],
-          "meta": _meta(p, "human")} for p in problems])
+        [
+            {
+                "id": _id("he-human", p),
+                "prompt": split(p)[0],
+                "completion": split(p)[1],
+                "meta": _meta(p, "human"),
+            }
+            for p in problems
+        ]
+    )
     human.to_jsonl(args.out_dir / "humaneval_human.jsonl")
 
-    model = record_chat([{"id": _id("he-model", p), "user": INSTRUCTION.format(prompt=p["prompt"]),
-                          "meta": _meta(p, "model")} for p in problems],
-                        max_tokens=args.max_tokens, batch_size=args.batch_size)
+    model = record_chat(
+        [
+            {
+                "id": _id("he-model", p),
+                "user": INSTRUCTION.format(prompt=p["prompt"]),
+                "meta": _meta(p, "model"),
+            }
+            for p in problems
+        ],
+        max_tokens=args.max_tokens,
+        batch_size=args.batch_size,
+    )
     model.to_jsonl(args.out_dir / "humaneval_model.jsonl")
 
-    print(f"{len(human)} human + {len(model)} model traces "
-          f"({problems[0]['task_id']} .. {problems[-1]['task_id']}) "
-          f"in {time.perf_counter() - start:.1f} s")
+    print(
+        f"{len(human)} human + {len(model)} model traces "
+        f"({problems[0]['task_id']} .. {problems[-1]['task_id']}) "
+        f"in {time.perf_counter() - start:.1f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -54,14 +54,25 @@ def record_chat(requests: list[dict], *, max_tokens: int, batch_size: int) -> Tr
     engine = trace_replay.make_engine("torch", deterministic=True, batch_size=batch_size)
     try:
         recorded = trace_replay.runs.recording(
-            [{"id": r["id"], "messages": [{"role": "user", "content": r["user"]}],
-              "meta": r["meta"]} for r in requests],
-            engine=engine, max_tokens=max_tokens, temperature=0.0, seed=0)
+            [
+                {
+                    "id": r["id"],
+                    "messages": [{"role": "user", "content": r["user"]}],
+                    "meta": r["meta"],
+                }
+                for r in requests
+            ],
+            engine=engine,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            seed=0,
+        )
         tokenizer, deterministic = engine.tokenizer, engine.settings()["deterministic"]
     finally:
         engine.close()
-    return TraceSet([_chat_trace(trace, tokenizer, deterministic) for trace in recorded],
-                    source=recorded.source)
+    return TraceSet(
+        [_chat_trace(trace, tokenizer, deterministic) for trace in recorded], source=recorded.source
+    )
 
 
 def _chat_trace(trace: Trace, tokenizer, deterministic: bool) -> Trace:
@@ -71,12 +82,20 @@ def _chat_trace(trace: Trace, tokenizer, deterministic: bool) -> Trace:
     messages = [*trace.messages, {"role": "assistant", "content": tokenizer.decode(reply)}]
     chat = tokenize_chat(tokenizer, messages)
     if chat.prompt_token_ids != list(trace.prompt_token_ids):
-        raise SystemExit(f"{trace.id}: the chat template renders the request to other ids "
-                         "than the ones the reply was generated from")
+        raise SystemExit(
+            f"{trace.id}: the chat template renders the request to other ids "
+            "than the ones the reply was generated from"
+        )
     # the template renders an end-of-turn token after a cut reply too
     retokenizes = chat.trace_token_ids == ids if ended else chat.trace_token_ids[:-1] == ids
     recorded_with = {**trace.meta["recorded_with"], "deterministic": deterministic}
-    return Trace(id=trace.id, messages=messages, prompt_token_ids=trace.prompt_token_ids,
-                 trace_token_ids=ids, ref_logprobs=trace.ref_logprobs,
-                 trace_turns=(1,) * len(ids), trace_roles=("assistant",) * len(ids),
-                 meta={**trace.meta, "retokenizes": retokenizes, "recorded_with": recorded_with})
+    return Trace(
+        id=trace.id,
+        messages=messages,
+        prompt_token_ids=trace.prompt_token_ids,
+        trace_token_ids=ids,
+        ref_logprobs=trace.ref_logprobs,
+        trace_turns=(1,) * len(ids),
+        trace_roles=("assistant",) * len(ids),
+        meta={**trace.meta, "retokenizes": retokenizes, "recorded_with": recorded_with},
+    )

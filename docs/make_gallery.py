@@ -45,18 +45,29 @@ def _kernel_specs(root: Path) -> KernelSpecManager:
     spec_dir = root / "trace-replay-gallery"
     spec_dir.mkdir()
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    spec = {"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-            "display_name": "trace_replay gallery", "language": "python",
-            "env": {"PYTHONPATH": path, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-                    "CUDA_VISIBLE_DEVICES": ""}}  # the gallery shows CPU runs
+    spec = {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "trace_replay gallery",
+        "language": "python",
+        "env": {
+            "PYTHONPATH": path,
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            "CUDA_VISIBLE_DEVICES": "",
+        },
+    }  # the gallery shows CPU runs
     (spec_dir / "kernel.json").write_text(json.dumps(spec))
     return KernelSpecManager(kernel_dirs=[str(root)])
 
 
 def key_figure(nb, key: str | None) -> bytes:
     """The PNG of the key cell (first image it drew), else the notebook's last PNG."""
-    pngs = [(cell, out["data"]["image/png"]) for cell in nb.cells if cell.cell_type == "code"
-            for out in cell.outputs if "image/png" in out.get("data", {})]
+    pngs = [
+        (cell, out["data"]["image/png"])
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for out in cell.outputs
+        if "image/png" in out.get("data", {})
+    ]
     if not pngs:
         raise RuntimeError("the notebook drew no figure")
     chosen = next((png for cell, png in pngs if key and key in cell.source), pngs[-1][1])
@@ -67,14 +78,21 @@ def run(path: Path, specs: KernelSpecManager) -> Path:
     nb = nbformat.read(path, as_version=4)
     km = KernelManager(kernel_name="trace-replay-gallery", kernel_spec_manager=specs)
     start = time.perf_counter()
-    nbclient.NotebookClient(nb, km=km, timeout=900, kernel_name="trace-replay-gallery",
-                            resources={"metadata": {"path": str(path.parent)}}).execute()
+    nbclient.NotebookClient(
+        nb,
+        km=km,
+        timeout=900,
+        kernel_name="trace-replay-gallery",
+        resources={"metadata": {"path": str(path.parent)}},
+    ).execute()
     out = OUT / f"{path.stem}.png"
     out.write_bytes(key_figure(nb, KEY_CELLS.get(path.stem)))
     last = [cell for cell in nb.cells if cell.cell_type == "code"][-1]
     findings = "".join(o.get("text", "") for o in last.outputs if o.output_type == "stream")
-    print(f"{path.name}: {time.perf_counter() - start:.0f} s -> {out.relative_to(ROOT)}\n"
-          f"{findings}", flush=True)
+    print(
+        f"{path.name}: {time.perf_counter() - start:.0f} s -> {out.relative_to(ROOT)}\n{findings}",
+        flush=True,
+    )
     return out
 
 

@@ -25,11 +25,15 @@ matplotlib.use("Agg")  # tests draw into files and buffers; no window is ever op
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="session", params=[
-    "cpu",
-    pytest.param("cuda",
-                 marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
-])
+@pytest.fixture(
+    scope="session",
+    params=[
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+        ),
+    ],
+)
 def device(request) -> str:
     """Where a kernel or state test runs: CPU (Triton's interpreter, or the torch reference
     without Triton) and, on a machine with one, CUDA (``-k cuda`` selects those)."""
@@ -46,8 +50,23 @@ def _close_figures():
 
 # --- synthetic replay frames (analysis, plots, tokens_html, explorer, report) ---------------
 
-_VOCAB = [" the", " cat", "\n", "\t", "<script>alert(1)</script>", " &amp;", " Paris", ".",
-          "  ", "é", " sat", " on", " mat", "\"q\"", "x" * 12]  # fmt: skip
+_VOCAB = [
+    " the",
+    " cat",
+    "\n",
+    "\t",
+    "<script>alert(1)</script>",
+    " &amp;",
+    " Paris",
+    ".",
+    "  ",
+    "é",
+    " sat",
+    " on",
+    " mat",
+    '"q"',
+    "x" * 12,
+]
 
 
 def _synthetic_replay(n_traces: int, n_steps: int, seed: int, top_k: int = 5) -> pd.DataFrame:
@@ -69,13 +88,21 @@ def _synthetic_replay(n_traces: int, n_steps: int, seed: int, top_k: int = 5) ->
                 logprob = min(float(top_lp[-1] - rank / 500), -np.log(rank) - 0.25)
             logprob, top_lp = _within_one(logprob, top_lp, listed=rank <= top_k)
             rows.append(
-                dict(trace_id=f"t{t}", step=step, position=10 + step, token_id=token_id,
-                     token=_VOCAB[token_id % len(_VOCAB)], logprob=logprob, rank=rank,
-                     top_token_ids=[int(i) for i in top_ids], top_logprobs=list(top_lp),
-                     top_tokens=[_VOCAB[i % len(_VOCAB)] for i in top_ids],
-                     entropy=float(rng.uniform(0.1, 3.0)),
-                     ref_logprob=logprob + float(rng.normal(0, 2e-3)))
-            )  # fmt: skip
+                dict(
+                    trace_id=f"t{t}",
+                    step=step,
+                    position=10 + step,
+                    token_id=token_id,
+                    token=_VOCAB[token_id % len(_VOCAB)],
+                    logprob=logprob,
+                    rank=rank,
+                    top_token_ids=[int(i) for i in top_ids],
+                    top_logprobs=list(top_lp),
+                    top_tokens=[_VOCAB[i % len(_VOCAB)] for i in top_ids],
+                    entropy=float(rng.uniform(0.1, 3.0)),
+                    ref_logprob=logprob + float(rng.normal(0, 2e-3)),
+                )
+            )
     df = pd.DataFrame(rows)
     df.attrs = {"model": "synthetic", "engine": "hf", "dtype": "float32", "top_k": top_k}
     return df
@@ -110,8 +137,10 @@ def _second_run(replay: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
         late = (b["trace_id"] == trace_id) & (b["step"] >= start)
         drift[late.to_numpy()] = rng.normal(0, 0.05, late.sum())
     # the whole distribution drifts, so that b's rows stay possible scores
-    rows = [_within_one(lp + d, np.asarray(top) + d, listed=rank <= len(top))
-            for lp, top, d, rank in zip(b["logprob"], b["top_logprobs"], drift, b["rank"])]
+    rows = [
+        _within_one(lp + d, np.asarray(top) + d, listed=rank <= len(top))
+        for lp, top, d, rank in zip(b["logprob"], b["top_logprobs"], drift, b["rank"])
+    ]
     b["logprob"] = [lp for lp, _ in rows]
     b["top_logprobs"] = [list(top) for _, top in rows]
     for row in b.index[(b["trace_id"] == "t2") & (b["step"] == 25)]:
@@ -125,8 +154,11 @@ def _second_behind_another(frame: pd.DataFrame, row: int) -> None:
     6001… fill the list where too few were below it."""
     token, logprob = frame.at[row, "token_id"], frame.at[row, "logprob"]
     width = len(frame.at[row, "top_token_ids"])
-    below = [(i, lp) for i, lp in zip(frame.at[row, "top_token_ids"], frame.at[row, "top_logprobs"])
-             if i != token and lp < logprob]
+    below = [
+        (i, lp)
+        for i, lp in zip(frame.at[row, "top_token_ids"], frame.at[row, "top_logprobs"])
+        if i != token and lp < logprob
+    ]
     below += [(6001 + j, logprob - 0.5 * (j + 1) - 10) for j in range(width)]
     top = [(6000, logprob + 0.1), (token, logprob), *below][:width]
     logprob, top_lp = _within_one(logprob, np.array([lp for _, lp in top]), listed=True)
@@ -151,17 +183,27 @@ def replay_pair(replay_df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
 # --- the embedded model and an independent float64 reference (engine tests) -----------------
 
 REAL_TRACES = [
-    {"id": "paris", "prompt": "The capital of France is", "completion": " Paris. It is a big city."},
+    {
+        "id": "paris",
+        "prompt": "The capital of France is",
+        "completion": " Paris. It is a big city.",
+    },
     {"id": "code", "prompt": "def add(a, b):", "completion": "\n    return a + b\n"},
     # " Hi!<|im_end|> Then it goes on." with the real EOS (id 2): completion text may not hold
     # special-token text, so control tokens are given as ids
-    {"id": "eos-inside", "prompt": "Say hi.",
-     "trace_token_ids": [21041, 17, 2, 3875, 357, 3935, 335, 30]},
+    {
+        "id": "eos-inside",
+        "prompt": "Say hi.",
+        "trace_token_ids": [21041, 17, 2, 3875, 357, 3935, 335, 30],
+    },
     {"id": "one-token", "prompt": "Once upon a", "completion": " time"},
     {"id": "short-prompt", "prompt_token_ids": [504], "trace_token_ids": [3575, 282, 4649, 314]},
-    {"id": "long", "prompt": "List three colours:",
-     "completion": " red, green and blue. Then three animals: cat, dog and horse. That is all."},
-]  # fmt: skip
+    {
+        "id": "long",
+        "prompt": "List three colours:",
+        "completion": " red, green and blue. Then three animals: cat, dog and horse. That is all.",
+    },
+]
 
 
 @pytest.fixture(scope="session")
@@ -207,7 +249,7 @@ def reference64(lm, real_traces):
             ids = list(trace.prompt_token_ids) + list(trace.trace_token_ids)
             logits = lm64(input_ids=torch.tensor([ids])).logits[0].double()
             start = len(trace.prompt_token_ids) - 1
-            rows = logits[start:start + len(trace.trace_token_ids)]
+            rows = logits[start : start + len(trace.trace_token_ids)]
             out[trace.id] = torch.log_softmax(rows, dim=-1).numpy()
     del lm64
     return out
@@ -269,16 +311,22 @@ def local_ray():
     import contextlib
     import logging
 
-    ray = pytest.importorskip("ray", reason="ray is not installed (pip install "
-                                            "'trace-replay[ray]')")
+    ray = pytest.importorskip(
+        "ray", reason="ray is not installed (pip install 'trace-replay[ray]')"
+    )
 
     @contextlib.contextmanager
     def start(**resources):
         if ray.is_initialized():
             pytest.skip("this process is connected to another Ray cluster")
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        ray.init(address="local", include_dashboard=False, log_to_driver=False,
-                 logging_level=logging.WARNING, **resources)
+        ray.init(
+            address="local",
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.WARNING,
+            **resources,
+        )
         try:
             yield ray
         finally:
@@ -289,13 +337,23 @@ def local_ray():
 
 # --- a tiny random Llama (engine internals: decode, verify, invariant model) ----------------
 
-_TINY_CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                    max_position_embeddings=256, initializer_range=0.3, pad_token_id=0)
+_TINY_CONFIG = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    initializer_range=0.3,
+    pad_token_id=0,
+)
 
 
-def _tiny_lm(config_name: str = "LlamaConfig", *, attn_implementation: str = "sdpa",
-             **overrides) -> torch.nn.Module:
+def _tiny_lm(
+    config_name: str = "LlamaConfig", *, attn_implementation: str = "sdpa", **overrides
+) -> torch.nn.Module:
     """A seeded random float32 model from a transformers config (2 layers, hidden 64); weights
     large enough (init 0.3) that its distributions are far from uniform."""
     import transformers
@@ -303,7 +361,8 @@ def _tiny_lm(config_name: str = "LlamaConfig", *, attn_implementation: str = "sd
     config = getattr(transformers, config_name)(**{**_TINY_CONFIG, **overrides})
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation=attn_implementation).eval()
+        config, attn_implementation=attn_implementation
+    ).eval()
 
 
 @pytest.fixture(scope="session")
@@ -350,7 +409,8 @@ def tiny_reference(tiny_llama, tiny_requests) -> dict[str, np.ndarray]:
             logits = lm64(input_ids=torch.tensor([ids])).logits[0]
             start = request.prompt_len - 1
             out[request.trace_id] = torch.log_softmax(
-                logits[start:start + request.trace_len], dim=-1).numpy()
+                logits[start : start + request.trace_len], dim=-1
+            ).numpy()
     return out
 
 

@@ -53,7 +53,7 @@ def _imports(path: Path, source: str | None = None) -> set[tuple[str, ...]]:
             names = [alias.name.split(".") for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package[:len(package) - node.level + 1] + (node.module or "").split(".")
+                base = package[: len(package) - node.level + 1] + (node.module or "").split(".")
                 base = ["trace_replay", *[p for p in base if p]]
             else:
                 base = (node.module or "").split(".")
@@ -82,10 +82,14 @@ def test_every_unit_has_a_layer():
 
 def test_folders_import_only_the_layers_below():
     """No folder imports a folder of its own layer or above (no cycles between folders)."""
-    wrong = sorted(f"{path.relative_to(PACKAGE)} imports trace_replay.{'.'.join(target)}"
-                   for path, source, target in _edges()
-                   if target and _unit(source) != _unit(target)
-                   and _unit(target) in LEVEL and LEVEL[_unit(target)] >= LEVEL[_unit(source)])
+    wrong = sorted(
+        f"{path.relative_to(PACKAGE)} imports trace_replay.{'.'.join(target)}"
+        for path, source, target in _edges()
+        if target
+        and _unit(source) != _unit(target)
+        and _unit(target) in LEVEL
+        and LEVEL[_unit(target)] >= LEVEL[_unit(source)]
+    )
     assert not wrong, "\n".join(wrong)
 
 
@@ -153,8 +157,18 @@ def test_no_module_imports_itself_through_others():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-_BLOCKS = (ast.If, ast.For, ast.While, ast.With, ast.Try, ast.FunctionDef, ast.AsyncFunctionDef,
-           ast.AsyncFor, ast.AsyncWith, ast.Match)
+_BLOCKS = (
+    ast.If,
+    ast.For,
+    ast.While,
+    ast.With,
+    ast.Try,
+    ast.FunctionDef,
+    ast.AsyncFunctionDef,
+    ast.AsyncFor,
+    ast.AsyncWith,
+    ast.Match,
+)
 
 
 def _depth(node: ast.AST, depth: int = 0) -> int:
@@ -169,10 +183,12 @@ def _depth(node: ast.AST, depth: int = 0) -> int:
 
 def _too_deep(source: str, most: int) -> list[str]:
     """The functions of ``source`` whose bodies nest blocks deeper than ``most``."""
-    return [node.name for node in ast.walk(ast.parse(source))
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-            and max(_depth(statement, isinstance(statement, _BLOCKS))
-                    for statement in node.body) > most]
+    return [
+        node.name
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and max(_depth(statement, isinstance(statement, _BLOCKS)) for statement in node.body) > most
+    ]
 
 
 # in flight when issue 56 set the rule (the Ray helper's cluster loop); flatten, then remove
@@ -182,14 +198,25 @@ _DEEP_FOR_NOW = {"runs/cluster_replay.py: _run"}
 def test_no_function_in_runs_nests_deeper_than_three_blocks():
     """runs/ reads top to bottom: no function nests its blocks (if, for, while, with, try,
     def) more than three deep (issue 56: replay's loop nested five deep with two closures)."""
-    deep = {f"{path.relative_to(PACKAGE)}: {name}"
-            for path in sorted((PACKAGE / "runs").rglob("*.py"))
-            for name in _too_deep(path.read_text(), 3)}
+    deep = {
+        f"{path.relative_to(PACKAGE)}: {name}"
+        for path in sorted((PACKAGE / "runs").rglob("*.py"))
+        for name in _too_deep(path.read_text(), 3)
+    }
     assert deep - _DEEP_FOR_NOW == set()
-    assert _too_deep("def f():\n    for a in b:\n        with c:\n            if d:\n"
-                     "                while e:\n                    pass\n", 3) == ["f"]
-    assert _too_deep("def f():\n    for a in b:\n        if c:\n            pass\n"
-                     "        elif d:\n            if e:\n                pass\n", 3) == []
+    assert _too_deep(
+        "def f():\n    for a in b:\n        with c:\n            if d:\n"
+        "                while e:\n                    pass\n",
+        3,
+    ) == ["f"]
+    assert (
+        _too_deep(
+            "def f():\n    for a in b:\n        if c:\n            pass\n"
+            "        elif d:\n            if e:\n                pass\n",
+            3,
+        )
+        == []
+    )
 
 
 def _engine_name_tests(source: str, names: set[str]) -> list[str]:
@@ -212,20 +239,32 @@ def test_engines_are_told_apart_by_the_registry_only():
     from trace_replay.engines.registry import ENGINES
 
     names = set(ENGINES) - {"auto"}
-    wrong = [f"{path.relative_to(PACKAGE)}: {found}" for path in sorted(PACKAGE.rglob("*.py"))
-             if path.name != "registry.py"
-             for found in _engine_name_tests(path.read_text(), names)]
+    wrong = [
+        f"{path.relative_to(PACKAGE)}: {found}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.name != "registry.py"
+        for found in _engine_name_tests(path.read_text(), names)
+    ]
     assert not wrong, "\n".join(wrong)
-    assert _engine_name_tests("ok = engine in ('vllm', 'torch') or name == 'prefill'",
-                              names) == ["engine in ('vllm', 'torch')", "name == 'prefill'"]
+    assert _engine_name_tests("ok = engine in ('vllm', 'torch') or name == 'prefill'", names) == [
+        "engine in ('vllm', 'torch')",
+        "name == 'prefill'",
+    ]
 
 
-@pytest.mark.parametrize("source, expected", [
-    ("from trace_replay.runs.replay import replay\n", {("runs", "replay"),
-                                                        ("runs", "replay", "replay")}),
-    ("def f():\n    import trace_replay.engines.vllm.engine\n",
-     {("engines", "vllm", "engine")}),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        (
+            "from trace_replay.runs.replay import replay\n",
+            {("runs", "replay"), ("runs", "replay", "replay")},
+        ),
+        (
+            "def f():\n    import trace_replay.engines.vllm.engine\n",
+            {("engines", "vllm", "engine")},
+        ),
+    ],
+)
 def test_imports_are_found_also_inside_functions(source, expected):
     """The checker reads function-level imports too (a lazy import is a dependency)."""
     assert _imports(PACKAGE / "analysis" / "example.py", source) == expected
@@ -274,11 +313,19 @@ print(json.dumps(sorted({path.split("/trace_replay/", 1)[1]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("device", [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="no CUDA device")]),
-])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+            ],
+        ),
+    ],
+)
 def test_a_warm_replay_runs_at_most_18_package_files(device):
     """A second tr.replay on the same torch engine runs code in at most 18 of the package's
     files on a CPU and on CUDA, each on its default backend (issue 44: a reader following one
@@ -296,7 +343,13 @@ def test_a_warm_replay_runs_at_most_18_package_files(device):
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(PACKAGE.parent) + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", _WARM_REPLAY, device], env=env,
-                         capture_output=True, text=True, timeout=300, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", _WARM_REPLAY, device],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
     files = json.loads(out.strip().splitlines()[-1])
     assert len(files) <= 18, "\n".join(files)

@@ -31,9 +31,16 @@ NOTEBOOK = ROOT / "tests" / "browser" / "explorer.ipynb"
 ARTIFACTS = ROOT / "tests" / "artifacts"
 CHROMIUM = Path("/usr/bin/chromium")
 # Without the background-networking flags Chromium's own connections fail on a closed network.
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync"]  # fmt: skip
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 APT_S = 900  # apt-get update + install chromium on a fresh machine
 SERVER_S = 60  # Voilà answering HTTP
 RENDER_S = 240  # page request -> kernel start, two replays on CPU, widgets drawn
@@ -46,8 +53,10 @@ _BLANK = ("rgb(255, 255, 255)", "rgba(0, 0, 0, 0)")
 
 def _require_module(name: str) -> None:
     if importlib.util.find_spec(name) is None:
-        pytest.fail(f"the browser test needs the Python package {name!r}: "
-                    "pip install -e '.[notebook,dev]' (make install does)")  # fmt: skip
+        pytest.fail(
+            f"the browser test needs the Python package {name!r}: "
+            "pip install -e '.[notebook,dev]' (make install does)"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +119,8 @@ def _dump_kernel_stacks(ipython_dir: Path, out: Path) -> None:
     (startup / "00-dump-stacks.py").write_text(
         "import faulthandler\n"
         f"_trace_replay_stacks = open({str(out)!r}, 'w')\n"
-        f"faulthandler.dump_traceback_later({STACKS_S}, file=_trace_replay_stacks)\n")
+        f"faulthandler.dump_traceback_later({STACKS_S}, file=_trace_replay_stacks)\n"
+    )
 
 
 def _busiest_processes(n: int = 8) -> str:
@@ -131,10 +141,12 @@ def _busiest_processes(n: int = 8) -> str:
         except psutil.Error:
             pass
     rows.sort(key=lambda row: -row[0])
-    return "\n".join(f"{cpu:5.0f}% {info['pid']:>7} "
-                     f"{(info['memory_info'].rss if info['memory_info'] else 0) >> 20:>6} MiB "
-                     f"{' '.join(info['cmdline'] or [info['name'] or ''])[:120]}"
-                     for cpu, info in rows[:n])
+    return "\n".join(
+        f"{cpu:5.0f}% {info['pid']:>7} "
+        f"{(info['memory_info'].rss if info['memory_info'] else 0) >> 20:>6} MiB "
+        f"{' '.join(info['cmdline'] or [info['name'] or ''])[:120]}"
+        for cpu, info in rows[:n]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -144,20 +156,39 @@ def voila(tmp_path_factory):
     _require_module("ipywidgets")
     tmp = tmp_path_factory.mktemp("voila")
     port, log = _free_port(), tmp / "voila.log"
-    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp / "config"),
-               JUPYTER_DATA_DIR=str(tmp / "data"), JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
-               IPYTHONDIR=str(tmp / "ipython"),
-               # one OpenMP thread in the kernel, as in the suite (conftest): on a busy 2-core
-               # machine two spinning threads made its two replays overrun RENDER_S
-               OMP_NUM_THREADS="1")  # fmt: skip
+    env = dict(
+        os.environ,
+        JUPYTER_CONFIG_DIR=str(tmp / "config"),
+        JUPYTER_DATA_DIR=str(tmp / "data"),
+        JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
+        IPYTHONDIR=str(tmp / "ipython"),
+        # one OpenMP thread in the kernel, as in the suite (conftest): on a busy 2-core
+        # machine two spinning threads made its two replays overrun RENDER_S
+        OMP_NUM_THREADS="1",
+    )
     _dump_kernel_stacks(tmp / "ipython", tmp / "kernel_stacks.txt")
-    cmd = [sys.executable, "-m", "voila", str(NOTEBOOK), "--no-browser",
-           "--Voila.ip=127.0.0.1", f"--Voila.port={port}", "--Voila.port_retries=0",
-           f"--VoilaExecutor.timeout={RENDER_S}",
-           "--VoilaConfiguration.show_tracebacks=True"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "voila",
+        str(NOTEBOOK),
+        "--no-browser",
+        "--Voila.ip=127.0.0.1",
+        f"--Voila.port={port}",
+        "--Voila.port_retries=0",
+        f"--VoilaExecutor.timeout={RENDER_S}",
+        "--VoilaConfiguration.show_tracebacks=True",
+    ]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}/"
     try:
         deadline = time.monotonic() + SERVER_S
@@ -198,11 +229,13 @@ _RENDERED_OR_FAILED = """() =>
 
 def _fail_render(page, log: Path, why: str) -> None:
     page.screenshot(path=ARTIFACTS / "explorer_failed.png", full_page=True)
-    pytest.fail(f"{why}\npage text: {page.inner_text('body')[-3000:]}\n"
-                f"voila log:\n{_log_tail(log)}\n"
-                f"kernel stacks ({STACKS_S} s after it started):\n"
-                f"{_log_tail(log.parent / 'kernel_stacks.txt', 12000) or '(none written)'}\n"
-                f"busiest processes now:\n{_busiest_processes()}")  # fmt: skip
+    pytest.fail(
+        f"{why}\npage text: {page.inner_text('body')[-3000:]}\n"
+        f"voila log:\n{_log_tail(log)}\n"
+        f"kernel stacks ({STACKS_S} s after it started):\n"
+        f"{_log_tail(log.parent / 'kernel_stacks.txt', 12000) or '(none written)'}\n"
+        f"busiest processes now:\n{_busiest_processes()}"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -212,14 +245,17 @@ def page(chromium, voila):
         from playwright.sync_api import Error as PlaywrightError
         from playwright.sync_api import sync_playwright
     except ImportError:
-        pytest.fail("the browser test needs the Python package 'playwright': "
-                    "pip install -e '.[notebook,dev]' (make install does); it drives Debian's "
-                    "chromium, so `playwright install` is not needed")  # fmt: skip
+        pytest.fail(
+            "the browser test needs the Python package 'playwright': "
+            "pip install -e '.[notebook,dev]' (make install does); it drives Debian's "
+            "chromium, so `playwright install` is not needed"
+        )
     url, log = voila
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(chromium), headless=True,
-                                     args=CHROMIUM_ARGS, timeout=60_000)  # fmt: skip
+        browser = pw.chromium.launch(
+            executable_path=str(chromium), headless=True, args=CHROMIUM_ARGS, timeout=60_000
+        )
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1000})
             page.set_default_timeout(UPDATE_S * 1000)
@@ -289,8 +325,11 @@ def test_trace_dropdown_switches_tokens_and_topk(page):
 
     select = page.locator(".tr-trace select")
     current = select.input_value()
-    other = next(v for v in select.locator("option").evaluate_all("os => os.map(o => o.value)")
-                 if v != current)  # fmt: skip
+    other = next(
+        v
+        for v in select.locator("option").evaluate_all("os => os.map(o => o.value)")
+        if v != current
+    )
     trace_id = other.split(" (")[0]
     strip = page.locator(".tr-tokens .tr-strip")
     strip_before, topk_before = strip.text_content(), page.locator(".tr-topk").text_content()

@@ -27,8 +27,9 @@ COMMANDS = ("replay", "record", "merge", "report", "demo", "serve")
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, "-m", "trace_replay.cli", *args],
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "trace_replay.cli", *args], capture_output=True, text=True
+    )
 
 
 def test_bad_trace_file_is_one_line_error(tmp_path):
@@ -82,15 +83,34 @@ def test_top_level_help_and_version(capsys):
 
 def test_record_takes_the_engine_options():
     """record accepts --top-k, --batch-size, --engine-arg and --verbose like replay."""
-    args = _parser().parse_args(["record", "p.txt", "--out", "t.jsonl", "--max-tokens", "8",
-                                 "--top-k", "3", "--batch-size", "2", "--engine-arg",
-                                 "max_model_len=512", "--verbose"])
-    assert (args.top_k, args.batch_size, args.engine_arg, args.verbose) == \
-        (3, 2, [("max_model_len", 512)], True)
+    args = _parser().parse_args(
+        [
+            "record",
+            "p.txt",
+            "--out",
+            "t.jsonl",
+            "--max-tokens",
+            "8",
+            "--top-k",
+            "3",
+            "--batch-size",
+            "2",
+            "--engine-arg",
+            "max_model_len=512",
+            "--verbose",
+        ]
+    )
+    assert (args.top_k, args.batch_size, args.engine_arg, args.verbose) == (
+        3,
+        2,
+        [("max_model_len", 512)],
+        True,
+    )
 
 
-@pytest.mark.parametrize("command", [["report"], ["merge", "--out", "m.parquet"],
-                                     ["replay", "--out", "r.parquet"]])
+@pytest.mark.parametrize(
+    "command", [["report"], ["merge", "--out", "m.parquet"], ["replay", "--out", "r.parquet"]]
+)
 def test_missing_input_file_is_a_clear_error(tmp_path, command, capsys):
     """A missing input file gives one line saying which file does not exist, exit 2."""
     missing = str(tmp_path / "missing.parquet")
@@ -99,8 +119,9 @@ def test_missing_input_file_is_a_clear_error(tmp_path, command, capsys):
     assert f"{missing} does not exist" in err and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("command", [["report"], ["merge", "--out", "m.parquet"],
-                                     ["replay", "--out", "r.parquet"]])
+@pytest.mark.parametrize(
+    "command", [["report"], ["merge", "--out", "m.parquet"], ["replay", "--out", "r.parquet"]]
+)
 def test_a_fifo_as_input_is_named_not_missing(tmp_path, command, capsys):
     """An input that is a FIFO: one line saying it is not a regular file (not that it does
     not exist), exit 2, without blocking on it."""
@@ -117,9 +138,16 @@ HELLO = {"id": "a", "prompt": "Hello", "completion": " world"}
 def _run_together(*commands, env=None):
     """Run CLI commands side by side (start-up dominates); their CompletedProcess-like results."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    children = [subprocess.Popen([sys.executable, "-m", "trace_replay.cli", *map(str, c)],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 env=env) for c in commands]
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-m", "trace_replay.cli", *map(str, c)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for c in commands
+    ]
     return [subprocess.CompletedProcess(c.args, c.wait(), *c.communicate()) for c in children]
 
 
@@ -149,14 +177,25 @@ def test_bad_arguments_fail_before_any_work(tmp_path):
     }
     if not torch.cuda.is_available():
         cases["device 'cuda' is not available"] = ["--device", "cuda"]
-    commands = [["replay", traces, "--engine", "prefill", "--out", tmp_path / "r.parquet",
-                 "--checkpoint", tmp_path / f"ckpt{i}", "--quiet", *extra]
-                for i, extra in enumerate(cases.values())]
+    commands = [
+        [
+            "replay",
+            traces,
+            "--engine",
+            "prefill",
+            "--out",
+            tmp_path / "r.parquet",
+            "--checkpoint",
+            tmp_path / f"ckpt{i}",
+            "--quiet",
+            *extra,
+        ]
+        for i, extra in enumerate(cases.values())
+    ]
     for i, (message, result) in enumerate(zip(cases, _run_together(*commands))):
         _assert_one_line_error(result, message)
         assert not (tmp_path / f"ckpt{i}").exists()  # refused before the engine was built
     assert not (tmp_path / "r.parquet").exists()
-
 
 
 def test_checkpoint_every_refuses_bad_seconds_naming_the_flag(capsys):
@@ -178,17 +217,41 @@ def test_checkpoint_every_refuses_bad_seconds_naming_the_flag(capsys):
 def test_checkpoint_every_sets_how_often_parts_are_written(tmp_path):
     """--checkpoint-every 0 writes a part after every engine call (batch 1: one trace per
     part); a bound that never elapses leaves one part per --chunk-size traces."""
-    traces = _write_traces(tmp_path / "t.jsonl", [
-        {"id": f"t{i}", "prompt": "Hello", "completion": text}
-        for i, text in enumerate([" world", " there", " again"])])
+    traces = _write_traces(
+        tmp_path / "t.jsonl",
+        [
+            {"id": f"t{i}", "prompt": "Hello", "completion": text}
+            for i, text in enumerate([" world", " there", " again"])
+        ],
+    )
     for every, part_sizes in (("0", [1, 1, 1]), ("1e9", [3])):
         ckpt = tmp_path / f"ckpt{every}"
-        assert main(["replay", str(traces), "--engine", "prefill", "--batch-size", "1",
-                     "--chunk-size", "4", "--checkpoint", str(ckpt), "--checkpoint-every",
-                     every, "--quiet", "--out", str(tmp_path / f"r{every}.parquet")]) == 0
+        assert (
+            main(
+                [
+                    "replay",
+                    str(traces),
+                    "--engine",
+                    "prefill",
+                    "--batch-size",
+                    "1",
+                    "--chunk-size",
+                    "4",
+                    "--checkpoint",
+                    str(ckpt),
+                    "--checkpoint-every",
+                    every,
+                    "--quiet",
+                    "--out",
+                    str(tmp_path / f"r{every}.parquet"),
+                ]
+            )
+            == 0
+        )
         parts = [pd.read_parquet(p) for p in ckpt.glob("part-*.parquet")]
         assert sorted(part["trace_id"].nunique() for part in parts) == part_sizes, every
         assert sorted(pd.concat(parts)["trace_id"].unique()) == ["t0", "t1", "t2"]
+
 
 def test_damaged_inputs_are_one_line_errors(tmp_path):
     """A truncated .jsonl.gz, non-UTF-8 bytes, a lone surrogate: one line naming file and
@@ -201,8 +264,12 @@ def test_damaged_inputs_are_one_line_errors(tmp_path):
     latin.write_bytes(good.encode() + b'{"id": "b", "prompt": "caf\xe9", "completion": "y"}\n')
     surrogate = tmp_path / "surrogate.jsonl"
     surrogate.write_text(good + '{"id": "s", "prompt": "\\ud800", "completion": "y"}\n')
-    results = _run_together(*[["replay", path, "--engine", "prefill", "--quiet", "--out",
-                               tmp_path / "r.parquet"] for path in (truncated, latin, surrogate)])
+    results = _run_together(
+        *[
+            ["replay", path, "--engine", "prefill", "--quiet", "--out", tmp_path / "r.parquet"]
+            for path in (truncated, latin, surrogate)
+        ]
+    )
     _assert_one_line_error(results[0], f"{truncated}:", "gzip data is damaged or truncated")
     _assert_one_line_error(results[1], f"{latin}:2: not UTF-8 text: byte 0xe9")
     _assert_one_line_error(results[2], f"{surrogate}:2: trace 's': prompt holds a lone surrogate")
@@ -214,8 +281,19 @@ def test_unwritable_out_fails_before_any_work(tmp_path):
     traces = _write_traces(tmp_path / "t.jsonl", [HELLO])
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o555)
-    [result] = _run_together(["replay", traces, "--engine", "prefill", "--quiet", "--out",
-                              locked / "r.parquet", "--checkpoint", tmp_path / "ckpt"])
+    [result] = _run_together(
+        [
+            "replay",
+            traces,
+            "--engine",
+            "prefill",
+            "--quiet",
+            "--out",
+            locked / "r.parquet",
+            "--checkpoint",
+            tmp_path / "ckpt",
+        ]
+    )
     _assert_one_line_error(result, "cannot be written")
     assert not (tmp_path / "ckpt").exists()
 
@@ -229,16 +307,34 @@ def test_empty_input_empty_shard_and_overflow(tmp_path):
     blank.write_text("\n  \n")
     one = _write_traces(tmp_path / "one.jsonl", [HELLO])
     empty_shard = 1 - _shard_of("a", 2)
-    big = _write_traces(tmp_path / "big.jsonl", [
-        HELLO,
-        {"id": "big", "prompt": "x", "trace_token_ids": [28] * 9000}])
+    big = _write_traces(
+        tmp_path / "big.jsonl",
+        [HELLO, {"id": "big", "prompt": "x", "trace_token_ids": [28] * 9000}],
+    )
     common = ["--engine", "prefill", "--quiet"]
     results = _run_together(
-        ["replay", blank, *common, "--out", tmp_path / "b.parquet",
-         "--checkpoint", tmp_path / "c1"],
-        ["replay", one, *common, "--out", tmp_path / "s.parquet", "--checkpoint", tmp_path / "c2",
-         "--shard", f"{empty_shard}/2"],
-        ["replay", big, *common, "--out", tmp_path / "o.parquet"])
+        [
+            "replay",
+            blank,
+            *common,
+            "--out",
+            tmp_path / "b.parquet",
+            "--checkpoint",
+            tmp_path / "c1",
+        ],
+        [
+            "replay",
+            one,
+            *common,
+            "--out",
+            tmp_path / "s.parquet",
+            "--checkpoint",
+            tmp_path / "c2",
+            "--shard",
+            f"{empty_shard}/2",
+        ],
+        ["replay", big, *common, "--out", tmp_path / "o.parquet"],
+    )
     _assert_one_line_error(results[0], f"{blank}: no traces")
     shard = results[1]
     assert shard.returncode == 0, shard.stderr
@@ -253,21 +349,44 @@ def test_empty_input_empty_shard_and_overflow(tmp_path):
 def test_ctrl_c_and_sigterm_keep_finished_traces(tmp_path):
     """SIGINT / SIGTERM mid-run: one line, exit 130 / 143, finished traces saved; a rerun
     resumes from them. Three SIGTERMs in a row stop it as one does: no traceback, 143."""
-    traces = _write_traces(tmp_path / "t.jsonl", [
-        {"id": f"t{i}", "prompt": "Count:", "completion": " one two three four five six"}
-        for i in range(200)])
+    traces = _write_traces(
+        tmp_path / "t.jsonl",
+        [
+            {"id": f"t{i}", "prompt": "Count:", "completion": " one two three four five six"}
+            for i in range(200)
+        ],
+    )
     runs = {}
     for signum in (signal.SIGINT, signal.SIGTERM):
         ckpt = tmp_path / f"ckpt{int(signum)}"
-        args = ["replay", str(traces), "--engine", "prefill", "--batch-size", "1", "--quiet",
-                "--checkpoint", str(ckpt), "--out", str(tmp_path / f"r{int(signum)}.parquet")]
+        args = [
+            "replay",
+            str(traces),
+            "--engine",
+            "prefill",
+            "--batch-size",
+            "1",
+            "--quiet",
+            "--checkpoint",
+            str(ckpt),
+            "--out",
+            str(tmp_path / f"r{int(signum)}.parquet"),
+        ]
         # SIGINT at its default in the child, whatever this process has it at (a shell running
         # the suite in the background, or a library under test, may leave it ignored: then
         # Python never raises KeyboardInterrupt and the child runs to the end)
-        runs[signum] = ckpt, args, subprocess.Popen(
-            [sys.executable, "-m", "trace_replay.cli", *args], stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        runs[signum] = (
+            ckpt,
+            args,
+            subprocess.Popen(
+                [sys.executable, "-m", "trace_replay.cli", *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+            ),
+        )
     # each child is signalled as soon as its first part exists (polled together: a child
     # left waiting while the other is watched could finish all 200 traces)
     deadline, waiting = time.monotonic() + 300, dict(runs)
@@ -285,8 +404,9 @@ def test_ctrl_c_and_sigterm_keep_finished_traces(tmp_path):
         _, stderr = child.communicate()
         assert child.returncode == status, stderr
         assert "Traceback" not in stderr
-        assert stderr.splitlines()[-1] == (f"trace-replay: interrupted; finished traces are "
-                                           f"saved in {ckpt}, rerun to resume")
+        assert stderr.splitlines()[-1] == (
+            f"trace-replay: interrupted; finished traces are saved in {ckpt}, rerun to resume"
+        )
         saved = pd.concat(pd.read_parquet(p) for p in ckpt.glob("part-*.parquet"))
         assert 1 <= saved["trace_id"].nunique() < 200
         assert not Path(args[-1]).exists() and not list(ckpt.glob(".*.tmp"))
@@ -303,15 +423,36 @@ def test_ctrl_c_and_sigterm_keep_finished_traces(tmp_path):
 def test_replay_then_merge_and_report(tmp_path):
     """replay writes Parquet with provenance; shards merge; report writes HTML."""
     traces = tmp_path / "t.jsonl"
-    traces.write_text("\n".join(json.dumps(r) for r in [
-        {"id": "a", "prompt": "The capital of France is", "completion": " Paris."},
-        {"id": "b", "prompt": "1, 2, 3,", "completion": " 4, 5"},
-        {"id": "c", "prompt": "Hello", "completion": " world"}]) + "\n")
+    traces.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"id": "a", "prompt": "The capital of France is", "completion": " Paris."},
+                {"id": "b", "prompt": "1, 2, 3,", "completion": " 4, 5"},
+                {"id": "c", "prompt": "Hello", "completion": " world"},
+            ]
+        )
+        + "\n"
+    )
     outs = []
     for i in range(2):
         out = tmp_path / f"s{i}.parquet"
-        assert main(["replay", str(traces), "--engine", "prefill", "--shard", f"{i}/2",
-                     "--out", str(out), "--quiet"]) == 0
+        assert (
+            main(
+                [
+                    "replay",
+                    str(traces),
+                    "--engine",
+                    "prefill",
+                    "--shard",
+                    f"{i}/2",
+                    "--out",
+                    str(out),
+                    "--quiet",
+                ]
+            )
+            == 0
+        )
         outs.append(out)
     merged = tmp_path / "all.parquet"
     assert main(["merge", *map(str, outs), "--out", str(merged)]) == 0
@@ -354,27 +495,83 @@ def test_replay_reads_openai_logs_and_chat_turns(tmp_path):
     """--format openai puts the logged logprobs in ref_logprob; --turns all labels every
     replayed token of a chat trace with its turn and role."""
     log = tmp_path / "log.jsonl"
-    log.write_text(json.dumps({
-        "request": {"prompt": "The capital of France is", "max_tokens": 2, "logprobs": 1},
-        "response": {"id": "cmpl-1", "object": "text_completion", "model": "m", "choices": [{
-            "index": 0, "text": " Paris.", "finish_reason": "length",
-            "logprobs": {"tokens": ["token_id:7042", "token_id:30"],
-                         "token_logprobs": [-0.25, -1.5],
-                         "top_logprobs": [{"token_id:7042": -0.25}, {"token_id:30": -1.5}]}}]},
-    }) + "\n")
+    log.write_text(
+        json.dumps(
+            {
+                "request": {"prompt": "The capital of France is", "max_tokens": 2, "logprobs": 1},
+                "response": {
+                    "id": "cmpl-1",
+                    "object": "text_completion",
+                    "model": "m",
+                    "choices": [
+                        {
+                            "index": 0,
+                            "text": " Paris.",
+                            "finish_reason": "length",
+                            "logprobs": {
+                                "tokens": ["token_id:7042", "token_id:30"],
+                                "token_logprobs": [-0.25, -1.5],
+                                "top_logprobs": [{"token_id:7042": -0.25}, {"token_id:30": -1.5}],
+                            },
+                        }
+                    ],
+                },
+            }
+        )
+        + "\n"
+    )
     out = tmp_path / "log.parquet"
-    assert main(["replay", str(log), "--format", "openai", "--engine", "prefill",
-                 "--out", str(out), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "replay",
+                str(log),
+                "--format",
+                "openai",
+                "--engine",
+                "prefill",
+                "--out",
+                str(out),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert pd.read_parquet(out)["ref_logprob"].tolist() == [-0.25, -1.5]
 
     chat = tmp_path / "chat.jsonl"
-    chat.write_text(json.dumps({"id": "c", "messages": [
-        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
-        {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye."}]}) + "\n")
+    chat.write_text(
+        json.dumps(
+            {
+                "id": "c",
+                "messages": [
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Hello."},
+                    {"role": "user", "content": "Bye"},
+                    {"role": "assistant", "content": "Bye."},
+                ],
+            }
+        )
+        + "\n"
+    )
     for turns, roles in (("last", {"assistant"}), ("all", {"assistant", "user", "template"})):
         out = tmp_path / f"chat-{turns}.parquet"
-        assert main(["replay", str(chat), "--turns", turns, "--engine", "prefill",
-                     "--out", str(out), "--quiet"]) == 0
+        assert (
+            main(
+                [
+                    "replay",
+                    str(chat),
+                    "--turns",
+                    turns,
+                    "--engine",
+                    "prefill",
+                    "--out",
+                    str(out),
+                    "--quiet",
+                ]
+            )
+            == 0
+        )
         assert set(pd.read_parquet(out)["role"]) == roles
 
 
@@ -440,9 +637,24 @@ def test_sigterm_during_start_up_names_no_folder_and_leaves_none(tmp_path):
     traces = _write_traces(tmp_path / "t.jsonl", [HELLO])
     out_folder, ckpt = tmp_path / "new" / "out", tmp_path / "ckpt"
     child = subprocess.Popen(
-        [sys.executable, "-m", "trace_replay.cli", "replay", str(traces), "--engine", "prefill",
-         "--quiet", "--checkpoint", str(ckpt), "--out", str(out_folder / "r.parquet")],
-        stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        [
+            sys.executable,
+            "-m",
+            "trace_replay.cli",
+            "replay",
+            str(traces),
+            "--engine",
+            "prefill",
+            "--quiet",
+            "--checkpoint",
+            str(ckpt),
+            "--out",
+            str(out_folder / "r.parquet"),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     deadline = time.monotonic() + 120
     while not out_folder.exists():  # made by the --out check, after the handlers are set
         assert child.poll() is None and time.monotonic() < deadline
@@ -465,8 +677,21 @@ def test_interrupt_while_out_folders_are_made_leaves_none(tmp_path, monkeypatch,
     monkeypatch.setattr(cli.tempfile, "NamedTemporaryFile", interrupted)
     traces = _write_traces(tmp_path / "t.jsonl", [HELLO])
     out = tmp_path / "new" / "out" / "r.parquet"
-    assert main(["replay", str(traces), "--engine", "prefill", "--out", str(out),
-                 "--checkpoint", str(tmp_path / "ckpt")]) == 130
+    assert (
+        main(
+            [
+                "replay",
+                str(traces),
+                "--engine",
+                "prefill",
+                "--out",
+                str(out),
+                "--checkpoint",
+                str(tmp_path / "ckpt"),
+            ]
+        )
+        == 130
+    )
     assert capsys.readouterr().err.splitlines()[-1] == "trace-replay: interrupted"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]
 
@@ -477,8 +702,19 @@ def test_failed_run_removes_only_the_empty_folders_it_made(tmp_path, capsys):
     before = tmp_path / "before"
     before.mkdir()
     out = before / "made" / "deeper" / "r.parquet"
-    assert main(["replay", str(_bad_traces(tmp_path)), "--out", str(out),
-                 "--checkpoint", str(tmp_path / "ckpt" / "run")]) == 2
+    assert (
+        main(
+            [
+                "replay",
+                str(_bad_traces(tmp_path)),
+                "--out",
+                str(out),
+                "--checkpoint",
+                str(tmp_path / "ckpt" / "run"),
+            ]
+        )
+        == 2
+    )
     assert "malformed JSON" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["before", "t.jsonl"]
     assert list(before.iterdir()) == []
@@ -497,10 +733,14 @@ def test_report_says_which_folder_it_created(tmp_path, make_replay, capsys):
 def test_argument_errors_are_one_line_with_the_usage_hint(capsys):
     """A missing or bad argument prints one line: the command, what is wrong, and where its
     usage is; exit 2."""
-    for argv, problem in ((["replay"], "the following arguments are required: traces, --out"),
-                          (["replay", "t.jsonl", "--out", "r.parquet", "--top-k", "x"],
-                           "argument --top-k: invalid int value: 'x'"),
-                          (["nonsense"], "argument <command>: invalid choice: 'nonsense'")):
+    for argv, problem in (
+        (["replay"], "the following arguments are required: traces, --out"),
+        (
+            ["replay", "t.jsonl", "--out", "r.parquet", "--top-k", "x"],
+            "argument --top-k: invalid int value: 'x'",
+        ),
+        (["nonsense"], "argument <command>: invalid choice: 'nonsense'"),
+    ):
         with pytest.raises(SystemExit) as done:
             main(argv)
         assert done.value.code == 2
@@ -529,13 +769,43 @@ def test_replay_takes_a_bundled_dataset_name_and_a_limit(tmp_path, monkeypatch, 
 
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "r.parquet"
-    assert main(["replay", "humaneval", "--limit", "2", "--engine", "prefill", "--quiet",
-                 "--top-k", "1", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "replay",
+                "humaneval",
+                "--limit",
+                "2",
+                "--engine",
+                "prefill",
+                "--quiet",
+                "--top-k",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert pd.read_parquet(out)["trace_id"].unique().tolist() == datasets.load("humaneval").ids[:2]
     assert capsys.readouterr().out.startswith("2 traces, ")
     _write_traces(tmp_path / "t.jsonl", [HELLO, {**HELLO, "id": "b"}])
-    assert main(["replay", "t.jsonl", "--limit", "1", "--engine", "prefill", "--quiet",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "replay",
+                "t.jsonl",
+                "--limit",
+                "1",
+                "--engine",
+                "prefill",
+                "--quiet",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert pd.read_parquet(out)["trace_id"].tolist() == ["a"]
     assert capsys.readouterr().out.startswith("1 trace, 1 token (")
     (tmp_path / "humaneval").write_text("")  # a file of the dataset's name is read instead
@@ -556,8 +826,9 @@ def test_a_bad_speculative_value_says_the_form_expected(capsys):
     """--speculative with a K that is no integer: one line saying the METHOD[:K] form and the
     value given (not argparse's 'invalid _speculative value'), exit 2."""
     with pytest.raises(SystemExit) as done:
-        _parser().parse_args(["replay", "t.jsonl", "--out", "r.parquet",
-                              "--speculative", "trace:x"])
+        _parser().parse_args(
+            ["replay", "t.jsonl", "--out", "r.parquet", "--speculative", "trace:x"]
+        )
     assert done.value.code == 2
     err = capsys.readouterr().err
     assert "argument --speculative: expected METHOD[:K] like trace:8" in err, err
@@ -570,8 +841,10 @@ def test_record_refuses_an_out_that_replay_cannot_read(tmp_path, capsys):
     prompts = tmp_path / "p.txt"
     prompts.write_text("Hi\n")
     out = tmp_path / "x.txt"
-    assert main(["record", str(prompts), "--max-tokens", "1", "--engine", "torch",
-                 "--out", str(out)]) == 2
+    assert (
+        main(["record", str(prompts), "--max-tokens", "1", "--engine", "torch", "--out", str(out)])
+        == 2
+    )
     err = capsys.readouterr().err
     assert f"--out {out}: a traces file ends in .jsonl, .jsonl.gz, .parquet" in err, err
     assert err.count("\n") == 1 and not out.exists()
@@ -616,8 +889,24 @@ def test_a_folder_named_like_a_dataset_does_not_hide_it(tmp_path, monkeypatch, c
     replay humaneval still reads the bundled dataset (only a file of that name wins)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "humaneval").mkdir()
-    assert main(["replay", "humaneval", "--limit", "1", "--engine", "prefill", "--quiet",
-                 "--top-k", "1", "--out", "humaneval/r.parquet"]) == 0, capsys.readouterr().err
+    assert (
+        main(
+            [
+                "replay",
+                "humaneval",
+                "--limit",
+                "1",
+                "--engine",
+                "prefill",
+                "--quiet",
+                "--top-k",
+                "1",
+                "--out",
+                "humaneval/r.parquet",
+            ]
+        )
+        == 0
+    ), capsys.readouterr().err
     assert pd.read_parquet(tmp_path / "humaneval" / "r.parquet")["trace_id"].nunique() == 1
 
 
@@ -628,18 +917,32 @@ def test_ray_options_make_the_cluster_run(capsys, tmp_path):
     from trace_replay.runs.cluster import RayCluster
 
     def cluster(*flags):
-        return _cluster(_parser().parse_args(["replay", "t.jsonl", "--out", "r.parquet",
-                                              *flags]))
+        return _cluster(_parser().parse_args(["replay", "t.jsonl", "--out", "r.parquet", *flags]))
 
     assert cluster() is None
     assert cluster("--ray") == RayCluster()
-    assert cluster("--ray", "auto", "--actors", "3", "--cpus-per-actor", "2",
-                   "--gpus-per-actor", "1") == RayCluster("auto", 3, num_gpus=1, num_cpus=2)
+    assert cluster(
+        "--ray", "auto", "--actors", "3", "--cpus-per-actor", "2", "--gpus-per-actor", "1"
+    ) == RayCluster("auto", 3, num_gpus=1, num_cpus=2)
     traces = _write_traces(tmp_path / "t.jsonl", [HELLO])
-    assert main(["replay", str(traces), "--out", str(tmp_path / "r.parquet"), "--actors", "2",
-                 "--gpus-per-actor", "1"]) == 2
-    assert capsys.readouterr().err == ("trace-replay: error: --actors, --gpus-per-actor "
-                                       "configure a Ray cluster run: add --ray\n")
+    assert (
+        main(
+            [
+                "replay",
+                str(traces),
+                "--out",
+                str(tmp_path / "r.parquet"),
+                "--actors",
+                "2",
+                "--gpus-per-actor",
+                "1",
+            ]
+        )
+        == 2
+    )
+    assert capsys.readouterr().err == (
+        "trace-replay: error: --actors, --gpus-per-actor configure a Ray cluster run: add --ray\n"
+    )
     assert not (tmp_path / "r.parquet").exists()
 
 
@@ -648,18 +951,40 @@ def test_a_damaged_model_folder_exits_2_naming_the_file(tmp_path, capsys):
     file and what is wrong (it was "internal error: SafetensorError", exit 1)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
     weights = tmp_path / "model" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
     capsys.readouterr()  # save_pretrained's progress bar
     traces = tmp_path / "t.jsonl"
-    traces.write_text(json.dumps({"id": "t", "prompt_token_ids": [1, 2],
-                                  "trace_token_ids": [3, 4]}) + "\n")
-    assert main(["replay", str(traces), "--engine", "torch", "--model", str(tmp_path / "model"),
-                 "--quiet", "--out", str(tmp_path / "r.parquet")]) == 2
+    traces.write_text(
+        json.dumps({"id": "t", "prompt_token_ids": [1, 2], "trace_token_ids": [3, 4]}) + "\n"
+    )
+    assert (
+        main(
+            [
+                "replay",
+                str(traces),
+                "--engine",
+                "torch",
+                "--model",
+                str(tmp_path / "model"),
+                "--quiet",
+                "--out",
+                str(tmp_path / "r.parquet"),
+            ]
+        )
+        == 2
+    )
     assert capsys.readouterr().err.strip() == (
         f"trace-replay: error: model weight file {weights} is damaged: its tensors need "
         "18,624 bytes after the header but it holds 18,524: the file was cut short; copy or "
-        "convert the model again")
+        "convert the model again"
+    )

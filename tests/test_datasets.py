@@ -49,8 +49,11 @@ def test_load_takes_the_first_traces_of_each_file():
 def test_load_without_name_or_source_is_everything():
     """load() holds every bundled trace once: datasets in name order, human before model."""
     everything = datasets.load()
-    parts = [datasets.load(name, source=source) for name in ("gsm8k_cot", "humaneval")
-             for source in datasets.SOURCES]
+    parts = [
+        datasets.load(name, source=source)
+        for name in ("gsm8k_cot", "humaneval")
+        for source in datasets.SOURCES
+    ]
     assert everything.ids == [i for part in parts for i in part.ids]
     assert len(everything) == sum(rows for rows, _, _ in FILES.values())
     assert datasets.load(limit=2).ids == [i for part in parts for i in part.ids[:2]]
@@ -81,7 +84,7 @@ def test_readme_states_each_file_and_its_licence():
     readme = README.read_text()
     for row in datasets.available().itertuples():
         assert re.search(rf"\| `{row.file}` \| {row.traces} \|", readme), row.file
-        section = readme[readme.index(f"`{row.dataset}_human.jsonl`, "):]
+        section = readme[readme.index(f"`{row.dataset}_human.jsonl`, ") :]
         assert f"Licence: {row.licence}" in section.split("\n## ")[0], row.dataset
     assert "Apache-2.0" in readme  # the embedded model that wrote the model traces
 
@@ -90,14 +93,18 @@ def test_readme_states_each_file_and_its_licence():
 def test_readme_table_states_the_token_counts(key, tokenized, tokenizer):
     """data/README.md's table gives each file's prompt and trace token totals (min–max) and how
     many model traces end at EOS, as the embedded tokenizer counts them."""
+
     def counts(lengths):
         return f"{sum(lengths)} ({min(lengths)}–{max(lengths)})"
 
     traces = tokenized[key]
     prompt = counts([len(t.prompt_token_ids) for t in traces])
     trace = counts([len(t.trace_token_ids) for t in traces])
-    eos = (str(sum(t.trace_token_ids[-1] == tokenizer.eos_token_id for t in traces))
-           if key[1] == "model" else "—")
+    eos = (
+        str(sum(t.trace_token_ids[-1] == tokenizer.eos_token_id for t in traces))
+        if key[1] == "model"
+        else "—"
+    )
     row = f"| `{key[0]}_{key[1]}.jsonl` | {FILES[key][0]} | {prompt} | {trace} | {eos} |"
     assert row in README.read_text(), row
 
@@ -194,7 +201,8 @@ def test_human_traces_split_on_a_token_boundary(key, tokenized, tokenizer):
         assert "prompt_tail_in_trace" not in trace.meta, trace.id
         assert list(trace.prompt_token_ids) == tokenizer.encode(trace.prompt), trace.id
         assert list(trace.trace_token_ids) == tokenizer.encode(
-            trace.completion, add_special_tokens=False), trace.id
+            trace.completion, add_special_tokens=False
+        ), trace.id
 
 
 @pytest.mark.parametrize("name, key", [("humaneval", "task_id"), ("gsm8k_cot", "exemplar")])

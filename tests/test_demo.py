@@ -40,12 +40,15 @@ def test_demo_refuses_a_folder_among_its_files_before_any_replay(tmp_path, capsy
     assert list((out / "results_prefill.parquet").iterdir()) == []
 
 
-@pytest.mark.parametrize("engines, problem", [
-    ("prefill,bogus", "unknown engine 'bogus'"),
-    ("prefill,prefill", "'prefill' is named twice"),
-    ("prefill,vllm-server", "vllm-server needs a server's base_url"),
-    (" , ", "name at least one engine"),
-])
+@pytest.mark.parametrize(
+    "engines, problem",
+    [
+        ("prefill,bogus", "unknown engine 'bogus'"),
+        ("prefill,prefill", "'prefill' is named twice"),
+        ("prefill,vllm-server", "vllm-server needs a server's base_url"),
+        (" , ", "name at least one engine"),
+    ],
+)
 def test_demo_checks_every_engine_name_before_any_replay(tmp_path, capsys, engines, problem):
     """An unknown, repeated or option-needing engine anywhere in the list is refused before
     the first replay: nothing printed, nothing written."""

@@ -8,8 +8,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
-        ROOT / "benchmarks" / "RESULTS.md"]
+DOCS = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    ROOT / "benchmarks" / "RESULTS.md",
+]
 _LINK = re.compile(r"\]\(([^)\s]+)\)|src=\"([^\"]+)\"")
 _FENCE = re.compile(r"```.*?```", re.S)
 
@@ -55,7 +58,8 @@ def test_relative_links_resolve(doc):
 def test_named_files_exist(doc):
     """Every repository path a document names in code (`trace_replay/...py`, `tests/...py`,
     `benchmarks/...`) exists: the documents follow the modules when they move."""
-    named = re.findall(r"`((?:trace_replay|tests|benchmarks|data|notebooks|docs)/[\w/.\-]*\.\w+)",
-                       doc.read_text())
+    named = re.findall(
+        r"`((?:trace_replay|tests|benchmarks|data|notebooks|docs)/[\w/.\-]*\.\w+)", doc.read_text()
+    )
     missing = sorted({path for path in named if not (ROOT / path).exists()})
     assert not missing, f"{doc.relative_to(ROOT)} names files that do not exist: {missing}"

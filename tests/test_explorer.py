@@ -38,8 +38,12 @@ def selected_step_line(explorer) -> float:
 def test_widgets_have_stable_names_and_dom_classes(single):
     """The top-level VBox holds the named widgets, each with its tr-* DOM class."""
     assert isinstance(single.widget, widgets.VBox)
-    for name, dom in (("tokens_html", "tr-tokens"), ("topk_html", "tr-topk"),
-                      ("step_slider", "tr-step"), ("trace_dropdown", "tr-trace")):  # fmt: skip
+    for name, dom in (
+        ("tokens_html", "tr-tokens"),
+        ("topk_html", "tr-topk"),
+        ("step_slider", "tr-step"),
+        ("trace_dropdown", "tr-trace"),
+    ):
         assert dom in getattr(single, name)._dom_classes
     assert isinstance(single.plot_output, widgets.Output)
     assert isinstance(single.divergent_only, widgets.Checkbox)

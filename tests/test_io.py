@@ -94,8 +94,13 @@ def test_write_target_refuses_an_input_however_spelled(tmp_path, monkeypatch):
     source.write_text("{}\n")
     (tmp_path / "link.jsonl").symlink_to("t.jsonl")
     os.link(source, tmp_path / "hard.jsonl")
-    for out in ("t.jsonl", "./t.jsonl", "link.jsonl", f"{tmp_path}/../{tmp_path.name}/t.jsonl",
-                "hard.jsonl"):
+    for out in (
+        "t.jsonl",
+        "./t.jsonl",
+        "link.jsonl",
+        f"{tmp_path}/../{tmp_path.name}/t.jsonl",
+        "hard.jsonl",
+    ):
         with pytest.raises(ValueError, match="is the input file"):
             write_target(out, ["t.jsonl"])
     assert write_target("other.jsonl", ["t.jsonl"]) == tmp_path / "other.jsonl"

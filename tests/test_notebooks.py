@@ -43,10 +43,12 @@ def kernel_specs(tmp_path_factory) -> KernelSpecManager:
     spec_dir = root / KERNEL_NAME
     spec_dir.mkdir()
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    spec = {"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-            "display_name": "trace_replay tests", "language": "python",
-            "env": {"PYTHONPATH": path,
-                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}}  # fmt: skip
+    spec = {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "trace_replay tests",
+        "language": "python",
+        "env": {"PYTHONPATH": path, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+    }
     (spec_dir / "kernel.json").write_text(json.dumps(spec))
     return KernelSpecManager(kernel_dirs=[str(root)])
 
@@ -70,10 +72,14 @@ def test_one_imports_cell_and_one_parameters_cell():
     """Each notebook imports in its first code cell only and sets its parameters in the next
     one, tagged "parameters"; of trace_replay it imports the package (and kernels) only."""
     for path in NOTEBOOKS:
-        code = [cell for cell in nbformat.read(path, as_version=4).cells
-                if cell.cell_type == "code"]
-        importing = [i for i, cell in enumerate(code)
-                     if re.search(r"^\s*(import|from) \w", cell.source, re.MULTILINE)]
+        code = [
+            cell for cell in nbformat.read(path, as_version=4).cells if cell.cell_type == "code"
+        ]
+        importing = [
+            i
+            for i, cell in enumerate(code)
+            if re.search(r"^\s*(import|from) \w", cell.source, re.MULTILINE)
+        ]
         assert importing == [0], f"{path.name}: code cells {importing} import"
         tagged = [i for i, cell in enumerate(code) if "parameters" in cell.metadata.get("tags", [])]
         assert tagged == [1], f"{path.name}: code cells {tagged} are tagged parameters"
@@ -86,15 +92,23 @@ def test_notebook_runs(path: Path, kernel_specs: KernelSpecManager, record_prope
     """The notebook executes without an error and shows at least one PNG figure."""
     nb = nbformat.read(path, as_version=4)
     km = KernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=kernel_specs)
-    client = nbclient.NotebookClient(nb, km=km, timeout=CELL_TIMEOUT_S, kernel_name=KERNEL_NAME,
-                                     resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
+    client = nbclient.NotebookClient(
+        nb,
+        km=km,
+        timeout=CELL_TIMEOUT_S,
+        kernel_name=KERNEL_NAME,
+        resources={"metadata": {"path": str(NOTEBOOK_DIR)}},
+    )
     start = time.perf_counter()
     client.execute()
     wall_s = time.perf_counter() - start
     record_property("wall_s", round(wall_s, 1))
     code_cells = [cell for cell in nb.cells if cell.cell_type == "code"]
-    findings = "".join(out.get("text", "") for out in code_cells[-1].outputs
-                       if out.output_type == "stream" and out.name == "stdout")
+    findings = "".join(
+        out.get("text", "")
+        for out in code_cells[-1].outputs
+        if out.output_type == "stream" and out.name == "stdout"
+    )
     print(f"\n{path.name}: {wall_s:.0f} s\n{findings}")
 
     outputs = [out for cell in code_cells for out in cell.outputs]

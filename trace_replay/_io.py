@@ -21,7 +21,8 @@ __all__ = ["write_atomic", "write_target", "remove_stale_temporaries", "pid_aliv
 # host names may hold dots and other characters; temporaries are parsed on dots
 HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:40] or "host"
 _TEMPORARY = re.compile(
-    r"^\.(?P<target>.+)\.(?P<host>[A-Za-z0-9-]+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.tmp$")
+    r"^\.(?P<target>.+)\.(?P<host>[A-Za-z0-9-]+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.tmp$"
+)
 
 
 def pid_alive(pid: int) -> bool:
@@ -62,8 +63,7 @@ def remove_stale_temporaries(folder: str | os.PathLike, target: str | None = Non
     return removed
 
 
-def write_target(path: str | os.PathLike,
-                 inputs: Iterable[str | os.PathLike] = ()) -> Path:
+def write_target(path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = ()) -> Path:
     """The file a write to ``path`` replaces: ``path``, or the final target of a symlink.
 
     Renaming a new file onto anything but a regular file would destroy it (a device such as
@@ -74,8 +74,10 @@ def write_target(path: str | os.PathLike,
     that does not exist yet (or a dangling link's target) is returned as is.
     """
     if os.fspath(path).endswith(("/", os.sep)) and not os.path.isdir(path):
-        raise ValueError(f"{path} ends with {os.sep}, so it names a folder; name the file "
-                         "to write (e.g. r.parquet in it)")
+        raise ValueError(
+            f"{path} ends with {os.sep}, so it names a folder; name the file "
+            "to write (e.g. r.parquet in it)"
+        )
     target = Path(os.path.realpath(path))
     try:
         mode = target.stat().st_mode
@@ -87,13 +89,19 @@ def write_target(path: str | os.PathLike,
         raise ValueError(f"{path}{via} is {kind}, not a regular file: refusing to replace it")
     for source in inputs:
         if os.path.exists(source) and os.path.samefile(target, source):
-            raise ValueError(f"{path}{via} is the input file {source}: writing it would "
-                             "destroy the input; choose another path")
+            raise ValueError(
+                f"{path}{via} is the input file {source}: writing it would "
+                "destroy the input; choose another path"
+            )
     return target
 
 
-_KINDS = {stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
-          stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}
+_KINDS = {
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+}
 
 
 def write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> None:

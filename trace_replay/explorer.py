@@ -92,8 +92,9 @@ class Explorer:
             options=["trace order", "first divergence"], value="trace order", description="sort"
         )
         self.divergent_only = widgets.Checkbox(value=False, description="only divergent traces")
-        self.step_slider = widgets.IntSlider(description="step", min=0, max=0,
-                                             continuous_update=False)  # fmt: skip
+        self.step_slider = widgets.IntSlider(
+            description="step", min=0, max=0, continuous_update=False
+        )
         self.tokens_html = widgets.HTML()
         self.plot_output = widgets.Output()
         self.topk_html = widgets.HTML()
@@ -101,10 +102,15 @@ class Explorer:
         self.topk_html.add_class("tr-topk")
         self.step_slider.add_class("tr-step")
         self.trace_dropdown.add_class("tr-trace")
-        self.widget = widgets.VBox([
-            widgets.HBox([self.trace_dropdown, self.sort_by, self.divergent_only]),
-            self.step_slider, self.tokens_html, self.plot_output, self.topk_html,
-        ])  # fmt: skip
+        self.widget = widgets.VBox(
+            [
+                widgets.HBox([self.trace_dropdown, self.sort_by, self.divergent_only]),
+                self.step_slider,
+                self.tokens_html,
+                self.plot_output,
+                self.topk_html,
+            ]
+        )
 
         self._busy = False
         self._update_options()

@@ -22,22 +22,26 @@ from trace_replay.analysis.mismatch import trainer_metrics
 from trace_replay.analysis.ranks import rank_bucket_transitions
 
 # hand-made pairs below are fixed traces, not samples of side a: their k1/chi2 may be negative
-pytestmark = pytest.mark.filterwarnings("ignore::trace_replay.analysis.mismatch.NegativeEstimateWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::trace_replay.analysis.mismatch.NegativeEstimateWarning"
+)
 
 
 def frame(logprob, rank=None, *, trace_id="t", step=None, token_id=None, **extra) -> pd.DataFrame:
     """Replay frame; by default one trace "t" with steps 0..n-1, all rank 1."""
     n = len(logprob)
-    return pd.DataFrame({
-        "trace_id": [trace_id] * n if isinstance(trace_id, str) else trace_id,
-        "step": step or list(range(n)),
-        "position": [5 + i for i in range(n)],
-        "token_id": token_id or [100 + i for i in range(n)],
-        "token": [f"w{i}" for i in range(n)],
-        "logprob": logprob,
-        "rank": rank or [1] * n,
-        **extra,
-    })  # fmt: skip
+    return pd.DataFrame(
+        {
+            "trace_id": [trace_id] * n if isinstance(trace_id, str) else trace_id,
+            "step": step or list(range(n)),
+            "position": [5 + i for i in range(n)],
+            "token_id": token_id or [100 + i for i in range(n)],
+            "token": [f"w{i}" for i in range(n)],
+            "logprob": logprob,
+            "rank": rank or [1] * n,
+            **extra,
+        }
+    )
 
 
 def metric(table: pd.DataFrame, name: str) -> float:
@@ -62,11 +66,30 @@ def test_compare_columns_in_documented_order():
     a = frame([-1.0], entropy=[0.5], top_token_ids=[[100, 7]], top_logprobs=[[-1.0, -2.0]])
     cmp = compare(a, a.copy())
     assert cmp.columns[:23].tolist() == [
-        "trace_id", "step", "position", "token", "token_id", "logprob_a", "logprob_b", "delta",
-        "abs_delta", "ratio", "k1", "k3", "abs_delta_prob", "rank_a", "rank_b", "rank_exact_a",
-        "rank_exact_b", "top1_a", "top1_b", "top1_agree", "bit_mismatch", "ulp_distance",
+        "trace_id",
+        "step",
+        "position",
+        "token",
+        "token_id",
+        "logprob_a",
+        "logprob_b",
+        "delta",
+        "abs_delta",
+        "ratio",
+        "k1",
+        "k3",
+        "abs_delta_prob",
+        "rank_a",
+        "rank_b",
+        "rank_exact_a",
+        "rank_exact_b",
+        "top1_a",
+        "top1_b",
+        "top1_agree",
+        "bit_mismatch",
+        "ulp_distance",
         "nonfinite",
-    ]  # fmt: skip
+    ]
     assert {"entropy_a", "entropy_b", "top_token_ids_a", "top_logprobs_b"} <= set(cmp.columns)
 
 
@@ -75,8 +98,11 @@ def test_compare_records_labels_and_both_attrs():
     a, b = frame([-1.0]), frame([-1.0])
     a.attrs, b.attrs = {"engine": "hf"}, {"engine": "vllm"}
     cmp = compare(a, b, labels=("hf", "vllm"))
-    assert cmp.attrs == {"labels": ("hf", "vllm"), "attrs_a": {"engine": "hf"},
-                         "attrs_b": {"engine": "vllm"}}  # fmt: skip
+    assert cmp.attrs == {
+        "labels": ("hf", "vllm"),
+        "attrs_a": {"engine": "hf"},
+        "attrs_b": {"engine": "vllm"},
+    }
 
 
 def test_compare_labels_default_to_the_attrs_that_differ():
@@ -127,8 +153,9 @@ def test_bit_mismatch_and_ulp_distance_per_token():
     """float32 bits: 0.0 vs -0.0 mismatch at 0 ULP, a float32 neighbour is 1 ULP, NaN is NA."""
     nan = float("nan")
     below = float(np.nextafter(np.float32(-1.0), np.float32(-2.0)))
-    cmp = compare(frame([-1.0, 0.0, nan, -1.0, -1.0]),
-                  frame([-1.0, -0.0, nan, below, -1.0 + 1e-12]))  # fmt: skip
+    cmp = compare(
+        frame([-1.0, 0.0, nan, -1.0, -1.0]), frame([-1.0, -0.0, nan, below, -1.0 + 1e-12])
+    )
     assert cmp["bit_mismatch"].tolist() == [False, True, False, True, False]
     assert cmp["ulp_distance"].tolist() == [0, 0, pd.NA, 1, 0]
     assert cmp["nonfinite"].tolist() == [False, False, True, False, False]
@@ -218,8 +245,10 @@ def test_first_bit_mismatch_step_catches_differences_below_tol():
 
 def test_summarize_per_trace_kl_estimates():
     """mean_k1 = mean(-delta) and mean_k3 = mean(exp(delta) - 1 - delta), per trace."""
-    cmp = compare(frame([-1.0, -1.0, -1.0], trace_id=["t", "t", "u"], step=[0, 1, 0]),
-                  frame([-0.5, -1.25, -1.0], trace_id=["t", "t", "u"], step=[0, 1, 0]))
+    cmp = compare(
+        frame([-1.0, -1.0, -1.0], trace_id=["t", "t", "u"], step=[0, 1, 0]),
+        frame([-0.5, -1.25, -1.0], trace_id=["t", "t", "u"], step=[0, 1, 0]),
+    )
     t, u = summarize(cmp).set_index("trace_id").loc[["t", "u"]].itertuples()
     assert t.mean_k1 == pytest.approx((-0.5 + 0.25) / 2)
     assert t.mean_k3 == pytest.approx((math.exp(0.5) - 1.5 + math.exp(-0.25) - 0.75) / 2)
@@ -315,16 +344,21 @@ def test_trainer_metrics_leave_out_nonfinite_tokens():
     assert metric(table, "n_nonfinite") == 1 and metric(table, "max_ulp_distance") == 2**23
 
 
-NAME_SCHEME = (r"^(n_\w+|frac_[\w.]+|(mean|median|p99|max|min|std|sum)_\w+|first_\w+_step"
-               r"|chi2_token|chi2_seq|ess|ppl(_a|_b)?|trace_id)$")
+NAME_SCHEME = (
+    r"^(n_\w+|frac_[\w.]+|(mean|median|p99|max|min|std|sum)_\w+|first_\w+_step"
+    r"|chi2_token|chi2_seq|ess|ppl(_a|_b)?|trace_id)$"
+)
 
 
 def test_summary_names_follow_one_scheme(power_of_two_cmp):
     """Every summary name is n_*, frac_*, <stat>_*, first_*_step or a trainer's own name."""
     from trace_replay.analysis.metrics import trace_summary
 
-    names = [*dataset_summary(power_of_two_cmp)["metric"], *summarize(power_of_two_cmp).columns,
-             *trace_summary(frame([-1.0, -2.0])).columns]  # fmt: skip
+    names = [
+        *dataset_summary(power_of_two_cmp)["metric"],
+        *summarize(power_of_two_cmp).columns,
+        *trace_summary(frame([-1.0, -2.0])).columns,
+    ]
     assert [n for n in names if not re.match(NAME_SCHEME, n)] == []
 
 
@@ -348,15 +382,19 @@ def test_swapping_sides_negates_delta(pairs):
     assert (ab["ulp_distance"][~ab["bit_mismatch"]] == 0).all()
 
 
-@pytest.mark.parametrize("reduce", [summarize, dataset_summary, trainer_metrics,
-                                    rank_bucket_transitions])
+@pytest.mark.parametrize(
+    "reduce", [summarize, dataset_summary, trainer_metrics, rank_bucket_transitions]
+)
 def test_comparison_reductions_refuse_a_replay_frame_by_name(reduce):
     """A replay frame given where a comparison frame is needed: a ValueError naming the
     function, compare(a, b), the missing columns and what to do instead, not KeyError 'delta'."""
     name = reduce.__name__
-    with pytest.raises(ValueError, match=rf"{name} needs a comparison frame from compare\(a, b\)"
-                                         r".*lacking \['logprob_a', 'logprob_b', 'delta'\], got a "
-                                         r"replay frame .*trace_summary\(df\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{name} needs a comparison frame from compare\(a, b\)"
+        r".*lacking \['logprob_a', 'logprob_b', 'delta'\], got a "
+        r"replay frame .*trace_summary\(df\)",
+    ):
         reduce(frame([-1.0, -2.0]))
     with pytest.raises(ValueError, match=r"got a frame with columns \['x'\]"):
         reduce(pd.DataFrame({"x": [1]}))
@@ -383,8 +421,11 @@ def test_negative_k1_on_fixed_traces_warns_once_with_the_assumption():
     assert "evidently are not such samples" in message
     assert "chi2_token" not in message  # positive here: only negative estimates are named
     assert metric(table, "mean_k3") > 0
-    with pytest.warns(NegativeEstimateWarning, match=r"mean_k1 of 1 of 1 trace \(lowest: "
-                                                     r"trace 't'\) = -0.5\. .*on-policy"):
+    with pytest.warns(
+        NegativeEstimateWarning,
+        match=r"mean_k1 of 1 of 1 trace \(lowest: "
+        r"trace 't'\) = -0.5\. .*on-policy",
+    ):
         assert summarize(cmp)["mean_k1"].iloc[0] == pytest.approx(-0.5)
 
 
@@ -467,6 +508,9 @@ def test_concatenated_comparisons_are_refused_by_per_trace_statistics(replay_pai
     in a 40-token trace), so it is a ValueError naming the function, trace and step."""
     a, b = replay_pair
     both = pd.concat([compare(a, b), compare(b, a)], keys=["ab", "ba"], names=["pair", None])
-    with pytest.raises(ValueError, match=rf"^{reduce.__name__} takes one comparison, but cmp "
-                                         r"holds trace 't0' step 0 more than once"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^{reduce.__name__} takes one comparison, but cmp "
+        r"holds trace 't0' step 0 more than once",
+    ):
         reduce(both.reset_index("pair"))

@@ -26,10 +26,15 @@ def test_model_sites_in_forward_order(lm):
     assert [s.index for s in sites] == list(range(len(sites)))
     assert (sites[0].layer, sites[0].name) == (-1, "embeddings")
     assert [(s.layer, s.name) for s in sites[1:5]] == [
-        (0, "input_norm"), (0, "attention"), (0, "mlp"), (0, "residual")]
+        (0, "input_norm"),
+        (0, "attention"),
+        (0, "mlp"),
+        (0, "residual"),
+    ]
     assert [(s.layer, s.name, s.width) for s in sites[-2:]] == [
         (num_layers, "final_norm", lm.config.hidden_size),
-        (num_layers, "logits", lm.config.vocab_size)]
+        (num_layers, "logits", lm.config.vocab_size),
+    ]
     assert {s.name for s in sites} == set(SITES)
 
 

@@ -29,15 +29,14 @@ def requests(real_traces):
 
 def test_every_step_once_per_site_and_logits_match_the_engine(lm, requests):
     engine = make_engine("torch", lm, batch_size=2, deterministic=True)
-    sites = [s for s in model_sites(lm) if s.layer in (-1, 0) or s.name in ("final_norm",
-                                                                            "logits")]
+    sites = [s for s in model_sites(lm) if s.layer in (-1, 0) or s.name in ("final_norm", "logits")]
     seen: Counter = Counter()
     logits: dict[tuple[int, int], torch.Tensor] = {}
 
     def sink(site, rows, values):
         assert values.shape == (len(rows.step), site.width)
         for i, key in enumerate(zip(rows.trace_index.tolist(), rows.step.tolist())):
-            seen[site.name, *key] += 1
+            seen[(site.name, *key)] += 1
             if site.name == "logits":
                 logits[key] = values[i]
 
@@ -49,7 +48,7 @@ def test_every_step_once_per_site_and_logits_match_the_engine(lm, requests):
     expected = {(t, s) for t, r in enumerate(requests) for s in range(r.trace_len)}
     for site in sites:
         assert {key[1:] for key in seen if key[0] == site.name} == expected
-        assert all(seen[site.name, *key] == 1 for key in expected)
+        assert all(seen[(site.name, *key)] == 1 for key in expected)
     for t, (request, result) in enumerate(zip(requests, results)):
         rows = torch.stack([logits[t, s] for s in range(request.trace_len)])
         ours = engine.backend.score(rows, torch.tensor(request.trace_token_ids), 0).logprob

@@ -4,7 +4,6 @@ always contain the exact divergences of the full distributions."""
 from __future__ import annotations
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 

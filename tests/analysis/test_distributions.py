@@ -19,10 +19,13 @@ def reference(la: np.ndarray, lb: np.ndarray) -> dict[str, np.ndarray]:
     lb = lb - np.logaddexp.reduce(lb, axis=1, keepdims=True)
     pa, pb = np.exp(la), np.exp(lb)
     lm = np.logaddexp(la, lb) - np.log(2)
-    return {"kl_ab": (pa * (la - lb)).sum(1), "kl_ba": (pb * (lb - la)).sum(1),
-            "tv": 0.5 * np.abs(pa - pb).sum(1),
-            "js": 0.5 * ((pa * (la - lm)).sum(1) + (pb * (lb - lm)).sum(1)),
-            "max_abs_dlogprob": np.abs(la - lb).max(1)}
+    return {
+        "kl_ab": (pa * (la - lb)).sum(1),
+        "kl_ba": (pb * (lb - la)).sum(1),
+        "tv": 0.5 * np.abs(pa - pb).sum(1),
+        "js": 0.5 * ((pa * (la - lm)).sum(1) + (pb * (lb - lm)).sum(1)),
+        "max_abs_dlogprob": np.abs(la - lb).max(1),
+    }
 
 
 def test_step_divergences_match_numpy_float64():
@@ -54,18 +57,25 @@ def test_a_token_of_probability_zero_on_one_side_gives_infinite_kl():
 @pytest.fixture(scope="module")
 def engines():
     """The built-in decode engine and the prefill engine, each in float32 and bfloat16."""
-    made = [tr.make_engine("torch", dtype="float32", batch_size=4),
-            tr.make_engine("torch", dtype="bfloat16", batch_size=4),
-            tr.make_engine("prefill", dtype="float32", batch_size=8),
-            tr.make_engine("prefill", dtype="bfloat16", batch_size=8)]
+    made = [
+        tr.make_engine("torch", dtype="float32", batch_size=4),
+        tr.make_engine("torch", dtype="bfloat16", batch_size=4),
+        tr.make_engine("prefill", dtype="float32", batch_size=8),
+        tr.make_engine("prefill", dtype="bfloat16", batch_size=8),
+    ]
     yield made
     for engine in made:
         engine.close()
 
 
-TRACES = [{"id": "capital", "prompt": "The capital of France is",
-           "completion": " Paris. It is also the largest city"},
-          {"id": "count", "prompt": "One, two, three,", "completion": " four"}]
+TRACES = [
+    {
+        "id": "capital",
+        "prompt": "The capital of France is",
+        "completion": " Paris. It is also the largest city",
+    },
+    {"id": "count", "prompt": "One, two, three,", "completion": " four"},
+]
 
 
 @pytest.mark.slow
@@ -80,17 +90,26 @@ def test_paired_replay_equals_a_float64_reference(engines):
     from trace_replay.runs.replay import prepare_run
     from trace_replay.traces.sets import load_traces
 
-    _, requests, _ = prepare_run(load_traces(TRACES), tokenizer=fp32.tokenizer,
-                                 vocab_size=fp32.vocab_size, max_model_len=None, top_k=5,
-                                 truncate=False)
-    full = [torch.cat([x.double().clone() for x in engine.step_logits(requests)])
-            for engine in (fp32, bf16)]  # step-major rows
+    _, requests, _ = prepare_run(
+        load_traces(TRACES),
+        tokenizer=fp32.tokenizer,
+        vocab_size=fp32.vocab_size,
+        max_model_len=None,
+        top_k=5,
+        truncate=False,
+    )
+    full = [
+        torch.cat([x.double().clone() for x in engine.step_logits(requests)])
+        for engine in (fp32, bf16)
+    ]  # step-major rows
     want = reference(full[0].numpy(), full[1].numpy())
     lengths = np.array([r.trace_len for r in requests])
-    order = np.lexsort((np.concatenate([np.full((lengths > s).sum(), s)
-                                        for s in range(lengths.max())]),
-                        np.concatenate([np.flatnonzero(lengths > s)
-                                        for s in range(lengths.max())])))
+    order = np.lexsort(
+        (
+            np.concatenate([np.full((lengths > s).sum(), s) for s in range(lengths.max())]),
+            np.concatenate([np.flatnonzero(lengths > s) for s in range(lengths.max())]),
+        )
+    )
     for name in ("kl_ab", "kl_ba", "tv", "js", "max_abs_dlogprob"):
         np.testing.assert_allclose(df[name], want[name][order], rtol=1e-6, err_msg=name)
     assert (df["kl_ab"] > 0).all()  # bfloat16 moves every distribution a little
@@ -108,8 +127,10 @@ def test_bounds_contain_the_exact_values_on_bundled_tokens(engines):
     _, _, fp32, bf16 = engines
     traces = tr.datasets.load(limit=1)
     exact = replay_pair(traces, fp32, bf16)
-    bounds = distribution_bounds(tr.replay(traces, engine=fp32, progress=False),
-                                 tr.replay(traces, engine=bf16, progress=False))
+    bounds = distribution_bounds(
+        tr.replay(traces, engine=fp32, progress=False),
+        tr.replay(traces, engine=bf16, progress=False),
+    )
     both = exact.merge(bounds, on=["trace_id", "step"], validate="one_to_one")
     assert len(both) == len(exact) == len(bounds) > 200
     for name in METRICS:

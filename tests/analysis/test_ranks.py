@@ -9,21 +9,28 @@ import pandas as pd
 import pytest
 
 from trace_replay.analysis.metrics import compare, dataset_summary, summarize
-from trace_replay.analysis.ranks import (RANK_BUCKETS, engine_table, rank_bucket, rank_bucket_transitions,
-                                trace_summary)
+from trace_replay.analysis.ranks import (
+    RANK_BUCKETS,
+    engine_table,
+    rank_bucket,
+    rank_bucket_transitions,
+    trace_summary,
+)
 
 
 def frame(logprob, rank=None, *, trace_id="t", step=None, **extra) -> pd.DataFrame:
     """Replay frame; by default one trace "t" with steps 0..n-1, all rank 1."""
     n = len(logprob)
-    return pd.DataFrame({
-        "trace_id": [trace_id] * n if isinstance(trace_id, str) else trace_id,
-        "step": step or list(range(n)),
-        "token_id": [100 + i for i in range(n)],
-        "logprob": logprob,
-        "rank": rank or [1] * n,
-        **extra,
-    })  # fmt: skip
+    return pd.DataFrame(
+        {
+            "trace_id": [trace_id] * n if isinstance(trace_id, str) else trace_id,
+            "step": step or list(range(n)),
+            "token_id": [100 + i for i in range(n)],
+            "logprob": logprob,
+            "rank": rank or [1] * n,
+            **extra,
+        }
+    )
 
 
 def test_rank_bucket_boundaries():
@@ -32,8 +39,15 @@ def test_rank_bucket_boundaries():
     buckets = rank_bucket([1, 10, 11, 100, 101, 1000, 1001, np.nan])
     assert list(buckets.categories) == list(RANK_BUCKETS) and buckets.ordered
     assert [str(b) if pd.notna(b) else None for b in buckets] == [
-        "1-10", "1-10", "11-100", "11-100", "101-1000", "101-1000", ">1000", None,
-    ]  # fmt: skip
+        "1-10",
+        "1-10",
+        "11-100",
+        "11-100",
+        "101-1000",
+        "101-1000",
+        ">1000",
+        None,
+    ]
 
 
 def test_rank_bucket_keeps_series_index():
@@ -54,8 +68,13 @@ def test_rank_bucket_transitions_crosstab():
 
 def test_trace_summary_hand_values():
     """Per-trace logprob, perplexity, cumulative rank fractions, first off-top-1 step."""
-    df = frame([-1.0, -3.0, -2.0, -0.5], [1, 20, 1, 1], trace_id=["t", "t", "t", "u"],
-               step=[0, 1, 2, 0], entropy=[1.0, 2.0, np.nan, 0.5])  # fmt: skip
+    df = frame(
+        [-1.0, -3.0, -2.0, -0.5],
+        [1, 20, 1, 1],
+        trace_id=["t", "t", "t", "u"],
+        step=[0, 1, 2, 0],
+        entropy=[1.0, 2.0, np.nan, 0.5],
+    )
     summary = trace_summary(df).set_index("trace_id")
     t, u = summary.loc["t"], summary.loc["u"]
     assert (t.n_tokens, t.mean_logprob, t.min_logprob) == (3, -2.0, -3.0)
@@ -72,8 +91,10 @@ def test_trace_summary_without_entropy_column():
 
 
 RANK_PREDICATES = {
-    "frac_rank_le_1": lambda r: r <= 1, "frac_rank_le_10": lambda r: r <= 10,
-    "frac_rank_le_100": lambda r: r <= 100, "frac_rank_le_1000": lambda r: r <= 1000,
+    "frac_rank_le_1": lambda r: r <= 1,
+    "frac_rank_le_10": lambda r: r <= 10,
+    "frac_rank_le_100": lambda r: r <= 100,
+    "frac_rank_le_1000": lambda r: r <= 1000,
     "frac_rank_gt_1000": lambda r: r > 1000,
 }
 
@@ -96,8 +117,13 @@ def test_rank_fraction_names_say_what_they_count():
         assert values[f"{name}_a"] == pytest.approx(np.mean([holds(r) for r in ranks])), name
         assert values[f"{name}_b"] == pytest.approx(np.mean([holds(r) for r in other])), name
     names = [*summary.index, *values.index]
-    assert [n for n in names if n.startswith("frac_") and "rank" in n
-            and n.removesuffix("_a").removesuffix("_b") not in RANK_PREDICATES] == []
+    assert [
+        n
+        for n in names
+        if n.startswith("frac_")
+        and "rank" in n
+        and n.removesuffix("_a").removesuffix("_b") not in RANK_PREDICATES
+    ] == []
     assert not [n for n in names if n.startswith("frac_top") and n != "frac_top1_agree"]
 
 
@@ -124,8 +150,11 @@ def test_single_run_summaries_refuse_concatenated_runs(replay_df):
     count them as one run (twice the tokens), so they are a ValueError naming the trace and
     step."""
     both = pd.concat([replay_df, replay_df.assign(logprob=replay_df["logprob"] - 1)])
-    with pytest.raises(ValueError, match=r"^trace_summary takes one run, but df holds trace "
-                                         r"'t0' step 0 more than once"):
+    with pytest.raises(
+        ValueError,
+        match=r"^trace_summary takes one run, but df holds trace "
+        r"'t0' step 0 more than once",
+    ):
         trace_summary(both)
     with pytest.raises(ValueError, match=r"^engine_table \(run 'x'\) takes one run"):
         engine_table({"x": both})
@@ -139,7 +168,11 @@ def test_lower_bound_ranks_are_bounds_in_every_rank_statistic():
     exact = frame([-1.0] * 4, [1, 21, 1001, 1])
     bounded = exact.assign(rank_exact=[True, False, False, False])
     assert rank_bucket(bounded["rank"], bounded["rank_exact"]).tolist() == [
-        "1-10", "bound", ">1000", "bound"]
+        "1-10",
+        "bound",
+        ">1000",
+        "bound",
+    ]
     summary = trace_summary(bounded).iloc[0]
     assert summary["n_rank_bound"] == 3
     assert summary["frac_rank_le_1"] == pytest.approx(1 / 3)  # the bound of 1 is unknown

@@ -16,22 +16,37 @@ from trace_replay.engines.routing import RoutingRecorder, find_routers
 
 pytestmark = pytest.mark.slow
 
-TRACES = [{"id": "a", "prompt": "The capital of France is", "completion": " Paris, a city"},
-          {"id": "b", "prompt": "One, two,", "completion": " three, four, five, six"}]
+TRACES = [
+    {"id": "a", "prompt": "The capital of France is", "completion": " Paris, a city"},
+    {"id": "b", "prompt": "One, two,", "completion": " three, four, five, six"},
+]
 
 
 def tiny_moe(kind: str, seed: int = 0) -> torch.nn.Module:
     """A random 3-layer MoE over the embedded tokenizer's vocabulary, float32."""
-    from transformers import (MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig,
-                              Qwen3MoeForCausalLM)
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=49152, hidden_size=64, num_hidden_layers=3,
-                  num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                  max_position_embeddings=512, num_experts_per_tok=2, pad_token_id=0)
+    common = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=512,
+        num_experts_per_tok=2,
+        pad_token_id=0,
+    )
     if kind == "qwen3_moe":
-        config = Qwen3MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32,
-                                num_experts=8, decoder_sparse_step=1, mlp_only_layers=[])
+        config = Qwen3MoeConfig(
+            **common,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=8,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
         model = Qwen3MoeForCausalLM(config)
     else:
         config = MixtralConfig(**common, intermediate_size=32, num_local_experts=8)
@@ -65,8 +80,10 @@ def test_decode_and_teacher_forced_routing_agree(moe, tokenizer):
     every (trace, step, layer) to the same experts, with router weights within rounding:
     the two layouts pair rows with steps alike."""
     _, model = moe
-    with engine("torch", model, tokenizer, backend="hf", batch_size=2) as decode, \
-            engine("prefill", model, tokenizer, batch_size=2) as prefill:
+    with (
+        engine("torch", model, tokenizer, backend="hf", batch_size=2) as decode,
+        engine("prefill", model, tokenizer, batch_size=2) as prefill,
+    ):
         df_a, ra = record_routing(TRACES, decode)
         df_b, rb = record_routing(TRACES, prefill)
     assert len(ra) == len(df_a) * 3 and len(rb) == len(df_b) * 3
@@ -84,8 +101,13 @@ def test_a_planted_router_change_is_found_at_its_layer(moe, tokenizer):
     planted = copy.deepcopy(model)
     router = find_routers(planted)[1]
     with torch.no_grad():
-        router.weight[5] += 2.0 * router.weight.norm(dim=1).mean() * torch.sign(
-            torch.randn(router.weight.shape[1], generator=torch.Generator().manual_seed(1)))
+        router.weight[5] += (
+            2.0
+            * router.weight.norm(dim=1).mean()
+            * torch.sign(
+                torch.randn(router.weight.shape[1], generator=torch.Generator().manual_seed(1))
+            )
+        )
     with engine("prefill", model, tokenizer) as a, engine("prefill", planted, tokenizer) as b:
         df_a, ra = record_routing(TRACES, a)
         df_b, rb = record_routing(TRACES, b)
@@ -122,11 +144,22 @@ def test_vllm_cpu_forcing_replays_a_tiny_qwen3_moe(tmp_path, tokenizer):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(vocab_size=49152, hidden_size=128, num_hidden_layers=2,
-                            num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-                            intermediate_size=256, moe_intermediate_size=64, num_experts=4,
-                            num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
-                            max_position_embeddings=256, pad_token_id=0)
+    config = Qwen3MoeConfig(
+        vocab_size=49152,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=256,
+        pad_token_id=0,
+    )
     model = Qwen3MoeForCausalLM(config)
     for router in find_routers(model).values():
         torch.nn.init.normal_(router.weight, std=0.5)

@@ -26,8 +26,11 @@ def test_compare_refuses_a_trace_id_holding_another_prompt(replay_pair):
     refuses it naming the trace, instead of reporting the scores' differences as a
     divergence (it gave max |delta| of another prompt's scores, exit 0)."""
     a, b = replay_pair
-    with pytest.raises(TracesDiffer, match=r"1 trace \('t1'\) holds other prompt or trace "
-                                           r"tokens in a \(hf float32\) than in b") as error:
+    with pytest.raises(
+        TracesDiffer,
+        match=r"1 trace \('t1'\) holds other prompt or trace "
+        r"tokens in a \(hf float32\) than in b",
+    ) as error:
         compare(a, _other_prompt(b, "t1", 9))
     assert error.value.trace_ids == ["t1"] and isinstance(error.value, ValueError)
 
@@ -77,8 +80,13 @@ def test_report_refuses_mismatched_results_unless_asked(replay_pair, tmp_path, c
     a, b = replay_pair
     a.to_parquet(tmp_path / "a.parquet")
     _other_prompt(b, "t1", 9).to_parquet(tmp_path / "b.parquet")
-    args = ["report", str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet"), "--out",
-            str(tmp_path / "r.html")]
+    args = [
+        "report",
+        str(tmp_path / "a.parquet"),
+        str(tmp_path / "b.parquet"),
+        "--out",
+        str(tmp_path / "r.html"),
+    ]
     assert main(args) == 2
     assert "1 trace ('t1') holds other prompt or trace tokens" in capsys.readouterr().err
     assert main([*args, "--drop-mismatched"]) == 0

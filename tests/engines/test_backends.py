@@ -26,8 +26,17 @@ def test_every_shipped_backend_has_every_member(tiny_llama, kind):
 def test_the_protocol_declares_what_the_engine_and_its_loop_call():
     """The members are the ones TorchEngine, decode and verify use: a change to either side
     shows up here."""
-    assert set(BACKEND_MEMBERS) == {"activations", "decode", "forwards", "keep", "name",
-                                    "prefill", "score", "settings", "static_logits"}
+    assert set(BACKEND_MEMBERS) == {
+        "activations",
+        "decode",
+        "forwards",
+        "keep",
+        "name",
+        "prefill",
+        "score",
+        "settings",
+        "static_logits",
+    }
 
 
 class _NoKeep:
@@ -84,11 +93,21 @@ def test_backends_answer_activations_as_the_engine_contract_says(tiny_llama):
 
 
 # modules of the static and deterministic backends alone, and the kernels only they launch
-_NOT_ON_THE_CPU_PATH = ("backends.static", "backends.captured_step", "backends.deterministic",
-                        "passes.batch1_fusions", "passes.linear_groups", "kernels.gemv",
-                        "kernels.gated_gemv", "kernels.grouped_members", "kernels.fp32_linear",
-                        "kernels.rms_norm", "kernels.cache_attention", "kernels.top_k",
-                        "kernels.invariant")
+_NOT_ON_THE_CPU_PATH = (
+    "backends.static",
+    "backends.captured_step",
+    "backends.deterministic",
+    "passes.batch1_fusions",
+    "passes.linear_groups",
+    "kernels.gemv",
+    "kernels.gated_gemv",
+    "kernels.grouped_members",
+    "kernels.fp32_linear",
+    "kernels.rms_norm",
+    "kernels.cache_attention",
+    "kernels.top_k",
+    "kernels.invariant",
+)
 
 
 def test_the_cpu_engine_imports_no_static_backend():
@@ -102,8 +121,10 @@ def test_the_cpu_engine_imports_no_static_backend():
         " num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)\n"
         "lm = transformers.AutoModelForCausalLM.from_config(config).eval()\n"
         "assert make_engine('torch', lm, device='cpu').backend.name == 'hf'\n"
-        "print(sorted(m for m in sys.modules if m.startswith('trace_replay.')))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout
+        "print(sorted(m for m in sys.modules if m.startswith('trace_replay.')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     imported = [m for m in eval(out) if any(f".{part}" in m for part in _NOT_ON_THE_CPU_PATH)]
     assert imported == []

@@ -13,14 +13,19 @@ import torch
 
 import trace_replay
 from trace_replay.engines import ENGINES
-
-from trace_replay.engines.base import (ENGINE_MEMBERS, PROVENANCE, Engine, EngineBase,
-                                       EngineClosed, EngineConfig, ReplayRequest,
-                                       check_engine)
+from trace_replay.engines.base import (
+    ENGINE_MEMBERS,
+    PROVENANCE,
+    Engine,
+    EngineBase,
+    EngineClosed,
+    EngineConfig,
+    ReplayRequest,
+    check_engine,
+)
 from trace_replay.engines.capabilities import protocol_members
 
 PACKAGE = Path(trace_replay.__file__).parent
-
 
 
 def _capabilities() -> list[type]:
@@ -28,34 +33,45 @@ def _capabilities() -> list[type]:
     capabilities (capabilities.py's, and those other modules add) a caller may check."""
     found = []
     for path in sorted((PACKAGE / "engines").glob("*.py")):
-        module = importlib.import_module(f"trace_replay.engines.{path.stem}".replace(
-            ".__init__", ""))
-        found += [value for value in vars(module).values()
-                  if isinstance(value, type) and getattr(value, "_is_protocol", False)
-                  and value.__module__ == module.__name__ and value is not Engine]
+        module = importlib.import_module(
+            f"trace_replay.engines.{path.stem}".replace(".__init__", "")
+        )
+        found += [
+            value
+            for value in vars(module).values()
+            if isinstance(value, type)
+            and getattr(value, "_is_protocol", False)
+            and value.__module__ == module.__name__
+            and value is not Engine
+        ]
     return found
 
 
 # what a caller may use: the core protocol's members and each capability's
-DECLARED = {*ENGINE_MEMBERS, *(name for capability in _capabilities()
-                               for name in protocol_members(capability))}
+DECLARED = {
+    *ENGINE_MEMBERS,
+    *(name for capability in _capabilities() for name in protocol_members(capability)),
+}
 
 # --- EngineConfig: checked before any model is loaded ---------------------------------------
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"top_k": -1}, "top_k must be an integer >= 0, got -1"),
-    ({"top_k": "5"}, "top_k must be an integer"),
-    ({"top_k": 2.0}, "top_k must be an integer >= 0, got 2.0"),
-    ({"batch_size": 0}, "batch_size must be an integer >= 1, got 0"),
-    ({"batch_size": True}, "batch_size must be an integer"),
-    ({"deterministic": 1}, "deterministic must be True or False, got 1"),
-    ({"dtype": "float7"}, "float7"),
-    ({"device": "gpu"}, "device .gpu. is not a device name"),
-    ({"device": 0}, "device must be a str or torch.device, got int"),
-    # no machine has 99 GPUs: either none at all, or too few
-    ({"device": "cuda:99"}, "device 'cuda:99' (is not available|does not exist)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"top_k": -1}, "top_k must be an integer >= 0, got -1"),
+        ({"top_k": "5"}, "top_k must be an integer"),
+        ({"top_k": 2.0}, "top_k must be an integer >= 0, got 2.0"),
+        ({"batch_size": 0}, "batch_size must be an integer >= 1, got 0"),
+        ({"batch_size": True}, "batch_size must be an integer"),
+        ({"deterministic": 1}, "deterministic must be True or False, got 1"),
+        ({"dtype": "float7"}, "float7"),
+        ({"device": "gpu"}, "device .gpu. is not a device name"),
+        ({"device": 0}, "device must be a str or torch.device, got int"),
+        # no machine has 99 GPUs: either none at all, or too few
+        ({"device": "cuda:99"}, "device 'cuda:99' (is not available|does not exist)"),
+    ],
+)
 def test_config_refuses_bad_values(fields, message):
     """EngineConfig validates on construction, naming the field and the value."""
     with pytest.raises(ValueError, match=message):
@@ -65,17 +81,23 @@ def test_config_refuses_bad_values(fields, message):
 def test_config_defaults_leave_choices_to_the_engine():
     """Unset model, dtype, device and batch size are None (each engine picks); top_k is 5 and
     deterministic off."""
-    assert EngineConfig() == EngineConfig(model=None, dtype=None, device=None, batch_size=None,
-                                          top_k=5, deterministic=False)
+    assert EngineConfig() == EngineConfig(
+        model=None, dtype=None, device=None, batch_size=None, top_k=5, deterministic=False
+    )
 
 
 def test_config_takes_good_values():
     """Valid values are kept as given: a dtype by name or torch.dtype, a CPU device,
     top_k 0 (no alternatives)."""
-    config = EngineConfig(dtype=torch.bfloat16, device=torch.device("cpu"), batch_size=3,
-                          top_k=0, deterministic=True)
-    assert (config.dtype, config.device, config.batch_size, config.top_k) == \
-        (torch.bfloat16, torch.device("cpu"), 3, 0)
+    config = EngineConfig(
+        dtype=torch.bfloat16, device=torch.device("cpu"), batch_size=3, top_k=0, deterministic=True
+    )
+    assert (config.dtype, config.device, config.batch_size, config.top_k) == (
+        torch.bfloat16,
+        torch.device("cpu"),
+        3,
+        0,
+    )
     assert EngineConfig(dtype="float16", device="cpu").dtype == "float16"
 
 
@@ -101,9 +123,16 @@ def test_settings_are_the_common_provenance():
     """settings() names engine, path, model, dtype, device, slots, top_k and deterministic;
     selected_by only when make_engine("auto") set it."""
     engine = Counting()
-    assert engine.settings() == {"engine": "counting", "engine_path": "count[test]",
-                                 "model": "tiny", "dtype": "float32", "device": "cpu",
-                                 "batch_size": 2, "top_k": 3, "deterministic": False}
+    assert engine.settings() == {
+        "engine": "counting",
+        "engine_path": "count[test]",
+        "model": "tiny",
+        "dtype": "float32",
+        "device": "cpu",
+        "batch_size": 2,
+        "top_k": 3,
+        "deterministic": False,
+    }
     engine.selected_by = "auto: torch (vllm is not installed)"
     assert engine.settings()["selected_by"] == "auto: torch (vllm is not installed)"
     assert engine.stats() == {}
@@ -128,6 +157,7 @@ def test_every_subclass_refuses_work_once_closed():
     EngineClosed naming the engine and the method, before any of their code runs; settings
     still answer. A subclass of a subclass, whose close() calls its parent's, is closed as
     well."""
+
     class Writer(Counting):
         def generate(self, prompts, *, max_tokens, temperature=0.0, seed=0, eos_token_id=None):
             return []
@@ -139,10 +169,12 @@ def test_every_subclass_refuses_work_once_closed():
         assert engine.run([]) == [] and engine.weights_digest() is None
         engine.close()
         assert engine.closed == 1
-        for call, method in ((lambda: engine.run([]), "run"),
-                             (engine.weights_digest, "weights_digest"),
-                             (engine.activations, "activations"),
-                             (lambda: engine.generate([[1]], max_tokens=1), "generate")):
+        for call, method in (
+            (lambda: engine.run([]), "run"),
+            (engine.weights_digest, "weights_digest"),
+            (engine.activations, "activations"),
+            (lambda: engine.generate([[1]], max_tokens=1), "generate"),
+        ):
             with pytest.raises(EngineClosed, match=rf"engine 'counting' is closed: {method}\(\)"):
                 call()
         assert engine.settings()["engine"] == "counting"
@@ -179,8 +211,7 @@ def test_check_engine_names_every_missing_member():
     with pytest.raises(TypeError) as error:
         check_engine(Partial())
     lacks = str(error.value).split("it lacks ")[1].split(" (")[0].split(", ")
-    assert set(lacks) == set(ENGINE_MEMBERS) - {"name", "batch_size", "run", "settings",
-                                                "stats"}
+    assert set(lacks) == set(ENGINE_MEMBERS) - {"name", "batch_size", "run", "settings", "stats"}
 
 
 def test_check_engine_evaluates_no_lazy_member():
@@ -189,7 +220,14 @@ def test_check_engine_evaluates_no_lazy_member():
 
     class Lazy(EngineBase):
         name, model_label, engine_path, dtype, device, batch_size, top_k = (
-            "lazy", "m", "lazy", "float32", "cpu", 1, 5)
+            "lazy",
+            "m",
+            "lazy",
+            "float32",
+            "cpu",
+            1,
+            5,
+        )
         loads = 0
 
         @property
@@ -238,8 +276,7 @@ def test_base_defaults_say_what_an_engine_cannot_do():
     has no activations to give and no weights to digest; generate and activations raise
     NotImplementedError naming the engine."""
     engine = Counting()
-    assert (engine.can_generate, engine.vocab_size, engine.weights_digest()) == \
-        (False, None, None)
+    assert (engine.can_generate, engine.vocab_size, engine.weights_digest()) == (False, None, None)
     with pytest.raises(NotImplementedError, match="engine 'counting' cannot generate"):
         engine.generate([[1]], max_tokens=1)
     with pytest.raises(NotImplementedError, match="engine 'counting' runs its model outside"):
@@ -296,19 +333,30 @@ def _missing_members(source: str, class_name: str) -> set[str]:
     """The Engine members and EngineBase provenance attributes that class ``class_name`` of
     ``source`` (an EngineBase subclass) neither inherits with a value nor defines: methods,
     class attributes and ``self.<name> =`` assignments in any of its methods."""
-    cls = next(node for node in ast.walk(ast.parse(source))
-               if isinstance(node, ast.ClassDef) and node.name == class_name)
+    cls = next(
+        node
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ClassDef) and node.name == class_name
+    )
     assert [ast.unparse(base) for base in cls.bases] == ["EngineBase"]
     defined = {node.name for node in cls.body if isinstance(node, ast.FunctionDef)}
     for node in ast.walk(cls):
-        targets = (node.targets if isinstance(node, ast.Assign)
-                   else [node.target] if isinstance(node, ast.AnnAssign) and node.value else [])
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AnnAssign) and node.value
+            else []
+        )
         for target in targets:
-            for name in (target.elts if isinstance(target, ast.Tuple) else [target]):
+            for name in target.elts if isinstance(target, ast.Tuple) else [target]:
                 if isinstance(name, ast.Name) and node in cls.body:  # a class attribute
                     defined.add(name.id)
-                elif (isinstance(name, ast.Attribute) and isinstance(name.value, ast.Name)
-                      and name.value.id == "self"):
+                elif (
+                    isinstance(name, ast.Attribute)
+                    and isinstance(name.value, ast.Name)
+                    and name.value.id == "self"
+                ):
                     defined.add(name.attr)
     inherited = set(vars(EngineBase)) - EngineBase.__abstractmethods__
     required = {*ENGINE_MEMBERS, *(n for n in EngineBase.__annotations__ if n[0] != "_")}
@@ -331,10 +379,17 @@ def test_the_member_check_sees_what_a_class_lacks():
     """The source check above is not vacuous: every engine make_engine builds is listed, and
     a class that sets only some provenance and no ``run`` is missing exactly the rest."""
     assert set(ENGINE_CLASSES) == set(ENGINES) - {"auto"}
-    half = ("class Half(EngineBase):\n    name = 'half'\n"
-            "    def __init__(self):\n        self.batch_size, self.dtype = 1, 'float32'\n")
-    assert _missing_members(half, "Half") == {"run", "model_label", "engine_path", "device",
-                                              "top_k"}
+    half = (
+        "class Half(EngineBase):\n    name = 'half'\n"
+        "    def __init__(self):\n        self.batch_size, self.dtype = 1, 'float32'\n"
+    )
+    assert _missing_members(half, "Half") == {
+        "run",
+        "model_label",
+        "engine_path",
+        "device",
+        "top_k",
+    }
 
 
 def _is_engine(node: ast.expr) -> bool:
@@ -344,8 +399,11 @@ def _is_engine(node: ast.expr) -> bool:
         return node.id in ("engine", "engine_obj")
     if isinstance(node, ast.Attribute):
         return node.attr == "engine"
-    return (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name)
-            and node.value.id == "engines")
+    return (
+        isinstance(node, ast.Subscript)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "engines"
+    )
 
 
 def _engine_probes(source: str) -> tuple[set[str], int]:
@@ -353,9 +411,13 @@ def _engine_probes(source: str) -> tuple[set[str], int]:
     does not declare, in ``source``; and the number of reads of declared members."""
     probes, uses = set(), 0
     for node in ast.walk(ast.parse(source)):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args
-                and node.func.id in ("getattr", "hasattr", "setattr")
-                and _is_engine(node.args[0])):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.args
+            and node.func.id in ("getattr", "hasattr", "setattr")
+            and _is_engine(node.args[0])
+        ):
             probes.add(ast.unparse(node))
         elif isinstance(node, ast.Attribute) and _is_engine(node.value):
             if node.attr in DECLARED:
@@ -379,13 +441,19 @@ def test_no_module_outside_engines_probes_an_engine():
             uses += used
     assert list(probes) == []
     assert uses >= 20
-    before = ("lms = [engine.lm for engine in engines]\n"
-              "size = getattr(engine, 'vocab_size', None)\n"
-              "digest = getattr(engine, 'weights_digest', lambda: None)()\n"
-              "ok = all(callable(getattr(engine, m, None)) for m in ('run', 'stats'))\n"
-              "model = engines[0].backend.model\n"
-              "watched = hasattr(self.engine, 'on_batch')\n")
+    before = (
+        "lms = [engine.lm for engine in engines]\n"
+        "size = getattr(engine, 'vocab_size', None)\n"
+        "digest = getattr(engine, 'weights_digest', lambda: None)()\n"
+        "ok = all(callable(getattr(engine, m, None)) for m in ('run', 'stats'))\n"
+        "model = engines[0].backend.model\n"
+        "watched = hasattr(self.engine, 'on_batch')\n"
+    )
     assert _engine_probes(before)[0] == {
-        "engine.lm", "getattr(engine, 'vocab_size', None)",
-        "getattr(engine, 'weights_digest', lambda: None)", "getattr(engine, m, None)",
-        "engines[0].backend", "hasattr(self.engine, 'on_batch')"}
+        "engine.lm",
+        "getattr(engine, 'vocab_size', None)",
+        "getattr(engine, 'weights_digest', lambda: None)",
+        "getattr(engine, m, None)",
+        "engines[0].backend",
+        "hasattr(self.engine, 'on_batch')",
+    }

@@ -7,9 +7,13 @@ import copy
 import pytest
 import torch
 
-from trace_replay.engines.builtin.passes.batch1_fusions import GatedMLP, KernelRMSNorm, gated_activation
-from trace_replay.engines.builtin.passes.compiling import layer_passes
 from trace_replay.engines.builtin.backends.static_view import kernel_layer
+from trace_replay.engines.builtin.passes.batch1_fusions import (
+    GatedMLP,
+    KernelRMSNorm,
+    gated_activation,
+)
+from trace_replay.engines.builtin.passes.compiling import layer_passes
 from trace_replay.kernels._triton import use_triton
 from trace_replay.kernels.fp32_linear import fp32_linear
 from trace_replay.kernels.gemv import gemv
@@ -41,8 +45,9 @@ def test_a_gated_mlp_at_one_row_is_one_launch(make_tiny_lm, monkeypatch, config,
 
     calls = []
     launch = gated_module.launch
-    monkeypatch.setattr(gated_module, "launch",
-                        lambda *args, **kw: calls.append(args[-1]) or launch(*args, **kw))
+    monkeypatch.setattr(
+        gated_module, "launch", lambda *args, **kw: calls.append(args[-1]) or launch(*args, **kw)
+    )
     lm = make_tiny_lm(config)
     exact = copy.deepcopy(lm.model.layers[0].mlp)  # float32
     layer = lm.to(torch.bfloat16).model.layers[0]
@@ -69,12 +74,17 @@ def test_a_gated_mlp_at_one_row_is_one_launch(make_tiny_lm, monkeypatch, config,
 def test_which_mlps_are_gated(make_tiny_lm):
     """A listed MLP class with an activation the kernel has is gated; another activation
     (ReLU, exact GELU) or a module of another class is not."""
-    for hidden_act, want in [("silu", "silu"), ("gelu_pytorch_tanh", "gelu_tanh"),
-                             ("relu", None), ("gelu", None)]:
+    for hidden_act, want in [
+        ("silu", "silu"),
+        ("gelu_pytorch_tanh", "gelu_tanh"),
+        ("relu", None),
+        ("gelu", None),
+    ]:
         lm = make_tiny_lm("LlamaConfig", hidden_act=hidden_act)
         assert gated_activation(lm.model.layers[0].mlp) == want, hidden_act
-        assert (isinstance(kernel_layer(lm.model.layers[0], gemv).mlp, GatedMLP)
-                == (want is not None))
+        assert isinstance(kernel_layer(lm.model.layers[0], gemv).mlp, GatedMLP) == (
+            want is not None
+        )
     lm = make_tiny_lm("LlamaConfig")
     assert gated_activation(lm.model.layers[0].self_attn) is None
     assert gated_activation(lm.model.layers[0]) is None
@@ -96,8 +106,7 @@ def test_a_layer_s_own_norms_run_as_one_operator_at_one_row(make_tiny_lm, config
     assert own and all(isinstance(view._modules[name], KernelRMSNorm) for name in own)
     assert all(view._modules[name].offset == offset for name in own)
     assert not any(isinstance(m, KernelRMSNorm) for m in view.self_attn.modules())
-    assert not any(isinstance(m, KernelRMSNorm)
-                   for m in kernel_layer(exact, fp32_linear).modules())
+    assert not any(isinstance(m, KernelRMSNorm) for m in kernel_layer(exact, fp32_linear).modules())
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, 1, lm.config.hidden_size, generator=gen).bfloat16()
     many = torch.randn(3, 1, lm.config.hidden_size, generator=gen).bfloat16()

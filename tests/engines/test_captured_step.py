@@ -11,8 +11,10 @@ import torch
 
 from trace_replay.engines.builtin.backends.captured_step import capture_step
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+]
 
 
 class _Toy:
@@ -45,8 +47,10 @@ def test_capture_restores_state_and_replays_the_eager_step():
         positions = torch.randint(0, 50, (batch, 2), device="cuda")
         out = graph.launch(tokens, positions)[:batch].clone()
         # the twin runs eagerly on all rows (rows past `batch` advance in both)
-        padded = torch.cat([tokens, graph.tokens[batch:]]), torch.cat([positions,
-                                                                      graph.positions[batch:]])
+        padded = (
+            torch.cat([tokens, graph.tokens[batch:]]),
+            torch.cat([positions, graph.positions[batch:]]),
+        )
         expected = twin.step(*padded)[:batch]
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
         assert toy.cursor.tolist() == twin.cursor.tolist()

@@ -13,10 +13,10 @@ import torch
 from torch._dynamo.exc import FailOnRecompileLimitHit
 from torch._inductor.utils import run_and_get_code
 
-from trace_replay.kernels._triton import use_triton
+from trace_replay.engines.builtin.backends.static_view import kernel_layer
 from trace_replay.engines.builtin.passes import compiling
 from trace_replay.engines.builtin.passes.compiling import compile_function, layer_passes
-from trace_replay.engines.builtin.backends.static_view import kernel_layer
+from trace_replay.kernels._triton import use_triton
 from trace_replay.kernels.gemv import gemv
 
 
@@ -30,14 +30,14 @@ def test_limit_is_raised_never_lowered(monkeypatch):
     user's limit where that is higher (here RECOMPILES is 3, so the shapes stay few)."""
     monkeypatch.setattr(compiling, "RECOMPILES", 3)
     with torch._dynamo.config.patch(recompile_limit=1):
-        compiled = compile_function(lambda x: x * 2, backend="eager", fullgraph=True,
-                                    dynamic=False)
+        compiled = compile_function(lambda x: x * 2, backend="eager", fullgraph=True, dynamic=False)
         _compiles(compiled, 3)
         with pytest.raises(FailOnRecompileLimitHit):
             compiled(torch.ones(4))
     with torch._dynamo.config.patch(recompile_limit=5):
-        _compiles(compile_function(lambda x: x * 2, backend="eager", fullgraph=True,
-                                   dynamic=False), 5)
+        _compiles(
+            compile_function(lambda x: x * 2, backend="eager", fullgraph=True, dynamic=False), 5
+        )
 
 
 def test_a_fullgraph_function_compiles_past_eight_shapes():
@@ -45,8 +45,9 @@ def test_a_fullgraph_function_compiles_past_eight_shapes():
     default this is a hard error at the ninth. Dynamo's configuration is left as it was."""
     before = torch._dynamo.config.get_config_copy()
     with torch._dynamo.config.patch(recompile_limit=8):
-        _compiles(compile_function(lambda x: x * 2, backend="eager", fullgraph=True,
-                                   dynamic=False), 10)
+        _compiles(
+            compile_function(lambda x: x * 2, backend="eager", fullgraph=True, dynamic=False), 10
+        )
     assert torch._dynamo.config.get_config_copy() == before
 
 
@@ -64,16 +65,18 @@ def test_importing_the_engines_leaves_the_process_as_it_was():
             importlib.import_module(name)
         print(state() == before)
     """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True", out.stderr
 
 
-@pytest.mark.parametrize("config, ops", [
-    ("LlamaConfig", {"gemv_normed", "gated_gemv_normed", "gemv_add"}),
-    # Gemma-2 norms the attention and MLP outputs before the residual adds
-    ("Gemma2Config", {"gemv_normed", "gated_gemv_normed", "gemv", "rms_norm"}),
-])
+@pytest.mark.parametrize(
+    "config, ops",
+    [
+        ("LlamaConfig", {"gemv_normed", "gated_gemv_normed", "gemv_add"}),
+        # Gemma-2 norms the attention and MLP outputs before the residual adds
+        ("Gemma2Config", {"gemv_normed", "gated_gemv_normed", "gemv", "rms_norm"}),
+    ],
+)
 def test_a_one_row_layer_compiles_to_the_fused_kernels(make_tiny_lm, config, ops):
     """A bfloat16 decoder layer's view at one row, compiled with ``layer_passes``: the input
     norm runs inside the q/k/v launch, the MLP's norm inside the gated launch, and (Llama)
@@ -92,13 +95,13 @@ def test_a_one_row_layer_compiles_to_the_fused_kernels(make_tiny_lm, config, ops
 
     def run(module, h):
         cos_sin = (rotary if h.dtype == torch.float32 else lm.model.rotary_emb)(h, position)
-        out = type(module).forward(module, h, position_embeddings=cos_sin,
-                                   position_ids=position)
+        out = type(module).forward(module, h, position_embeddings=cos_sin, position_ids=position)
         return out[0] if isinstance(out, tuple) else out
 
     torch._dynamo.reset()
-    compiled = torch.compile(lambda h: run(view, h), fullgraph=True, dynamic=False,
-                             options=layer_passes())
+    compiled = torch.compile(
+        lambda h: run(view, h), fullgraph=True, dynamic=False, options=layer_passes()
+    )
     with torch.no_grad():
         ours, code = run_and_get_code(compiled, x.bfloat16())
         want, model = run(exact, x), run(layer, x.bfloat16())

@@ -14,10 +14,14 @@ import torch
 from trace_replay.engines.base import ReplayRequest
 from trace_replay.engines.builtin.backends.hf import HFBackend
 from trace_replay.engines.builtin.backends.static import StaticCacheBackend
-from trace_replay.engines.builtin.decode import (ForcedSteps, SlotTable, forced_step,
-                                                generate_steps, replay_steps)
-from trace_replay.engines.builtin.scoring import wave_results
-from trace_replay.engines.builtin.scoring import scorer_for
+from trace_replay.engines.builtin.decode import (
+    ForcedSteps,
+    SlotTable,
+    forced_step,
+    generate_steps,
+    replay_steps,
+)
+from trace_replay.engines.builtin.scoring import scorer_for, wave_results
 
 TOP_K = 3
 CPU = torch.device("cpu")
@@ -40,13 +44,15 @@ def replayed(tiny_llama, tiny_requests):
     reported = []
     with torch.inference_mode():
         backend, slots, idx_mapping, logits = start_wave(tiny_llama, tiny_requests, longest)
-        steps, counts = replay_steps(backend, slots, idx_mapping, logits, longest, TOP_K,
-                                     on_step=reported.append)
+        steps, counts = replay_steps(
+            backend, slots, idx_mapping, logits, longest, TOP_K, on_step=reported.append
+        )
     return backend, steps, counts, reported
 
 
-def test_replay_scores_every_trace_token_as_teacher_forcing(replayed, tiny_requests,
-                                                            assert_results_match):
+def test_replay_scores_every_trace_token_as_teacher_forcing(
+    replayed, tiny_requests, assert_results_match
+):
     """Batched, left-padded replay emits exactly each trace, with the logprob, rank and top-k
     of a float64 teacher-forced forward over that trace alone."""
     _, steps, counts, _ = replayed
@@ -86,10 +92,14 @@ def test_forced_step_scores_the_unmodified_logits():
 def wave_of(lengths: list[int], seed: int, prompt_len: int = 3) -> list[ReplayRequest]:
     """Random requests with traces of ``lengths`` and prompts of ``prompt_len + i`` tokens."""
     gen = torch.Generator().manual_seed(seed)
-    return [ReplayRequest(f"w{seed}-{i}", tuple(torch.randint(3, 128, (prompt_len + i,),
-                                                              generator=gen).tolist()),
-                          tuple(torch.randint(3, 128, (n,), generator=gen).tolist()))
-            for i, n in enumerate(lengths)]
+    return [
+        ReplayRequest(
+            f"w{seed}-{i}",
+            tuple(torch.randint(3, 128, (prompt_len + i,), generator=gen).tolist()),
+            tuple(torch.randint(3, 128, (n,), generator=gen).tolist()),
+        )
+        for i, n in enumerate(lengths)
+    ]
 
 
 def host_steps(steps):
@@ -101,8 +111,9 @@ def replay_wave(backend, slots, wave, **kwargs):
     idx_mapping = slots.admit(wave)
     longest = max(r.trace_len for r in wave)
     logits = backend.prefill([r.prompt_token_ids for r in wave], longest)
-    steps, counts = replay_steps(backend, slots, idx_mapping, logits, longest, TOP_K,
-                                 scorer_for(logits.device), **kwargs)
+    steps, counts = replay_steps(
+        backend, slots, idx_mapping, logits, longest, TOP_K, scorer_for(logits.device), **kwargs
+    )
     return host_steps(steps), counts
 
 
@@ -113,8 +124,7 @@ def step_by_step(backend, slots, wave):
     logits = backend.prefill([r.prompt_token_ids for r in wave], longest)
     steps = []
     for step in range(longest):
-        sampled, scores = forced_step(logits, slots, idx_mapping, TOP_K,
-                                      scorer_for(logits.device))
+        sampled, scores = forced_step(logits, slots, idx_mapping, TOP_K, scorer_for(logits.device))
         steps.append((scores, sampled))
         positions = (slots.total_len(idx_mapping) - 1)[:, None]
         if step < longest - 1:
@@ -166,8 +176,9 @@ def test_cached_steps_are_reused_only_while_their_key_holds(tiny_llama):
         replay_wave(backend, slots, wave_of([40, 50], seed=5), cache=cache)
         assert cache["forced"] is not two_rows  # 50 steps: a larger score buffer
     assert first.fits(slots)
-    slots.trace_state.trace_token_ids = torch.zeros(2 * first.trace_tokens.numel(),
-                                                    dtype=torch.int32)
+    slots.trace_state.trace_token_ids = torch.zeros(
+        2 * first.trace_tokens.numel(), dtype=torch.int32
+    )
     assert not first.fits(slots)  # storage larger than its own trace buffer: capture anew
 
 
@@ -183,13 +194,18 @@ def test_captured_graph_equals_eager_steps(tiny_llama, monkeypatch):
     backend = StaticCacheBackend(lm, 0)
     assert backend.static_logits
     slots, cache = SlotTable(4, torch.device("cuda")), {}
-    waves = [wave_of([9, 12, 5, 1], seed=1), wave_of([4, 2], seed=2),
-             wave_of([9, 12, 5, 1], seed=1), wave_of([9, 12, 5, 1], seed=3, prompt_len=60),
-             wave_of([11, 3, 12, 7], seed=4, prompt_len=60)]
+    waves = [
+        wave_of([9, 12, 5, 1], seed=1),
+        wave_of([4, 2], seed=2),
+        wave_of([9, 12, 5, 1], seed=1),
+        wave_of([9, 12, 5, 1], seed=3, prompt_len=60),
+        wave_of([11, 3, 12, 7], seed=4, prompt_len=60),
+    ]
     eager = []  # steps run by ForcedSteps._step (eagerly, or while capturing)
     step = ForcedSteps._step
-    monkeypatch.setattr(ForcedSteps, "_step",
-                        lambda self, logits: (eager.append(1), step(self, logits))[1])
+    monkeypatch.setattr(
+        ForcedSteps, "_step", lambda self, logits: (eager.append(1), step(self, logits))[1]
+    )
     with torch.inference_mode():
         for i, wave in enumerate(waves):
             eager.clear()
@@ -198,30 +214,43 @@ def test_captured_graph_equals_eager_steps(tiny_llama, monkeypatch):
             if i == 2:
                 reused, logits = cache["forced"], cache["forced"]._logits
             # the same compiled forward, the forced steps run op by op
-            theirs, _ = replay_wave(StaticCacheBackend(lm, 0), SlotTable(4, torch.device("cuda")),
-                                    wave)
+            theirs, _ = replay_wave(
+                StaticCacheBackend(lm, 0), SlotTable(4, torch.device("cuda")), wave
+            )
             assert_same_steps(ours, theirs)
     assert cache["forced"] is reused and cache["forced"]._logits is not logits
 
 
-def generated(lm, *, max_tokens: int, temperature: float = 0.0, seed: int = 0,
-              eos_token_id: int | None = None,
-              prompts: list[list[int]] = PROMPTS) -> tuple[torch.Tensor, torch.Tensor]:
+def generated(
+    lm,
+    *,
+    max_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    eos_token_id: int | None = None,
+    prompts: list[list[int]] = PROMPTS,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``generate_steps`` over ``prompts`` in one wave."""
     wave = [ReplayRequest(str(i), tuple(p), ()) for i, p in enumerate(prompts)]
     with torch.inference_mode():
         backend, slots, idx_mapping, logits = start_wave(lm, wave, max_tokens)
-        return generate_steps(backend, slots, idx_mapping, logits, max_tokens=max_tokens,
-                              temperature=temperature,
-                              generator=torch.Generator().manual_seed(seed),
-                              eos_token_id=eos_token_id)
+        return generate_steps(
+            backend,
+            slots,
+            idx_mapping,
+            logits,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            generator=torch.Generator().manual_seed(seed),
+            eos_token_id=eos_token_id,
+        )
 
 
 def teacher_forced(lm, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """float64 log-softmax ``[len(tokens), V]`` predicting each of ``tokens`` after ``prompt``."""
     with torch.inference_mode():
         logits = lm(input_ids=torch.tensor([prompt + tokens])).logits[0].double()
-    return torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+    return torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
 
 
 def test_greedy_generation_follows_the_argmax(tiny_llama):
@@ -242,8 +271,9 @@ def test_sampling_reports_raw_logprobs_and_follows_the_seed(tiny_llama):
     tokens, logprobs = generated(tiny_llama, max_tokens=6, temperature=1.5, seed=3)
     for prompt, row, row_lps in zip(PROMPTS, tokens.tolist(), logprobs):
         ref = teacher_forced(tiny_llama, prompt, row)
-        torch.testing.assert_close(row_lps.double(), ref[torch.arange(len(row)), row],
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            row_lps.double(), ref[torch.arange(len(row)), row], atol=1e-4, rtol=0
+        )
     again, _ = generated(tiny_llama, max_tokens=6, temperature=1.5, seed=3)
     assert torch.equal(tokens, again)
 

@@ -28,15 +28,22 @@ POOL = [
 ]
 BATCH_SIZES = (1, 3, 8)
 # few examples, no shrinking: every example replays real traces through the model
-CHECK = settings(max_examples=5, deadline=None, derandomize=True,
-                 phases=(Phase.explicit, Phase.generate),
-                 suppress_health_check=[HealthCheck.too_slow])
-runs = st.fixed_dictionaries({
-    "traces": st.permutations(POOL).flatmap(
-        lambda order: st.integers(1, len(order)).map(lambda n: order[:n])),
-    "batch_size": st.sampled_from(BATCH_SIZES),
-    "chunk_size": st.sampled_from([None, 1, 2]),
-})
+CHECK = settings(
+    max_examples=5,
+    deadline=None,
+    derandomize=True,
+    phases=(Phase.explicit, Phase.generate),
+    suppress_health_check=[HealthCheck.too_slow],
+)
+runs = st.fixed_dictionaries(
+    {
+        "traces": st.permutations(POOL).flatmap(
+            lambda order: st.integers(1, len(order)).map(lambda n: order[:n])
+        ),
+        "batch_size": st.sampled_from(BATCH_SIZES),
+        "chunk_size": st.sampled_from([None, 1, 2]),
+    }
+)
 
 
 @pytest.fixture(scope="module")
@@ -61,28 +68,34 @@ def rows_of(reference: pd.DataFrame, traces: list[dict]) -> pd.DataFrame:
 
 @CHECK
 @given(run=runs)
-def test_torch_replay_ignores_batch_order_and_chunks(engines, reference, run,
-                                                     assert_frames_bitwise_equal):
+def test_torch_replay_ignores_batch_order_and_chunks(
+    engines, reference, run, assert_frames_bitwise_equal
+):
     """Any subset, order, batch size and chunk size: each trace's rows are the reference's."""
-    got = replay(run["traces"], engine=engines[run["batch_size"]], progress=False,
-                 chunk_size=run["chunk_size"])
+    got = replay(
+        run["traces"],
+        engine=engines[run["batch_size"]],
+        progress=False,
+        chunk_size=run["chunk_size"],
+    )
     assert_frames_bitwise_equal(got, rows_of(reference, run["traces"]))
 
 
 @CHECK
 @given(run=runs)
-def test_prefill_equals_decode_replay_bitwise(engines, reference, run,
-                                              assert_frames_bitwise_equal):
+def test_prefill_equals_decode_replay_bitwise(engines, reference, run, assert_frames_bitwise_equal):
     """Teacher-forced prefill, in any grouping, gives the decode replay's bits."""
-    got = replay(run["traces"], engine=engines["prefill"], progress=False,
-                 chunk_size=run["chunk_size"])
+    got = replay(
+        run["traces"], engine=engines["prefill"], progress=False, chunk_size=run["chunk_size"]
+    )
     assert_frames_bitwise_equal(got, rows_of(reference, run["traces"]))
 
 
 @CHECK
 @given(run=runs, fail_at=st.integers(1, 3))
-def test_resume_equals_uninterrupted_bitwise(engines, reference, run, fail_at, tmp_path_factory,
-                                             assert_frames_bitwise_equal):
+def test_resume_equals_uninterrupted_bitwise(
+    engines, reference, run, fail_at, tmp_path_factory, assert_frames_bitwise_equal
+):
     """A run killed after some chunks and resumed from its checkpoint equals the reference."""
     engine = engines[run["batch_size"]]
     folder = tmp_path_factory.mktemp("ckpt")
@@ -97,14 +110,24 @@ def test_resume_equals_uninterrupted_bitwise(engines, reference, run, fail_at, t
 
     engine.run = dying_run
     try:
-        replay(run["traces"], engine=engine, progress=False, checkpoint=folder,
-               chunk_size=run["chunk_size"] or 1)
+        replay(
+            run["traces"],
+            engine=engine,
+            progress=False,
+            checkpoint=folder,
+            chunk_size=run["chunk_size"] or 1,
+        )
     except KeyboardInterrupt:
         pass
     finally:
         del engine.run
-    resumed = replay(run["traces"], engine=engine, progress=False, checkpoint=folder,
-                     chunk_size=run["chunk_size"] or 1)
+    resumed = replay(
+        run["traces"],
+        engine=engine,
+        progress=False,
+        checkpoint=folder,
+        chunk_size=run["chunk_size"] or 1,
+    )
     assert resumed["trace_id"].drop_duplicates().tolist() == [t["id"] for t in run["traces"]]
     assert_frames_bitwise_equal(resumed, rows_of(reference, run["traces"]))
 
@@ -118,11 +141,17 @@ def test_shards_are_slices_of_the_reference(engines, reference, assert_frames_bi
 
 
 @pytest.mark.parametrize("method", ["trace", "ngram"])
-def test_speculative_verify_equals_step_by_step_bitwise(lm, reference, method,
-                                                        assert_frames_bitwise_equal):
+def test_speculative_verify_equals_step_by_step_bitwise(
+    lm, reference, method, assert_frames_bitwise_equal
+):
     """Verify (rejected drafts are always trailing, so slots realign) gives the same bits."""
-    engine = make_engine("torch", lm, batch_size=3, deterministic=True,
-                         speculative={"method": method, "num_tokens": 2})
+    engine = make_engine(
+        "torch",
+        lm,
+        batch_size=3,
+        deterministic=True,
+        speculative={"method": method, "num_tokens": 2},
+    )
     assert_frames_bitwise_equal(replay(POOL, engine=engine, progress=False), reference)
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from trace_replay.engines import make_engine
-from trace_replay.engines.builtin.backends.hf import HFBackend
 from trace_replay.engines.builtin.backends.deterministic import DeterministicBackend
+from trace_replay.engines.builtin.backends.hf import HFBackend
 
 pytestmark = pytest.mark.slow
 
@@ -38,8 +38,9 @@ def test_row_bits_ignore_the_batch(backend):
     token = torch.tensor([[42]])
     with torch.inference_mode():
         crowd = backend.prefill(PROMPTS, 4).clone()
-        crowd_step = backend.decode(torch.tensor([[7], [9], [42]]),
-                                    torch.tensor([[4], [1], [3]])).clone()
+        crowd_step = backend.decode(
+            torch.tensor([[7], [9], [42]]), torch.tensor([[4], [1], [3]])
+        ).clone()
         alone = backend.prefill(PROMPTS[2:], 4).clone()
         alone_step = backend.decode(token, torch.tensor([[3]]))
     assert torch.equal(alone[0], crowd[2])
@@ -52,10 +53,14 @@ def test_decode_equals_teacher_forcing_bitwise(backend):
     with torch.inference_mode():
         steps = [backend.prefill([prompt], 4)[0].clone()]
         for i, token in enumerate(fed):
-            steps.append(backend.decode(torch.tensor([[token]]),
-                                        torch.tensor([[len(prompt) + i]]))[0, 0].clone())
-        forced = backend.teacher_forced([prompt + fed],
-                                        [range(len(prompt) - 1, len(prompt) + len(fed))])
+            steps.append(
+                backend.decode(torch.tensor([[token]]), torch.tensor([[len(prompt) + i]]))[
+                    0, 0
+                ].clone()
+            )
+        forced = backend.teacher_forced(
+            [prompt + fed], [range(len(prompt) - 1, len(prompt) + len(fed))]
+        )
     assert all(torch.equal(a, b) for a, b in zip(steps, forced))
 
 

@@ -8,7 +8,10 @@ import pytest
 import torch
 
 import trace_replay.kernels._triton
-from trace_replay.engines.builtin.backends.deterministic_model import DeterministicLlama, unsupported_reason
+from trace_replay.engines.builtin.backends.deterministic_model import (
+    DeterministicLlama,
+    unsupported_reason,
+)
 from trace_replay.engines.builtin.backends.deterministic_ops import score_rows
 from trace_replay.kernels.deterministic_attention import BLOCK_N
 
@@ -20,13 +23,14 @@ def model(tiny_llama) -> DeterministicLlama:
     return DeterministicLlama(tiny_llama)
 
 
-def logits_of(model: DeterministicLlama, sequences: list[list[int]], slots: int = 64,
-              runs: bool = False):
+def logits_of(
+    model: DeterministicLlama, sequences: list[list[int]], slots: int = 64, runs: bool = False
+):
     """Logits at every token of ``sequences``, each in its own cache row, all in one call
     (``runs``: the forward is told the sequences' lengths, as a prefill tells it)."""
     cache = model.new_cache(len(sequences), slots)
     for row, sequence in enumerate(sequences):
-        cache.valid[row, :len(sequence)] = True
+        cache.valid[row, : len(sequence)] = True
     tokens = torch.tensor([t for s in sequences for t in s])
     cache_row = torch.cat([torch.full((len(s),), row) for row, s in enumerate(sequences)])
     slot = torch.cat([torch.arange(len(s)) for s in sequences])
@@ -60,8 +64,13 @@ def test_new_cache_has_a_scratch_row(model, tiny_llama):
     context yet."""
     cache = model.new_cache(3, 2 * BLOCK_N)
     config = tiny_llama.config
-    assert cache.k.shape == (config.num_hidden_layers, 4, config.num_key_value_heads,
-                             2 * BLOCK_N, config.head_dim)
+    assert cache.k.shape == (
+        config.num_hidden_layers,
+        4,
+        config.num_key_value_heads,
+        2 * BLOCK_N,
+        config.head_dim,
+    )
     assert cache.scratch == 3 and not cache.valid.any()
 
 
@@ -79,7 +88,8 @@ def test_describe_names_the_arithmetic(model):
 # bitwise, by benchmarks/bench_determinism.py)
 needs_kernels = pytest.mark.skipif(
     not trace_replay.kernels._triton.interpreting(),
-    reason="CPU tensors run Triton kernels only with TRITON_INTERPRET=1 set before the first import")
+    reason="CPU tensors run Triton kernels only with TRITON_INTERPRET=1 set before the first import",
+)
 
 
 @needs_kernels
@@ -113,8 +123,14 @@ def test_tiled_attention_is_the_models_own(tiny_llama):
         DeterministicLlama(tiny_llama, attention="blocks")
     cache = model.new_cache(1, 64)
     with pytest.raises(ValueError, match="runs cover 3 rows; the forward has 2"):
-        model.forward(cache, torch.tensor([5, 6]), torch.tensor([0, 0]), torch.tensor([0, 1]),
-                      torch.tensor([0, 1]), runs=[3])
+        model.forward(
+            cache,
+            torch.tensor([5, 6]),
+            torch.tensor([0, 0]),
+            torch.tensor([0, 1]),
+            torch.tensor([0, 1]),
+            runs=[3],
+        )
 
 
 @needs_kernels
@@ -145,14 +161,19 @@ def test_linear_choice_is_checked(tiny_llama):
         DeterministicLlama(tiny_llama, triton=False, linear="3xtf32")
 
 
-@pytest.mark.parametrize("config_name, overrides, reason", [
-    ("MistralConfig", {"sliding_window": 4}, "sliding-window attention"),
-    ("Qwen3Config", {}, "model type 'qwen3' is not Llama-family (llama, mistral, qwen2)"),
-    ("LlamaConfig", {"hidden_act": "gelu"}, "activation 'gelu' (only silu)"),
-    ("LlamaConfig", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0,
-                                         "rope_theta": 10000.0}},
-     "position-dependent RoPE scaling"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "config_name, overrides, reason",
+    [
+        ("MistralConfig", {"sliding_window": 4}, "sliding-window attention"),
+        ("Qwen3Config", {}, "model type 'qwen3' is not Llama-family (llama, mistral, qwen2)"),
+        ("LlamaConfig", {"hidden_act": "gelu"}, "activation 'gelu' (only silu)"),
+        (
+            "LlamaConfig",
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
+            "position-dependent RoPE scaling",
+        ),
+    ],
+)
 def test_unsupported_models_are_named(make_tiny_lm, config_name, overrides, reason):
     """Models whose arithmetic the invariant forward does not reproduce are refused with the
     reason, before anything runs."""

@@ -30,16 +30,23 @@ def test_assumption_gemm_row_ignores_neighbours_at_fixed_shape():
     """For a fixed [M, K] x [K, N], a row's bits do not depend on the other rows or its place."""
     weight, row = torch.randn(96, 64), torch.randn(64)
     for rows in (4, 16):
-        outs = [torch.nn.functional.linear(_placed(row, rows, p, seed), weight)[p]
-                for seed, p in enumerate((0, rows // 2, rows - 1))]
+        outs = [
+            torch.nn.functional.linear(_placed(row, rows, p, seed), weight)[p]
+            for seed, p in enumerate((0, rows // 2, rows - 1))
+        ]
         assert all(torch.equal(o, outs[0]) for o in outs), rows
 
 
 def test_assumption_row_reductions_ignore_neighbours():
     """sum/mean/amax/log_softmax/softmax over the last dim: a row's bits are its own."""
     row = torch.randn(1000)
-    for op in (lambda x: x.sum(-1), lambda x: x.pow(2).mean(-1), lambda x: x.amax(-1),
-               lambda x: torch.log_softmax(x, -1), lambda x: torch.softmax(x, -1)):
+    for op in (
+        lambda x: x.sum(-1),
+        lambda x: x.pow(2).mean(-1),
+        lambda x: x.amax(-1),
+        lambda x: torch.log_softmax(x, -1),
+        lambda x: torch.softmax(x, -1),
+    ):
         outs = [op(_placed(row, 8, p, seed))[p] for seed, p in enumerate((0, 3, 7))]
         assert all(torch.equal(o, outs[0]) for o in outs)
 
@@ -48,7 +55,7 @@ def test_assumption_exp_same_bits_in_body_and_tail():
     """CPU exp gives an element the same bits in the vectorized body and the scalar tail."""
     x = torch.randn(4099)
     whole = torch.exp(x)
-    pieces = torch.cat([torch.exp(x[i:i + 7]) for i in range(0, len(x), 7)])
+    pieces = torch.cat([torch.exp(x[i : i + 7]) for i in range(0, len(x), 7)])
     assert torch.equal(whole, pieces)
 
 
@@ -56,7 +63,7 @@ def test_silu_mul_same_bits_anywhere():
     """silu_mul gives an element the same bits wherever it sits (F.silu does not on CPU)."""
     gate, up = torch.randn(4099), torch.randn(4099)
     whole = silu_mul(gate, up)
-    pieces = torch.cat([silu_mul(gate[i:i + 7], up[i:i + 7]) for i in range(0, 4099, 7)])
+    pieces = torch.cat([silu_mul(gate[i : i + 7], up[i : i + 7]) for i in range(0, 4099, 7)])
     assert torch.equal(whole, pieces)
     torch.testing.assert_close(whole, torch.nn.functional.silu(gate) * up)
 

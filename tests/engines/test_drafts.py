@@ -19,8 +19,8 @@ def lookup_oracle(tokens: list[int], k: int, max_ngram: int = 3) -> list[int | N
     for n in range(max_ngram, 0, -1):
         if length <= n:
             continue
-        tail = tokens[length - n:]
-        starts = [s for s in range(length - n) if tokens[s:s + n] == tail]
+        tail = tokens[length - n :]
+        starts = [s for s in range(length - n) if tokens[s : s + n] == tail]
         if starts:
             follow = starts[-1] + n
             return [tokens[i] if i < length else None for i in range(follow, follow + k)]
@@ -34,13 +34,16 @@ def test_parse_speculative_defaults_and_normalizes():
     assert parse_speculative({"method": "ngram", "num_tokens": 2}) == ("ngram", 2)
 
 
-@pytest.mark.parametrize("bad, error, message", [
-    ("trace", TypeError, "must be a dict"),
-    ({"method": "eagle"}, ValueError, "method must be one of"),
-    ({"num_tokens": 0}, ValueError, "positive integer"),
-    ({"num_tokens": True}, ValueError, "positive integer"),
-    ({"k": 3}, ValueError, r"unknown keys \['k'\]"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad, error, message",
+    [
+        ("trace", TypeError, "must be a dict"),
+        ({"method": "eagle"}, ValueError, "method must be one of"),
+        ({"num_tokens": 0}, ValueError, "positive integer"),
+        ({"num_tokens": True}, ValueError, "positive integer"),
+        ({"k": 3}, ValueError, r"unknown keys \['k'\]"),
+    ],
+)
 def test_parse_speculative_names_the_problem(bad, error, message):
     """A malformed setting is refused before any model work, saying what is wrong."""
     with pytest.raises(error, match=message):
@@ -66,9 +69,10 @@ def test_entries_past_context_len_are_ignored():
 
 
 @settings(max_examples=80, deadline=None)
-@given(rows=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1,
-                     max_size=4),
-       k=st.integers(1, 4))
+@given(
+    rows=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=4),
+    k=st.integers(1, 4),
+)
 def test_matches_the_row_by_row_rule(rows, k):
     """Vectorized over rows of different lengths, each row gets what the one-row rule gives."""
     width = max(len(row) for row in rows)
@@ -76,5 +80,6 @@ def test_matches_the_row_by_row_rule(rows, k):
     drafts = ngram_drafts(context, torch.tensor([len(row) for row in rows]), k=k)
     for row, got in zip(rows, drafts.tolist()):
         expected = lookup_oracle(row, k)
-        assert [g for g, e in zip(got, expected) if e is not None] == \
-            [e for e in expected if e is not None], (row, got, expected)
+        assert [g for g, e in zip(got, expected) if e is not None] == [
+            e for e in expected if e is not None
+        ], (row, got, expected)

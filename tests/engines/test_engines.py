@@ -17,11 +17,18 @@ TOP_K = 3
 NAMES = [
     pytest.param("torch", marks=pytest.mark.slow),
     pytest.param("prefill", marks=pytest.mark.slow),
-    pytest.param("vllm", marks=[
-        pytest.mark.slow, pytest.mark.vllm,
-        pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                           reason="vllm is not installed (pip install 'trace-replay[cpu]')")]),
-]  # fmt: skip
+    pytest.param(
+        "vllm",
+        marks=[
+            pytest.mark.slow,
+            pytest.mark.vllm,
+            pytest.mark.skipif(
+                importlib.util.find_spec("vllm") is None,
+                reason="vllm is not installed (pip install 'trace-replay[cpu]')",
+            ),
+        ],
+    ),
+]
 
 
 # --- make_engine: checked before any model is loaded ---------------------------------------
@@ -36,12 +43,18 @@ def test_make_engine_refuses_an_unknown_engine():
 
 def test_make_engine_refuses_options_the_engine_does_not_take():
     """An option of another engine is refused, naming what this one takes; None is no option."""
-    with pytest.raises(ValueError, match=r"engine 'prefill' does not take speculative \(it takes "
-                                         r"deterministic_attention\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"engine 'prefill' does not take speculative \(it takes "
+        r"deterministic_attention\)",
+    ):
         make_engine("prefill", speculative={"method": "trace"})
-    with pytest.raises(ValueError, match=r"'torch' does not take engine_args \(it takes "
-                                         r"speculative, backend, float32_matmul, batch1_fusions, "
-                                         r"deterministic_attention\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"'torch' does not take engine_args \(it takes "
+        r"speculative, backend, float32_matmul, batch1_fusions, "
+        r"deterministic_attention\)",
+    ):
         make_engine("torch", engine_args={})
 
 
@@ -54,8 +67,9 @@ def test_bad_settings_fail_before_the_model_loads(tmp_path):
 @pytest.mark.parametrize("name", ["torch", "prefill"])
 def test_a_bad_deterministic_attention_fails_before_the_model_loads(tmp_path, name):
     """deterministic_attention is checked, naming its choices, before any model is read."""
-    with pytest.raises(ValueError, match="deterministic_attention='cols'; choose one of "
-                                         "tiles, rows"):
+    with pytest.raises(
+        ValueError, match="deterministic_attention='cols'; choose one of tiles, rows"
+    ):
         make_engine(name, tmp_path / "no-such-model", deterministic_attention="cols")
 
 
@@ -64,8 +78,10 @@ def test_auto_with_speculative_picks_torch_and_says_why(lm):
     """auto with speculative settings chooses the torch engine and records why."""
     engine = make_engine("auto", lm, speculative={"method": "trace", "num_tokens": 2})
     assert engine.name == "torch"
-    assert engine.settings()["selected_by"] == \
-        "auto: torch (speculative verify runs in the torch engine)"
+    assert (
+        engine.settings()["selected_by"]
+        == "auto: torch (speculative verify runs in the torch engine)"
+    )
 
 
 # --- every engine keeps the protocol -------------------------------------------------------
@@ -76,8 +92,13 @@ def engine(request, lm):
     """Each engine on the embedded model, float32, 2 slots, used as a context manager."""
     options = {"engine_args": {"max_model_len": 512, "max_num_batched_tokens": 512}}
     model = None if request.param == "vllm" else lm  # vLLM loads the weights itself
-    with make_engine(request.param, model, batch_size=2, top_k=TOP_K,
-                     **(options if request.param == "vllm" else {})) as engine:
+    with make_engine(
+        request.param,
+        model,
+        batch_size=2,
+        top_k=TOP_K,
+        **(options if request.param == "vllm" else {}),
+    ) as engine:
         yield engine
     # leaving the with-block closed it: the model (and vLLM's engine core) is released
     assert getattr(engine, "lm", None) is None and getattr(engine, "llm", None) is None
@@ -131,8 +152,12 @@ def test_settings_are_fixed_provenance(engine, requests):
     JSON-ready (it goes into df.attrs and Parquet) and a run does not change it."""
     before = engine.settings()
     assert COMMON_SETTINGS <= set(before)
-    assert (before["engine"], before["dtype"], before["batch_size"], before["top_k"]) == \
-        (engine.name, "float32", 2, TOP_K)
+    assert (before["engine"], before["dtype"], before["batch_size"], before["top_k"]) == (
+        engine.name,
+        "float32",
+        2,
+        TOP_K,
+    )
     json.dumps(before)
     engine.run(requests[:1])
     assert engine.settings() == before

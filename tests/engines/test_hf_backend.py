@@ -16,8 +16,10 @@ ATOL = 1e-4  # float32 with and without padding, measured ~1e-5
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
-    return [tokenizer.encode(text) for text in
-            ("The capital of France is", "def add(a, b):", "Once upon a")]
+    return [
+        tokenizer.encode(text)
+        for text in ("The capital of France is", "def add(a, b):", "Once upon a")
+    ]
 
 
 def forward(lm, ids: list[int]) -> torch.Tensor:

@@ -64,8 +64,9 @@ class Swell:
     ``most`` bytes went out; ``declared`` sends that Content-Length. ``sent`` counts the
     bytes written, ``done`` is set at the end."""
 
-    def __init__(self, status: int = 200, *, declared: int | None = None,
-                 most: int = 64 << 20) -> None:
+    def __init__(
+        self, status: int = 200, *, declared: int | None = None, most: int = 64 << 20
+    ) -> None:
         self.status, self.declared, self.most = status, declared, most
         self.sent, self.done = 0, threading.Event()
 
@@ -99,7 +100,7 @@ class Trickle:
         handler.end_headers()
         try:
             for start in range(0, len(data), size):
-                handler.wfile.write(data[start:start + size])
+                handler.wfile.write(data[start : start + size])
                 handler.wfile.flush()
                 time.sleep(self.gap_s)
         except OSError:  # the client hung up: what the test expects
@@ -170,8 +171,11 @@ def test_post_sends_json_and_the_api_key(server):
     assert client.post("/v1/x", {"prompt": [5, 6]}) == {"ok": [1, 2]}
     assert client.get("/v1/x") == {"ok": [1, 2]}
     first, second = server.seen["/v1/x"]
-    assert (first["method"], json.loads(first["body"]), first["auth"]) == \
-        ("POST", {"prompt": [5, 6]}, "Bearer secret")
+    assert (first["method"], json.loads(first["body"]), first["auth"]) == (
+        "POST",
+        {"prompt": [5, 6]},
+        "Bearer secret",
+    )
     assert second["method"] == "GET"
     assert (client.requests, client.retries) == (2, 0)
 
@@ -189,18 +193,24 @@ def test_an_error_answer_is_never_retried(server):
     an OpenAI-style error body."""
     body = {"object": "error", "message": "max_tokens must be at least 1", "code": 400}
     client = client_for(server, {"/v1/x": [(400, {"error": body})]})
-    with pytest.raises(ServerError, match=r"/v1/x answered HTTP 400: max_tokens must be at "
-                                          r"least 1$") as error:
+    with pytest.raises(
+        ServerError,
+        match=r"/v1/x answered HTTP 400: max_tokens must be at "
+        r"least 1$",
+    ) as error:
         client.post("/v1/x", {})
     assert error.value.status == 400
     assert len(server.seen["/v1/x"]) == 1 and client.retries == 0
 
 
-@pytest.mark.parametrize("status, body, message", [
-    (422, {"detail": "Field required: model"}, "HTTP 422: Field required: model"),
-    (500, b"Internal Server Error", "HTTP 500: Internal Server Error"),
-    (404, {"error": "no such route"}, "HTTP 404: no such route"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "status, body, message",
+    [
+        (422, {"detail": "Field required: model"}, "HTTP 422: Field required: model"),
+        (500, b"Internal Server Error", "HTTP 500: Internal Server Error"),
+        (404, {"error": "no such route"}, "HTTP 404: no such route"),
+    ],
+)
 def test_error_text_is_the_bodys_message(server, status, body, message):
     """FastAPI's ``detail``, a plain-text body and a bare ``error`` string each become the
     error's text."""
@@ -223,8 +233,11 @@ def test_no_server_is_an_error_after_every_retry():
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     client = JsonClient(f"http://127.0.0.1:{port}", max_retries=2, backoff_s=0.01)
-    with pytest.raises(ServerError, match=rf"no answer from http://127.0.0.1:{port}/v1/models "
-                                          r"after 3 attempts \(last: URLError: .*refused"):
+    with pytest.raises(
+        ServerError,
+        match=rf"no answer from http://127.0.0.1:{port}/v1/models "
+        r"after 3 attempts \(last: URLError: .*refused",
+    ):
         client.get("/v1/models")
     assert (client.requests, client.retries) == (0, 2)
 
@@ -233,8 +246,9 @@ def test_timeout_is_for_the_whole_answer(server):
     """timeout_s bounds an attempt from connecting to the answer's last byte: an answer
     trickled in pieces that each come well within timeout_s, but take longer in all, is cut
     off and counts as no answer (it was accepted when the timeout was per read)."""
-    client = client_for(server, {"/v1/slow": [(200, Trickle(pieces=12, gap_s=0.25))]},
-                        timeout_s=1.0, max_retries=0)
+    client = client_for(
+        server, {"/v1/slow": [(200, Trickle(pieces=12, gap_s=0.25))]}, timeout_s=1.0, max_retries=0
+    )
     with pytest.raises(ServerError, match=r"no answer .* after 1 attempt \(last: TimeoutError"):
         client.get("/v1/slow")
 
@@ -251,13 +265,19 @@ def test_timeout_covers_headers_sent_slowly(server):
     assert slow.sent < slow.pieces  # the client hung up mid-headers, not after all of them
 
 
-@pytest.mark.parametrize("options, problem", [
-    ({"max_retries": -1}, "max_retries must be an integer >= 0, got -1"),
-    ({"timeout_s": float("nan")}, "timeout_s must be a finite number of seconds > 0"),
-    ({"timeout_s": 1e300}, r"timeout_s must be .* > 0, got 1e\+300 \(at most \d+\)"),  # overflowed
-    ({"backoff_s": -1}, "backoff_s must be a finite number of seconds >= 0"),
-    ({"max_bytes": 0}, "max_bytes must be an integer >= 1, got 0"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "options, problem",
+    [
+        ({"max_retries": -1}, "max_retries must be an integer >= 0, got -1"),
+        ({"timeout_s": float("nan")}, "timeout_s must be a finite number of seconds > 0"),
+        (
+            {"timeout_s": 1e300},
+            r"timeout_s must be .* > 0, got 1e\+300 \(at most \d+\)",
+        ),  # overflowed
+        ({"backoff_s": -1}, "backoff_s must be a finite number of seconds >= 0"),
+        ({"max_bytes": 0}, "max_bytes must be an integer >= 1, got 0"),
+    ],
+)
 def test_bad_options_are_refused(options, problem):
     """A negative retry count (an UnboundLocalError before), a NaN timeout or a negative
     backoff is refused when the client is built."""
@@ -270,8 +290,12 @@ def test_numpy_numbers_are_taken_as_options():
     were refused as 'must be an integer >= 0, got np.int64(2)'), stored as int and float."""
     import numpy as np
 
-    client = JsonClient("http://127.0.0.1:9", max_retries=np.int64(2),
-                        timeout_s=np.float32(5.0), backoff_s=np.int64(1))
+    client = JsonClient(
+        "http://127.0.0.1:9",
+        max_retries=np.int64(2),
+        timeout_s=np.float32(5.0),
+        backoff_s=np.int64(1),
+    )
     assert (client.max_retries, client.timeout_s, client.backoff_s) == (2, 5.0, 1.0)
     assert type(client.max_retries) is int and type(client.timeout_s) is float
 
@@ -289,17 +313,24 @@ def test_a_redirect_to_another_origin_is_refused(server, other_server):
     the redirect with the Authorization header)."""
     other_server.script, other_server.seen = {"/v1/models": [(200, {"data": []})]}, {}
     elsewhere = f"http://127.0.0.1:{other_server.server_port}/v1/models"
-    client = client_for(server, {"/v1/models": [(302, Redirect(302, elsewhere))]},
-                        api_key="sk-x")
-    with pytest.raises(ServerError, match=rf"127.0.0.1:{server.server_port}/v1/models "
-                                          rf"redirected \(HTTP 302\) to {elsewhere}, on another "
-                                          "server than"):
+    client = client_for(server, {"/v1/models": [(302, Redirect(302, elsewhere))]}, api_key="sk-x")
+    with pytest.raises(
+        ServerError,
+        match=rf"127.0.0.1:{server.server_port}/v1/models "
+        rf"redirected \(HTTP 302\) to {elsewhere}, on another "
+        "server than",
+    ):
         client.get("/v1/models")
     assert other_server.seen == {}
 
 
-@pytest.mark.parametrize("location", ["https://127.0.0.1:{port}/v1/y",  # another scheme
-                                      "http://localhost:{port}/v1/y"])  # another host name
+@pytest.mark.parametrize(
+    "location",
+    [
+        "https://127.0.0.1:{port}/v1/y",  # another scheme
+        "http://localhost:{port}/v1/y",
+    ],
+)  # another host name
 def test_another_scheme_or_host_is_another_origin(server, location):
     """Same port, but https or another spelling of the host: another origin, refused."""
     client = client_for(server, {"/v1/x": [(301, Redirect(301, location))]}, api_key="sk-x")
@@ -310,15 +341,23 @@ def test_another_scheme_or_host_is_another_origin(server, location):
 def test_a_same_origin_redirect_is_followed_with_the_key(server):
     """A redirect within the server (a relative Location, or its own address) is followed,
     the key sent along; a POST is repeated with its body through 307 and 308."""
-    client = client_for(server, {
-        "/v1/a": [(302, Redirect(302, "/v1/b"))],
-        "/v1/b": [(308, Redirect(308, "http://127.0.0.1:{port}/v1/c"))],
-        "/v1/c": [(200, {"ok": 1})]}, api_key="sk-x")
+    client = client_for(
+        server,
+        {
+            "/v1/a": [(302, Redirect(302, "/v1/b"))],
+            "/v1/b": [(308, Redirect(308, "http://127.0.0.1:{port}/v1/c"))],
+            "/v1/c": [(200, {"ok": 1})],
+        },
+        api_key="sk-x",
+    )
     assert client.get("/v1/a") == {"ok": 1}
     assert client.post("/v1/b", {"n": 2}) == {"ok": 1}
     posted = server.seen["/v1/c"][-1]
-    assert (posted["method"], json.loads(posted["body"]), posted["auth"]) == \
-        ("POST", {"n": 2}, "Bearer sk-x")
+    assert (posted["method"], json.loads(posted["body"]), posted["auth"]) == (
+        "POST",
+        {"n": 2},
+        "Bearer sk-x",
+    )
     assert client.retries == 0
 
 
@@ -333,8 +372,11 @@ def test_redirects_are_limited(server):
 def test_a_post_redirected_without_its_body_is_refused(server):
     """A POST answered 302/303 would be repeated as a GET without its body: refused."""
     client = client_for(server, {"/v1/p": [(303, Redirect(303, "/v1/q"))]})
-    with pytest.raises(ServerError, match=r"answered a POST with HTTP 303 to .*/v1/q, which "
-                                          "would drop its body"):
+    with pytest.raises(
+        ServerError,
+        match=r"answered a POST with HTTP 303 to .*/v1/q, which "
+        "would drop its body",
+    ):
         client.post("/v1/p", {"n": 1})
     assert "/v1/q" not in server.seen
 
@@ -345,11 +387,15 @@ def test_an_answer_past_its_size_cap_is_refused_unread(server, declared):
     Content-Length says so or once that many bytes came: the client hangs up after reading
     about the cap (it read a swelling answer to its end, 300 MiB held in memory)."""
     swell = Swell(declared=declared)
-    client = client_for(server, {"/v1/big": [(200, swell)]}, max_retries=0, timeout_s=60,
-                        max_bytes=1 << 20)
-    with pytest.raises(ServerError, match=rf"127.0.0.1:{server.server_port}/v1/big answered "
-                                          r".*more than the 1,048,576 bytes an answer to this "
-                                          "request may take"):
+    client = client_for(
+        server, {"/v1/big": [(200, swell)]}, max_retries=0, timeout_s=60, max_bytes=1 << 20
+    )
+    with pytest.raises(
+        ServerError,
+        match=rf"127.0.0.1:{server.server_port}/v1/big answered "
+        r".*more than the 1,048,576 bytes an answer to this "
+        "request may take",
+    ):
         client.get("/v1/big")
     assert swell.done.wait(30)
     assert swell.sent < 16 << 20  # the cap, and what the sockets' buffers held
@@ -375,8 +421,9 @@ def test_an_error_answer_is_read_in_part(server):
     assert swell.sent < 16 << 20
 
 
-@pytest.mark.parametrize("root", ["http://user:s3cret@127.0.0.1:9", "https://s3cret@host/v1",
-                                  "ftp://user:s3cret@host"])
+@pytest.mark.parametrize(
+    "root", ["http://user:s3cret@127.0.0.1:9", "https://s3cret@host/v1", "ftp://user:s3cret@host"]
+)
 def test_credentials_in_the_address_are_refused_unrepeated(root):
     """An address with user:password@ (or a bare key@) is refused, and the error does not
     repeat the credentials (it quoted the whole address)."""

@@ -31,8 +31,13 @@ UNGUARDED = textwrap.dedent("""
 def _run_script(tmp_path, engine: str, verbose: str) -> subprocess.CompletedProcess:
     script = tmp_path / "unguarded.py"
     script.write_text(UNGUARDED)
-    return subprocess.run([sys.executable, str(script), engine, verbose], capture_output=True,
-                          text=True, cwd=tmp_path, timeout=900)
+    return subprocess.run(
+        [sys.executable, str(script), engine, verbose],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=900,
+    )
 
 
 def test_vllm_runs_an_unguarded_script_once_and_quietly(tmp_path):

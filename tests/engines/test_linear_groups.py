@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from trace_replay.kernels._triton import use_triton
 from trace_replay.engines.builtin.passes.linear_groups import GroupLinears
+from trace_replay.kernels._triton import use_triton
 from trace_replay.kernels.fp32_linear import fp32_linear
 from trace_replay.kernels.gemv import gemv
 
@@ -21,8 +21,9 @@ def layer_inputs(device, cols=COLS, bias=True, seed=0):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(5, 1, 200, generator=gen).to(device)  # [rows, tokens, hidden]: reshaped
     weights = [(torch.randn(n, 200, generator=gen) * 200**-0.5).to(device) for n in cols]
-    biases = ([torch.randn(n, generator=gen).to(device) for n in cols] if bias
-              else [None] * len(cols))
+    biases = (
+        [torch.randn(n, generator=gen).to(device) for n in cols] if bias else [None] * len(cols)
+    )
     return x, weights, biases
 
 
@@ -33,16 +34,19 @@ def projections(x, weights, biases):
 
 
 def compiled_code(fn, *args):
-    compiled = torch.compile(fn, fullgraph=True, dynamic=False,
-                             options={"post_grad_custom_pre_pass": GroupLinears()})
+    compiled = torch.compile(
+        fn, fullgraph=True, dynamic=False, options={"post_grad_custom_pre_pass": GroupLinears()}
+    )
     out, code = run_and_get_code(compiled, *args)
     return out, "\n".join(code)
 
 
 def launches(code: str) -> tuple[int, int]:
     """(group launches, single launches) in inductor's generated code."""
-    return (code.count("trace_replay.fp32_linear_group_partials.default("),
-            code.count("trace_replay.fp32_linear_partials.default("))
+    return (
+        code.count("trace_replay.fp32_linear_group_partials.default("),
+        code.count("trace_replay.fp32_linear_partials.default("),
+    )
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -97,17 +101,23 @@ def test_one_row_half_precision_projections_are_one_gemv_launch(device):
     projections with biases are one ``gemv_group`` launch, each output the single call's
     within bfloat16 rounding."""
     x, weights, biases = layer_inputs(device)
-    x, weights, biases = (x[:1].bfloat16(), [w.bfloat16() for w in weights],
-                          [b.bfloat16() for b in biases])
+    x, weights, biases = (
+        x[:1].bfloat16(),
+        [w.bfloat16() for w in weights],
+        [b.bfloat16() for b in biases],
+    )
 
     def half_projections(x, weights, biases):
         h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
         return tuple(gemv(h, w, b) for w, b in zip(weights, biases))
 
     out, code = compiled_code(half_projections, x, weights, biases)
-    assert (code.count("trace_replay.gemv_group.default("),
-            code.count("trace_replay.gemv.default(")) == (1, 0)
+    assert (
+        code.count("trace_replay.gemv_group.default("),
+        code.count("trace_replay.gemv.default("),
+    ) == (1, 0)
     for got, want in zip(out, half_projections(x, weights, biases)):
         assert got.shape == want.shape == (1, 1, want.shape[-1])
-        torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * want.abs().max().item(),
-                                   rtol=0)
+        torch.testing.assert_close(
+            got.float(), want.float(), atol=2e-2 * want.abs().max().item(), rtol=0
+        )

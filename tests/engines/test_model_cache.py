@@ -11,7 +11,10 @@ from trace_replay.engines.cache import ModelCache, split_settings
 def test_split_settings_defaults_to_torch():
     """The engine defaults to torch and the model to None; the rest passes through."""
     assert split_settings({"dtype": "bf16", "deterministic": True}) == (
-        "torch", None, {"dtype": "bf16", "deterministic": True})
+        "torch",
+        None,
+        {"dtype": "bf16", "deterministic": True},
+    )
 
 
 @pytest.mark.slow

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch._inductor.utils import run_and_get_code
 
-from trace_replay.kernels._triton import use_triton
 from trace_replay.engines.builtin.passes.compiling import layer_passes
+from trace_replay.kernels._triton import use_triton
 from trace_replay.kernels.gated_gemv import gated_gemv
 from trace_replay.kernels.gemv import gemv
 from trace_replay.kernels.rms_norm import Norm, rms_norm, rms_norm_reference
@@ -21,8 +21,10 @@ def operands(device, cols=(48, 16, 16), seed=0):
         pytest.skip("the kernels run only with Triton (TRITON_INTERPRET=1 on CPU)")
     gen = torch.Generator().manual_seed(seed)
     x = (3 * torch.randn(1, DEPTH, generator=gen)).to(device, torch.bfloat16)
-    weights = [(torch.randn(n, DEPTH, generator=gen) * DEPTH**-0.5).to(device, torch.bfloat16)
-               for n in cols]
+    weights = [
+        (torch.randn(n, DEPTH, generator=gen) * DEPTH**-0.5).to(device, torch.bfloat16)
+        for n in cols
+    ]
     g = (1 + 0.3 * torch.randn(DEPTH, generator=gen)).to(device, torch.bfloat16)
     return x, weights, g
 

@@ -6,11 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trace_replay.engines.builtin.backends.packed_linear import (PackedLinears,
-                                                                packed_linears_available)
+from trace_replay.engines.builtin.backends.packed_linear import (
+    PackedLinears,
+    packed_linears_available,
+)
 
-pytestmark = pytest.mark.skipif(not packed_linears_available(torch.float32),
-                                reason="this torch has no oneDNN weight packing")
+pytestmark = pytest.mark.skipif(
+    not packed_linears_available(torch.float32), reason="this torch has no oneDNN weight packing"
+)
 
 
 @pytest.mark.parametrize("rows", [1, 8, 37])

@@ -21,7 +21,8 @@ def test_lm_head_runs_in_bounded_chunks(lm, real_traces, assert_matches_referenc
     engine.score_chunk_bytes = 4 * vocab * 20  # 4 positions a chunk
     rows_seen = []
     hook = lm.get_output_embeddings().register_forward_hook(
-        lambda module, args, out: rows_seen.append(out.shape[:-1].numel()))
+        lambda module, args, out: rows_seen.append(out.shape[:-1].numel())
+    )
     try:
         df = replay(real_traces, engine=engine, progress=False)
     finally:
@@ -33,7 +34,8 @@ def test_lm_head_runs_in_bounded_chunks(lm, real_traces, assert_matches_referenc
 
 
 def test_deterministic_scoring_runs_in_bounded_chunks_with_the_same_bits(
-        lm, real_traces, assert_frames_bitwise_equal):
+    lm, real_traces, assert_frames_bitwise_equal
+):
     """Deterministic mode: logits exist for at most one chunk of whole scoring blocks, and
     chunking changes no bit (head and scoring are row-invariant)."""
     engine = make_engine("prefill", lm, batch_size=6, top_k=3, deterministic=True)

@@ -19,8 +19,13 @@ from trace_replay.engines import ENGINE_OPTIONS, ENGINES, make_engine
 from trace_replay.engines.base import EngineBase, TraceResult, check_engine
 from trace_replay.engines.cache import ModelCache, check_settings
 from trace_replay.engines.capabilities import ActivationSource, BatchHooks, Generates, supports
-from trace_replay.engines.registry import (EngineSpec, engine_spec, engine_specs,
-                                           register_engine, unregister_engine)
+from trace_replay.engines.registry import (
+    EngineSpec,
+    engine_spec,
+    engine_specs,
+    register_engine,
+    unregister_engine,
+)
 from trace_replay.models.load import load_tokenizer
 
 pytestmark = pytest.mark.slow  # an engine runs (the embedded model's tokenizer)
@@ -70,14 +75,22 @@ class BigramEngine(EngineBase):
         results = []
         for request in requests:
             ids = torch.tensor(request.prompt_token_ids + request.trace_token_ids)
-            logprobs = self.lm(ids[request.prompt_len - 1:-1])  # [T, V]: step t from token t-1
-            tokens = ids[request.prompt_len:]
+            logprobs = self.lm(ids[request.prompt_len - 1 : -1])  # [T, V]: step t from token t-1
+            tokens = ids[request.prompt_len :]
             own = logprobs.gather(1, tokens[:, None])[:, 0]
             top = logprobs.topk(self.top_k, dim=1)
-            results.append(TraceResult(
-                request.trace_id, request.prompt_len, tokens.numpy(), own.numpy(),
-                ((logprobs > own[:, None]).sum(1) + 1).numpy(), top.indices.numpy(),
-                top.values.numpy(), -(logprobs.exp() * logprobs).sum(1).numpy()))
+            results.append(
+                TraceResult(
+                    request.trace_id,
+                    request.prompt_len,
+                    tokens.numpy(),
+                    own.numpy(),
+                    ((logprobs > own[:, None]).sum(1) + 1).numpy(),
+                    top.indices.numpy(),
+                    top.values.numpy(),
+                    -(logprobs.exp() * logprobs).sum(1).numpy(),
+                )
+            )
             if on_tokens is not None:
                 on_tokens(request.trace_len)
         return results
@@ -89,8 +102,13 @@ class BigramEngine(EngineBase):
             tokens, logprobs, last = [], [], prompt[-1]
             for _ in range(max_tokens):
                 step = self.lm(torch.tensor([last]))[0]
-                last = int(step.argmax()) if temperature == 0 else int(torch.multinomial(
-                    (step / temperature).softmax(0), 1, generator=generator))
+                last = (
+                    int(step.argmax())
+                    if temperature == 0
+                    else int(
+                        torch.multinomial((step / temperature).softmax(0), 1, generator=generator)
+                    )
+                )
                 tokens.append(last)
                 logprobs.append(float(step[last]))
                 if last == eos_token_id:
@@ -99,16 +117,25 @@ class BigramEngine(EngineBase):
         return out
 
 
-TRACES = [{"id": "a", "prompt_token_ids": [1, 504, 3458], "trace_token_ids": [282, 4536, 30]},
-          {"id": "b", "prompt_token_ids": [9], "trace_token_ids": [17, 17, 2]}]
+TRACES = [
+    {"id": "a", "prompt_token_ids": [1, 504, 3458], "trace_token_ids": [282, 4536, 30]},
+    {"id": "b", "prompt_token_ids": [9], "trace_token_ids": [17, 17, 2]},
+]
 
 
 @pytest.fixture
 def bigram():
     """The bigram engine registered for one test, then removed (and its kept engine closed)."""
-    spec = register_engine(EngineSpec("bigram", BigramEngine, "a bigram model (a test's)",
-                                      options=("engine_args",), generates=True,
-                                      loaded_model=False))
+    spec = register_engine(
+        EngineSpec(
+            "bigram",
+            BigramEngine,
+            "a bigram model (a test's)",
+            options=("engine_args",),
+            generates=True,
+            loaded_model=False,
+        )
+    )
     yield spec
     tr.close_engines()
     unregister_engine("bigram")
@@ -118,10 +145,14 @@ def _expected(traces: list[dict], width: int = 8) -> np.ndarray:
     """Each trace token's logprob under the bigram model, computed directly."""
     model = Bigram(len(load_tokenizer()), width)
     with torch.no_grad():
-        return np.concatenate([
-            model(torch.tensor([t["prompt_token_ids"][-1], *t["trace_token_ids"][:-1]]))
-            .gather(1, torch.tensor(t["trace_token_ids"])[:, None])[:, 0].numpy()
-            for t in traces])
+        return np.concatenate(
+            [
+                model(torch.tensor([t["prompt_token_ids"][-1], *t["trace_token_ids"][:-1]]))
+                .gather(1, torch.tensor(t["trace_token_ids"])[:, None])[:, 0]
+                .numpy()
+                for t in traces
+            ]
+        )
 
 
 @pytest.mark.parametrize("name", ["torch", "prefill", "vllm-server"])
@@ -131,8 +162,9 @@ def test_a_spec_says_what_its_engine_class_can_do(name):
     spec = engine_spec(name)
     engine_class = spec.load()
     assert spec.generates == supports(engine_class, Generates)
-    assert spec.activations == (supports(engine_class, ActivationSource)
-                                and supports(engine_class, BatchHooks))
+    assert spec.activations == (
+        supports(engine_class, ActivationSource) and supports(engine_class, BatchHooks)
+    )
 
 
 def test_a_registered_engine_is_named_everywhere(bigram):
@@ -143,8 +175,11 @@ def test_a_registered_engine_is_named_everywhere(bigram):
     with make_engine("bigram", engine_args={"width": 4}) as engine:
         check_engine(engine)
         assert supports(engine, Generates) and engine.settings()["width"] == 4
-    with pytest.raises(ValueError, match=r"'bigram' does not take backend \(it takes "
-                                         r"engine_args\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"'bigram' does not take backend \(it takes "
+        r"engine_args\)",
+    ):
         make_engine("bigram", backend="hf")
     with pytest.raises(ValueError, match="unknown setting 'backend'"):
         check_settings({"engine": "bigram", "backend": "hf"}, "a")
@@ -178,16 +213,57 @@ def test_the_cli_replays_and_records_with_the_registered_engine(bigram, tmp_path
     traces = tmp_path / "traces.jsonl"
     traces.write_text("".join(json.dumps(t) + "\n" for t in TRACES))
     out = tmp_path / "out.parquet"
-    assert main(["replay", str(traces), "--engine", "bigram", "--engine-arg", "width=8",
-                 "--quiet", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "replay",
+                str(traces),
+                "--engine",
+                "bigram",
+                "--engine-arg",
+                "width=8",
+                "--quiet",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     np.testing.assert_allclose(pd.read_parquet(out)["logprob"], _expected(TRACES), rtol=1e-12)
-    assert main(["replay", str(traces), "--engine", "bigram", "--engine-arg", "depth=2",
-                 "--quiet", "--out", str(tmp_path / "bad.parquet")]) == 2
+    assert (
+        main(
+            [
+                "replay",
+                str(traces),
+                "--engine",
+                "bigram",
+                "--engine-arg",
+                "depth=2",
+                "--quiet",
+                "--out",
+                str(tmp_path / "bad.parquet"),
+            ]
+        )
+        == 2
+    )
 
     prompts, recorded = tmp_path / "prompts.txt", tmp_path / "recorded.jsonl"
     prompts.write_text("The capital of France is\nOnce upon a time\n")
-    assert main(["record", str(prompts), "--engine", "bigram", "--max-tokens", "5",
-                 "--out", str(recorded)]) == 0
+    assert (
+        main(
+            [
+                "record",
+                str(prompts),
+                "--engine",
+                "bigram",
+                "--max-tokens",
+                "5",
+                "--out",
+                str(recorded),
+            ]
+        )
+        == 0
+    )
     df = tr.replay(str(recorded), engine="bigram", progress=False)
     np.testing.assert_allclose(df["logprob"], df["ref_logprob"], atol=1e-6)  # kept as float32
     assert (df["rank"] == 1).all() and df["trace_id"].nunique() == 2

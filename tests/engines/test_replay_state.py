@@ -107,8 +107,10 @@ def test_apply_staged_writes_without_staging_does_nothing(device):
     before = [(t.data_ptr(), t._version) for t in tensors]
     state.apply_staged_writes()
     state.apply_staged_writes()
-    after = [(t.data_ptr(), t._version) for t in (state.trace_token_ids, state.trace_offsets,
-                                                  state.trace_len)]  # fmt: skip
+    after = [
+        (t.data_ptr(), t._version)
+        for t in (state.trace_token_ids, state.trace_offsets, state.trace_len)
+    ]
     assert after == before
     assert state.num_staged_copies == 1
 

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch._inductor.utils import run_and_get_code
 
-from trace_replay.kernels._triton import use_triton
 from trace_replay.engines.builtin.passes.compiling import layer_passes
+from trace_replay.kernels._triton import use_triton
 from trace_replay.kernels.gemv import gemv
 
 

@@ -6,9 +6,16 @@ import numpy as np
 import pytest
 import torch
 
-from trace_replay.engines.builtin.scoring import (chunked_argmax, collect_rows, greedy_tokens,
-                                          score_tokens, score_with_top, scorer_for,
-                                          tail_logmass, top_from_logprob)
+from trace_replay.engines.builtin.scoring import (
+    chunked_argmax,
+    collect_rows,
+    greedy_tokens,
+    score_tokens,
+    score_with_top,
+    scorer_for,
+    tail_logmass,
+    top_from_logprob,
+)
 
 
 @pytest.fixture(scope="module")
@@ -76,11 +83,19 @@ def test_collect_rows_gives_host_arrays_in_result_dtypes(logits):
     ranks."""
     token_ids = torch.arange(8, dtype=torch.int32)
     host = collect_rows(score_tokens(logits, token_ids, top_k=2), token_ids)
-    assert set(host) == {"token_ids", "logprob", "rank", "top_token_ids", "top_logprobs",
-                         "entropy", "tail_logmass"}
+    assert set(host) == {
+        "token_ids",
+        "logprob",
+        "rank",
+        "top_token_ids",
+        "top_logprobs",
+        "entropy",
+        "tail_logmass",
+    }
     assert host["token_ids"].dtype == host["rank"].dtype == np.int64
-    assert all(host[k].dtype == np.float64
-               for k in ("logprob", "top_logprobs", "entropy", "tail_logmass"))
+    assert all(
+        host[k].dtype == np.float64 for k in ("logprob", "top_logprobs", "entropy", "tail_logmass")
+    )
     assert host["token_ids"].tolist() == list(range(8))
 
 
@@ -124,8 +139,9 @@ def test_tail_is_the_mass_outside_the_top_k(logits, top_k):
     scores = score_tokens(logits, torch.arange(8), top_k)
     p = torch.softmax(logits.double(), dim=-1)
     outside = p.sum(dim=1) - p.gather(1, scores.top_token_ids).sum(dim=1)
-    np.testing.assert_allclose(scores.tail_logmass.exp().double(), outside.clamp(min=0),
-                               rtol=1e-5, atol=1e-12)
+    np.testing.assert_allclose(
+        scores.tail_logmass.exp().double(), outside.clamp(min=0), rtol=1e-5, atol=1e-12
+    )
     whole = scores.top_logprobs.double().exp().sum(dim=1) + scores.tail_logmass.double().exp()
     np.testing.assert_allclose(whole, 1.0, atol=1e-6)
 

@@ -6,8 +6,7 @@ import numpy as np
 import torch
 
 from trace_replay.engines.base import ReplayRequest
-from trace_replay.engines.builtin.scoring import split_results, wave_results
-from trace_replay.engines.builtin.scoring import score_tokens
+from trace_replay.engines.builtin.scoring import score_tokens, split_results, wave_results
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -38,9 +37,11 @@ def test_verified_rows_keep_their_committed_prefix_of_each_forward():
     """A forward scoring q positions per row contributes only the first counts[f, b] of row b's
     (the accepted drafts and the corrected token), in order."""
     wave = [ReplayRequest("a", (1,), (10, 11, 12, 13)), ReplayRequest("b", (1,), (20, 21, 22))]
-    steps = [forward([[10], [20]]),                      # prefill: one position per row
-             forward([[11, 12, 99], [21, 98, 97]]),      # a accepts 2, b accepts 1
-             forward([[13, 96, 95], [22, 94, 93]])]      # each commits its last token
+    steps = [
+        forward([[10], [20]]),  # prefill: one position per row
+        forward([[11, 12, 99], [21, 98, 97]]),  # a accepts 2, b accepts 1
+        forward([[13, 96, 95], [22, 94, 93]]),
+    ]  # each commits its last token
     counts = torch.tensor([[1, 1], [2, 1], [1, 1]], dtype=torch.int32)
     results = wave_results(wave, steps, counts)
     assert results[0].token_ids.tolist() == [10, 11, 12, 13]
@@ -53,9 +54,14 @@ def test_verified_rows_keep_their_committed_prefix_of_each_forward():
 
 def test_split_results_gives_each_request_its_rows():
     """split_results takes rows[i] of every host array for request i, in request order."""
-    host = {"token_ids": np.array([5, 6, 7]), "logprob": np.array([-1.0, -2.0, -3.0]),
-            "rank": np.array([1, 2, 3]), "top_token_ids": np.zeros((3, 0)),
-            "top_logprobs": np.zeros((3, 0)), "entropy": np.array([0.1, 0.2, 0.3])}
+    host = {
+        "token_ids": np.array([5, 6, 7]),
+        "logprob": np.array([-1.0, -2.0, -3.0]),
+        "rank": np.array([1, 2, 3]),
+        "top_token_ids": np.zeros((3, 0)),
+        "top_logprobs": np.zeros((3, 0)),
+        "entropy": np.array([0.1, 0.2, 0.3]),
+    }
     requests = [ReplayRequest("x", (1,), (7,)), ReplayRequest("y", (1, 2), (5, 6))]
     x, y = split_results(requests, host, [np.array([2]), np.array([0, 1])])
     assert (x.trace_id, x.prompt_len, x.token_ids.tolist()) == ("x", 1, [7])

@@ -16,11 +16,19 @@ from pathlib import Path
 import pytest
 
 from trace_replay.engines.server.responses import RANK_DEPTH
+from trace_replay.engines.server.serve import (
+    FORCING_PROCESSOR,
+    MULTICAST_OFF,
+    llm_options,
+    serve_args,
+    serve_command,
+    serve_environment,
+    server_ranks,
+    start_server,
+    stop_server,
+    wait_for_server,
+)
 from trace_replay.models.load import EMBEDDED_MODEL, hf_folder
-from trace_replay.engines.server.serve import (FORCING_PROCESSOR, MULTICAST_OFF, llm_options,
-                                               serve_args, serve_command, serve_environment,
-                                               server_ranks, start_server, stop_server,
-                                               wait_for_server)
 
 
 def option(args: list[str], name: str) -> str:
@@ -86,9 +94,12 @@ def test_a_server_that_exits_is_reported_with_its_output(tmp_path):
     ending with its output."""
     log = tmp_path / "server.log"
     process = start_server(python("print('loading'); print('CUDA out of memory'); exit(3)"), log)
-    with pytest.raises(RuntimeError, match=r"exited with status 3 before answering at "
-                                           r"http://127.0.0.1:9/v1; its output ends:\n"
-                                           r"loading\nCUDA out of memory"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"exited with status 3 before answering at "
+        r"http://127.0.0.1:9/v1; its output ends:\n"
+        r"loading\nCUDA out of memory",
+    ):
         wait_for_server("http://127.0.0.1:9/v1", process, timeout_s=60, log_path=log)
 
 
@@ -153,10 +164,12 @@ def test_wait_asks_through_the_server_client_with_the_key():
 def test_stop_ends_the_whole_process_group(tmp_path):
     """stop_server ends the server and the processes it started (vLLM's engine core and
     workers), even one that ignores SIGTERM."""
-    code = ("import subprocess, sys, time; "
-            "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
-            "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); "
-            "time.sleep(60)']); time.sleep(60)")
+    code = (
+        "import subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); "
+        "time.sleep(60)']); time.sleep(60)"
+    )
     log = tmp_path / "server.log"
     process = start_server(python(code), log)
     assert os.getpgid(process.pid) == process.pid  # its own group: nothing else is hit
@@ -199,8 +212,11 @@ def test_a_malformed_parallel_size_is_refused_before_the_server_starts(capsys):
     and serve prints no command."""
     from trace_replay.cli import main
 
-    with pytest.raises(ValueError, match=r"--tensor-parallel-size must be a positive "
-                                         r"integer, got '0'"):
+    with pytest.raises(
+        ValueError,
+        match=r"--tensor-parallel-size must be a positive "
+        r"integer, got '0'",
+    ):
         server_ranks(["--tensor-parallel-size", "0"])
     with pytest.raises(ValueError, match=r"--pipeline-parallel-size .* got 'two'"):
         server_ranks(["-pp=two"])
@@ -216,12 +232,17 @@ def test_a_server_of_several_ranks_starts_with_multicast_off(tmp_path):
     env = serve_environment(["-tp", "2"], user)
     assert env["NCCL_NVLS_ENABLE"] == "1"
     assert {k: env[k] for k in MULTICAST_OFF if k != "NCCL_NVLS_ENABLE"} == {
-        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+    }
     assert serve_environment(["-tp", "1"], user) == user
     log = tmp_path / "server.log"
     keys = sorted(MULTICAST_OFF)
-    process = start_server(python(f"import os; print([os.environ.get(k) for k in {keys!r}])")
-                           + ["--tensor-parallel-size", "2"], log)
+    process = start_server(
+        python(f"import os; print([os.environ.get(k) for k in {keys!r}])")
+        + ["--tensor-parallel-size", "2"],
+        log,
+    )
     process.wait(timeout=60)
     want = [os.environ.get(k, MULTICAST_OFF[k]) for k in keys]
     assert log.read_text().strip() == str(want)
@@ -237,11 +258,21 @@ def test_llm_options_parse_back_to_the_engine_arguments():
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    args = {"model": "/m", "dtype": "bfloat16", "seed": 0, "max_logprobs": 20,
-            "logprobs_mode": "raw_logprobs", "enable_prefix_caching": False,
-            "use_tqdm_on_load": False, "max_num_seqs": 8, "enforce_eager": True,
-            "max_model_len": 512, "gpu_memory_utilization": 0.3,
-            "attention_backend": "FLEX_ATTENTION", "hf_overrides": {"rope_theta": 5.0}}
+    args = {
+        "model": "/m",
+        "dtype": "bfloat16",
+        "seed": 0,
+        "max_logprobs": 20,
+        "logprobs_mode": "raw_logprobs",
+        "enable_prefix_caching": False,
+        "use_tqdm_on_load": False,
+        "max_num_seqs": 8,
+        "enforce_eager": True,
+        "max_model_len": 512,
+        "gpu_memory_utilization": 0.3,
+        "attention_backend": "FLEX_ATTENTION",
+        "hf_overrides": {"rope_theta": 5.0},
+    }
     options = llm_options(args)
     assert "/m" not in options and "--no-enable-prefix-caching" in options
     parsed = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "/m", *options])
@@ -260,8 +291,16 @@ def test_serve_hides_the_api_key_it_prints(capsys, monkeypatch, dry_run):
 
     started = []
     monkeypatch.setattr(os, "execve", lambda path, argv, env: started.append(argv))
-    args = ["serve", "--", "--api-key", "sk-one", "sk-two", "--api-key=sk-three",
-            "--max-model-len", "512"]
+    args = [
+        "serve",
+        "--",
+        "--api-key",
+        "sk-one",
+        "sk-two",
+        "--api-key=sk-three",
+        "--max-model-len",
+        "512",
+    ]
     assert main(args[:1] + ["--dry-run"] * dry_run + args[1:]) == 0
     printed = capsys.readouterr().out
     assert "sk-" not in printed

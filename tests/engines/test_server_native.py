@@ -25,12 +25,24 @@ pytestmark = pytest.mark.vllm
 
 from pydantic import ValidationError  # noqa: E402
 from vllm.entrypoints.openai.completion.protocol import (  # noqa: E402
-    CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice)
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+)
 from vllm.entrypoints.scale_out.token_in_token_out.protocol import (  # noqa: E402
-    GenerateRequest, GenerateTokensChoice, GenerateTokensResponse)
+    GenerateRequest,
+    GenerateTokensChoice,
+    GenerateTokensResponse,
+)
 from vllm.entrypoints.scale_out.token_in_token_out.serving import ServingTokens  # noqa: E402
 from vllm.entrypoints.serve.engine.protocol import (  # noqa: E402
-    ErrorInfo, ErrorResponse, ModelCard, ModelList, UsageInfo)
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    UsageInfo,
+)
 from vllm.entrypoints.serve.tokenize.protocol import TokenizeResponse  # noqa: E402
 from vllm.logprobs import append_logprobs_for_next_position  # noqa: E402
 
@@ -43,12 +55,17 @@ from trace_replay.runs.replay import replay  # noqa: E402
 MODEL = "SmolLM2-135M-Instruct"  # the embedded model's name: the client takes its tokenizer
 VOCAB = 49152
 # vLLM 0.32's answers, verbatim (input_processor.py, scale_out/factories.py)
-NOT_ENABLED = ("trace_decode_token_ids is set but trace replay is not enabled. Start the "
-               "engine with --enable-trace-replay to use it.")
-NO_SCALE_OUT = ("Scale-out endpoints are disabled. Restart vllm serve with "
-                "--enable-scale-out to enable them.")
-TRACES = [{"id": "a", "prompt_token_ids": [504, 3575, 282], "trace_token_ids": [4649, 314, 2]},
-          {"id": "b", "prompt_token_ids": [1, 9], "trace_token_ids": [77, 78, 79, 80]}]
+NOT_ENABLED = (
+    "trace_decode_token_ids is set but trace replay is not enabled. Start the "
+    "engine with --enable-trace-replay to use it."
+)
+NO_SCALE_OUT = (
+    "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
+)
+TRACES = [
+    {"id": "a", "prompt_token_ids": [504, 3575, 282], "trace_token_ids": [4649, 314, 2]},
+    {"id": "b", "prompt_token_ids": [1, 9], "trace_token_ids": [77, 78, 79, 80]},
+]
 
 
 def fake_logprobs(context: list[int], weights: int) -> np.ndarray:
@@ -77,8 +94,11 @@ class FakeVLLM(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        route = {"/inference/v1/generate": self._generate, "/v1/completions": self._complete,
-                 "/tokenize": self._tokenize}.get(self.path)
+        route = {
+            "/inference/v1/generate": self._generate,
+            "/v1/completions": self._complete,
+            "/tokenize": self._tokenize,
+        }.get(self.path)
         if route is None:
             self._error(404, "Not Found", "NotFoundError")
             return
@@ -103,15 +123,26 @@ class FakeVLLM(BaseHTTPRequestHandler):
                 trace = params.trace_decode_token_ids
         elif self.server.processor:
             trace = (params.extra_args or {}).get(TRACE_KEY)
-        tokens, logprobs = self._decode(request.token_ids, trace, params.max_tokens,
-                                        params.logprobs)
+        tokens, logprobs = self._decode(
+            request.token_ids, trace, params.max_tokens, params.logprobs
+        )
         answer = GenerateTokensResponse(
-            request_id="generate-tokens-fake", model=MODEL, choices=[GenerateTokensChoice(
-                index=0, finish_reason="length", token_ids=tokens,
-                logprobs=None if params.logprobs is None else
-                ServingTokens._create_tokens_logprobs(None, tokens, logprobs, params.logprobs))],
-            usage=UsageInfo(prompt_tokens=len(request.token_ids),
-                            completion_tokens=len(tokens)))
+            request_id="generate-tokens-fake",
+            model=MODEL,
+            choices=[
+                GenerateTokensChoice(
+                    index=0,
+                    finish_reason="length",
+                    token_ids=tokens,
+                    logprobs=None
+                    if params.logprobs is None
+                    else ServingTokens._create_tokens_logprobs(
+                        None, tokens, logprobs, params.logprobs
+                    ),
+                )
+            ],
+            usage=UsageInfo(prompt_tokens=len(request.token_ids), completion_tokens=len(tokens)),
+        )
         if len(tokens) > 1:
             self.server.spoil(answer)
         self._send(200, answer.model_dump())
@@ -119,25 +150,41 @@ class FakeVLLM(BaseHTTPRequestHandler):
     def _complete(self, body: dict) -> None:
         request = CompletionRequest.model_validate(body)
         trace = (request.vllm_xargs or {}).get(TRACE_KEY) if self.server.processor else None
-        tokens, logprobs = self._decode(request.prompt, trace, request.max_tokens,
-                                        request.logprobs)
+        tokens, logprobs = self._decode(request.prompt, trace, request.max_tokens, request.logprobs)
         placeholder = "token_id:{}".format
         # as OpenAIServingCompletion._create_completion_logprobs: the step's first n + 1
-        top = [{placeholder(t): e.logprob for i, (t, e) in enumerate(step.items())
-                if i <= request.logprobs} for step in logprobs]
-        answer = CompletionResponse(model=MODEL, choices=[CompletionResponseChoice(
-            index=0, text="", token_ids=tokens, finish_reason="length",
-            logprobs=CompletionLogProbs(tokens=[placeholder(t) for t in tokens],
-                                        token_logprobs=[s[t].logprob
-                                                        for s, t in zip(logprobs, tokens)],
-                                        top_logprobs=top))],
-            usage=UsageInfo(prompt_tokens=len(request.prompt)))
+        top = [
+            {
+                placeholder(t): e.logprob
+                for i, (t, e) in enumerate(step.items())
+                if i <= request.logprobs
+            }
+            for step in logprobs
+        ]
+        answer = CompletionResponse(
+            model=MODEL,
+            choices=[
+                CompletionResponseChoice(
+                    index=0,
+                    text="",
+                    token_ids=tokens,
+                    finish_reason="length",
+                    logprobs=CompletionLogProbs(
+                        tokens=[placeholder(t) for t in tokens],
+                        token_logprobs=[s[t].logprob for s, t in zip(logprobs, tokens)],
+                        top_logprobs=top,
+                    ),
+                )
+            ],
+            usage=UsageInfo(prompt_tokens=len(request.prompt)),
+        )
         self._send(200, answer.model_dump())
 
     def _tokenize(self, body: dict) -> None:
         tokens = list(self.server.tokenizer.encode(body["prompt"]))
-        self._send(200, TokenizeResponse(count=len(tokens), max_model_len=1024,
-                                         tokens=tokens).model_dump())
+        self._send(
+            200, TokenizeResponse(count=len(tokens), max_model_len=1024, tokens=tokens).model_dump()
+        )
 
     def _decode(self, prompt, trace, max_tokens, top_n):
         """Greedy decoding, each step's token replaced by the trace's where one is forced
@@ -151,9 +198,14 @@ class FakeVLLM(BaseHTTPRequestHandler):
             if top_n is not None:
                 top = np.argsort(-lp, kind="stable")[:top_n].tolist()
                 rank = 1 + int((lp > lp[token]).sum())
-                append_logprobs_for_next_position(logprobs, [token, *top],
-                                                  [float(lp[t]) for t in [token, *top]],
-                                                  [None] * (top_n + 1), rank, top_n)
+                append_logprobs_for_next_position(
+                    logprobs,
+                    [token, *top],
+                    [float(lp[t]) for t in [token, *top]],
+                    [None] * (top_n + 1),
+                    rank,
+                    top_n,
+                )
             tokens.append(token)
             context.append(token)
         return tokens, logprobs
@@ -208,8 +260,13 @@ def _expected(trace: dict, top_k: int, weights: int = 0):
 
 
 def _replay(base_url, **options):
-    return replay(TRACES, engine="vllm-server", top_k=3, progress=False,
-                  engine_args={"base_url": base_url, "max_retries": 0, **options})
+    return replay(
+        TRACES,
+        engine="vllm-server",
+        top_k=3,
+        progress=False,
+        engine_args={"base_url": base_url, "max_retries": 0, **options},
+    )
 
 
 def _assert_fake_numbers(df, top_k=3):
@@ -235,8 +292,9 @@ def test_a_stock_server_with_trace_replay_replays_natively(start_fake):
     assert df.attrs["rank"] == "exact" and "rank_exact" not in df
     _assert_fake_numbers(df)
     replayed = [p for p in server.seen if p.logprobs is not None]  # probes and traces
-    assert sorted(p.trace_decode_token_ids for p in replayed if len(p.trace_decode_token_ids)
-                  > 1) == sorted(t["trace_token_ids"] for t in TRACES)
+    assert sorted(
+        p.trace_decode_token_ids for p in replayed if len(p.trace_decode_token_ids) > 1
+    ) == sorted(t["trace_token_ids"] for t in TRACES)
     for params in replayed:
         assert params.max_tokens == len(params.trace_decode_token_ids) and params.n == 1
         assert params.ignore_eos and not params.extra_args
@@ -254,12 +312,16 @@ def test_the_package_processor_is_found_where_native_replay_is_off(start_fake):
     assert all(p.trace_decode_token_ids is None for p in server.seen[-2:])
 
 
-@pytest.mark.parametrize("native, refusal", [
-    (False, NOT_ENABLED),
-    ("ignored", r"came back for the one-token trace \[\d+\] \(trace_decode_token_ids ignored"),
-])
+@pytest.mark.parametrize(
+    "native, refusal",
+    [
+        (False, NOT_ENABLED),
+        ("ignored", r"came back for the one-token trace \[\d+\] \(trace_decode_token_ids ignored"),
+    ],
+)
 def test_a_server_forcing_neither_way_is_a_server_error_saying_how_to_start_it(
-        start_fake, native, refusal):
+    start_fake, native, refusal
+):
     """A server without trace replay (HTTP 400) or too old to know it (the field dropped,
     the greedy token returned) and without the processor: a ServerError naming the server,
     what each way answered, and the vllm serve options of both ways."""
@@ -278,14 +340,23 @@ def test_native_replay_without_the_generate_endpoint_is_named(start_fake):
     native trace, so the server does not force traces, and the error says the endpoint is
     missing (api='generate': the server's 403 and the flag)."""
     _, url = start_fake(native=True, scale_out=False)
-    with pytest.raises(ServerError, match=r"native trace replay: needs /inference/v1/generate, "
-                                          r"which the server does not offer \(vllm serve "
-                                          r"--enable-scale-out\)"):
+    with pytest.raises(
+        ServerError,
+        match=r"native trace replay: needs /inference/v1/generate, "
+        r"which the server does not offer \(vllm serve "
+        r"--enable-scale-out\)",
+    ):
         make_engine("vllm-server", top_k=3, engine_args={"base_url": url, "max_retries": 0})
-    with pytest.raises(ServerError, match=r"does not offer /inference/v1/generate \(HTTP 403\): "
-                                          r"start it with --enable-scale-out"):
-        make_engine("vllm-server", top_k=3,
-                    engine_args={"base_url": url, "max_retries": 0, "api": "generate"})
+    with pytest.raises(
+        ServerError,
+        match=r"does not offer /inference/v1/generate \(HTTP 403\): "
+        r"start it with --enable-scale-out",
+    ):
+        make_engine(
+            "vllm-server",
+            top_k=3,
+            engine_args={"base_url": url, "max_retries": 0, "api": "generate"},
+        )
 
 
 def test_impossible_native_answers_are_refused(start_fake):

@@ -15,10 +15,16 @@ URL = "http://127.0.0.1:8000/v1"
 
 def scored(token: int, logprob: float, top: list[float]) -> TraceResult:
     """A probe trace's result: one step scoring ``token``."""
-    return TraceResult(trace_id=f"<server check {token}>", prompt_len=4,
-                       token_ids=np.array([token]), logprob=np.array([logprob]),
-                       rank=np.array([2]), top_token_ids=np.array([[900, token]]),
-                       top_logprobs=np.array([top]), entropy=np.array([np.nan]))
+    return TraceResult(
+        trace_id=f"<server check {token}>",
+        prompt_len=4,
+        token_ids=np.array([token]),
+        logprob=np.array([logprob]),
+        rank=np.array([2]),
+        top_token_ids=np.array([[900, token]]),
+        top_logprobs=np.array([top]),
+        entropy=np.array([np.nan]),
+    )
 
 
 PROBE = [scored(5, -1.25, [-0.5, -1.25]), scored(6, -3.0, [-0.25, -1.5])]

@@ -10,8 +10,12 @@ import math
 import numpy as np
 import pytest
 
-from trace_replay.engines.server.responses import (RANK_DEPTH, completion_steps, emitted_ids,
-                                                 generate_steps)
+from trace_replay.engines.server.responses import (
+    RANK_DEPTH,
+    completion_steps,
+    emitted_ids,
+    generate_steps,
+)
 from trace_replay.engines.validate import ImpossibleResult
 
 # /v1/completions with return_tokens_as_token_ids: the emitted token's logprob and a map of
@@ -45,7 +49,8 @@ def test_completion_steps_rank_the_emitted_token_among_the_alternatives():
     top-k is the best alternatives, best first; ranks are exact when a listed alternative is
     no more likely than the emitted token (every likelier one is then listed)."""
     logprob, rank, top_ids, top_lps, exact = completion_steps(
-        COMPLETION["choices"][0]["logprobs"], top_k=2, token_ids=[7042, 30])
+        COMPLETION["choices"][0]["logprobs"], top_k=2, token_ids=[7042, 30]
+    )
     np.testing.assert_array_equal(logprob, [-0.25, -2.5])
     np.testing.assert_array_equal(rank, [1, 3])  # -0.5 and -1.0 beat -2.5; -2.5 ties
     np.testing.assert_array_equal(top_ids, [[7042, 11], [11, 2]])
@@ -57,8 +62,7 @@ def test_completion_rank_is_a_lower_bound_past_the_depth():
     """When every one of the RANK_DEPTH alternatives beats the emitted token, its rank is
     the lower bound RANK_DEPTH + 1, marked inexact."""
     alternatives = {f"token_id:{100 + i}": -0.1 * (i + 1) for i in range(RANK_DEPTH)}
-    logprobs = {"token_logprobs": [-9.0],
-                "top_logprobs": [{**alternatives, "token_id:5": -9.0}]}
+    logprobs = {"token_logprobs": [-9.0], "top_logprobs": [{**alternatives, "token_id:5": -9.0}]}
     _, rank, top_ids, _, exact = completion_steps(logprobs, top_k=3, token_ids=[5])
     assert rank.tolist() == [RANK_DEPTH + 1] and exact.tolist() == [False]
     assert top_ids.tolist() == [[100, 101, 102]]
@@ -81,26 +85,45 @@ def test_too_few_alternatives_for_the_top_k_are_an_error(listed, top_k):
     top-k list cannot be filled, nor the token ranked: an error naming the step and the
     count, where NaN-padded lists went on to a puzzling impossible-score error."""
     alternatives = {f"token_id:{100 + i}": -0.5 * (i + 1) for i in range(listed)}
-    logprobs = {"token_logprobs": [-0.1, -4.0],
-                "top_logprobs": [{"token_id:7": -0.1, "token_id:100": -3.0,
-                                  **{f"token_id:{200 + i}": -5.0 - i for i in range(5)}},
-                                 {**alternatives, "token_id:7": -4.0}]}
-    with pytest.raises(ValueError, match=rf"step 1: the server listed {listed} alternatives "
-                       "to the emitted token, too few"):
+    logprobs = {
+        "token_logprobs": [-0.1, -4.0],
+        "top_logprobs": [
+            {
+                "token_id:7": -0.1,
+                "token_id:100": -3.0,
+                **{f"token_id:{200 + i}": -5.0 - i for i in range(5)},
+            },
+            {**alternatives, "token_id:7": -4.0},
+        ],
+    }
+    with pytest.raises(
+        ValueError,
+        match=rf"step 1: the server listed {listed} alternatives "
+        "to the emitted token, too few",
+    ):
         completion_steps(logprobs, top_k=top_k, token_ids=[7, 7])
 
 
 def test_floor_logprobs_are_minus_infinity():
     """vLLM writes -inf as -9999.0 in JSON; both answer kinds read it back as -inf (a token
     at -inf shares the rank of the others there)."""
-    logprobs = {"token_logprobs": [-9999.0],
-                "top_logprobs": [{"token_id:1": -0.01, "token_id:2": -5.0,
-                                  "token_id:3": -9999.0, "token_id:4": -9999.0}]}
+    logprobs = {
+        "token_logprobs": [-9999.0],
+        "top_logprobs": [
+            {"token_id:1": -0.01, "token_id:2": -5.0, "token_id:3": -9999.0, "token_id:4": -9999.0}
+        ],
+    }
     logprob, rank, _, top_lps, exact = completion_steps(logprobs, top_k=3, token_ids=[4])
     assert logprob[0] == -math.inf and top_lps[0, 2] == -math.inf and rank[0] == 3
     assert exact.tolist() == [True]
-    content = [{"token_id": 4, "logprob": -9999.0, "rank": 9,
-                "top_logprobs": [{"token_id": 4, "logprob": -9999.0, "rank": 9}]}]
+    content = [
+        {
+            "token_id": 4,
+            "logprob": -9999.0,
+            "rank": 9,
+            "top_logprobs": [{"token_id": 4, "logprob": -9999.0, "rank": 9}],
+        }
+    ]
     assert generate_steps(content, top_k=1)[0][0] == -math.inf
 
 
@@ -118,20 +141,31 @@ def test_generate_steps_keep_the_servers_exact_ranks():
 
 def test_generate_steps_pad_missing_alternatives():
     """Alternatives without a rank are skipped; top-k slots left empty are id 0, NaN."""
-    content = [{"token_id": 9, "logprob": -0.5, "rank": 1, "top_logprobs": [
-        {"token_id": 9, "logprob": -0.5, "rank": 1},
-        {"token_id": 3, "logprob": -0.7, "rank": None}]}]
+    content = [
+        {
+            "token_id": 9,
+            "logprob": -0.5,
+            "rank": 1,
+            "top_logprobs": [
+                {"token_id": 9, "logprob": -0.5, "rank": 1},
+                {"token_id": 3, "logprob": -0.7, "rank": None},
+            ],
+        }
+    ]
     _, _, top_ids, top_lps, _ = generate_steps(content, top_k=3)
     assert top_ids.tolist() == [[9, 0, 0]]
     assert top_lps[0, 0] == -0.5 and np.isnan(top_lps[0, 1:]).all()
 
 
-@pytest.mark.parametrize("choice, ids", [
-    (COMPLETION["choices"][0], [7042, 30]),
-    ({**COMPLETION["choices"][0], "token_ids": None}, [7042, 30]),  # older servers: none
-    (GENERATE["choices"][0], [7042, 30]),
-    ({"index": 0, "text": "", "logprobs": None}, []),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "choice, ids",
+    [
+        (COMPLETION["choices"][0], [7042, 30]),
+        ({**COMPLETION["choices"][0], "token_ids": None}, [7042, 30]),  # older servers: none
+        (GENERATE["choices"][0], [7042, 30]),
+        ({"index": 0, "text": "", "logprobs": None}, []),
+    ],
+)
 def test_emitted_ids_from_token_ids_else_logprob_tokens(choice, ids):
     """The emitted ids are the choice's token_ids, else its ``token_id:N`` logprob tokens,
     else none."""
@@ -142,24 +176,42 @@ def test_text_tokens_are_refused():
     """A server that ignored return_tokens_as_token_ids (tokens as text) is an error, not a
     misread."""
     choice = {"token_ids": None, "logprobs": {"tokens": [" Paris"]}}
-    with pytest.raises(ValueError, match="logprobs.tokens holds text .* Paris.*return_tokens_as_token_ids"):
+    with pytest.raises(
+        ValueError, match="logprobs.tokens holds text .* Paris.*return_tokens_as_token_ids"
+    ):
         emitted_ids(choice)
 
 
-@pytest.mark.parametrize("read, problem", [
-    (lambda: completion_steps(COMPLETION["choices"][0]["logprobs"], top_k=2, steps=3,
-                              token_ids=[7042, 30]),
-     "logprobs.token_logprobs lists 2 steps where 3 were expected"),
-    (lambda: completion_steps({**COMPLETION["choices"][0]["logprobs"],
-                               "top_logprobs": [{"token_id:1": -0.1}]}, top_k=2,
-                              token_ids=[7042, 30]),
-     "logprobs.top_logprobs lists 1 step where 2 were expected"),
-    (lambda: generate_steps(GENERATE["choices"][0]["logprobs"]["content"], top_k=2, steps=3),
-     "logprobs.content lists 2 steps where 3 were expected"),
-    (lambda: generate_steps([{**GENERATE["choices"][0]["logprobs"]["content"][0],
-                              "rank": float("nan")}], top_k=2),
-     "step 0: rank nan is not an integer"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "read, problem",
+    [
+        (
+            lambda: completion_steps(
+                COMPLETION["choices"][0]["logprobs"], top_k=2, steps=3, token_ids=[7042, 30]
+            ),
+            "logprobs.token_logprobs lists 2 steps where 3 were expected",
+        ),
+        (
+            lambda: completion_steps(
+                {**COMPLETION["choices"][0]["logprobs"], "top_logprobs": [{"token_id:1": -0.1}]},
+                top_k=2,
+                token_ids=[7042, 30],
+            ),
+            "logprobs.top_logprobs lists 1 step where 2 were expected",
+        ),
+        (
+            lambda: generate_steps(GENERATE["choices"][0]["logprobs"]["content"], top_k=2, steps=3),
+            "logprobs.content lists 2 steps where 3 were expected",
+        ),
+        (
+            lambda: generate_steps(
+                [{**GENERATE["choices"][0]["logprobs"]["content"][0], "rank": float("nan")}],
+                top_k=2,
+            ),
+            "step 0: rank nan is not an integer",
+        ),
+    ],
+)
 def test_lists_of_the_wrong_length_say_both_counts(read, problem):
     """A logprob list of another length than the trace, or a rank that is not an integer,
     is an error saying what was expected and what came (the engine adds the trace)."""
@@ -172,12 +224,23 @@ def test_a_nan_alternative_is_an_impossible_answer():
     ImpossibleResult naming the step, the alternative and the rule (it was recorded as rank
     20, exact, as if the NaN were not there)."""
     alternatives = {f"token_id:{100 + i}": -0.1 * (i + 1) for i in range(RANK_DEPTH - 1)}
-    logprobs = json.loads(json.dumps({"token_logprobs": [-0.5, -9.0], "top_logprobs": [
-        {"token_id:7": -0.5, "token_id:8": -1.0},
-        {**alternatives, "token_id:199": math.nan, "token_id:5": -9.0}]}))
-    with pytest.raises(ImpossibleResult, match=r"^step 1: the server answered alternative "
-                                               r"'token_id:199' logprob = nan, which is "
-                                               r"impossible: a logprob is a number <= 0$") as error:
+    logprobs = json.loads(
+        json.dumps(
+            {
+                "token_logprobs": [-0.5, -9.0],
+                "top_logprobs": [
+                    {"token_id:7": -0.5, "token_id:8": -1.0},
+                    {**alternatives, "token_id:199": math.nan, "token_id:5": -9.0},
+                ],
+            }
+        )
+    )
+    with pytest.raises(
+        ImpossibleResult,
+        match=r"^step 1: the server answered alternative "
+        r"'token_id:199' logprob = nan, which is "
+        r"impossible: a logprob is a number <= 0$",
+    ) as error:
         completion_steps(logprobs, top_k=1, token_ids=[7, 5])
     assert (error.value.step, error.value.field) == (1, "top_logprobs")
 

@@ -26,16 +26,28 @@ from trace_replay.runs.replay import replay
 PROMPTS = [[50, 35, 28, 46], [1], [95, 30, 21], [50, 35]]
 ARCHITECTURES = {
     "llama": ("LlamaConfig", {}),
-    "llama3-rope": ("LlamaConfig", {"rope_parameters": {
-        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+    "llama3-rope": (
+        "LlamaConfig",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        },
+    ),
     "mistral": ("MistralConfig", {"sliding_window": 4}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {}),
     "gemma": ("GemmaConfig", {}),
     "gemma2": ("Gemma2Config", {"sliding_window": 4}),
-    "gemma3": ("Gemma3TextConfig", {"sliding_window": 4,
-                                    "layer_types": ["sliding_attention", "full_attention"]}),
+    "gemma3": (
+        "Gemma3TextConfig",
+        {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
 }
 
 
@@ -66,8 +78,9 @@ def requests(vocab: int = 128) -> list[ReplayRequest]:
 def run(lm, backend: str, method: str | None = None, **options):
     """Replay ``requests()`` in four slots; returns (engine, results)."""
     speculative = None if method is None else {"method": method, "num_tokens": 3}
-    engine = make_engine("torch", lm, batch_size=4, backend=backend, speculative=speculative,
-                         **options)
+    engine = make_engine(
+        "torch", lm, batch_size=4, backend=backend, speculative=speculative, **options
+    )
     return engine, engine.run(requests(lm.config.vocab_size))
 
 
@@ -94,8 +107,9 @@ def test_supports_families(tiny):
     _, lm, _ = tiny
     assert supports(lm)
     assert not supports(torch.nn.Linear(2, 2))
-    other = SimpleNamespace(config=SimpleNamespace(model_type="gpt2", sub_configs={}),
-                            model=lm.model)
+    other = SimpleNamespace(
+        config=SimpleNamespace(model_type="gpt2", sub_configs={}), model=lm.model
+    )
     assert not supports(other)
 
 
@@ -138,8 +152,9 @@ def test_float32_matmul_is_checked(tiny_model):
     assert "+3xtf32" not in StaticCacheBackend(tiny_model("llama"), 0).name  # CPU: F.linear
 
 
-KEEP = torch.tensor([[True, False, False], [True, True, True],
-                     [True, False, True], [False, False, False]])
+KEEP = torch.tensor(
+    [[True, False, False], [True, True, True], [True, False, True], [False, False, False]]
+)
 
 
 def _decode_keep_decode(backend):
@@ -217,11 +232,13 @@ def test_backend_choice(tiny_model):
 def test_embedded_model_replay_equals_hf(lm, real_traces, assert_matches_reference):
     """The embedded SmolLM2 replays real traces through the static backend as through HF,
     within 2e-3 of float64 per token (ranks equal up to near-ties)."""
-    ours = replay(real_traces, engine=make_engine("torch", lm, batch_size=4, backend="static"),
-                  progress=False)
+    ours = replay(
+        real_traces, engine=make_engine("torch", lm, batch_size=4, backend="static"), progress=False
+    )
     assert_matches_reference(ours)
-    theirs = replay(real_traces, engine=make_engine("torch", lm, batch_size=4, backend="hf"),
-                    progress=False)
+    theirs = replay(
+        real_traces, engine=make_engine("torch", lm, batch_size=4, backend="hf"), progress=False
+    )
     assert ours.attrs["engine_path"].startswith("torch-decode[static")
     assert ours["token_id"].tolist() == theirs["token_id"].tolist()
     np.testing.assert_allclose(ours["logprob"], theirs["logprob"], atol=1e-4)
@@ -229,8 +246,9 @@ def test_embedded_model_replay_equals_hf(lm, real_traces, assert_matches_referen
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-@pytest.mark.parametrize("method, float32_matmul", [(None, "3xtf32"), ("trace", "3xtf32"),
-                                                    (None, "ieee")])
+@pytest.mark.parametrize(
+    "method, float32_matmul", [(None, "3xtf32"), ("trace", "3xtf32"), (None, "ieee")]
+)
 def test_compiled_graphs_equal_hf(tiny, method, float32_matmul):
     """On CUDA, the compiled, captured backend replays what the HF backend replays, with its
     float32 products on tensor cores (3xTF32) or not."""
@@ -257,14 +275,20 @@ def test_captured_prefill_is_replayed_for_later_waves(tiny_model, monkeypatch):
     # 150 new tokens: every wave's cache is 256 slots long, so captures are kept
     with torch.inference_mode():
         for prompts in (PROMPTS, [[5, 6, 7], [9], [40, 41]], long_prompts):
-            torch.testing.assert_close(ours.prefill(prompts, max_new_tokens=150),
-                                       theirs.prefill(prompts, max_new_tokens=150),
-                                       atol=2e-4, rtol=0)
+            torch.testing.assert_close(
+                ours.prefill(prompts, max_new_tokens=150),
+                theirs.prefill(prompts, max_new_tokens=150),
+                atol=2e-4,
+                rtol=0,
+            )
         assert sorted(ours._prefills) == [16, 32]  # both buckets captured
         monkeypatch.setattr(static_backend, "PREFILL_GRAPH_TOKENS", 8)
-        torch.testing.assert_close(ours.prefill(long_prompts, max_new_tokens=150),
-                                   theirs.prefill(long_prompts, max_new_tokens=150),
-                                   atol=2e-4, rtol=0)
+        torch.testing.assert_close(
+            ours.prefill(long_prompts, max_new_tokens=150),
+            theirs.prefill(long_prompts, max_new_tokens=150),
+            atol=2e-4,
+            rtol=0,
+        )
         assert ours._prefill_shapes == {(4, 32)}
 
 
@@ -336,10 +360,14 @@ def test_fusions_off_reach_the_view_and_the_settings(tiny_model):
     modules and says so in its settings (the fusions change numbers); by default the view
     has them and the settings do not name them."""
     lm = copy.deepcopy(tiny_model("llama")).to("cuda", torch.bfloat16)
-    engines = {fusions: make_engine("torch", lm, batch_size=1, backend="static",
-                                    batch1_fusions=fusions) for fusions in (True, False)}
-    kinds = {fusions: {type(m).__name__ for m in engine.backend.view.modules()}
-             for fusions, engine in engines.items()}
+    engines = {
+        fusions: make_engine("torch", lm, batch_size=1, backend="static", batch1_fusions=fusions)
+        for fusions in (True, False)
+    }
+    kinds = {
+        fusions: {type(m).__name__ for m in engine.backend.view.modules()}
+        for fusions, engine in engines.items()
+    }
     assert "GatedMLP" in kinds[True] and "GatedMLP" not in kinds[False]
     assert "batch1_fusions" not in engines[True].settings()
     assert engines[False].settings()["batch1_fusions"] is False
@@ -348,8 +376,12 @@ def test_fusions_off_reach_the_view_and_the_settings(tiny_model):
 def _process_state() -> tuple:
     """The process-wide settings an engine could change: environment, dynamo, inductor,
     warning filters."""
-    return (dict(os.environ), torch._dynamo.config.get_config_copy(),
-            torch._inductor.config.get_config_copy(), list(warnings.filters))
+    return (
+        dict(os.environ),
+        torch._dynamo.config.get_config_copy(),
+        torch._inductor.config.get_config_copy(),
+        list(warnings.filters),
+    )
 
 
 def test_an_engine_leaves_the_process_as_it_was(tiny_model, device):

@@ -9,8 +9,12 @@ import math
 import pytest
 import torch
 
-from trace_replay.engines.builtin.backends.static_cache import (ATTENTION, StaticKVCache, grouped_attention,
-                                               register_attention)
+from trace_replay.engines.builtin.backends.static_cache import (
+    ATTENTION,
+    StaticKVCache,
+    grouped_attention,
+    register_attention,
+)
 
 CPU = torch.device("cpu")
 
@@ -54,11 +58,13 @@ def test_keep_drops_tokens_and_gives_trailing_slots_back():
     cache = new_cache()
     forward(cache, [[0, 1], [0, 1], [0, 1]])
     forward(cache, [[2, 3, 4]] * 3)
-    cache.keep(torch.tensor([[True, False, False], [True, False, True],
-                             [False, False, False]]))
+    cache.keep(torch.tensor([[True, False, False], [True, False, True], [False, False, False]]))
     assert cache.cursor.tolist() == [3, 5, 2]
-    assert cache.valid[:, 2:5].tolist() == [[True, False, False], [True, False, True],
-                                            [False, False, False]]
+    assert cache.valid[:, 2:5].tolist() == [
+        [True, False, False],
+        [True, False, True],
+        [False, False, False],
+    ]
 
 
 def test_reset_forgets_every_row():
@@ -89,8 +95,7 @@ def test_layer_update_writes_at_each_rows_slots():
 def allowed(cache: StaticKVCache, positions: list[list[int]], window: int | None):
     """The slots each query of the forward in progress may attend to."""
     mask = cache.mask(torch.tensor(positions), window)
-    return [[torch.nonzero(row == 0).flatten().tolist() for row in query]
-            for query in mask[:, 0]]
+    return [[torch.nonzero(row == 0).flatten().tolist() for row in query] for query in mask[:, 0]]
 
 
 def test_mask_sees_valid_slots_up_to_its_own():
@@ -100,8 +105,10 @@ def test_mask_sees_valid_slots_up_to_its_own():
     forward(cache, [[0, 1, 2], [0, 1, 2]])
     cache.valid[1, :2] = False  # row 1: two slots of left padding
     cache.begin(torch.tensor([[3, 4], [1, 2]]))
-    assert allowed(cache, [[3, 4], [1, 2]], None) == [[[0, 1, 2, 3], [0, 1, 2, 3, 4]],
-                                                      [[2, 3], [2, 3, 4]]]
+    assert allowed(cache, [[3, 4], [1, 2]], None) == [
+        [[0, 1, 2, 3], [0, 1, 2, 3, 4]],
+        [[2, 3], [2, 3, 4]],
+    ]
     cache.valid[1, 3] = False  # the query's own slot is always seen
     assert allowed(cache, [[3, 4], [1, 2]], None)[1][0] == [2, 3]
     mask = cache.mask(torch.tensor([[3, 4], [1, 2]]), None)
@@ -143,8 +150,9 @@ def test_grouped_attention_equals_attention_over_repeated_heads(q, softcap):
     scaling = 1 / math.sqrt(8)
     out, weights = grouped_attention(None, query, key, value, mask, scaling, softcap=softcap)
     assert weights is None and out.shape == (2, q, 4, 8)
-    torch.testing.assert_close(out, plain_attention(query, key, value, mask, scaling, softcap),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        out, plain_attention(query, key, value, mask, scaling, softcap), atol=1e-5, rtol=0
+    )
 
 
 def test_register_attention_makes_it_selectable():

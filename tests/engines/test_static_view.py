@@ -3,8 +3,8 @@ model's weights and leave its modules unchanged."""
 
 import torch
 
-from trace_replay.engines.builtin.passes.batch1_fusions import GatedMLP
 from trace_replay.engines.builtin.backends.static_view import KernelLinear, kernel_modules
+from trace_replay.engines.builtin.passes.batch1_fusions import GatedMLP
 from trace_replay.kernels.fp32_linear import fp32_linear
 
 
@@ -26,5 +26,6 @@ def test_kernel_linears_share_weights_and_leave_the_model(make_tiny_lm):
     scale = layer.mlp(x).abs().max().item()  # the tiny models' weights are large
     torch.testing.assert_close(view.mlp(x), layer.mlp(x), atol=2e-6 * scale, rtol=0)
     keys = layer.self_attn.k_proj(x)
-    torch.testing.assert_close(view.self_attn.k_proj(x), keys,
-                               atol=2e-6 * keys.abs().max().item(), rtol=0)
+    torch.testing.assert_close(
+        view.self_attn.k_proj(x), keys, atol=2e-6 * keys.abs().max().item(), rtol=0
+    )

@@ -32,8 +32,9 @@ def test_replay_emits_exactly_the_trace(result, real_traces):
         rows = result[result.trace_id == trace.id]
         assert rows["token_id"].tolist() == list(trace.trace_token_ids)
         assert rows["step"].tolist() == list(range(len(trace.trace_token_ids)))
-        assert rows["position"].tolist() == [len(trace.prompt_token_ids) + s
-                                            for s in range(len(trace.trace_token_ids))]
+        assert rows["position"].tolist() == [
+            len(trace.prompt_token_ids) + s for s in range(len(trace.trace_token_ids))
+        ]
 
 
 def test_top_k_is_the_model_distribution(result):
@@ -41,8 +42,10 @@ def test_top_k_is_the_model_distribution(result):
     for row in result.itertuples():
         assert list(row.top_logprobs) == sorted(row.top_logprobs, reverse=True)
         if row.rank == 1:
-            assert row.top_token_ids[0] == row.token_id or \
-                abs(row.top_logprobs[0] - row.logprob) < 1e-6
+            assert (
+                row.top_token_ids[0] == row.token_id
+                or abs(row.top_logprobs[0] - row.logprob) < 1e-6
+            )
         assert row.logprob <= row.top_logprobs[0] + 1e-6
         assert row.entropy > 0
 
@@ -54,15 +57,20 @@ def test_small_batch_reuses_slots(lm, real_traces, result):
     np.testing.assert_allclose(small["logprob"], result["logprob"], atol=1e-4)
 
 
-def test_deterministic_mode(lm, real_traces, assert_frames_bitwise_equal,
-                            assert_matches_reference):
+def test_deterministic_mode(lm, real_traces, assert_frames_bitwise_equal, assert_matches_reference):
     """deterministic=True: the same bits at batch 3 and at batch 2 with the traces reversed,
     as faithful to float64 as the default path. (Without it, equal inputs in other batches
     agree only to ~1e-5: the default path's bits depend on the batch.)"""
-    a = replay(real_traces, engine=make_engine("torch", lm, batch_size=3, deterministic=True),
-               progress=False)
-    b = replay(real_traces[::-1], progress=False,
-               engine=make_engine("torch", lm, batch_size=2, deterministic=True))
+    a = replay(
+        real_traces,
+        engine=make_engine("torch", lm, batch_size=3, deterministic=True),
+        progress=False,
+    )
+    b = replay(
+        real_traces[::-1],
+        progress=False,
+        engine=make_engine("torch", lm, batch_size=2, deterministic=True),
+    )
     b = b.set_index("trace_id").loc[a["trace_id"].drop_duplicates()].reset_index()
     assert_frames_bitwise_equal(a, b)
     assert_matches_reference(a)
@@ -71,8 +79,7 @@ def test_deterministic_mode(lm, real_traces, assert_frames_bitwise_equal,
 @pytest.mark.parametrize("method", ["trace", "ngram"])
 def test_speculative_equals_step_by_step(lm, real_traces, result, method):
     """The verify path (drafts from the trace, or n-grams) reproduces step-by-step replay."""
-    engine = make_engine("torch", lm, batch_size=4,
-                         speculative={"method": method, "num_tokens": 3})
+    engine = make_engine("torch", lm, batch_size=4, speculative={"method": method, "num_tokens": 3})
     spec = replay(real_traces, engine=engine, progress=False)
     assert spec["token_id"].tolist() == result["token_id"].tolist()
     np.testing.assert_allclose(spec["logprob"], result["logprob"], atol=2e-4)
@@ -89,16 +96,20 @@ def test_greedy_record_replays_at_rank_1(lm, tokenizer):
     engine = make_engine("torch", lm, batch_size=2)
     prompts = [tokenizer.encode("The capital of France is"), tokenizer.encode("def f(x):")]
     generated = engine.generate(prompts, max_tokens=12, eos_token_id=tokenizer.eos_token_id)
-    traces = [{"id": str(i), "prompt_token_ids": p, "trace_token_ids": ids, "ref_logprobs": lps}
-              for i, (p, (ids, lps)) in enumerate(zip(prompts, generated))]
+    traces = [
+        {"id": str(i), "prompt_token_ids": p, "trace_token_ids": ids, "ref_logprobs": lps}
+        for i, (p, (ids, lps)) in enumerate(zip(prompts, generated))
+    ]
     df = replay(traces, engine=engine, progress=False)
     top = df["top_logprobs"].map(lambda v: v[0])
     assert ((df["rank"] == 1) | (top - df["logprob"] < 1e-5)).all()
     np.testing.assert_allclose(df["logprob"], df["ref_logprob"], atol=1e-4)
 
 
-@pytest.mark.parametrize("speculative", [None, {"method": "trace", "num_tokens": 3},
-                                         {"method": "ngram", "num_tokens": 3}])
+@pytest.mark.parametrize(
+    "speculative",
+    [None, {"method": "trace", "num_tokens": 3}, {"method": "ngram", "num_tokens": 3}],
+)
 def test_progress_counts_tokens_within_a_wave(lm, real_traces, tokenizer, speculative):
     """run(on_tokens=) reports every trace token exactly once, step by step inside one wave
     (not once per wave), and never more than was committed."""
@@ -126,8 +137,8 @@ def test_cpu_threads_restored_after_run(engine, real_traces):
 def test_every_backend_declares_whether_its_logits_are_static():
     """The engine reads ``static_logits`` from whichever backend it built (no probing): each
     backend class declares it, and only the static backend's can be True."""
-    from trace_replay.engines.builtin.backends.hf import HFBackend
     from trace_replay.engines.builtin.backends.deterministic import DeterministicBackend
+    from trace_replay.engines.builtin.backends.hf import HFBackend
     from trace_replay.engines.builtin.backends.static import StaticCacheBackend
 
     assert HFBackend.static_logits is False and DeterministicBackend.static_logits is False

@@ -8,11 +8,9 @@ import pytest
 import torch
 
 from trace_replay.engines.builtin.backends.hf import HFBackend
-from trace_replay.engines.builtin.decode import replay_forwards
-from trace_replay.engines.builtin.decode import SlotTable
+from trace_replay.engines.builtin.decode import SlotTable, replay_forwards
+from trace_replay.engines.builtin.scoring import score_tokens, wave_results
 from trace_replay.engines.builtin.verify import VerifySteps, verify_steps
-from trace_replay.engines.builtin.scoring import wave_results
-from trace_replay.engines.builtin.scoring import score_tokens
 
 K = 3
 TOP_K = 3
@@ -24,10 +22,18 @@ def verify(lm, wave, method: str):
     reported = []
     with torch.inference_mode():
         idx_mapping = slots.admit(wave)
-        logits = backend.prefill([r.prompt_token_ids for r in wave],
-                                 max(r.trace_len for r in wave))
-        result = verify_steps(backend, slots, idx_mapping, logits, wave, method=method, k=K,
-                              top_k=TOP_K, on_forward=reported.append)
+        logits = backend.prefill([r.prompt_token_ids for r in wave], max(r.trace_len for r in wave))
+        result = verify_steps(
+            backend,
+            slots,
+            idx_mapping,
+            logits,
+            wave,
+            method=method,
+            k=K,
+            top_k=TOP_K,
+            on_forward=reported.append,
+        )
     return result, reported
 
 
@@ -38,8 +44,9 @@ def runs(tiny_llama, tiny_requests):
 
 
 @pytest.mark.parametrize("method", ["trace", "ngram"])
-def test_commits_the_trace_scored_as_teacher_forcing(runs, method, tiny_requests,
-                                                     assert_results_match):
+def test_commits_the_trace_scored_as_teacher_forcing(
+    runs, method, tiny_requests, assert_results_match
+):
     """Whatever the drafts, each row commits exactly its trace, with the logprob, rank and
     top-k of a float64 teacher-forced forward over that trace alone."""
     result, _ = runs[method]
@@ -59,8 +66,9 @@ def test_trace_drafts_are_all_accepted(runs, tiny_requests):
     forwards = 1 + -(-(longest - 1) // (K + 1))
     assert len(result.steps) == forwards and reported == list(range(forwards))
     left = torch.tensor([r.trace_len - 1 for r in tiny_requests])
-    expected = [torch.ones_like(left)] + [(left - f * (K + 1)).clamp(0, K + 1)
-                                          for f in range(forwards - 1)]
+    expected = [torch.ones_like(left)] + [
+        (left - f * (K + 1)).clamp(0, K + 1) for f in range(forwards - 1)
+    ]
     assert torch.equal(result.counts.long(), torch.stack(expected))
     chunks = [-(-(r.trace_len - 1) // (K + 1)) for r in tiny_requests]
     # each chunk of up to k + 1 committed tokens holds one fewer draft
@@ -94,9 +102,9 @@ def test_verify_steps_run_in_the_replay_loop(tiny_llama, tiny_requests):
     backend, slots = HFBackend(tiny_llama, 0), SlotTable(len(wave), torch.device("cpu"))
     with torch.inference_mode():
         idx_mapping = slots.admit(wave)
-        logits = backend.prefill([r.prompt_token_ids for r in wave],
-                                 max(r.trace_len for r in wave))
-        runner = VerifySteps(backend, slots, idx_mapping, wave, method="ngram", k=K,
-                             top_k=TOP_K, score=score_tokens)
+        logits = backend.prefill([r.prompt_token_ids for r in wave], max(r.trace_len for r in wave))
+        runner = VerifySteps(
+            backend, slots, idx_mapping, wave, method="ngram", k=K, top_k=TOP_K, score=score_tokens
+        )
         forwards = replay_forwards(backend, runner, logits)
     assert forwards == backend.forwards == len(runner.result().steps) > 1

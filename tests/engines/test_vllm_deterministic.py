@@ -7,7 +7,11 @@ import os
 import pytest
 import torch
 
-from trace_replay.engines.vllm.deterministic import ENV, deterministic_unavailable, deterministic_env
+from trace_replay.engines.vllm.deterministic import (
+    ENV,
+    deterministic_env,
+    deterministic_unavailable,
+)
 
 
 def test_cpu_has_no_batch_invariant_vllm():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
-import torch
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="vllm is not installed (pip install 'trace-replay[cpu]')")
 
@@ -23,11 +23,19 @@ def engine():
     from trace_replay.engines.vllm.deterministic import deterministic_unavailable
 
     unavailable = deterministic_unavailable()
-    with pytest.warns(RuntimeWarning, match="NOT batch-invariant") if unavailable else \
-            contextlib.nullcontext():
-        engine = make_engine("vllm", None, batch_size=4, top_k=5, deterministic=True,
-                             engine_args={"max_model_len": 1024,
-                                          "max_num_batched_tokens": 1024})
+    with (
+        pytest.warns(RuntimeWarning, match="NOT batch-invariant")
+        if unavailable
+        else contextlib.nullcontext()
+    ):
+        engine = make_engine(
+            "vllm",
+            None,
+            batch_size=4,
+            top_k=5,
+            deterministic=True,
+            engine_args={"max_model_len": 1024, "max_num_batched_tokens": 1024},
+        )
     yield engine
     engine.close()
 
@@ -62,8 +70,10 @@ def test_vllm_hands_the_processor_no_output_tokens(engine, result, real_traces, 
     assert result.attrs["output_tokens_to_processors"] is False
     requests, _ = prepare_requests(real_traces.tokenize(tokenizer), engine.max_model_len)
     seen = []
-    engine.run(requests[:2], on_tokens=lambda _: seen.append(
-        engine.llm.collective_rpc(_output_token_lists)))
+    engine.run(
+        requests[:2],
+        on_tokens=lambda _: seen.append(engine.llm.collective_rpc(_output_token_lists)),
+    )
     assert seen and all(s == [(False, [])] for s in seen)
 
 
@@ -93,8 +103,9 @@ def test_deterministic_is_not_claimed_where_vllm_cannot(result):
 def test_emits_exactly_the_trace(result, real_traces):
     """EOS inside a trace does not stop replay; each trace ends exactly at its last token."""
     for trace in real_traces:
-        assert result[result.trace_id == trace.id]["token_id"].tolist() == \
-            list(trace.trace_token_ids)
+        assert result[result.trace_id == trace.id]["token_id"].tolist() == list(
+            trace.trace_token_ids
+        )
 
 
 def test_off_trace_token_gets_its_true_rank(engine, tokenizer):
@@ -110,16 +121,16 @@ def test_agrees_with_torch_engine(result, lm, real_traces):
 
     torch_df = replay(real_traces, engine=make_engine("torch", lm, batch_size=4), progress=False)
     np.testing.assert_allclose(result["logprob"], torch_df["logprob"], atol=2e-3)
-    assert (result["top_token_ids"].map(lambda v: v[0]) ==
-            torch_df["top_token_ids"].map(lambda v: v[0])).mean() > 0.95
+    assert (
+        result["top_token_ids"].map(lambda v: v[0]) == torch_df["top_token_ids"].map(lambda v: v[0])
+    ).mean() > 0.95
 
 
 def test_greedy_record_replays_at_rank_1(engine):
     """Traces recorded greedily by vLLM replay through vLLM at rank 1 with their own logprobs."""
     from trace_replay.runs.recording import record
 
-    traces = record(["The capital of France is", "def square(x):"], engine=engine,
-                    max_tokens=10)
+    traces = record(["The capital of France is", "def square(x):"], engine=engine, max_tokens=10)
     df = replay(traces, engine=engine, progress=False)
     top = df["top_logprobs"].map(lambda v: v[0])
     assert ((df["rank"] == 1) | (top - df["logprob"] < 1e-5)).all()
@@ -173,13 +184,19 @@ def test_a_second_engine_starts_beside_the_first(engine, real_traces):
     share of the machine's memory."""
     from trace_replay.engines.vllm.engine import kv_cache_bytes
 
-    second = make_engine("vllm", None, batch_size=2, top_k=5,
-                         engine_args={"max_model_len": 512, "max_num_batched_tokens": 512})
+    second = make_engine(
+        "vllm",
+        None,
+        batch_size=2,
+        top_k=5,
+        engine_args={"max_model_len": 512, "max_num_batched_tokens": 512},
+    )
     try:
         df = replay(real_traces, engine=second, progress=False)
         cache = second.llm.llm_engine.vllm_config.cache_config
-        assert cache.kv_cache_memory_bytes == kv_cache_bytes(second.llm_args["model"],
-                                                             torch.float32, 2, 512)
+        assert cache.kv_cache_memory_bytes == kv_cache_bytes(
+            second.llm_args["model"], torch.float32, 2, 512
+        )
     finally:
         second.close()
     assert len(df) == sum(len(t.trace_token_ids) for t in real_traces)
@@ -195,8 +212,12 @@ def test_logprobs_keep_vllm_ranks_and_top_k_order():
     from trace_replay.engines.vllm.engine import _Logprobs
 
     tied = {5: Logprob(-0.2, 1, None), 8: Logprob(-0.2, 2, None), 1: Logprob(-3.0, 3, None)}
-    off = {7: Logprob(-9.0, 40, None), 3: Logprob(-0.1, 1, None), 9: Logprob(-2.0, 2, None),
-           4: Logprob(-2.5, 3, None)}
+    off = {
+        7: Logprob(-9.0, 40, None),
+        3: Logprob(-0.1, 1, None),
+        9: Logprob(-2.0, 2, None),
+        4: Logprob(-2.5, 3, None),
+    }
     logprobs = _Logprobs()
     logprobs.extend([tied])
     logprobs.extend([off])
@@ -218,16 +239,19 @@ def test_flat_and_dict_logprobs_give_the_same_arrays(top_k):
     from trace_replay.engines.vllm.engine import _Logprobs
 
     # (emitted and top-k ids, their logprobs, the emitted token's rank as vLLM computed it)
-    positions = [([5, 5, 8, 1], [-0.2, -0.2, -0.2, -3.0], 2),  # tie, listed first
-                 ([8, 5, 8, 1], [-0.2, -0.2, -0.2, -3.0], 2),  # tie, listed second
-                 ([7, 3, 9, 4], [-9.0, -0.1, -2.0, -2.5], 40),  # off the top-k
-                 ([4, 3, 9, 4], [-2.5, -0.1, -2.0, -2.5], 3)]  # third
+    positions = [
+        ([5, 5, 8, 1], [-0.2, -0.2, -0.2, -3.0], 2),  # tie, listed first
+        ([8, 5, 8, 1], [-0.2, -0.2, -0.2, -3.0], 2),  # tie, listed second
+        ([7, 3, 9, 4], [-9.0, -0.1, -2.0, -2.5], 40),  # off the top-k
+        ([4, 3, 9, 4], [-2.5, -0.1, -2.0, -2.5], 3),
+    ]  # third
     arrays = []
     for flat in (True, False):
         container = create_sample_logprobs(flat)
         for ids, lps, rank in positions:
-            append_logprobs_for_next_position(container, ids[:top_k + 1], lps[:top_k + 1],
-                                              [None] * (top_k + 1), rank, top_k)
+            append_logprobs_for_next_position(
+                container, ids[: top_k + 1], lps[: top_k + 1], [None] * (top_k + 1), rank, top_k
+            )
         logprobs = _Logprobs()
         logprobs.extend(container)
         arrays.append(logprobs.arrays(top_k))
@@ -236,8 +260,12 @@ def test_flat_and_dict_logprobs_give_the_same_arrays(top_k):
     emitted, _, rank, top_ids, _ = arrays[0]
     assert emitted.tolist() == [5, 8, 7, 4]
     assert rank.tolist() == {0: [2, 2, 40, 3], 1: [1, 2, 40, 3], 3: [1, 2, 40, 3]}[top_k]
-    assert top_ids.tolist() == [[5, 8, 1][:top_k], [5, 8, 1][:top_k], [3, 9, 4][:top_k],
-                                [3, 9, 4][:top_k]]
+    assert top_ids.tolist() == [
+        [5, 8, 1][:top_k],
+        [5, 8, 1][:top_k],
+        [3, 9, 4][:top_k],
+        [3, 9, 4][:top_k],
+    ]
 
 
 def test_step_progress_counts_running_requests_and_is_exact_at_the_end():
@@ -248,8 +276,14 @@ def test_step_progress_counts_running_requests_and_is_exact_at_the_end():
     from trace_replay.engines.vllm.engine import _StepProgress
 
     progress = _StepProgress([3, 5, 4])
-    counts = [progress.step([]), progress.step([]), progress.step([(0, 3)]),
-              progress.step([]), progress.step([(2, 4)]), progress.step([(1, 5)])]
+    counts = [
+        progress.step([]),
+        progress.step([]),
+        progress.step([(0, 3)]),
+        progress.step([]),
+        progress.step([(2, 4)]),
+        progress.step([(1, 5)]),
+    ]
     assert counts == [3, 3, 3, 1, 1, 1]
     assert sum(counts) == 3 + 5 + 4
     assert progress.step([]) == 0

@@ -16,8 +16,7 @@ pytest.importorskip("vllm", reason="vllm is not installed (pip install 'trace-re
 from vllm import SamplingParams  # noqa: E402
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality  # noqa: E402
 
-from trace_replay.engines.vllm.engine import (  # noqa: E402
-    FORCED_LOGIT, TRACE_KEY, TraceForcingProcessor)
+from trace_replay.engines.vllm.engine import FORCED_LOGIT, TRACE_KEY, TraceForcingProcessor  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -25,8 +24,9 @@ VOCAB = 50
 
 
 def processor(max_num_seqs: int = 4) -> TraceForcingProcessor:
-    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
-                             speculative_config=None)
+    config = SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs), speculative_config=None
+    )
     return TraceForcingProcessor(config, torch.device("cpu"), False)
 
 
@@ -61,8 +61,9 @@ def test_a_forced_row_samples_its_token_at_any_temperature():
     token with a non-zero probability, even against logits of +-1e4."""
     proc = processor()
     outputs = [[]]
-    proc.update_state(BatchUpdate(batch_size=1, removed=[], moved=[],
-                                  added=[added(0, [17, 3], 2, outputs[0])]))
+    proc.update_state(
+        BatchUpdate(batch_size=1, removed=[], moved=[], added=[added(0, [17, 3], 2, outputs[0])])
+    )
     logits = torch.linspace(-1e4, 1e4, VOCAB)[None].clone()
     after = proc.apply(logits)
     assert int(after.argmax()) == 17
@@ -80,9 +81,16 @@ def test_forces_each_trace_and_leaves_other_rows_alone():
     """Traced rows sample exactly their trace, step by step; an untraced row is untouched."""
     proc = processor()
     outputs = [[], [], []]
-    update = BatchUpdate(batch_size=3, removed=[], moved=[],
-                         added=[added(0, [5, 6, 7], 3, outputs[0]), added(1, None, 2, outputs[1]),
-                                added(2, [9, 8, 7], 1, outputs[2])])
+    update = BatchUpdate(
+        batch_size=3,
+        removed=[],
+        moved=[],
+        added=[
+            added(0, [5, 6, 7], 3, outputs[0]),
+            added(1, None, 2, outputs[1]),
+            added(2, [9, 8, 7], 1, outputs[2]),
+        ],
+    )
     seen = [step(proc, outputs, update)] + [step(proc, outputs) for _ in range(2)]
     assert seen == [[5, None, 9], [6, None, 8], [7, None, 7]]
     assert outputs[0] == [5, 6, 7] and outputs[2] == [9, 8, 7]
@@ -93,9 +101,12 @@ def test_lengths_are_sent_only_when_rows_do_not_advance_by_one():
     discarded chunked-prefill sample) makes the next step resend, and forcing stays exact."""
     proc = processor()
     outputs = [[], []]
-    update = BatchUpdate(batch_size=2, removed=[], moved=[],
-                         added=[added(0, [1, 2, 3, 4], 2, outputs[0]),
-                                added(1, [11, 12, 13, 14], 2, outputs[1])])
+    update = BatchUpdate(
+        batch_size=2,
+        removed=[],
+        moved=[],
+        added=[added(0, [1, 2, 3, 4], 2, outputs[0]), added(1, [11, 12, 13, 14], 2, outputs[1])],
+    )
     assert step(proc, outputs, update) == [1, 11]
     assert step(proc, outputs) == [2, 12]
     assert proc.num_length_uploads == 1
@@ -111,15 +122,24 @@ def test_moves_and_swaps_carry_the_trace_position():
     """Rows that vLLM moves or swaps keep replaying their own trace from where they were."""
     proc = processor()
     outputs = [[], [], []]
-    update = BatchUpdate(batch_size=3, removed=[], moved=[],
-                         added=[added(0, [1, 2, 3], 1, outputs[0]),
-                                added(1, [21, 22, 23], 1, outputs[1]),
-                                added(2, [31, 32, 33], 1, outputs[2])])
+    update = BatchUpdate(
+        batch_size=3,
+        removed=[],
+        moved=[],
+        added=[
+            added(0, [1, 2, 3], 1, outputs[0]),
+            added(1, [21, 22, 23], 1, outputs[1]),
+            added(2, [31, 32, 33], 1, outputs[2]),
+        ],
+    )
     assert step(proc, outputs, update) == [1, 21, 31]
     # request 0 finishes; request 2 moves into slot 0; then slots 0 and 1 swap
-    swap = BatchUpdate(batch_size=2, removed=[0], added=[],
-                       moved=[(2, 0, MoveDirectionality.UNIDIRECTIONAL),
-                              (0, 1, MoveDirectionality.SWAP)])
+    swap = BatchUpdate(
+        batch_size=2,
+        removed=[0],
+        added=[],
+        moved=[(2, 0, MoveDirectionality.UNIDIRECTIONAL), (0, 1, MoveDirectionality.SWAP)],
+    )
     outputs = [outputs[1], outputs[2]]
     assert step(proc, outputs, swap) == [22, 32]
     assert step(proc, outputs) == [23, 33]
@@ -131,9 +151,12 @@ def test_a_trace_token_outside_the_vocabulary_leaves_its_row_alone():
     follow their traces."""
     proc = processor()
     outputs = [[], []]
-    update = BatchUpdate(batch_size=2, removed=[], moved=[],
-                         added=[added(0, [VOCAB + 3, 4], 1, outputs[0]),
-                                added(1, [7, 8], 1, outputs[1])])
+    update = BatchUpdate(
+        batch_size=2,
+        removed=[],
+        moved=[],
+        added=[added(0, [VOCAB + 3, 4], 1, outputs[0]), added(1, [7, 8], 1, outputs[1])],
+    )
     assert step(proc, outputs, update) == [None, 7]
     assert step(proc, outputs) == [4, 8]  # the row's step still advanced
 
@@ -141,12 +164,16 @@ def test_a_trace_token_outside_the_vocabulary_leaves_its_row_alone():
 # Model Runner V2 (the GPU default) builds processors with (vllm_config, req_states) and
 # keeps the lengths itself: prompt_len behind a pool of buffers, total_len advanced by it.
 
+
 def runner_states(max_num_reqs: int = 4):
     """What MRV2 hands a processor: per-slot lengths whose ``.gpu`` it may swap."""
-    return SimpleNamespace(device=torch.device("cpu"), max_num_reqs=max_num_reqs,
-                           vocab_size=VOCAB,
-                           prompt_len=SimpleNamespace(gpu=torch.zeros(max_num_reqs, dtype=torch.int32)),
-                           total_len=SimpleNamespace(gpu=torch.zeros(max_num_reqs, dtype=torch.int32)))
+    return SimpleNamespace(
+        device=torch.device("cpu"),
+        max_num_reqs=max_num_reqs,
+        vocab_size=VOCAB,
+        prompt_len=SimpleNamespace(gpu=torch.zeros(max_num_reqs, dtype=torch.int32)),
+        total_len=SimpleNamespace(gpu=torch.zeros(max_num_reqs, dtype=torch.int32)),
+    )
 
 
 def v2_step(proc, states, slots: list[int]) -> list[int]:
@@ -165,8 +192,8 @@ def test_one_name_loads_under_both_model_runners():
     from vllm.v1.sample.logits_processor import _load_logitsprocs_by_fqcns
     from vllm.v1.worker.gpu.sample.logits_processor.loader import _load_v2_logitsprocs_by_fqcns
 
-    from trace_replay.engines.vllm.forcing import V1TraceForcing, V2TraceForcing
     from trace_replay.engines.server.serve import FORCING_PROCESSOR
+    from trace_replay.engines.vllm.forcing import V1TraceForcing, V2TraceForcing
 
     assert _load_logitsprocs_by_fqcns([FORCING_PROCESSOR]) == [TraceForcingProcessor]
     assert _load_v2_logitsprocs_by_fqcns([FORCING_PROCESSOR]) == [TraceForcingProcessor]

@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from trace_replay.engines.vllm.inprocess import hosted_startup, multicast_off
 from trace_replay.engines.server.serve import MULTICAST_OFF
+from trace_replay.engines.vllm.inprocess import hosted_startup, multicast_off
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +29,11 @@ def vllm_engine():
 def test_a_parallel_size_that_is_not_a_positive_integer_is_refused(vllm_engine, option, bad):
     """tensor/pipeline_parallel_size must be positive integers (a bool or a string is not):
     the error names the option and the value given."""
-    with pytest.raises(ValueError, match=rf"engine_args\['{option}'\] must be a positive "
-                                         rf"integer, got {bad!r}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"engine_args\['{option}'\] must be a positive "
+        rf"integer, got {bad!r}",
+    ):
         vllm_engine.parallel_sizes({option: bad}, None)
 
 
@@ -48,9 +51,12 @@ def test_more_ranks_than_cuda_devices_are_refused_naming_both(vllm_engine, monke
     """On CUDA, tensor x pipeline ranks above the visible devices: the error gives the sizes,
     the devices needed and those visible (with CUDA_VISIBLE_DEVICES when set)."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 x pipeline_parallel_size 1 "
-                                         r"needs 2 CUDA devices.*but 1 is visible "
-                                         r"\(CUDA_VISIBLE_DEVICES=3\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size 2 x pipeline_parallel_size 1 "
+        r"needs 2 CUDA devices.*but 1 is visible "
+        r"\(CUDA_VISIBLE_DEVICES=3\)",
+    ):
         vllm_engine.parallel_sizes({"tensor_parallel_size": 2}, 1)
     with pytest.raises(ValueError, match="needs 4 CUDA devices.*but 2 are visible"):
         vllm_engine.parallel_sizes({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, 2)
@@ -59,13 +65,18 @@ def test_more_ranks_than_cuda_devices_are_refused_naming_both(vllm_engine, monke
 def test_sizes_are_taken_as_given(vllm_engine, monkeypatch):
     """Absent sizes are 1; sizes that fit the devices (on vLLM's CPU build, ranks whose
     threads are bound by VLLM_CPU_OMP_THREADS_BIND) come back as the settings record them."""
-    assert vllm_engine.parallel_sizes({}, None) == {"tensor_parallel_size": 1,
-                                                    "pipeline_parallel_size": 1}
+    assert vllm_engine.parallel_sizes({}, None) == {
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+    }
     assert vllm_engine.parallel_sizes({"tensor_parallel_size": 2}, 2) == {
-        "tensor_parallel_size": 2, "pipeline_parallel_size": 1}
+        "tensor_parallel_size": 2,
+        "pipeline_parallel_size": 1,
+    }
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1|0|1")
-    assert vllm_engine.parallel_sizes({"tensor_parallel_size": 4}, None)[
-        "tensor_parallel_size"] == 4
+    assert (
+        vllm_engine.parallel_sizes({"tensor_parallel_size": 4}, None)["tensor_parallel_size"] == 4
+    )
 
 
 def test_cpu_ranks_without_numa_nodes_or_a_binding_are_refused(vllm_engine, monkeypatch):
@@ -77,9 +88,12 @@ def test_cpu_ranks_without_numa_nodes_or_a_binding_are_refused(vllm_engine, monk
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.delenv("VLLM_CPU_SIM_MULTI_NUMA", raising=False)
     ranks = len(get_visible_memory_node()) + 1
-    with pytest.raises(ValueError, match=rf"binds each of the {ranks} ranks to a NUMA node.*"
-                                         r"set VLLM_CPU_OMP_THREADS_BIND to one CPU list per "
-                                         r"rank, e\.g\. '0\|1"):
+    with pytest.raises(
+        ValueError,
+        match=rf"binds each of the {ranks} ranks to a NUMA node.*"
+        r"set VLLM_CPU_OMP_THREADS_BIND to one CPU list per "
+        r"rank, e\.g\. '0\|1",
+    ):
         vllm_engine.parallel_sizes({"tensor_parallel_size": ranks}, None)
 
 
@@ -89,16 +103,27 @@ def test_a_cpu_rank_sizes_its_kv_cache_to_its_share(vllm_engine, tmp_path):
     holds one (vLLM replicates them)."""
     import json
 
-    config = {"num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 4,
-              "hidden_size": 256, "max_position_embeddings": 64}
+    config = {
+        "num_hidden_layers": 3,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "hidden_size": 256,
+        "max_position_embeddings": 64,
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     one = vllm_engine.kv_cache_bytes(tmp_path, torch.float32, 4, 64)
-    assert vllm_engine.kv_cache_bytes(tmp_path, torch.float32, 4, 64,
-                                      tensor_parallel_size=2) * 2 == one
-    assert vllm_engine.kv_cache_bytes(tmp_path, torch.float32, 4, 64,
-                                      pipeline_parallel_size=2) * 3 == one * 2
-    assert vllm_engine.kv_cache_bytes(tmp_path, torch.float32, 4, 64,
-                                      tensor_parallel_size=8) * 4 == one
+    assert (
+        vllm_engine.kv_cache_bytes(tmp_path, torch.float32, 4, 64, tensor_parallel_size=2) * 2
+        == one
+    )
+    assert (
+        vllm_engine.kv_cache_bytes(tmp_path, torch.float32, 4, 64, pipeline_parallel_size=2) * 3
+        == one * 2
+    )
+    assert (
+        vllm_engine.kv_cache_bytes(tmp_path, torch.float32, 4, 64, tensor_parallel_size=8) * 4
+        == one
+    )
 
 
 def test_multicast_is_off_while_the_engine_starts_then_as_before(monkeypatch):

@@ -25,9 +25,13 @@ pytest.importorskip("vllm", reason="vllm is not installed (pip install 'trace-re
 from trace_replay.engines import make_engine  # noqa: E402
 from trace_replay.engines.base import ReplayRequest  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm,
-              pytest.mark.skipif(torch.cuda.is_available(),
-                                 reason="the CPU build's gloo ranks (tests/gpu on GPUs)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        torch.cuda.is_available(), reason="the CPU build's gloo ranks (tests/gpu on GPUs)"
+    ),
+]
 
 VOCAB = 1024
 # max |Δ logprob| TP=2 against TP=1 allowed: measured 2.2e-5 (median 2.9e-6), in process and
@@ -44,10 +48,20 @@ def folder(tmp_path_factory) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-        initializer_range=0.3, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0)
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("random-llama-tp")
     transformers.LlamaForCausalLM(config).save_pretrained(path)
@@ -68,8 +82,9 @@ def requests() -> list[ReplayRequest]:
 
 
 def _run(folder, requests, tp: int):
-    engine = make_engine("vllm", folder, batch_size=4, top_k=5,
-                         engine_args={**ARGS, "tensor_parallel_size": tp})
+    engine = make_engine(
+        "vllm", folder, batch_size=4, top_k=5, engine_args={**ARGS, "tensor_parallel_size": tp}
+    )
     try:
         return engine.settings(), engine.run(requests)
     finally:
@@ -88,8 +103,10 @@ def _agree(results, reference, requests) -> float:
         assert result.token_ids.tolist() == list(request.trace_token_ids), result.trace_id
     delta = np.concatenate([np.abs(a.logprob - b.logprob) for a, b in zip(results, reference)])
     ranks = np.concatenate([a.rank - b.rank for a, b in zip(results, reference)])
-    print(f"TP=2 vs TP=1: median |Δ| {np.median(delta):.1e}, max {delta.max():.1e}, "
-          f"ranks equal {np.mean(ranks == 0):.3f}")
+    print(
+        f"TP=2 vs TP=1: median |Δ| {np.median(delta):.1e}, max {delta.max():.1e}, "
+        f"ranks equal {np.mean(ranks == 0):.3f}"
+    )
     assert delta.max() <= TP_TOL
     assert np.abs(ranks).max() <= 1 and np.mean(ranks == 0) >= 0.97
     return float(delta.max())
@@ -110,17 +127,30 @@ def test_tp2_served_agrees_with_tp1(folder, requests, tp1, tmp_path, monkeypatch
     """``trace-replay serve``'s command with ``--tensor-parallel-size 2`` (two gloo ranks
     behind one server), replayed through engine="vllm-server": TP=1's numbers within
     TP_TOL, the traces followed."""
-    from trace_replay.engines.server.serve import start_server, stop_server, wait_for_server
-    from trace_replay.engines.server.serve import serve_command
+    from trace_replay.engines.server.serve import (
+        serve_command,
+        start_server,
+        stop_server,
+        wait_for_server,
+    )
 
     for key, value in BIND.items():
         monkeypatch.setenv(key, value)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = serve_command(folder, port=port, extra_args=[
-        "--max-model-len", str(ARGS["max_model_len"]), "--max-num-seqs", "8",
-        "--tensor-parallel-size", "2"])
+    command = serve_command(
+        folder,
+        port=port,
+        extra_args=[
+            "--max-model-len",
+            str(ARGS["max_model_len"]),
+            "--max-num-seqs",
+            "8",
+            "--tensor-parallel-size",
+            "2",
+        ],
+    )
     log = tmp_path / "server.log"
     server = start_server(command, log)
     try:

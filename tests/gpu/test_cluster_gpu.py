@@ -14,8 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+]
 
 from trace_replay.runs.cluster import RayCluster  # noqa: E402
 from trace_replay.runs.replay import replay  # noqa: E402
@@ -29,9 +32,18 @@ def model_folder(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("model")
     config = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
-        num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=2048,
-        initializer_range=0.3, tie_word_embeddings=True, pad_token_id=0)
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=2048,
+        initializer_range=0.3,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -48,17 +60,27 @@ def cluster(local_ray):
         yield RayCluster(actors=1)
 
 
-def test_one_gpu_actor_is_the_single_process_run(cluster, model_folder,
-                                                 assert_frames_bitwise_equal):
+def test_one_gpu_actor_is_the_single_process_run(
+    cluster, model_folder, assert_frames_bitwise_equal
+):
     """Deterministic replay of 24 traces on one GPU actor: bitwise the in-process replay,
     with the GPU in attrs['cluster']."""
     gen = torch.Generator().manual_seed(0)
-    traces = [{"id": f"t{i}",
-               "prompt_token_ids": torch.randint(3, 256, (4 + i,), generator=gen).tolist(),
-               "trace_token_ids": torch.randint(3, 256, (1 + 3 * i,), generator=gen).tolist()}
-              for i in range(24)]
-    options = {"engine": "torch", "device": "cuda", "deterministic": True, "batch_size": 8,
-               "progress": False}
+    traces = [
+        {
+            "id": f"t{i}",
+            "prompt_token_ids": torch.randint(3, 256, (4 + i,), generator=gen).tolist(),
+            "trace_token_ids": torch.randint(3, 256, (1 + 3 * i,), generator=gen).tolist(),
+        }
+        for i in range(24)
+    ]
+    options = {
+        "engine": "torch",
+        "device": "cuda",
+        "deterministic": True,
+        "batch_size": 8,
+        "progress": False,
+    }
     single = replay(traces, model_folder, **options)
     df = replay(traces, model_folder, **options, cluster=cluster)
     assert_frames_bitwise_equal(df, single)

@@ -14,8 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+]
 
 from trace_replay.engines import make_engine  # noqa: E402
 from trace_replay.engines.base import ReplayRequest  # noqa: E402
@@ -27,9 +30,17 @@ def random_llama(dtype: torch.dtype):
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
-        num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=2048,
-        initializer_range=0.3, tie_word_embeddings=True)
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=2048,
+        initializer_range=0.3,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).to(device="cuda", dtype=dtype).eval()
 
@@ -51,13 +62,23 @@ def same_bits(a, b) -> None:
     for ra in a:
         rb = by_id[ra.trace_id]
         for column in COLUMNS:
-            x, y = np.ascontiguousarray(getattr(ra, column)), np.ascontiguousarray(getattr(rb, column))
+            x, y = (
+                np.ascontiguousarray(getattr(ra, column)),
+                np.ascontiguousarray(getattr(rb, column)),
+            )
             assert x.shape == y.shape and x.tobytes() == y.tobytes(), (ra.trace_id, column)
 
 
-@pytest.fixture(scope="module", params=[(torch.float32, "rows"), (torch.bfloat16, "rows"),
-                                        (torch.float32, "tiles"), (torch.bfloat16, "tiles")],
-                ids=["fp32", "bf16", "fp32-tiled", "bf16-tiled"])
+@pytest.fixture(
+    scope="module",
+    params=[
+        (torch.float32, "rows"),
+        (torch.bfloat16, "rows"),
+        (torch.float32, "tiles"),
+        (torch.bfloat16, "tiles"),
+    ],
+    ids=["fp32", "bf16", "fp32-tiled", "bf16-tiled"],
+)
 def runs(request):
     """Deterministic decode replay at batch 16 and at batch 5 with the traces reversed,
     and teacher-forced prefill at batch 3; the arithmetic each engine reports. "tiled":
@@ -70,10 +91,16 @@ def runs(request):
     big = make_engine("torch", lm, batch_size=16, **options)
     small = make_engine("torch", lm, batch_size=5, **options)
     prefill = make_engine("prefill", lm, batch_size=3, **options)
-    out = {"big": big.run(reqs), "small": small.run(reqs[::-1]), "prefill": prefill.run(reqs),
-           "arithmetic": big.settings()["arithmetic"], "dtype": dtype, "attention": attention,
-           "default": make_engine("torch", lm, batch_size=16).run(reqs),
-           "default_prefill": make_engine("prefill", lm, batch_size=3).run(reqs)}
+    out = {
+        "big": big.run(reqs),
+        "small": small.run(reqs[::-1]),
+        "prefill": prefill.run(reqs),
+        "arithmetic": big.settings()["arithmetic"],
+        "dtype": dtype,
+        "attention": attention,
+        "default": make_engine("torch", lm, batch_size=16).run(reqs),
+        "default_prefill": make_engine("prefill", lm, batch_size=3).run(reqs),
+    }
     return out
 
 
@@ -86,8 +113,9 @@ def test_arithmetic_is_the_cuda_one(runs):
     else:
         assert arithmetic["linear"].startswith("torch, [")
     assert arithmetic["norm"] == "triton"
-    assert arithmetic["attention"] == ("triton" if runs["attention"] == "rows"
-                                       else "triton, tiles of 16 queries")
+    assert arithmetic["attention"] == (
+        "triton" if runs["attention"] == "rows" else "triton, tiles of 16 queries"
+    )
     assert arithmetic["score"].startswith("triton")
 
 

@@ -14,8 +14,12 @@ import torch
 
 pytest.importorskip("vllm", reason="vllm is not installed (pip install 'trace-replay[gpu]')")
 
-pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.slow,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+]
 
 from vllm import SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
@@ -34,10 +38,20 @@ def folder(tmp_path_factory):
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
-        num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=2048,
-        initializer_range=0.3, tie_word_embeddings=True, bos_token_id=1, eos_token_id=EOS,
-        pad_token_id=0)
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=2048,
+        initializer_range=0.3,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=EOS,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     lm = transformers.AutoModelForCausalLM.from_config(config)
     path = tmp_path_factory.mktemp("random-llama")
@@ -46,10 +60,15 @@ def folder(tmp_path_factory):
 
 
 def _engine(folder, dtype, **options):
-    args = {"skip_tokenizer_init": True, "enforce_eager": True, "max_model_len": MAX_MODEL_LEN,
-            "gpu_memory_utilization": 0.12}
-    return make_engine("vllm", folder, dtype=dtype, batch_size=16, top_k=5,
-                       engine_args=args, **options)
+    args = {
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "max_model_len": MAX_MODEL_LEN,
+        "gpu_memory_utilization": 0.12,
+    }
+    return make_engine(
+        "vllm", folder, dtype=dtype, batch_size=16, top_k=5, engine_args=args, **options
+    )
 
 
 @pytest.fixture(scope="module")
@@ -75,16 +94,20 @@ def prompts():
 @pytest.fixture(scope="module")
 def greedy(native, prompts):
     """vLLM's own greedy decoding (same engine instance, same batch): ids, logprobs, top 5."""
-    params = SamplingParams(temperature=0.0, max_tokens=STEPS, logprobs=5, ignore_eos=True,
-                            detokenize=False)
-    outs = native.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                               use_tqdm=False)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=STEPS, logprobs=5, ignore_eos=True, detokenize=False
+    )
+    outs = native.llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+    )
     return [o.outputs[0] for o in outs]
 
 
 def _requests(prompts, traces, prefix="t"):
-    return [ReplayRequest(f"{prefix}{i}", tuple(p), tuple(t))
-            for i, (p, t) in enumerate(zip(prompts, traces))]
+    return [
+        ReplayRequest(f"{prefix}{i}", tuple(p), tuple(t))
+        for i, (p, t) in enumerate(zip(prompts, traces))
+    ]
 
 
 def _top_ids(entries) -> list[int]:
@@ -119,8 +142,12 @@ def test_forcing_runs_on_model_runner_v2(forcing, prompts, greedy):
     assert forcing.settings()["model_runner"] == "v2"
     traces = [list(g.token_ids) for g in greedy]
     results = forcing.run(_requests(prompts, traces))
-    deltas = np.concatenate([r.logprob - [lp[t].logprob for t, lp in zip(g.token_ids, g.logprobs)]
-                             for r, g in zip(results, greedy)])
+    deltas = np.concatenate(
+        [
+            r.logprob - [lp[t].logprob for t, lp in zip(g.token_ids, g.logprobs)]
+            for r, g in zip(results, greedy)
+        ]
+    )
     assert np.median(np.abs(deltas)) < 0.05
     assert np.mean(np.concatenate([r.rank for r in results]) == 1) > 0.95
 
@@ -141,8 +168,9 @@ def test_off_policy_traces_are_followed_with_their_ranks(path, request, native, 
     assert np.median(np.concatenate(replaced)) > 100
     if path == "forcing":  # same model, another instance: ranks of random tokens agree
         again = native.run(_requests(prompts, traces, "off"))
-        agree = np.mean(np.concatenate([a.rank[3::7] == b.rank[3::7]
-                                        for a, b in zip(again, results)]))
+        agree = np.mean(
+            np.concatenate([a.rank[3::7] == b.rank[3::7] for a, b in zip(again, results)])
+        )
         assert agree > 0.9
 
 
@@ -206,15 +234,22 @@ def test_float32_agrees_with_the_builtin_engine(folder, prompts):
         results.append(forcing32.run(requests))
     finally:
         forcing32.close()
-    torch_engine = make_engine("torch", folder, dtype="float32", device="cuda", batch_size=16,
-                               float32_matmul="ieee")
+    torch_engine = make_engine(
+        "torch", folder, dtype="float32", device="cuda", batch_size=16, float32_matmul="ieee"
+    )
     try:
         results.append(torch_engine.run(requests))
     finally:
         torch_engine.close()
     lp = [np.concatenate([r.logprob for r in f]) for f in results]
-    print("float32 max |Δ| native-forcing", np.abs(lp[0] - lp[1]).max(), "native-builtin",
-          np.abs(lp[0] - lp[2]).max(), "median", np.median(np.abs(lp[0] - lp[2])))
+    print(
+        "float32 max |Δ| native-forcing",
+        np.abs(lp[0] - lp[1]).max(),
+        "native-builtin",
+        np.abs(lp[0] - lp[2]).max(),
+        "median",
+        np.median(np.abs(lp[0] - lp[2])),
+    )
     assert np.abs(lp[0] - lp[1]).max() <= 1e-4
     assert np.median(np.abs(lp[0] - lp[2])) <= 1e-4
     assert np.abs(lp[0] - lp[2]).max() <= 1e-3
@@ -240,10 +275,20 @@ def test_fp8_replays_the_trace_and_says_it_is_quantized(folder, native, prompts,
     greedy traces are replayed exactly, with finite logprobs that are not bf16's (the
     quantized arithmetic ran). How far they move depends on the weights (random ones here:
     no bound is asserted; benchmarks/quantized_replay.py measures it on real weights)."""
-    engine = make_engine("vllm", folder, dtype="bfloat16", batch_size=16, top_k=5,
-                         engine_args={"skip_tokenizer_init": True, "enforce_eager": True,
-                                      "max_model_len": MAX_MODEL_LEN,
-                                      "gpu_memory_utilization": 0.12, "quantization": "fp8"})
+    engine = make_engine(
+        "vllm",
+        folder,
+        dtype="bfloat16",
+        batch_size=16,
+        top_k=5,
+        engine_args={
+            "skip_tokenizer_init": True,
+            "enforce_eager": True,
+            "max_model_len": MAX_MODEL_LEN,
+            "gpu_memory_utilization": 0.12,
+            "quantization": "fp8",
+        },
+    )
     try:
         assert engine.settings()["quantization"] == "fp8"
         assert native.settings()["quantization"] == "none"

@@ -23,18 +23,31 @@ import torch
 
 pytest.importorskip("vllm", reason="vllm is not installed (pip install 'trace-replay[gpu]')")
 
-pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.slow,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+]
 
 from trace_replay.engines import make_engine  # noqa: E402
 from trace_replay.engines.base import ReplayRequest  # noqa: E402
-from trace_replay.engines.server.serve import (llm_options, start_server, stop_server,  # noqa: E402
-                                               vllm_serve, wait_for_server)
+from trace_replay.engines.server.serve import (  # noqa: E402
+    llm_options,
+    start_server,
+    stop_server,
+    vllm_serve,
+    wait_for_server,
+)
 
 VOCAB = 49152
 STEPS = 40
-ENGINE_ARGS = {"enforce_eager": True, "max_model_len": 256, "max_num_batched_tokens": 1024,
-               "gpu_memory_utilization": 0.3}
+ENGINE_ARGS = {
+    "enforce_eager": True,
+    "max_model_len": 256,
+    "max_num_batched_tokens": 1024,
+    "gpu_memory_utilization": 0.3,
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +55,20 @@ def folder(tmp_path_factory, byte_tokenizer):
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
-        num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=2048,
-        initializer_range=0.3, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0)
+        vocab_size=VOCAB,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=2048,
+        initializer_range=0.3,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("random-llama-served")
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
@@ -57,18 +80,26 @@ def folder(tmp_path_factory, byte_tokenizer):
 def offline(folder):
     """Offline native replay, each trace alone: 6 greedy traces and the same with every 7th
     token replaced. Returns (requests, results, the engine's vllm.LLM arguments)."""
-    engine = make_engine("vllm", folder, batch_size=8, top_k=5, engine_args=ENGINE_ARGS,
-                         native=True)
+    engine = make_engine(
+        "vllm", folder, batch_size=8, top_k=5, engine_args=ENGINE_ARGS, native=True
+    )
     try:
         assert engine.settings()["engine_path"] == "vllm-native-trace-replay"
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, VOCAB, (16,), generator=gen).tolist() for _ in range(6)]
         greedy = [ids for ids, _ in engine.generate(prompts, max_tokens=STEPS)]
-        off = [[int(torch.randint(3, VOCAB, (1,), generator=gen)) if s % 7 == 3 else t
-                for s, t in enumerate(trace)] for trace in greedy]
-        requests = [ReplayRequest(f"{kind}{i}", tuple(p), tuple(t))
-                    for kind, traces in (("on", greedy), ("off", off))
-                    for i, (p, t) in enumerate(zip(prompts, traces))]
+        off = [
+            [
+                int(torch.randint(3, VOCAB, (1,), generator=gen)) if s % 7 == 3 else t
+                for s, t in enumerate(trace)
+            ]
+            for trace in greedy
+        ]
+        requests = [
+            ReplayRequest(f"{kind}{i}", tuple(p), tuple(t))
+            for kind, traces in (("on", greedy), ("off", off))
+            for i, (p, t) in enumerate(zip(prompts, traces))
+        ]
         results = [engine.run([request])[0] for request in requests]
         return requests, results, dict(engine.llm_args)
     finally:
@@ -84,9 +115,20 @@ def stock_server(folder, offline):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = vllm_serve(folder, ["--served-model-name", "random-llama", "--enable-trace-replay",
-                                  "--enable-scale-out", "--host", "127.0.0.1", "--port",
-                                  str(port), *llm_options(offline[2])])
+    command = vllm_serve(
+        folder,
+        [
+            "--served-model-name",
+            "random-llama",
+            "--enable-trace-replay",
+            "--enable-scale-out",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *llm_options(offline[2]),
+        ],
+    )
     log = Path(tempfile.mkdtemp()) / "server.log"
     process = start_server(command, log)
     try:
@@ -102,8 +144,9 @@ def test_a_stock_server_replays_natively_bit_for_bit(folder, offline, stock_serv
     alone, comes back exactly, with logprobs, ranks and top-5 equal in every bit to the
     offline native engine's of the same engine arguments."""
     requests, expected, _ = offline
-    with make_engine("vllm-server", folder, batch_size=1, top_k=5,
-                     engine_args={"base_url": stock_server}) as engine:
+    with make_engine(
+        "vllm-server", folder, batch_size=1, top_k=5, engine_args={"base_url": stock_server}
+    ) as engine:
         settings = engine.settings()
         assert settings["server_forcing"] == "native", settings
         assert settings["engine_path"] == "vllm-server-native-trace-replay[generate]"

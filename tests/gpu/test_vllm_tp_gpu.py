@@ -15,9 +15,12 @@ import torch
 
 pytest.importorskip("vllm", reason="vllm is not installed (pip install 'trace-replay[gpu]')")
 
-pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.slow,
-              pytest.mark.skipif(torch.cuda.device_count() < 2,
-                                 reason="needs two CUDA devices")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
+]
 
 from trace_replay.engines import make_engine  # noqa: E402
 from trace_replay.engines.base import ReplayRequest  # noqa: E402
@@ -31,10 +34,20 @@ def folder(tmp_path_factory):
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
-        initializer_range=0.3, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0)
+        vocab_size=VOCAB,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        initializer_range=0.3,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("random-llama-tp")
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
@@ -42,10 +55,16 @@ def folder(tmp_path_factory):
 
 
 def _engine(folder, tp, native):
-    args = {"skip_tokenizer_init": True, "enforce_eager": True, "max_model_len": 256,
-            "gpu_memory_utilization": 0.2, "tensor_parallel_size": tp}
-    return make_engine("vllm", folder, dtype="bfloat16", batch_size=32, top_k=5,
-                       engine_args=args, native=native)
+    args = {
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "max_model_len": 256,
+        "gpu_memory_utilization": 0.2,
+        "tensor_parallel_size": tp,
+    }
+    return make_engine(
+        "vllm", folder, dtype="bfloat16", batch_size=32, top_k=5, engine_args=args, native=native
+    )
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +82,11 @@ def requests(folder):
     for trace in off:
         for step in range(3, len(trace), 7):
             trace[step] = int(torch.randint(3, VOCAB, (1,), generator=gen))
-    return [ReplayRequest(f"{kind}{i}", tuple(p), tuple(t))
-            for kind, group in (("on", traces), ("off", off))
-            for i, (p, t) in enumerate(zip(prompts, group))]
+    return [
+        ReplayRequest(f"{kind}{i}", tuple(p), tuple(t))
+        for kind, group in (("on", traces), ("off", off))
+        for i, (p, t) in enumerate(zip(prompts, group))
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +109,9 @@ def test_tp2_follows_exactly_the_traces_given(runs, requests, path):
     asked for, and settings() records the size."""
     settings, results = runs[2, path]
     assert settings["tensor_parallel_size"] == 2 and settings["pipeline_parallel_size"] == 1
-    assert settings["engine_path"] == ("vllm-native-trace-replay" if path == "native"
-                                       else "vllm-logits-processor-forcing")
+    assert settings["engine_path"] == (
+        "vllm-native-trace-replay" if path == "native" else "vllm-logits-processor-forcing"
+    )
     for result, request in zip(results, requests):
         assert result.token_ids.tolist() == list(request.trace_token_ids)
 
@@ -103,7 +125,9 @@ def test_tp2_agrees_with_one_gpu_within_bf16_noise(runs, path):
     two = runs[2, path][1]
     delta = np.abs(np.concatenate([a.logprob - b.logprob for a, b in zip(one, two)]))
     ranks = np.concatenate([a.rank == b.rank for a, b in zip(one, two)])
-    print(f"{path} TP=2 vs TP=1: median |Δ| {np.median(delta):.2e}, max {delta.max():.2e}, "
-          f"rank agreement {ranks.mean():.4f}")
+    print(
+        f"{path} TP=2 vs TP=1: median |Δ| {np.median(delta):.2e}, max {delta.max():.2e}, "
+        f"rank agreement {ranks.mean():.4f}"
+    )
     assert np.median(delta) < 0.05
     assert ranks.mean() > 0.9

@@ -44,10 +44,17 @@ def test_comparison_report_is_self_contained(comparison_page):
 
 def test_comparison_report_sections(comparison_page):
     """Summary tables, transitions, figures and the worst traces' tokens are all there."""
-    for text in ("trace replay: vllm bfloat16 vs hf float32", "Dataset", "mean_abs_delta",
-                 "first_divergence_step", "chi2_token", "frac_bit_mismatch",
-                 "Rank-bucket transitions (rows: hf float32, columns: vllm bfloat16)",
-                 "Worst traces", "Provenance"):  # fmt: skip
+    for text in (
+        "trace replay: vllm bfloat16 vs hf float32",
+        "Dataset",
+        "mean_abs_delta",
+        "first_divergence_step",
+        "chi2_token",
+        "frac_bit_mismatch",
+        "Rank-bucket transitions (rows: hf float32, columns: vllm bfloat16)",
+        "Worst traces",
+        "Provenance",
+    ):
         assert text in comparison_page
     assert comparison_page.count('class="tr-tokens-view"') == 2
 
@@ -82,8 +89,12 @@ def test_report_reads_parquet_paths(tmp_path, frames):
     a, b = frames
     a.to_parquet(tmp_path / "fp32.parquet")
     b.to_parquet(tmp_path / "bf16.parquet")
-    path = write_report(tmp_path / "fp32.parquet", str(tmp_path / "bf16.parquet"),
-                        out=tmp_path / "r.html", n_traces=1)  # fmt: skip
+    path = write_report(
+        tmp_path / "fp32.parquet",
+        str(tmp_path / "bf16.parquet"),
+        out=tmp_path / "r.html",
+        n_traces=1,
+    )
     assert "trace replay: bf16 vs fp32" in path.read_text(encoding="utf-8")
 
 
@@ -95,8 +106,11 @@ def test_report_refuses_a_parquet_that_is_not_a_result(tmp_path, frames):
     pd.DataFrame({"trace_id": ["t"], "score": [0.5]}).to_parquet(other)
     frames[0].to_parquet(tmp_path / "a.parquet")
     lacks = r"lacks replay columns \['step', 'token_id', 'logprob', 'rank'\]"
-    with pytest.raises(ValueError, match=rf"^a: {re.escape(str(other))} is not a replay result "
-                       rf"file: it {lacks}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^a: {re.escape(str(other))} is not a replay result "
+        rf"file: it {lacks}",
+    ):
         write_report(other, out=tmp_path / "r.html")
     with pytest.raises(ValueError, match=rf"^b: {re.escape(str(other))} .*{lacks}"):
         write_report(tmp_path / "a.parquet", other, out=tmp_path / "r.html")
@@ -129,22 +143,37 @@ def test_report_tables_fit_the_page_in_a_browser(comparison_page, tmp_path, widt
     text column and the page itself never scrolls sideways."""
     page = tmp_path / "measured.html"
     page.write_text(comparison_page.replace("</body>", _MEASURE + "</body>"), encoding="utf-8")
-    dom = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu",
-                          "--no-first-run", "--disable-background-networking",
-                          f"--window-size={width},900", "--dump-dom", page.as_uri()],
-                         capture_output=True, text=True, timeout=120).stdout
+    dom = subprocess.run(
+        [
+            "chromium",
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--disable-background-networking",
+            f"--window-size={width},900",
+            "--dump-dom",
+            page.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
     found = json.loads(html.unescape(re.search(r"<title>(.*?)</title>", dom).group(1)))
     assert found["page"] <= found["window"], found
     if width >= 1280:  # wide enough for every table once its headers wrap
         assert max(found["tables"]) <= found["right"] + 0.5, found
 
 
-@pytest.mark.parametrize("column, value, problem", [
-    ("logprob", float("nan"), r"logprob nan is impossible"),
-    ("logprob", 0.5, r"logprob 0.5 is impossible"),
-    ("rank", 0, r"rank 0 is impossible"),
-    ("logprob", "text", r"column 'logprob' holds \w+ values, not numbers"),
-])
+@pytest.mark.parametrize(
+    "column, value, problem",
+    [
+        ("logprob", float("nan"), r"logprob nan is impossible"),
+        ("logprob", 0.5, r"logprob 0.5 is impossible"),
+        ("rank", 0, r"rank 0 is impossible"),
+        ("logprob", "text", r"column 'logprob' holds \w+ values, not numbers"),
+    ],
+)
 def test_report_refuses_impossible_scores(tmp_path, frames, column, value, problem):
     """A result file whose scores no replay writes (NaN or positive logprob, rank 0, text
     where numbers belong) is refused naming the file, trace and step, not reported as a run;
@@ -162,8 +191,9 @@ def test_report_refuses_impossible_scores(tmp_path, frames, column, value, probl
 
 
 @pytest.mark.parametrize("logprob, vocab_size", [(-20.0, 49152), (float("-inf"), None)])
-def test_report_refuses_a_rank_1_logprob_no_distribution_gives(tmp_path, frames, logprob,
-                                                                vocab_size):
+def test_report_refuses_a_rank_1_logprob_no_distribution_gives(
+    tmp_path, frames, logprob, vocab_size
+):
     """Rank 1 is the most likely of V tokens, so its logprob is at least -log(V) (the
     vocabulary size the result's attrs record) and never -inf (-9999 from a server), whatever
     V: such a file is refused naming the trace and step, not reported."""
@@ -171,8 +201,11 @@ def test_report_refuses_a_rank_1_logprob_no_distribution_gives(tmp_path, frames,
     damaged.loc[damaged.index[5], ["rank", "logprob"]] = [1, logprob]
     damaged.attrs = {**damaged.attrs, "vocab_size": vocab_size}
     damaged.to_parquet(tmp_path / "damaged.parquet")
-    with pytest.raises(ValueError, match=r"trace 't0', step 5: rank 1 is impossible: rank 1 is "
-                       "the most likely token"):
+    with pytest.raises(
+        ValueError,
+        match=r"trace 't0', step 5: rank 1 is impossible: rank 1 is "
+        "the most likely token",
+    ):
         write_report(tmp_path / "damaged.parquet", out=tmp_path / "r.html")
     assert not (tmp_path / "r.html").exists()
 
@@ -181,8 +214,12 @@ def test_a_partial_result_is_marked_at_the_top(tmp_path, frames):
     """An incomplete merge (attrs complete False) is said so at the top of the page, naming
     its missing shards, and with a warning; so is a single shard; a whole run is not."""
     partial = frames[0].copy()
-    partial.attrs = {**frames[0].attrs, "complete": False, "missing_shards": [[2, 3]],
-                     "shard": [[0, 3], [1, 3]]}
+    partial.attrs = {
+        **frames[0].attrs,
+        "complete": False,
+        "missing_shards": [[2, 3]],
+        "shard": [[0, 3], [1, 3]],
+    }
     with pytest.warns(UserWarning, match="incomplete: shard 2/3 missing"):
         page = write_report(partial, out=tmp_path / "p.html").read_text(encoding="utf-8")
     head = page.split("<h2>", 1)[0]
@@ -195,21 +232,23 @@ def test_a_partial_result_is_marked_at_the_top(tmp_path, frames):
     assert "tr-warn'" not in whole
 
 
-def test_comparison_report_has_bounded_distributions_when_tails_were_recorded(frames,
-                                                                             tmp_path):
+def test_comparison_report_has_bounded_distributions_when_tails_were_recorded(frames, tmp_path):
     """Two frames with their tail mass get a 'Full distributions (bounded)' section (table
     and three figures); an exact replay_pair frame passed in is shown as exact."""
     import numpy as np
 
     from trace_replay.engines.distributions import tail_from_top
 
-    a, b = (f.assign(tail_logmass=tail_from_top(np.stack(f["top_logprobs"].map(np.asarray))))
-            for f in frames)
+    a, b = (
+        f.assign(tail_logmass=tail_from_top(np.stack(f["top_logprobs"].map(np.asarray))))
+        for f in frames
+    )
     page = write_report(a, b, out=tmp_path / "d.html", n_traces=2).read_text(encoding="utf-8")
     assert "Full distributions (bounded)" in page and "kl_ab_lower" in page
     assert page.count('src="data:image/png;base64,') == 5 + 2 + 3
     exact = a[["trace_id", "step"]].assign(kl_ab=1e-4, kl_ba=1e-4, tv=1e-2, js=1e-5)
     exact.attrs = {"distribution_form": "exact"}
-    page = write_report(*frames, out=tmp_path / "e.html", n_traces=2,
-                        distributions=exact).read_text(encoding="utf-8")
+    page = write_report(
+        *frames, out=tmp_path / "e.html", n_traces=2, distributions=exact
+    ).read_text(encoding="utf-8")
     assert "Full distributions (exact)" in page

@@ -49,13 +49,19 @@ def spans(html: str) -> list[dict]:
 
 def tiny(tokens: list[str], ranks: list[int] | None = None) -> pd.DataFrame:
     n = len(tokens)
-    return pd.DataFrame({
-        "trace_id": "t", "step": range(n), "position": range(3, 3 + n),
-        "token_id": range(100, 100 + n), "token": tokens,
-        "logprob": [-0.5 * (i + 1) for i in range(n)], "rank": ranks or [1] * n,
-        "top_token_ids": [[100 + i, 7] for i in range(n)],
-        "top_logprobs": [[-0.5 * (i + 1), -9.0] for i in range(n)],
-    })  # fmt: skip
+    return pd.DataFrame(
+        {
+            "trace_id": "t",
+            "step": range(n),
+            "position": range(3, 3 + n),
+            "token_id": range(100, 100 + n),
+            "token": tokens,
+            "logprob": [-0.5 * (i + 1) for i in range(n)],
+            "rank": ranks or [1] * n,
+            "top_token_ids": [[100 + i, 7] for i in range(n)],
+            "top_logprobs": [[-0.5 * (i + 1), -9.0] for i in range(n)],
+        }
+    )
 
 
 def test_script_token_renders_as_text():

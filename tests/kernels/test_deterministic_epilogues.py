@@ -8,17 +8,35 @@ import torch
 import trace_replay.kernels._triton
 from trace_replay.kernels import fp32_linear
 from trace_replay.kernels.deterministic_epilogues import (
-    residual_norm_reference, residual_norm_triton, rotary_cache_reference, rotary_cache_triton,
-    silu_mul_reference, silu_mul_triton, sum_parts)
+    residual_norm_reference,
+    residual_norm_triton,
+    rotary_cache_reference,
+    rotary_cache_triton,
+    silu_mul_reference,
+    silu_mul_triton,
+    sum_parts,
+)
 from trace_replay.kernels.deterministic_linear import (
-    INVARIANT_ROWS, group_config_3xtf32, linear_parts_3xtf32, linear_rows_3xtf32)
+    INVARIANT_ROWS,
+    group_config_3xtf32,
+    linear_parts_3xtf32,
+    linear_rows_3xtf32,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
     not trace_replay.kernels._triton.can_launch(),
-    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 set before the first import")
-DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    DEVICE != "cuda", reason="bfloat16 runs on the GPU in deterministic mode"))]
+    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 set before the first import",
+)
+DTYPES = [
+    torch.float32,
+    pytest.param(
+        torch.bfloat16,
+        marks=pytest.mark.skipif(
+            DEVICE != "cuda", reason="bfloat16 runs on the GPU in deterministic mode"
+        ),
+    ),
+]
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 
@@ -44,8 +62,10 @@ def _rotary_inputs(rows: int, dtype: torch.dtype, seed: int = 0):
 
 
 def _cache(dtype):
-    return (torch.zeros(4, KV_HEADS, 64, DIM, dtype=dtype, device=DEVICE),
-            torch.zeros(4, KV_HEADS, 64, DIM, dtype=dtype, device=DEVICE))
+    return (
+        torch.zeros(4, KV_HEADS, 64, DIM, dtype=dtype, device=DEVICE),
+        torch.zeros(4, KV_HEADS, 64, DIM, dtype=dtype, device=DEVICE),
+    )
 
 
 @needs_triton
@@ -62,8 +82,9 @@ def test_rotary_cache_is_the_reference(split, dtype):
     k, v = _cache(dtype)
     k_ref, v_ref = _cache(dtype)
     q = rotary_cache_triton(parts, bias, cos, sin, positions, k, v, cache_row, slot, HEADS, dtype)
-    q_ref = rotary_cache_reference(parts, bias, cos, sin, positions, k_ref, v_ref, cache_row,
-                                   slot, HEADS, dtype)
+    q_ref = rotary_cache_reference(
+        parts, bias, cos, sin, positions, k_ref, v_ref, cache_row, slot, HEADS, dtype
+    )
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else {}
     torch.testing.assert_close(q, q_ref, **tolerance)
     torch.testing.assert_close(k, k_ref, **tolerance)
@@ -80,8 +101,9 @@ def test_rotary_cache_refuses_a_projection_of_other_heads():
     bias, cos, sin, positions, cache_row, slot = _rotary_inputs(2, torch.float32)
     k, v = _cache(torch.float32)
     with pytest.raises(ValueError, match="parts have 80 columns; 4 \\+ 2 x 2 heads of 16 need 128"):
-        rotary_cache_triton(parts, None, cos, sin, positions, k, v, cache_row, slot, HEADS,
-                            torch.float32)
+        rotary_cache_triton(
+            parts, None, cos, sin, positions, k, v, cache_row, slot, HEADS, torch.float32
+        )
 
 
 @needs_triton
@@ -99,8 +121,9 @@ def test_residual_norm_is_the_reference(split, dtype):
     new, normed = residual_norm_triton(parts, bias, x, weight, 1e-5)
     new_ref, normed_ref = residual_norm_reference(parts, bias, x, weight, 1e-5)
     assert torch.equal(new, new_ref)
-    torch.testing.assert_close(normed, normed_ref, **(
-        dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else {}))
+    torch.testing.assert_close(
+        normed, normed_ref, **(dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else {})
+    )
 
 
 @needs_triton
@@ -110,8 +133,9 @@ def test_silu_mul_is_the_reference(dtype):
     than one program of columns."""
     parts = _parts(2, 5, 2 * 1100, dtype)
     got, want = silu_mul_triton(parts, None, dtype), silu_mul_reference(parts, None, dtype)
-    torch.testing.assert_close(got, want, **(
-        dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else {}))
+    torch.testing.assert_close(
+        got, want, **(dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else {})
+    )
 
 
 @needs_triton
@@ -127,11 +151,17 @@ def test_epilogues_compute_a_row_from_its_own_row():
     def run(rows: slice):
         parts = crowd[:, rows].contiguous()
         k, v = _cache(dtype)
-        q = rotary_cache_triton(parts, bias, cos, sin, positions[rows], k, v, cache_row[rows],
-                                slot[rows], HEADS, dtype)
+        q = rotary_cache_triton(
+            parts, bias, cos, sin, positions[rows], k, v, cache_row[rows], slot[rows], HEADS, dtype
+        )
         b, s = int(cache_row[17]), int(slot[17])
-        return (q, k[b, :, s], v[b, :, s], *residual_norm_triton(parts, bias, x[rows], weight, 1e-6),
-                silu_mul_triton(parts, None, dtype))
+        return (
+            q,
+            k[b, :, s],
+            v[b, :, s],
+            *residual_norm_triton(parts, bias, x[rows], weight, 1e-6),
+            silu_mul_triton(parts, None, dtype),
+        )
 
     many, one = run(slice(None)), run(slice(17, 18))
     for index in (0, 3, 4, 5):  # q, x + out, its norm, silu * up: row 17 of many, 0 of one

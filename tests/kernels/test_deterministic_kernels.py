@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import trace_replay.kernels._triton
+from trace_replay.kernels import fp32_linear
 from trace_replay.kernels.deterministic_attention import (
     BLOCK_N,
     attention_rows_reference,
     attention_rows_triton,
 )
-from trace_replay.kernels import fp32_linear
 from trace_replay.kernels.deterministic_linear import (
     INVARIANT_ROWS,
     block_plan,
@@ -28,7 +28,8 @@ from trace_replay.kernels.deterministic_rms_norm import (
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
     not trace_replay.kernels._triton.can_launch(),
-    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 set before the first import")
+    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 set before the first import",
+)
 
 
 def _cache(batch=3, kv_heads=2, length=64, dim=16, seed=0):
@@ -80,8 +81,9 @@ def test_linear_reference_row_invariant_at_fixed_shape():
     assert all(torch.equal(o, outs[0]) for o in outs)
 
 
-CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(),
-                               reason="Triton's interpreter has no bfloat16 dot")
+CUDA_ONLY = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="Triton's interpreter has no bfloat16 dot"
+)
 
 
 @needs_triton
@@ -91,8 +93,9 @@ def test_linear_triton_matches_reference(dtype):
     x = torch.randn(70, 45, device=DEVICE).to(dtype)
     w = torch.randn(66, 45, device=DEVICE).to(dtype)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(linear_rows_triton(x, w).float(), (x.float() @ w.float().T),
-                               atol=tol * 10, rtol=tol)
+    torch.testing.assert_close(
+        linear_rows_triton(x, w).float(), (x.float() @ w.float().T), atol=tol * 10, rtol=tol
+    )
 
 
 @needs_triton
@@ -143,8 +146,9 @@ def test_linear_3xtf32_config_ignores_the_row_count():
 def test_linear_3xtf32_takes_float32_only():
     """bfloat16 or float16 inputs are refused by name (the split is float32's)."""
     with pytest.raises(ValueError, match="float32"):
-        linear_rows_3xtf32(torch.randn(2, 8, dtype=torch.bfloat16),
-                           torch.randn(4, 8, dtype=torch.bfloat16))
+        linear_rows_3xtf32(
+            torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(4, 8, dtype=torch.bfloat16)
+        )
 
 
 @needs_triton
@@ -157,8 +161,9 @@ def test_linear_3xtf32_row_invariant(cols, depth):
     Bitwise on CUDA, where a tensor-core product treats every row of a tile alike; in
     Triton's interpreter ``tl.dot`` is numpy's BLAS, which may round a row by its place
     (see test_linear_triton_row_invariant), so there the rows agree to float32 rounding."""
-    assert fp32_linear.split_depth(depth, config_3xtf32(cols, depth)[2],
-                                   config_3xtf32(cols, depth)[5])[0] == (2 if depth > 64 else 1)
+    assert fp32_linear.split_depth(
+        depth, config_3xtf32(cols, depth)[2], config_3xtf32(cols, depth)[5]
+    )[0] == (2 if depth > 64 else 1)
     generator = torch.Generator().manual_seed(2)
     w = torch.randn(cols, depth, generator=generator).to(DEVICE)
     row = torch.randn(depth, generator=generator).to(DEVICE)
@@ -183,19 +188,29 @@ def test_attention_reference_matches_softmax_attention(rows_per_call):
     slot = torch.tensor([0, 5, 63, 40, 33, 31, 32])
     scale = 1 / math.sqrt(16)
     got = attention_rows_reference(q, k, v, valid, cache_row, slot, scale, rows_per_call)
-    torch.testing.assert_close(got, _dense_attention(q, k, v, valid, cache_row, slot, scale),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        got, _dense_attention(q, k, v, valid, cache_row, slot, scale), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_attention_reference_row_invariant():
     """A query's bits do not depend on the rows beside it or the longest one among them."""
     k, v, valid = _cache(length=128)
     q0 = torch.randn(1, 4, 16)
-    alone = attention_rows_reference(q0, k, v, valid, torch.tensor([1]), torch.tensor([20]),
-                                     0.25, 4)
+    alone = attention_rows_reference(
+        q0, k, v, valid, torch.tensor([1]), torch.tensor([20]), 0.25, 4
+    )
     q = torch.cat([torch.randn(2, 4, 16), q0, torch.randn(3, 4, 16)])
-    crowd = attention_rows_reference(q, k, v, valid, torch.tensor([0, 2, 1, 1, 0, 2]),
-                                     torch.tensor([127, 90, 20, 100, 3, 64]), 0.25, 4)
+    crowd = attention_rows_reference(
+        q,
+        k,
+        v,
+        valid,
+        torch.tensor([0, 2, 1, 1, 0, 2]),
+        torch.tensor([127, 90, 20, 100, 3, 64]),
+        0.25,
+        4,
+    )
     assert torch.equal(crowd[2], alone[0])
 
 
@@ -203,8 +218,9 @@ def test_attention_reference_needs_whole_key_blocks():
     """The cache length must be a multiple of the key block."""
     k, v, valid = _cache(length=BLOCK_N + 1)
     with pytest.raises(ValueError, match="multiple"):
-        attention_rows_reference(torch.randn(1, 4, 16), k, v, valid, torch.tensor([0]),
-                                 torch.tensor([0]), 1.0)
+        attention_rows_reference(
+            torch.randn(1, 4, 16), k, v, valid, torch.tensor([0]), torch.tensor([0]), 1.0
+        )
 
 
 @needs_triton
@@ -216,8 +232,9 @@ def test_attention_triton_matches_reference(dim):
     cache_row = torch.tensor([0, 1, 2, 2, 0], device=DEVICE)
     slot = torch.tensor([0, 31, 32, 95, 50], device=DEVICE)
     got = attention_rows_triton(q, k, v, valid, cache_row, slot, 0.25)
-    want = _dense_attention(q.cpu(), k.cpu(), v.cpu(), valid.cpu(), cache_row.cpu(),
-                            slot.cpu(), 0.25)
+    want = _dense_attention(
+        q.cpu(), k.cpu(), v.cpu(), valid.cpu(), cache_row.cpu(), slot.cpu(), 0.25
+    )
     torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
 
 
@@ -231,9 +248,14 @@ def test_attention_triton_row_invariant():
     longer = [torch.cat([t, torch.randn_like(t)], dim=2) for t in (k, v)]
     wide_valid = torch.cat([valid, torch.ones_like(valid)], dim=1)
     q = torch.cat([torch.randn(3, 4, 16, device=DEVICE), q0])
-    crowd = attention_rows_triton(q, *longer, wide_valid,
-                                  torch.tensor([0, 2, 2, 1], device=DEVICE),
-                                  torch.tensor([127, 3, 64, 40], device=DEVICE), 0.25)
+    crowd = attention_rows_triton(
+        q,
+        *longer,
+        wide_valid,
+        torch.tensor([0, 2, 2, 1], device=DEVICE),
+        torch.tensor([127, 3, 64, 40], device=DEVICE),
+        0.25,
+    )
     assert torch.equal(crowd[3], alone[0])
 
 

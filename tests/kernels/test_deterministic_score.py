@@ -15,7 +15,8 @@ from trace_replay.kernels.deterministic_score import (
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
     not trace_replay.kernels._triton.can_launch(),
-    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 set before the first import")
+    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 set before the first import",
+)
 
 
 def grid_logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -36,8 +37,9 @@ def test_scores_follow_the_rule(vocab):
     got = score_rows_triton(logits, tokens, 5)
     want = score_rows_reference(logits, tokens, 5)
     shared = score_tokens(logits, tokens, 5)
-    for name, a, b, c in zip(("logprob", "rank", "top ids", "top logprobs", "entropy"),
-                             got, want, shared):
+    for name, a, b, c in zip(
+        ("logprob", "rank", "top ids", "top logprobs", "entropy"), got, want, shared
+    ):
         if name in ("rank", "top ids"):
             assert torch.equal(a, b), name
         else:
@@ -82,8 +84,10 @@ def test_what_it_takes():
     logits = grid_logits(64, 64)
     assert supports(logits, 32) and not supports(logits, 33) and supports(logits.t(), 5)
     tokens = torch.arange(64, device=DEVICE)
-    for a, b in zip(score_rows_triton(logits.t(), tokens, 3),
-                    score_rows_triton(logits.t().contiguous(), tokens, 3)):
+    for a, b in zip(
+        score_rows_triton(logits.t(), tokens, 3),
+        score_rows_triton(logits.t().contiguous(), tokens, 3),
+    ):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="top_k <= 32"):
         score_rows_triton(logits, tokens, 40)

@@ -17,7 +17,8 @@ from trace_replay.kernels.deterministic_tiled_attention import (
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
     not trace_replay.kernels._triton.can_launch(),
-    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 set before the first import")
+    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 set before the first import",
+)
 
 
 def prefill_layout(lengths, kv_heads=3, heads=9, dim=64, length=96, seed=0):
@@ -42,7 +43,13 @@ def tiles_of(bounds):
 def test_tile_bounds_cut_each_run():
     """Runs are cut at BLOCK_Q rows and never share a tile; empty runs make no tile."""
     assert tile_bounds([BLOCK_Q + 3, 1, 0, 2 * BLOCK_Q]) == [
-        0, BLOCK_Q, BLOCK_Q + 3, BLOCK_Q + 4, 2 * BLOCK_Q + 4, 3 * BLOCK_Q + 4]
+        0,
+        BLOCK_Q,
+        BLOCK_Q + 3,
+        BLOCK_Q + 4,
+        2 * BLOCK_Q + 4,
+        3 * BLOCK_Q + 4,
+    ]
 
 
 @pytest.mark.parametrize("dim, heads, kv_heads", [(64, 9, 3), (32, 4, 4)])
@@ -52,10 +59,10 @@ def test_prefill_tiles_compute_attention(dim, heads, kv_heads):
     lengths = [40, 7, 1, 70]
     q, k, v, valid, cache_row, slot = prefill_layout(lengths, kv_heads, heads, dim)
     scale = 1 / math.sqrt(dim)
-    got = attention_tiles_triton(q, k, v, valid, cache_row, slot, scale,
-                                 tiles_of(tile_bounds(lengths)))
-    want = attention_rows_reference(*(t.cpu() for t in (q, k, v, valid, cache_row, slot)),
-                                    scale, 8)
+    got = attention_tiles_triton(
+        q, k, v, valid, cache_row, slot, scale, tiles_of(tile_bounds(lengths))
+    )
+    want = attention_rows_reference(*(t.cpu() for t in (q, k, v, valid, cache_row, slot)), scale, 8)
     torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
 
 
@@ -68,12 +75,15 @@ def test_a_query_keeps_its_bits_in_any_tile():
     by its place in the matrix, so there the outputs agree to float32 rounding."""
     lengths = [70, 23]
     q, k, v, valid, cache_row, slot = prefill_layout(lengths)
-    alone = attention_tiles_triton(q, k, v, valid, cache_row, slot, 0.125,
-                                   torch.arange(q.shape[0] + 1, device=DEVICE))
-    tiled = attention_tiles_triton(q, k, v, valid, cache_row, slot, 0.125,
-                                   tiles_of(tile_bounds(lengths)))
-    odd = attention_tiles_triton(q, k, v, valid, cache_row, slot, 0.125,
-                                 tiles_of([0, 5, 21, 37, 53, 69, 70, 85, 93]))
+    alone = attention_tiles_triton(
+        q, k, v, valid, cache_row, slot, 0.125, torch.arange(q.shape[0] + 1, device=DEVICE)
+    )
+    tiled = attention_tiles_triton(
+        q, k, v, valid, cache_row, slot, 0.125, tiles_of(tile_bounds(lengths))
+    )
+    odd = attention_tiles_triton(
+        q, k, v, valid, cache_row, slot, 0.125, tiles_of([0, 5, 21, 37, 53, 69, 70, 85, 93])
+    )
     for other in (tiled, odd):
         if DEVICE == "cuda":
             assert torch.equal(other, alone)

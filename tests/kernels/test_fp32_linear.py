@@ -5,22 +5,33 @@ import pytest
 import torch
 
 from trace_replay.kernels._triton import use_triton
-from trace_replay.kernels.fp32_linear import (blocks, fp32_linear, group_blocks, launch,
-                                              launch_group_partials, launch_partials,
-                                              split_depth, sum_partials)
+from trace_replay.kernels.fp32_linear import (
+    blocks,
+    fp32_linear,
+    group_blocks,
+    launch,
+    launch_group_partials,
+    launch_partials,
+    split_depth,
+    sum_partials,
+)
 
 
-def error_from_float64(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                       bias: torch.Tensor | None) -> float:
+def error_from_float64(
+    out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> float:
     exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
     return ((out.double() - exact).abs().max() / exact.abs().max()).item()
 
 
-@pytest.mark.parametrize("rows, depth, cols, bias", [
-    (64, 576, 192, False),  # SmolLM2's k/v at a decode step of 64 rows
-    (9, 100, 70, True),  # nothing a multiple of a block; Qwen2's q/k/v carry a bias
-    (1, 40, 33, True),  # one row
-])
+@pytest.mark.parametrize(
+    "rows, depth, cols, bias",
+    [
+        (64, 576, 192, False),  # SmolLM2's k/v at a decode step of 64 rows
+        (9, 100, 70, True),  # nothing a multiple of a block; Qwen2's q/k/v carry a bias
+        (1, 40, 33, True),  # one row
+    ],
+)
 def test_kernel_is_as_close_to_float64_as_float32(device, rows, depth, cols, bias):
     """The 3xTF32 kernel's largest error from the float64 product, relative to the largest
     output, is below 1e-6 — float32 rounding (cuBLAS's float32 on an H200: 2e-7 to 1.2e-6
@@ -47,20 +58,21 @@ def test_leading_dimensions_and_strides():
     torch.testing.assert_close(out, torch.nn.functional.linear(x, weight), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("config", [(16, 32, 64, 4, 3), (64, 128, 32, 4, 2),
-                                    (32, 64, 32, 4, 3, 3)])
+@pytest.mark.parametrize("config", [(16, 32, 64, 4, 3), (64, 128, 32, 4, 2), (32, 64, 32, 4, 3, 3)])
 def test_every_block_configuration_computes_the_same_product(config):
     """The launcher's block choice (split-K included) changes speed, not the product
     (within rounding); :func:`blocks` gives all six entries."""
     gen = torch.Generator().manual_seed(4)
     x, weight = torch.randn(70, 130, generator=gen), torch.randn(150, 130, generator=gen)
-    torch.testing.assert_close(launch(x, weight, config=config),
-                               torch.nn.functional.linear(x, weight), atol=2e-5, rtol=0)
+    torch.testing.assert_close(
+        launch(x, weight, config=config), torch.nn.functional.linear(x, weight), atol=2e-5, rtol=0
+    )
 
 
 @pytest.mark.parametrize("rows", [1, 64, 576, 1024])
-@pytest.mark.parametrize("cols, depth", [(576, 576), (192, 576), (1536, 576), (576, 1536),
-                                         (49152, 576)])
+@pytest.mark.parametrize(
+    "cols, depth", [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
+)
 def test_blocks_split_k_only_where_tiles_are_few(rows, cols, depth):
     """blocks(): a split only where the output has fewer tiles than two waves of programs,
     none for the lm_head, and never more programs than that target (or the tiles alone)."""
@@ -74,6 +86,7 @@ def test_blocks_split_k_only_where_tiles_are_few(rows, cols, depth):
 
 # --- split-K: tiny shapes (the interpreter is slow) in 16-wide blocks, so that K = 40 is 3
 # steps (the last one 8 deep) and K = 100 is 7 ----------------------------------------------
+
 
 def split_config(split: int) -> tuple[int, int, int, int, int, int]:
     return 16, 16, 16, 4, 3, split
@@ -106,11 +119,17 @@ def test_split_depth_covers_k_in_nonempty_ranges():
         split_depth(40, 16, 0)
 
 
-@pytest.mark.parametrize("depth, split", [
-    (40, 1), (40, 2),  # 2 + 1 steps: K = 40 is no multiple of split × BLOCK_K
-    (40, 3), (40, 4),  # one step each; 4 asks for more splits than K has steps (runs as 3)
-    (100, 3), (100, 4),  # 3 + 3 + 1 and 2 + 2 + 2 + 1 steps
-])
+@pytest.mark.parametrize(
+    "depth, split",
+    [
+        (40, 1),
+        (40, 2),  # 2 + 1 steps: K = 40 is no multiple of split × BLOCK_K
+        (40, 3),
+        (40, 4),  # one step each; 4 asks for more splits than K has steps (runs as 3)
+        (100, 3),
+        (100, 4),  # 3 + 3 + 1 and 2 + 2 + 2 + 1 steps
+    ],
+)
 def test_split_k_is_as_close_to_float64_as_float32(device, depth, split):
     """Split-K's largest error from the float64 product (bias included), relative to the
     largest output, is below 1e-6 — float32 rounding, as for the one-pass kernel."""
@@ -184,8 +203,9 @@ def test_torch_sum_of_partials_is_the_sum_kernel(device, split):
     x, weight, bias = (t.to(device) for t in split_inputs(100))
     partials = launch_partials(x, weight, bias, config=split_config(split))
     assert partials.shape == (split, 5, 24)
-    assert torch.equal(sum_partials(partials, bias),
-                       launch(x, weight, bias, config=split_config(split)))
+    assert torch.equal(
+        sum_partials(partials, bias), launch(x, weight, bias, config=split_config(split))
+    )
 
 
 def test_compiled_split_k_gives_the_eager_bits(device):
@@ -228,8 +248,9 @@ def test_group_launch_is_each_members_launch(device, split, bias):
     start = 0
     for i, weight in enumerate(weights):
         own = launch_partials(x, weight, None if biases is None else biases[i], config=config)
-        torch.testing.assert_close(group[:, :, start:start + weight.shape[0]], own,
-                                   atol=1e-6, rtol=0)
+        torch.testing.assert_close(
+            group[:, :, start : start + weight.shape[0]], own, atol=1e-6, rtol=0
+        )
         start += weight.shape[0]
 
 

@@ -17,10 +17,15 @@ def operands(device, depth, cols, dtype=torch.bfloat16, bias=False, rows=1, seed
         pytest.skip("the kernel runs only with Triton (TRITON_INTERPRET=1 on CPU)")
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, depth, generator=gen).to(device, dtype)
-    gate, up = ((torch.randn(cols, depth, generator=gen) * 2 * depth**-0.5).to(device, dtype)
-                for _ in range(2))
-    biases = ([torch.randn(cols, generator=gen).to(device, dtype) for _ in range(2)]
-              if bias else [None, None])
+    gate, up = (
+        (torch.randn(cols, depth, generator=gen) * 2 * depth**-0.5).to(device, dtype)
+        for _ in range(2)
+    )
+    biases = (
+        [torch.randn(cols, generator=gen).to(device, dtype) for _ in range(2)]
+        if bias
+        else [None, None]
+    )
     return x, gate, up, biases
 
 
@@ -41,10 +46,13 @@ def assert_rounded(out, want, dtype):
 
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("depth, cols, bias", [
-    (1024, 64, False),  # K a whole number of blocks: the unmasked loop
-    (200, 37, True),  # neither K nor N a multiple of a block
-])
+@pytest.mark.parametrize(
+    "depth, cols, bias",
+    [
+        (1024, 64, False),  # K a whole number of blocks: the unmasked loop
+        (200, 37, True),  # neither K nor N a multiple of a block
+    ],
+)
 def test_one_row_is_the_rounded_float32_value(device, act, dtype, depth, cols, bias):
     x, gate, up, biases = operands(device, depth, cols, dtype, bias)
     out = launch(x, gate, up, *biases, act)
@@ -67,8 +75,9 @@ def test_several_rows_and_configs(device):
     x, gate, up, biases = operands(device, 256, 40, rows=3, bias=True)
     want = float32_value(x, gate, up, biases, "gelu_tanh")
     for config in [(2, 64, 2), (8, 128, 4), (16, 32, 1)]:
-        assert_rounded(launch(x, gate, up, *biases, "gelu_tanh", config=config), want,
-                       torch.bfloat16)
+        assert_rounded(
+            launch(x, gate, up, *biases, "gelu_tanh", config=config), want, torch.bfloat16
+        )
 
 
 def test_gated_gemv_takes_the_kernel_at_one_row_only(device):
@@ -114,7 +123,7 @@ def test_a_normed_launch_gates_the_float32_norm(device, depth, act, offset):
     """With ``norm`` the kernel norms x in float32 itself (Llama's weight, Gemma's
     1 + weight) before both products; the result is the float32 value rounded once."""
     x, gate, up, biases = operands(device, depth, 24, bias=True)
-    g = (1 + 0.3 * torch.randn(depth, generator=torch.Generator().manual_seed(1)))
+    g = 1 + 0.3 * torch.randn(depth, generator=torch.Generator().manual_seed(1))
     g = g.to(device, x.dtype)
     normed = rms_norm_reference(x.float(), Norm(g.float(), 1e-5, offset))
     out = launch(x, gate, up, *biases, act, norm=Norm(g, 1e-5, offset))

@@ -16,8 +16,7 @@ def operands(device, depth, cols, dtype=torch.bfloat16, bias=True, rows=1, seed=
         pytest.skip("the kernel runs only with Triton (TRITON_INTERPRET=1 on CPU)")
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, depth, generator=gen).to(device, dtype)
-    weights = [(torch.randn(n, depth, generator=gen) * depth**-0.5).to(device, dtype)
-               for n in cols]
+    weights = [(torch.randn(n, depth, generator=gen) * depth**-0.5).to(device, dtype) for n in cols]
     biases = [torch.randn(n, generator=gen).to(device, dtype) for n in cols] if bias else None
     return x, weights, biases
 
@@ -27,18 +26,26 @@ def assert_rounded_product(out, x, weights, biases):
     float32 already), rounded once to the output dtype: within 2^-7 of each value (a
     rounding is at most 2^-8 relative, plus float32 accumulation) and 1e-3 of the
     largest."""
-    want = torch.cat([F.linear(x.float(), w.float(), None if biases is None else b.float())
-                      for w, b in zip(weights, biases or [None] * len(weights))], dim=1)
+    want = torch.cat(
+        [
+            F.linear(x.float(), w.float(), None if biases is None else b.float())
+            for w, b in zip(weights, biases or [None] * len(weights))
+        ],
+        dim=1,
+    )
     assert out.dtype == weights[0].dtype and out.shape == want.shape
     slack = want.abs() * 2**-7 + 1e-3 * want.abs().max()
     assert ((out.float() - want).abs() <= slack).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("depth, cols, bias", [
-    (1024, 64, False),  # K a whole number of blocks: the unmasked loop
-    (200, 37, True),  # neither K nor N a multiple of a block
-])
+@pytest.mark.parametrize(
+    "depth, cols, bias",
+    [
+        (1024, 64, False),  # K a whole number of blocks: the unmasked loop
+        (200, 37, True),  # neither K nor N a multiple of a block
+    ],
+)
 def test_one_weight_is_the_rounded_product(device, dtype, depth, cols, bias):
     x, weights, biases = operands(device, depth, [cols], dtype, bias)
     assert_rounded_product(launch(x, weights, biases), x, weights, biases)
@@ -99,8 +106,10 @@ def test_a_normed_launch_is_the_product_of_the_float32_norm(device, depth, offse
     normed = rms_norm_reference(x.float(), Norm(g.float(), 1e-5, offset))
     assert_rounded_product(launch(x, weights, biases, norm=norm), normed, weights, biases)
     residual = torch.randn(1, 24, generator=gen).to(device, x.dtype)
-    want = torch.cat([F.linear(normed, w.float(), b.float()) for w, b in zip(weights, biases)],
-                     dim=1) + residual.float()
+    want = (
+        torch.cat([F.linear(normed, w.float(), b.float()) for w, b in zip(weights, biases)], dim=1)
+        + residual.float()
+    )
     out = launch(x, weights, biases, norm=norm, residual=residual)
     assert ((out.float() - want).abs() <= want.abs() * 2**-7 + 1e-3 * want.abs().max()).all()
     with pytest.raises(ValueError, match="residual"):

@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import trace_replay.kernels._triton
-from trace_replay.kernels._triton import HAS_TRITON, use_triton
 from trace_replay.kernels import (
     apply_trace_tokens,
     apply_trace_tokens_reference,
@@ -19,6 +18,7 @@ from trace_replay.kernels import (
     force_trace_logits,
     force_trace_logits_reference,
 )
+from trace_replay.kernels._triton import HAS_TRITON, use_triton
 
 LAYOUTS = ["2d", "ragged"]
 TOKEN = st.integers(0, 3) | st.integers(0, 2**31 - 1)  # small ids make drafts agree often
@@ -37,8 +37,9 @@ def oracle_trace_tokens(sampled, idx_mapping, traces, total_len, prompt_len):
     return out
 
 
-def oracle_verified(sampled, num_sampled, drafts, cu_num_logits, idx_mapping, traces, total_len,
-                    prompt_len):  # fmt: skip
+def oracle_verified(
+    sampled, num_sampled, drafts, cu_num_logits, idx_mapping, traces, total_len, prompt_len
+):
     """Return (rows, counts, touched) following the spec's sequential loop."""
     rows, counts = [list(row) for row in sampled], list(num_sampled)
     touched = [False] * len(idx_mapping)
@@ -145,14 +146,19 @@ def test_apply_trace_tokens_matches_reference_and_oracle(device, layout, case):
     # a strided column of a wider tensor
     wide = torch.arange(2 * batch, dtype=torch.int64, device=device).view(batch, 2) + 100
     args = (
-        int32(case["idx_mapping"], device), trace_ids,
+        int32(case["idx_mapping"], device),
+        trace_ids,
         int32([len(t) for t in case["traces"]], device),
-        int32(case["total_len"], device), int32(case["prompt_len"], device),
-    )  # fmt: skip
+        int32(case["total_len"], device),
+        int32(case["prompt_len"], device),
+    )
     expected = oracle_trace_tokens(
-        wide[:, 1].tolist(), case["idx_mapping"], case["traces"], case["total_len"],
+        wide[:, 1].tolist(),
+        case["idx_mapping"],
+        case["traces"],
+        case["total_len"],
         case["prompt_len"],
-    )  # fmt: skip
+    )
     wide_ref = wide.clone()
     apply_trace_tokens(wide[:, 1], *args, trace_offsets=offsets)
     apply_trace_tokens_reference(wide_ref[:, 1], *args, trace_offsets=offsets)
@@ -185,14 +191,23 @@ def test_force_trace_logits_matches_reference_and_oracle(device, layout, dtype, 
     total_len_ref = total_len.clone()
     args = (int32(idx_mapping, device), trace_ids, int32([len(t) for t in case["traces"]], device))
     prompt_len = int32(case["prompt_len"], device)
-    force_trace_logits(logits, *args, total_len, prompt_len, trace_offsets=offsets,
-                       value=1e30, advance=advance)
-    force_trace_logits_reference(logits_ref, *args, total_len_ref, prompt_len,
-                                 trace_offsets=offsets, value=1e30, advance=advance)
+    force_trace_logits(
+        logits, *args, total_len, prompt_len, trace_offsets=offsets, value=1e30, advance=advance
+    )
+    force_trace_logits_reference(
+        logits_ref,
+        *args,
+        total_len_ref,
+        prompt_len,
+        trace_offsets=offsets,
+        value=1e30,
+        advance=advance,
+    )
 
     expected = original[:, :vocab].clone()
-    forced = oracle_trace_tokens([-1] * batch, idx_mapping, case["traces"], case["total_len"],
-                                 case["prompt_len"])
+    forced = oracle_trace_tokens(
+        [-1] * batch, idx_mapping, case["traces"], case["total_len"], case["prompt_len"]
+    )
     for b, token in enumerate(forced):
         if 0 <= token < vocab:
             expected[b, token] = 1e30
@@ -243,15 +258,24 @@ def test_verified_matches_reference_and_oracle(device, layout, case):
     num_sampled = int32([7] * batch, device)
     drafts = torch.tensor(case["drafts"], dtype=case["draft_dtype"], device=device)
     args = (
-        drafts, int32(case["cu_num_logits"], device), int32(case["idx_mapping"], device),
-        trace_ids, int32([len(t) for t in case["traces"]], device),
-        int32(case["total_len"], device), int32(case["prompt_len"], device),
-    )  # fmt: skip
+        drafts,
+        int32(case["cu_num_logits"], device),
+        int32(case["idx_mapping"], device),
+        trace_ids,
+        int32([len(t) for t in case["traces"]], device),
+        int32(case["total_len"], device),
+        int32(case["prompt_len"], device),
+    )
     rows, counts, touched = oracle_verified(
-        wide[:, 1 : 1 + width].tolist(), num_sampled.tolist(), case["drafts"],
-        case["cu_num_logits"], case["idx_mapping"], case["traces"], case["total_len"],
+        wide[:, 1 : 1 + width].tolist(),
+        num_sampled.tolist(),
+        case["drafts"],
+        case["cu_num_logits"],
+        case["idx_mapping"],
+        case["traces"],
+        case["total_len"],
         case["prompt_len"],
-    )  # fmt: skip
+    )
     before, wide_ref, num_sampled_ref = wide.clone(), wide.clone(), num_sampled.clone()
     apply_trace_tokens_to_verified(
         wide[:, 1 : 1 + width], num_sampled, *args, trace_offsets=offsets
@@ -279,10 +303,17 @@ def run_verified(device, layout, trace, step, drafts_after_committed, k):
     num_sampled = int32([0], device)
     drafts = torch.tensor([99, *drafts_after_committed], dtype=torch.int64, device=device)
     apply_trace_tokens_to_verified(
-        sampled, num_sampled, drafts, int32([0, k + 1], device), int32([0], device),
-        trace_ids, int32([len(trace)], device), int32([3 + step], device), int32([3], device),
+        sampled,
+        num_sampled,
+        drafts,
+        int32([0, k + 1], device),
+        int32([0], device),
+        trace_ids,
+        int32([len(trace)], device),
+        int32([3 + step], device),
+        int32([3], device),
         trace_offsets=offsets,
-    )  # fmt: skip
+    )
     return sampled[0].tolist(), int(num_sampled[0])
 
 
@@ -317,10 +348,17 @@ def test_verified_last_logits_row_checks_no_draft(device, layout):
     # request 0: rows 0..1, verifies draft 1 (= 10); slot 2 holds 11 but belongs to request 1
     drafts = torch.tensor([99, 10, 11, 0, 0], dtype=torch.int64, device=device)
     apply_trace_tokens_to_verified(
-        sampled, num_sampled, drafts, int32([0, 2, 5], device), int32([0, 1], device),
-        trace_ids, int32([4, 2], device), int32([3, 3], device), int32([3, 3], device),
+        sampled,
+        num_sampled,
+        drafts,
+        int32([0, 2, 5], device),
+        int32([0, 1], device),
+        trace_ids,
+        int32([4, 2], device),
+        int32([3, 3], device),
+        int32([3, 3], device),
         trace_offsets=offsets,
-    )  # fmt: skip
+    )
     assert num_sampled.tolist() == [2, 1]
     assert sampled[0, :2].tolist() == [10, 11]
     assert sampled[1, :1].tolist() == [20]
@@ -341,17 +379,30 @@ def test_empty_batch_is_a_no_op(device):
     lens = int32([4, 4], device)
     apply_trace_tokens(empty.long(), empty, traces, lens, lens, lens)
     apply_trace_tokens_to_verified(
-        torch.empty(0, 3, dtype=torch.int64, device=device), empty, empty,
-        int32([0], device), empty, traces, lens, lens, lens,
-    )  # fmt: skip
+        torch.empty(0, 3, dtype=torch.int64, device=device),
+        empty,
+        empty,
+        int32([0], device),
+        empty,
+        traces,
+        lens,
+        lens,
+        lens,
+    )
 
 
 def test_force_trace_logits_empty_batch_is_a_no_op(device):
     """No rows: nothing launched, lengths untouched even with ``advance``."""
     lens = int32([4, 4], device)
-    force_trace_logits(torch.zeros(0, 8, device=device), torch.empty(0, dtype=torch.int32,
-                       device=device), torch.zeros(2, 4, dtype=torch.int32, device=device),
-                       lens, lens, lens, advance=True)
+    force_trace_logits(
+        torch.zeros(0, 8, device=device),
+        torch.empty(0, dtype=torch.int32, device=device),
+        torch.zeros(2, 4, dtype=torch.int32, device=device),
+        lens,
+        lens,
+        lens,
+        advance=True,
+    )
     assert lens.tolist() == [4, 4]
 
 

@@ -9,20 +9,27 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trace_replay.kernels.top_k import (MAX_TOP_K, top_k_indices, top_k_indices_reference,
-                                        top_k_scores)
+from trace_replay.kernels.top_k import (
+    MAX_TOP_K,
+    top_k_indices,
+    top_k_indices_reference,
+    top_k_scores,
+)
 
 
 def logits(rows: int, vocab: int, dtype: torch.dtype = torch.float32, seed: int = 0):
     return (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype)
 
 
-@pytest.mark.parametrize("rows, vocab, k, dtype", [
-    (3, 5000, 5, torch.float32),  # two chunks, the second one partial
-    (2, 9000, 1, torch.bfloat16),  # three chunks, argmax only
-    (1, 8, 8, torch.float32),  # k = vocab: every index once
-    (2, 4096, MAX_TOP_K, torch.float16),  # the largest k: 32 of 16 chunks' entries
-])
+@pytest.mark.parametrize(
+    "rows, vocab, k, dtype",
+    [
+        (3, 5000, 5, torch.float32),  # two chunks, the second one partial
+        (2, 9000, 1, torch.bfloat16),  # three chunks, argmax only
+        (1, 8, 8, torch.float32),  # k = vocab: every index once
+        (2, 4096, MAX_TOP_K, torch.float16),  # the largest k: 32 of 16 chunks' entries
+    ],
+)
 def test_kernel_matches_the_reference(rows, vocab, k, dtype, device):
     """Same indices as a stable descending sort, largest first, for every chunk layout."""
     x = logits(rows, vocab, dtype).to(device)
@@ -74,8 +81,9 @@ def test_heavy_ties_across_many_chunks(seed, chunk, group):
     order (value, then index), for groups that do and do not divide the chunks."""
     x = torch.randint(0, 4, (3, 215), generator=torch.Generator().manual_seed(seed)).float()
     for k in (1, 5, 16):
-        assert torch.equal(top_k_indices(x, k, chunk=chunk, group=group),
-                           top_k_indices_reference(x, k))
+        assert torch.equal(
+            top_k_indices(x, k, chunk=chunk, group=group), top_k_indices_reference(x, k)
+        )
 
 
 def test_the_top_k_all_in_one_chunk():

@@ -21,7 +21,7 @@ def test_greedy_decodes_paris(lm, tokenizer):
     """Greedy "The capital of France is" continues with " Paris" (float32 dequantized GGUF)."""
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     out = lm.generate(ids, max_new_tokens=3, do_sample=False)
-    assert tokenizer.decode(out[0, ids.shape[1]:]).startswith(" Paris")
+    assert tokenizer.decode(out[0, ids.shape[1] :]).startswith(" Paris")
     assert next(lm.parameters()).dtype == torch.float32
     assert lm.config.vocab_size == 49152
 
@@ -32,8 +32,9 @@ def test_folder_matches_gguf_weights(lm):
     from transformers import AutoModelForCausalLM
 
     gguf = models.embedded_gguf_path()
-    direct = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                  dtype=torch.float32)
+    direct = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
     ours = dict(lm.named_parameters())
     for name, param in direct.named_parameters():
         assert torch.equal(param, ours[name]), name
@@ -44,8 +45,11 @@ def test_conversion_is_reused(tmp_path, monkeypatch):
     first = models.hf_folder()
     assert (first / "config.json").is_file() and (first / "model.safetensors").is_file()
     assert models.hf_folder() == first
-    assert not any(p.name.startswith(".") for p in first.parent.iterdir() if p.is_dir()
-                   and p.name.startswith(f".{first.name}-"))
+    assert not any(
+        p.name.startswith(".")
+        for p in first.parent.iterdir()
+        if p.is_dir() and p.name.startswith(f".{first.name}-")
+    )
 
 
 def test_missing_model_is_a_clear_error(tmp_path):
@@ -118,8 +122,14 @@ def _tiny_folder(path, *, pickled: bool = False):
     """A random two-head Llama saved to ``path`` (safetensors, or a pickled state dict)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     lm = LlamaForCausalLM(config)
     lm.save_pretrained(path)
     if pickled:
@@ -137,11 +147,11 @@ def test_damaged_weight_files_are_named(tmp_path):
     """A cut model.safetensors, a cut pytorch_model.bin and a pickle that calls a function
     raise DamagedModelError (a ValueError: the CLI's exit 2) naming the file and the fault."""
     cut = _tiny_folder(tmp_path / "cut") / "model.safetensors"
-    cut.write_bytes(cut.read_bytes()[:len(cut.read_bytes()) // 2])
+    cut.write_bytes(cut.read_bytes()[: len(cut.read_bytes()) // 2])
     with pytest.raises(models.DamagedModelError, match=f"{cut}.*cut short"):
         models.load_model(cut.parent, device="cpu")
     binary = _tiny_folder(tmp_path / "bin", pickled=True) / "pytorch_model.bin"
-    binary.write_bytes(binary.read_bytes()[:len(binary.read_bytes()) // 2])
+    binary.write_bytes(binary.read_bytes()[: len(binary.read_bytes()) // 2])
     with pytest.raises(models.DamagedModelError, match=f"{binary} cannot be loaded safely"):
         models.load_model(binary.parent, device="cpu")
     torch.save({"w": _RunsCode()}, binary)

@@ -194,19 +194,24 @@ def test_single_run_named_from_attrs(replay_df):
 def test_hue_gives_one_artist_per_level(replay_pair):
     """hue= on concatenated comparisons: one histogram, one CDF, one point set per pair."""
     a, b = replay_pair
-    pairs = pd.concat([compare(a, b), compare(a, a.copy())], keys=["drift", "same"],
-                      names=["pair", None]).reset_index("pair")  # fmt: skip
+    pairs = pd.concat(
+        [compare(a, b), compare(a, a.copy())], keys=["drift", "same"], names=["pair", None]
+    ).reset_index("pair")
     hist = plot_delta_hist(pairs, hue="pair")
     assert [t.get_text() for t in hist.get_legend().get_texts()] == ["drift", "same"]
-    summaries = pd.concat([summarize(compare(a, b)), summarize(compare(a, a.copy()))],
-                          keys=["drift", "same"], names=["pair", None]).reset_index("pair")
+    summaries = pd.concat(
+        [summarize(compare(a, b)), summarize(compare(a, a.copy()))],
+        keys=["drift", "same"],
+        names=["pair", None],
+    ).reset_index("pair")
     cdf = plot_first_divergence(summaries, hue="pair")
     assert [line.get_label() for line in cdf.get_lines()][::2] == ["drift", "same"]
     assert cdf.get_lines()[2].get_ydata()[-1] == 0.0  # "same" never diverges
     scatter = plot_logprob_scatter(pairs, hue="pair")
     assert [c.get_label() for c in scatter.collections] == ["drift", "same"]
-    buckets = plot_rank_buckets(pd.concat(replay_pair, keys=["x", "y"], names=["run", None])
-                                .reset_index("run"), hue="run")  # fmt: skip
+    buckets = plot_rank_buckets(
+        pd.concat(replay_pair, keys=["x", "y"], names=["run", None]).reset_index("run"), hue="run"
+    )
     assert [t.get_text() for t in buckets.get_xticklabels()] == ["x", "y"]
 
 
@@ -214,21 +219,26 @@ def test_first_divergence_hue_on_concatenated_comparison_frames(replay_pair):
     """hue= on comparison frames (not summaries): one CDF per pair, each pair summarized on its
     own, so equal trace ids in different pairs do not merge."""
     a, b = replay_pair
-    pairs = pd.concat([compare(a, b), compare(a, a.copy())], keys=["drift", "same"],
-                      names=["pair", None]).reset_index("pair")  # fmt: skip
+    pairs = pd.concat(
+        [compare(a, b), compare(a, a.copy())], keys=["drift", "same"], names=["pair", None]
+    ).reset_index("pair")
     ax = plot_first_divergence(pairs, hue="pair")
     assert line_labels(ax)[::2] == ["drift", "same"]
     assert ax.get_lines()[0].get_ydata()[-1] == pytest.approx(2 / 3)  # t1 and t2 diverge
     assert ax.get_lines()[2].get_ydata()[-1] == 0.0  # "same" never diverges
 
 
-@pytest.mark.parametrize("plot", [plot_first_divergence, plot_delta_hist, plot_logprob_scatter,
-                                  plot_rank_buckets])
+@pytest.mark.parametrize(
+    "plot", [plot_first_divergence, plot_delta_hist, plot_logprob_scatter, plot_rank_buckets]
+)
 def test_unknown_hue_names_the_valid_columns(cmp, replay_df, plot):
     """A hue that is no column is a ValueError naming it and listing the columns to choose from."""
     data = replay_df if plot is plot_rank_buckets else cmp
-    with pytest.raises(ValueError, match=r"hue='pairs' is not a column of data; valid hue "
-                                         r"columns: trace_id, step, .*token_id"):
+    with pytest.raises(
+        ValueError,
+        match=r"hue='pairs' is not a column of data; valid hue "
+        r"columns: trace_id, step, .*token_id",
+    ):
         plot(data, hue="pairs")
 
 

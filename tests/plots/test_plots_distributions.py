@@ -8,8 +8,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from trace_replay.plots.distributions import (plot_distribution_hist, plot_distribution_strip,
-                                              plot_first_past, plot_routing_flips)
+from trace_replay.plots.distributions import (
+    plot_distribution_hist,
+    plot_distribution_strip,
+    plot_first_past,
+    plot_routing_flips,
+)
 
 
 @pytest.fixture
@@ -17,8 +21,9 @@ def exact() -> pd.DataFrame:
     """Two traces of 30 steps; t1's KL grows past 1e-3 at step 12, t0's never does."""
     steps = np.arange(30)
     kl = np.r_[np.full(30, 1e-5), np.where(steps >= 12, 1e-2, 1e-6)]
-    return pd.DataFrame({"trace_id": ["t0"] * 30 + ["t1"] * 30, "step": np.r_[steps, steps],
-                         "kl_ab": kl})
+    return pd.DataFrame(
+        {"trace_id": ["t0"] * 30 + ["t1"] * 30, "step": np.r_[steps, steps], "kl_ab": kl}
+    )
 
 
 @pytest.fixture

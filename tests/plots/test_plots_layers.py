@@ -25,19 +25,35 @@ def frame() -> pd.DataFrame:
     for trace_id in ("t0", "t1"):
         for step in range(5):
             first = 1 if step >= 2 else 2
-            sites = [(-1, "embeddings")] + [(layer, site) for layer in range(NUM_LAYERS)
-                                            for site in LAYER_SITES]
+            sites = [(-1, "embeddings")] + [
+                (layer, site) for layer in range(NUM_LAYERS) for site in LAYER_SITES
+            ]
             sites += [(NUM_LAYERS, "final_norm"), (NUM_LAYERS, "logits")]
             for layer, site in sites:
                 late = layer > first or (layer == first and site in ("mlp", "residual"))
                 diff = 10.0 ** (layer - 6) * (step + 1) if late else 0.0
                 rows.append((trace_id, step, layer, site, diff, diff / 3, 1 - diff, diff == 0))
-    data = pd.DataFrame(rows, columns=["trace_id", "step", "layer", "site", "max_abs_diff",
-                                       "rel_l2", "cosine", "bitwise_equal"])
+    data = pd.DataFrame(
+        rows,
+        columns=[
+            "trace_id",
+            "step",
+            "layer",
+            "site",
+            "max_abs_diff",
+            "rel_l2",
+            "cosine",
+            "bitwise_equal",
+        ],
+    )
     data["site"] = pd.Categorical(data["site"], categories=SITES, ordered=True)
-    data.attrs = {"a": {"engine": "torch", "dtype": "float32"},
-                  "b": {"engine": "prefill", "dtype": "float32"}, "tol": 0.0,
-                  "num_layers": NUM_LAYERS, "sites": list(SITES)}
+    data.attrs = {
+        "a": {"engine": "torch", "dtype": "float32"},
+        "b": {"engine": "prefill", "dtype": "float32"},
+        "tol": 0.0,
+        "num_layers": NUM_LAYERS,
+        "sites": list(SITES),
+    }
     return data
 
 
@@ -89,9 +105,13 @@ def test_layer_profile_one_line_per_site(frame):
 
 @pytest.fixture
 def sweep_frame() -> pd.DataFrame:
-    table = pd.DataFrame({"dtype": ["float32", "float32", "bfloat16", "bfloat16"],
-                          "batch_size": [1, 8, 1, 8],
-                          "mean_abs_delta": [0.0, 2e-6, 3e-2, 3.1e-2]})
+    table = pd.DataFrame(
+        {
+            "dtype": ["float32", "float32", "bfloat16", "bfloat16"],
+            "batch_size": [1, 8, 1, 8],
+            "mean_abs_delta": [0.0, 2e-6, 3e-2, 3.1e-2],
+        }
+    )
     table.attrs = {"grid": ["dtype", "batch_size"], "metrics": ["mean_abs_delta"]}
     return table
 

@@ -120,9 +120,16 @@ def test_lower_bound_ranks_are_drawn_as_bounds():
     labelled "lower bound", and make their own bar segment in the rank buckets."""
     from trace_replay.plots.frames import plot_rank_buckets
 
-    df = pd.DataFrame({"trace_id": "t", "step": [0, 1, 2], "token_id": [5, 6, 7],
-                       "logprob": [-0.1, -4.0, -5.0], "rank": [1, 21, 21],
-                       "rank_exact": [True, False, True]})
+    df = pd.DataFrame(
+        {
+            "trace_id": "t",
+            "step": [0, 1, 2],
+            "token_id": [5, 6, 7],
+            "logprob": [-0.1, -4.0, -5.0],
+            "rank": [1, 21, 21],
+            "rank_exact": [True, False, True],
+        }
+    )
     ax = plot_trace(df, "t")
     handles, names = ax.rank_ax.get_legend_handles_labels()
     assert names == ["rank", "rank (lower bound)"]

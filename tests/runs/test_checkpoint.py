@@ -28,10 +28,17 @@ def records(tokenizer, real_records):
     """Four traces; 'long' as token ids so that it can be cut."""
     chosen = {r["id"]: r for r in real_records if r["id"] in ("paris", "code", "long")}
     long = chosen.pop("long")
-    chosen["long"] = {"id": "long", "prompt": long["prompt"],
-                      "trace_token_ids": tokenizer.encode(long["completion"])}
-    chosen["ref"] = {"id": "ref", "prompt": "Hello", "trace_token_ids": [28, 45, 314],
-                     "ref_logprobs": [-1.0, -2.0, -3.0]}
+    chosen["long"] = {
+        "id": "long",
+        "prompt": long["prompt"],
+        "trace_token_ids": tokenizer.encode(long["completion"]),
+    }
+    chosen["ref"] = {
+        "id": "ref",
+        "prompt": "Hello",
+        "trace_token_ids": [28, 45, 314],
+        "ref_logprobs": [-1.0, -2.0, -3.0],
+    }
     return list(chosen.values())
 
 
@@ -102,8 +109,11 @@ def test_a_part_is_held_to_the_vocabulary_bound(engine, records, tmp_path):
     bad.at[row, "top_logprobs"] = np.array([-20.0, -21.0, -22.0])
     part.unlink()
     write_part(tmp_path, bad)
-    with pytest.warns(RuntimeWarning, match=r"rank 1 is impossible: rank 1 is the most likely "
-                      r"token: its logprob is finite and >= -log\(vocabulary size 49152\)"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"rank 1 is impossible: rank 1 is the most likely "
+        r"token: its logprob is finite and >= -log\(vocabulary size 49152\)",
+    ):
         got = replay(records, engine=engine, progress=False, checkpoint=tmp_path)
     assert_same_replay(got, want)
 
@@ -117,15 +127,29 @@ def test_unreadable_settings_are_named(engine, records, tmp_path):
 
 def test_parts_bounded_in_traces_and_time(engine, records, tmp_path):
     """chunk_size caps the traces of a part; checkpoint_every=0 writes after every batch."""
-    def part_sizes(folder):
-        return [pd.read_parquet(p)["trace_id"].nunique()
-                for p in sorted(folder.glob("part-*.parquet"))]
 
-    replay(records, engine=engine, progress=False, checkpoint=tmp_path / "a", chunk_size=3,
-           checkpoint_every=3600)
+    def part_sizes(folder):
+        return [
+            pd.read_parquet(p)["trace_id"].nunique() for p in sorted(folder.glob("part-*.parquet"))
+        ]
+
+    replay(
+        records,
+        engine=engine,
+        progress=False,
+        checkpoint=tmp_path / "a",
+        chunk_size=3,
+        checkpoint_every=3600,
+    )
     assert part_sizes(tmp_path / "a") == [3, 1]
-    replay(records, engine=engine, progress=False, checkpoint=tmp_path / "b", chunk_size=100,
-           checkpoint_every=0)
+    replay(
+        records,
+        engine=engine,
+        progress=False,
+        checkpoint=tmp_path / "b",
+        chunk_size=100,
+        checkpoint_every=0,
+    )
     assert part_sizes(tmp_path / "b") == [2, 2]
 
 
@@ -147,31 +171,52 @@ def test_temporaries_of_dead_runs_are_cleaned(engine, records, tmp_path):
 def chat_record(tokenizer, role: str) -> dict:
     """A tokenized chat trace whose labels are given, so that only they can be edited."""
     ids = tokenizer.encode(" Rome, of course.")
-    return {"id": "chat", "messages": [{"role": "user", "content": "Capital of Italy?"},
-                                       {"role": "assistant", "content": " Rome, of course."}],
-            "trace_token_ids": ids, "trace_turns": [1] * len(ids), "trace_roles": [role] * len(ids)}
+    return {
+        "id": "chat",
+        "messages": [
+            {"role": "user", "content": "Capital of Italy?"},
+            {"role": "assistant", "content": " Rome, of course."},
+        ],
+        "trace_token_ids": ids,
+        "trace_turns": [1] * len(ids),
+        "trace_roles": [role] * len(ids),
+    }
 
 
 def test_edited_chat_labels_are_recomputed(engine, records, tokenizer, tmp_path):
     """A rerun after editing only a chat trace's roles serves the new roles, not the old."""
-    replay([chat_record(tokenizer, "assistant"), records[1]], engine=engine, progress=False,
-           checkpoint=tmp_path)
-    resumed = replay([chat_record(tokenizer, "template"), records[1]], engine=engine,
-                     progress=False, checkpoint=tmp_path)
+    replay(
+        [chat_record(tokenizer, "assistant"), records[1]],
+        engine=engine,
+        progress=False,
+        checkpoint=tmp_path,
+    )
+    resumed = replay(
+        [chat_record(tokenizer, "template"), records[1]],
+        engine=engine,
+        progress=False,
+        checkpoint=tmp_path,
+    )
     assert set(resumed.loc[resumed["trace_id"] == "chat", "role"]) == {"template"}
     assert resumed.attrs["resumed_traces"] == 1  # the plain trace alone is unchanged
 
 
-def test_plain_run_gets_no_chat_columns_from_a_chat_runs_parts(engine, records, tokenizer,
-                                                              tmp_path):
+def test_plain_run_gets_no_chat_columns_from_a_chat_runs_parts(
+    engine, records, tokenizer, tmp_path
+):
     """Rows served from a part that a chat run wrote have the columns of a run without the
     checkpoint: no ``turn``/``role`` when none of this run's traces is a chat trace."""
-    replay([chat_record(tokenizer, "assistant"), records[1]], engine=engine, progress=False,
-           checkpoint=tmp_path)
+    replay(
+        [chat_record(tokenizer, "assistant"), records[1]],
+        engine=engine,
+        progress=False,
+        checkpoint=tmp_path,
+    )
     resumed = replay([records[1]], engine=engine, progress=False, checkpoint=tmp_path)
     assert resumed.attrs["resumed_traces"] == 1
-    assert list(resumed.columns) == list(replay([records[1]], engine=engine,
-                                                progress=False).columns)
+    assert list(resumed.columns) == list(
+        replay([records[1]], engine=engine, progress=False).columns
+    )
 
 
 def test_digest_covers_every_trace_field_its_rows_copy(tokenizer):
@@ -179,30 +224,59 @@ def test_digest_covers_every_trace_field_its_rows_copy(tokenizer):
     digest: no edit can be served stale."""
     from dataclasses import replace
 
-    from trace_replay.runs.checkpoint import trace_digest
     from trace_replay.engines.base import ReplayRequest, TraceResult
+    from trace_replay.runs.checkpoint import trace_digest
     from trace_replay.runs.frame import TokenDecoder, to_frame
     from trace_replay.traces.trace import FIELDS, Trace, TraceError
 
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
-    common = {"prompt_token_ids": (1, 2), "trace_token_ids": (3, 4), "ref_logprobs": (-1.0, -2.0),
-              "meta": {"k": 1}}
-    bases = [Trace("a", prompt="Hi", completion="Yo", **common),
-             Trace("a", completion="Yo", messages=messages, tools=[{"type": "function"}],
-                   turns="all", trace_turns=(1, 1), trace_roles=("assistant", "assistant"),
-                   **common)]
-    edits = {"id": "b", "prompt": "Ho", "prompt_token_ids": (1, 5), "completion": "Ya",
-             "trace_token_ids": (3, 6), "ref_logprobs": (-1.0, -2.5), "meta": {"k": 2},
-             "messages": messages[:1] + [{"role": "assistant", "content": "Ye"}],
-             "tools": [], "turns": "last", "trace_turns": (1, 2),
-             "trace_roles": ("assistant", "template")}
+    common = {
+        "prompt_token_ids": (1, 2),
+        "trace_token_ids": (3, 4),
+        "ref_logprobs": (-1.0, -2.0),
+        "meta": {"k": 1},
+    }
+    bases = [
+        Trace("a", prompt="Hi", completion="Yo", **common),
+        Trace(
+            "a",
+            completion="Yo",
+            messages=messages,
+            tools=[{"type": "function"}],
+            turns="all",
+            trace_turns=(1, 1),
+            trace_roles=("assistant", "assistant"),
+            **common,
+        ),
+    ]
+    edits = {
+        "id": "b",
+        "prompt": "Ho",
+        "prompt_token_ids": (1, 5),
+        "completion": "Ya",
+        "trace_token_ids": (3, 6),
+        "ref_logprobs": (-1.0, -2.5),
+        "meta": {"k": 2},
+        "messages": messages[:1] + [{"role": "assistant", "content": "Ye"}],
+        "tools": [],
+        "turns": "last",
+        "trace_turns": (1, 2),
+        "trace_roles": ("assistant", "template"),
+    }
     decode = TokenDecoder(tokenizer)
 
     def rows_and_digest(trace):
         request = ReplayRequest(trace.id, trace.prompt_token_ids, trace.trace_token_ids)
-        result = TraceResult(trace.id, 2, np.array(trace.trace_token_ids), np.full(2, -1.0),
-                             np.ones(2, int), np.zeros((2, 1), int), np.full((2, 1), -0.5),
-                             np.ones(2))
+        result = TraceResult(
+            trace.id,
+            2,
+            np.array(trace.trace_token_ids),
+            np.full(2, -1.0),
+            np.ones(2, int),
+            np.zeros((2, 1), int),
+            np.full((2, 1), -0.5),
+            np.ones(2),
+        )
         return to_frame([result], {trace.id: trace}, decode), trace_digest("k", request, trace)
 
     edited = set()
@@ -235,8 +309,10 @@ class ShiftedPrompt:
 
         self.calls += 1
         assert self.calls <= 10, "the checkpoint computes the same traces over and over"
-        return [replace(result, prompt_len=result.prompt_len + 1)
-                for result in self.engine.run(requests, on_tokens=on_tokens)]
+        return [
+            replace(result, prompt_len=result.prompt_len + 1)
+            for result in self.engine.run(requests, on_tokens=on_tokens)
+        ]
 
 
 def test_results_a_read_back_refuses_are_an_error_not_a_loop(engine, records, tmp_path):
@@ -268,8 +344,9 @@ def test_impossible_rows_are_named_and_the_rest_saved(engine, records, tmp_path)
     with Checkpoint(tmp_path, engine.settings(), requests, batch_size=2) as store:
         assert [r.trace_id for r in store.claim()] == ["paris", "code"]
         store.add(rows)
-        with pytest.raises(ImpossibleResult, match="trace 'code', step 1: logprob nan is "
-                                                   "impossible"):
+        with pytest.raises(
+            ImpossibleResult, match="trace 'code', step 1: logprob nan is impossible"
+        ):
             store.waiting()
     with Checkpoint(tmp_path, engine.settings(), requests) as store:
         assert store.resumed == 1
@@ -291,8 +368,9 @@ def test_a_part_that_fails_verification_is_never_written(engine, records, tmp_pa
             raise RuntimeError("weights changed")
 
     with pytest.raises(RuntimeError, match="weights changed"):
-        with Checkpoint(tmp_path, engine.settings(), requests, batch_size=1, max_traces=1,
-                        verify=verify) as store:
+        with Checkpoint(
+            tmp_path, engine.settings(), requests, batch_size=1, max_traces=1, verify=verify
+        ) as store:
             while group := store.claim():
                 store.add(rows[rows["trace_id"].isin([r.trace_id for r in group])])
     assert heard == [["paris"], ["code"]]
@@ -329,7 +407,8 @@ def test_a_folder_named_like_a_part_is_skipped(engine, records, tmp_path):
         got = replay(records, engine=engine, progress=False, checkpoint=tmp_path)
     said = sorted(str(w.message).split(" is named like a part but is ")[1] for w in caught)
     assert said == ["a folder; ignored, nothing is read from it"] * 2 + [
-        "not a regular file; ignored, nothing is read from it"]
+        "not a regular file; ignored, nothing is read from it"
+    ]
     assert_same_replay(got, want)
     assert got.attrs["resumed_traces"] == len(records)
 
@@ -378,8 +457,10 @@ def test_a_deleted_settings_file_with_other_settings_is_refused(lm, engine, reco
     (tmp_path / "settings.json").unlink()
     parts = sorted(tmp_path.glob("part-*.parquet"))
     other = make_engine("prefill", lm, batch_size=2, top_k=4)
-    with pytest.raises(ValueError, match="settings.json is missing, and its parts were "
-                                         "computed with other settings"):
+    with pytest.raises(
+        ValueError,
+        match="settings.json is missing, and its parts were computed with other settings",
+    ):
         replay(records, engine=other, progress=False, checkpoint=tmp_path)
     assert sorted(tmp_path.glob("part-*.parquet")) == parts
     assert not list(tmp_path.glob("*.corrupt"))
@@ -395,6 +476,7 @@ def test_a_fifo_named_settings_json_is_refused_not_read(engine, records, tmp_pat
     settings = tmp_path / "settings.json"
     settings.unlink()
     os.mkfifo(settings)
+
     def feed() -> None:
         try:
             settings.write_text("{}")
@@ -434,19 +516,33 @@ def test_a_deterministic_folder_resumes_at_another_batch_size(lm, records, tmp_p
     """Deterministic mode gives every trace the same bits whatever the batch size, so a
     folder written at batch 1 serves every trace to a rerun at batch 3, bit for bit; without
     deterministic mode another batch size is other settings, refused."""
-    first = replay(records, engine=make_engine("prefill", lm, batch_size=1, top_k=3,
-                                               deterministic=True),
-                   progress=False, checkpoint=tmp_path / "det")
-    resumed = replay(records, engine=make_engine("prefill", lm, batch_size=3, top_k=3,
-                                                 deterministic=True),
-                     progress=False, checkpoint=tmp_path / "det")
+    first = replay(
+        records,
+        engine=make_engine("prefill", lm, batch_size=1, top_k=3, deterministic=True),
+        progress=False,
+        checkpoint=tmp_path / "det",
+    )
+    resumed = replay(
+        records,
+        engine=make_engine("prefill", lm, batch_size=3, top_k=3, deterministic=True),
+        progress=False,
+        checkpoint=tmp_path / "det",
+    )
     assert resumed.attrs["resumed_traces"] == len(records) and resumed.attrs["batch_size"] == 3
     pd.testing.assert_frame_equal(resumed, first)
-    replay(records, engine=make_engine("prefill", lm, batch_size=1, top_k=3),
-           progress=False, checkpoint=tmp_path / "plain")
+    replay(
+        records,
+        engine=make_engine("prefill", lm, batch_size=1, top_k=3),
+        progress=False,
+        checkpoint=tmp_path / "plain",
+    )
     with pytest.raises(ValueError, match=r"other settings \(batch_size\)"):
-        replay(records, engine=make_engine("prefill", lm, batch_size=3, top_k=3),
-               progress=False, checkpoint=tmp_path / "plain")
+        replay(
+            records,
+            engine=make_engine("prefill", lm, batch_size=3, top_k=3),
+            progress=False,
+            checkpoint=tmp_path / "plain",
+        )
 
 
 def test_call_size_is_whole_batches_of_half_the_part_interval():
@@ -462,7 +558,8 @@ def test_call_size_is_whole_batches_of_half_the_part_interval():
 
 @pytest.mark.parametrize("after", ["rename", "record"])
 def test_an_interrupt_landing_as_a_part_is_written_saves_each_trace_once(
-        engine, records, tmp_path, monkeypatch, after):
+    engine, records, tmp_path, monkeypatch, after
+):
     """Ctrl-C arriving after a part is renamed into place, before the run has noted it (the
     signal lands between two bytecodes): leaving the ``with`` block saves only what no part
     holds yet, so the folder holds each finished trace once."""

@@ -102,12 +102,15 @@ def test_locked_excludes_other_runs(runs, tmp_path):
 
 def test_dead_runs_claims_are_released(tmp_path):
     """Claims of a live run are seen by others; once it is killed (-9) they are freed."""
-    script = ("import sys, time; from pathlib import Path; from trace_replay.runs.claims import Claims\n"
-              "c = Claims(Path(sys.argv[1]))\n"
-              "with c.locked(): c.set(['d1', 'd2'])\n"
-              "print('ready', flush=True); time.sleep(60)\n")
-    child = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)],
-                             stdout=subprocess.PIPE, text=True)
+    script = (
+        "import sys, time; from pathlib import Path; from trace_replay.runs.claims import Claims\n"
+        "c = Claims(Path(sys.argv[1]))\n"
+        "with c.locked(): c.set(['d1', 'd2'])\n"
+        "print('ready', flush=True); time.sleep(60)\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert child.stdout.readline().strip() == "ready"
         mine = Claims(tmp_path)

@@ -14,14 +14,17 @@ from trace_replay.runs.replay import replay
 TRACES = [{"id": "a", "prompt": "The capital of France is", "completion": " Paris."}]
 
 
-@pytest.mark.parametrize("options, problem", [
-    ({"address": ""}, "address must be a non-empty str"),
-    ({"actors": 0}, "actors must be an integer >= 1"),
-    ({"actors": True}, "actors must be an integer >= 1"),
-    ({"num_gpus": -1}, "num_gpus must be a number >= 0"),
-    ({"num_cpus": float("nan")}, "num_cpus must be a number >= 0"),
-    ({"num_cpus": 0, "num_gpus": 0}, "both 0"),
-])
+@pytest.mark.parametrize(
+    "options, problem",
+    [
+        ({"address": ""}, "address must be a non-empty str"),
+        ({"actors": 0}, "actors must be an integer >= 1"),
+        ({"actors": True}, "actors must be an integer >= 1"),
+        ({"num_gpus": -1}, "num_gpus must be a number >= 0"),
+        ({"num_cpus": float("nan")}, "num_cpus must be a number >= 0"),
+        ({"num_cpus": 0, "num_gpus": 0}, "both 0"),
+    ],
+)
 def test_bad_cluster_options_are_refused_on_construction(options, problem):
     """A RayCluster with a bad option is a ValueError naming it, before any Ray call."""
     with pytest.raises(ValueError, match=problem):
@@ -35,13 +38,16 @@ def test_ray_is_the_default_cluster_and_others_are_refused():
         as_cluster("dask")
 
 
-@pytest.mark.parametrize("cluster, device, resources, want", [
-    (RayCluster(), None, {"CPU": 2.0}, (2, 1, 0, "cpu")),
-    (RayCluster(), None, {"CPU": 16.0, "GPU": 4.0}, (4, 1, 1, None)),
-    (RayCluster(num_cpus=4), "cpu", {"CPU": 16.0, "GPU": 4.0}, (4, 4, 0, "cpu")),
-    (RayCluster(actors=2, num_gpus=2), "cuda", {"CPU": 64.0, "GPU": 8.0}, (2, 1, 2, "cuda")),
-    (RayCluster(num_gpus=0.5), None, {"CPU": 8.0, "GPU": 2.0}, (4, 1, 0.5, None)),
-])
+@pytest.mark.parametrize(
+    "cluster, device, resources, want",
+    [
+        (RayCluster(), None, {"CPU": 2.0}, (2, 1, 0, "cpu")),
+        (RayCluster(), None, {"CPU": 16.0, "GPU": 4.0}, (4, 1, 1, None)),
+        (RayCluster(num_cpus=4), "cpu", {"CPU": 16.0, "GPU": 4.0}, (4, 4, 0, "cpu")),
+        (RayCluster(actors=2, num_gpus=2), "cuda", {"CPU": 64.0, "GPU": 8.0}, (2, 1, 2, "cuda")),
+        (RayCluster(num_gpus=0.5), None, {"CPU": 8.0, "GPU": 2.0}, (4, 1, 0.5, None)),
+    ],
+)
 def test_actors_fill_the_cluster_at_their_resources(cluster, device, resources, want):
     """By default one actor per GPU (a CUDA or unset device on a cluster with GPUs), else
     per ``num_cpus`` CPUs; GPU-less actors of an unset device run on the CPU."""
@@ -49,11 +55,14 @@ def test_actors_fill_the_cluster_at_their_resources(cluster, device, resources, 
     assert (plan.actors, plan.num_cpus, plan.num_gpus, plan.device) == want
 
 
-@pytest.mark.parametrize("cluster, device, resources, problem", [
-    (RayCluster(), "cuda", {"CPU": 8.0}, "needs 1 GPU, but the Ray cluster has 8 CPU and 0"),
-    (RayCluster(num_cpus=4), "cpu", {"CPU": 2.0}, "needs 4 CPU"),
-    (RayCluster(num_gpus=0), "cuda:0", {"CPU": 8.0, "GPU": 1.0}, "num_gpus is 0"),
-])
+@pytest.mark.parametrize(
+    "cluster, device, resources, problem",
+    [
+        (RayCluster(), "cuda", {"CPU": 8.0}, "needs 1 GPU, but the Ray cluster has 8 CPU and 0"),
+        (RayCluster(num_cpus=4), "cpu", {"CPU": 2.0}, "needs 4 CPU"),
+        (RayCluster(num_gpus=0), "cuda:0", {"CPU": 8.0, "GPU": 1.0}, "num_gpus is 0"),
+    ],
+)
 def test_actors_the_cluster_cannot_hold_are_refused(cluster, device, resources, problem):
     """An actor the cluster has not the resources for, or a CUDA device on GPU-less actors,
     is a ValueError saying what is missing."""
@@ -75,11 +84,12 @@ def test_an_engine_object_cannot_run_on_a_cluster(tiny_llama):
 
 def test_missing_ray_names_the_extra():
     """Without Ray, a cluster run's ImportError says which extra to install."""
-    code = ("import sys; sys.modules['ray'] = None\n"
-            "from trace_replay.runs.cluster import import_ray\n"
-            "try:\n    import_ray()\nexcept ImportError as error:\n    print(error)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
+    code = (
+        "import sys; sys.modules['ray'] = None\n"
+        "from trace_replay.runs.cluster import import_ray\n"
+        "try:\n    import_ray()\nexcept ImportError as error:\n    print(error)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "pip install -e '.[ray]'" in out.stdout
 
 

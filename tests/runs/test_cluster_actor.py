@@ -35,10 +35,14 @@ def facts():
 def run(facts, real_records):
     """Three of the real traces, tokenized, and their requests."""
     traces = load_traces(real_records[:3])
-    traces, requests, _ = prepare_run(traces, tokenizer=facts.tokenizer,
-                                      vocab_size=facts.vocab_size,
-                                      max_model_len=facts.max_model_len, top_k=3,
-                                      truncate=False)
+    traces, requests, _ = prepare_run(
+        traces,
+        tokenizer=facts.tokenizer,
+        vocab_size=facts.vocab_size,
+        max_model_len=facts.max_model_len,
+        top_k=3,
+        truncate=False,
+    )
     return traces, requests
 
 
@@ -75,8 +79,7 @@ def test_a_batch_becomes_parts_a_single_process_run_resumes(tmp_path, facts, run
     with _open(tmp_path, facts, run) as store:
         assert store.resumed == len(run[1])
         served = store.read()
-    want = replay(run[0], engine="prefill", device="cpu", batch_size=2,
-                  top_k=3, progress=False)
+    want = replay(run[0], engine="prefill", device="cpu", batch_size=2, top_k=3, progress=False)
     assert served["token_id"].tolist() == want["token_id"].tolist()
     np.testing.assert_allclose(served["logprob"], want["logprob"], atol=TOL, rtol=0)
 
@@ -125,7 +128,8 @@ def test_an_impossible_score_is_the_error_and_the_rest_is_saved(tmp_path, facts,
 
 
 def test_rows_the_part_writer_refuses_stop_the_batch_and_the_rest_is_saved_once(
-        tmp_path, facts, run, monkeypatch):
+    tmp_path, facts, run, monkeypatch
+):
     """A part write that refuses one trace's rows (a NaN that reached the writer; the
     engine-result check passed) writes its batch-mates and stops the batch with an error
     naming that trace; the batch-mates are in one part, not written again on the way out."""
@@ -162,8 +166,7 @@ def test_an_engine_with_other_settings_than_the_runs_is_refused(tmp_path, facts,
     refuses its batches, naming the settings that differ."""
     _batch(tmp_path, facts, run)  # the driver's settings.json
     other = {**facts.keyed, "top_k": 4}
-    rows = ReplayActor(OPTIONS, str(tmp_path), other, labelled=False, every_s=10.0).score(
-        pack([]))
+    rows = ReplayActor(OPTIONS, str(tmp_path), other, labelled=False, every_s=10.0).score(pack([]))
     error = _error(rows)
     assert isinstance(error, ValueError) and "other settings than the run's (top_k)" in str(error)
 
@@ -196,6 +199,11 @@ def test_the_actor_sizes_engine_calls_as_a_single_process_run(tmp_path, run):
 
     with make_engine(**options) as engine:
         single_calls = recorded_calls(engine)
-        replay(traces, engine=engine, checkpoint=tmp_path / "s", chunk_size=len(requests),
-               progress=False)
+        replay(
+            traces,
+            engine=engine,
+            checkpoint=tmp_path / "s",
+            chunk_size=len(requests),
+            progress=False,
+        )
     assert actor_calls == single_calls == [1, len(requests) - 1]

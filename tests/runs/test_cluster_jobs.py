@@ -36,12 +36,28 @@ psutil = pytest.importorskip("psutil")
 pytestmark = pytest.mark.slow
 
 WORDS = "red green blue cat dog sun moon tree".split()
-TRACES = [{"id": f"t{i}", "prompt": f"List {i + 3} things:",
-           "completion": "".join(f" {WORDS[(i + j) % 8]}," for j in range(4))}
-          for i in range(4)]
+TRACES = [
+    {
+        "id": f"t{i}",
+        "prompt": f"List {i + 3} things:",
+        "completion": "".join(f" {WORDS[(i + j) % 8]}," for j in range(4)),
+    }
+    for i in range(4)
+]
 ENGINE = {"engine": "torch", "device": "cpu", "deterministic": True, "batch_size": 2}
-CLI_ENGINE = ["--engine", "torch", "--device", "cpu", "--deterministic", "--batch-size", "2",
-              "--actors", "2", "--chunk-size", "1"]
+CLI_ENGINE = [
+    "--engine",
+    "torch",
+    "--device",
+    "cpu",
+    "--deterministic",
+    "--batch-size",
+    "2",
+    "--actors",
+    "2",
+    "--chunk-size",
+    "1",
+]
 BIN = Path(sys.executable).parent
 # a line Ray's C++ core logs at level E or F ("[2026-12-07 14:50:43,905 E 123 123] ...")
 RAY_ERROR_LINE = re.compile(r"^\[[\d\- :,]+ [EF] \d+ \d+\]", re.MULTILINE)
@@ -77,25 +93,50 @@ def _start_head(env: dict) -> tuple[subprocess.Popen, str, dict] | None:
     server answers; None when Ray gave up on its own start-up (its raylet waits a fixed
     ~15 s for the dashboard agent, which a heavily loaded machine can miss)."""
     folder = tempfile.mkdtemp(prefix="trh-")  # short: Ray's socket paths live in it
-    ports = {name: _free_port() for name in (
-        "port", "dashboard-port", "ray-client-server-port", "node-manager-port",
-        "object-manager-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-        "runtime-env-agent-port", "metrics-export-port")}
+    ports = {
+        name: _free_port()
+        for name in (
+            "port",
+            "dashboard-port",
+            "ray-client-server-port",
+            "node-manager-port",
+            "object-manager-port",
+            "dashboard-agent-listen-port",
+            "dashboard-agent-grpc-port",
+            "runtime-env-agent-port",
+            "metrics-export-port",
+        )
+    }
     workers = _free_port()
-    command = [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2", "--num-gpus=0",
-               "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--temp-dir={folder}",
-               f"--min-worker-port={workers}", f"--max-worker-port={workers + 50}",
-               *(f"--{name}={port}" for name, port in ports.items())]
+    command = [
+        str(BIN / "ray"),
+        "start",
+        "--head",
+        "--block",
+        "--num-cpus=2",
+        "--num-gpus=0",
+        "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1",
+        f"--temp-dir={folder}",
+        f"--min-worker-port={workers}",
+        f"--max-worker-port={workers + 50}",
+        *(f"--{name}={port}" for name, port in ports.items()),
+    ]
     log = Path(folder) / "ray-start.log"
     with open(log, "w") as out:
-        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     dashboard = f"http://127.0.0.1:{ports['dashboard-port']}"
     written = Path(folder) / "ray_current_cluster"  # `ray start`'s last step
     deadline = time.monotonic() + 240
-    while not written.is_file() or subprocess.run(
-            [str(BIN / "ray"), "job", "list", "--address", dashboard], env=env,
-            capture_output=True).returncode != 0:
+    while (
+        not written.is_file()
+        or subprocess.run(
+            [str(BIN / "ray"), "job", "list", "--address", dashboard], env=env, capture_output=True
+        ).returncode
+        != 0
+    ):
         if process.poll() is not None:
             _stop(process.pid, folder)
             text = log.read_text()
@@ -105,17 +146,24 @@ def _start_head(env: dict) -> tuple[subprocess.Popen, str, dict] | None:
         assert time.monotonic() < deadline, "the head's job server did not answer"
         time.sleep(1)
     host = written.read_text().strip().rsplit(":", 1)[0]
-    return process, folder, {"dashboard": dashboard,
-                             "client": f"ray://{host}:{ports['ray-client-server-port']}"}
+    return (
+        process,
+        folder,
+        {"dashboard": dashboard, "client": f"ray://{host}:{ports['ray-client-server-port']}"},
+    )
 
 
 @pytest.fixture(scope="module")
 def head():
     """A Ray head of this module's own, with dashboard and job server: its environment
     (the token) and addresses. A start-up Ray itself gave up on is tried again, twice."""
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
-           "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token",
-           "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    env = {
+        **os.environ,
+        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(32),
+    }
     env.pop("RAY_ADDRESS", None)
     started = None
     for _ in range(3):
@@ -146,29 +194,65 @@ def traces(tmp_path) -> Path:
 def _actors(head) -> list[dict]:
     """Every actor the head knows of, dead ones included (Ray's state API, as JSON; Ray may
     print a note before it)."""
-    out = subprocess.run([str(BIN / "ray"), "list", "actors", "--address", head["dashboard"],
-                          "--format", "json", "--limit", "1000"],
-                         env=head["env"], capture_output=True, text=True, check=True)
-    return json.loads(out.stdout[out.stdout.index("["):])
+    out = subprocess.run(
+        [
+            str(BIN / "ray"),
+            "list",
+            "actors",
+            "--address",
+            head["dashboard"],
+            "--format",
+            "json",
+            "--limit",
+            "1000",
+        ],
+        env=head["env"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout[out.stdout.index("[") :])
 
 
-def test_a_submitted_job_is_the_single_process_run(head, single, traces, tmp_path,
-                                                   assert_frames_bitwise_equal):
+def test_a_submitted_job_is_the_single_process_run(
+    head, single, traces, tmp_path, assert_frames_bitwise_equal
+):
     """``ray job submit -- trace-replay replay ... --ray auto`` on the head: the job
     succeeds, its frame is bitwise the single-process one, its log shows the start-up
     phases and no E-level Ray line, and no actor is left alive on the head after it."""
     out = tmp_path / "out.parquet"
     job = subprocess.run(
-        [str(BIN / "ray"), "job", "submit", "--address", head["dashboard"], "--",
-         "trace-replay", "replay", str(traces), *CLI_ENGINE, "--ray", "auto",
-         "--out", str(out)],
-        env=head["env"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        [
+            str(BIN / "ray"),
+            "job",
+            "submit",
+            "--address",
+            head["dashboard"],
+            "--",
+            "trace-replay",
+            "replay",
+            str(traces),
+            *CLI_ENGINE,
+            "--ray",
+            "auto",
+            "--out",
+            str(out),
+        ],
+        env=head["env"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     log = job.stdout + job.stderr
     assert job.returncode == 0, log[-4000:]
     assert "succeeded" in log
     assert_frames_bitwise_equal(pd.read_parquet(out), single)
-    for phase in ("connecting to Ray", "loading the engine once on the cluster",
-                  "actors' engines loaded"):
+    for phase in (
+        "connecting to Ray",
+        "loading the engine once on the cluster",
+        "actors' engines loaded",
+    ):
         assert phase in log, phase
     assert not RAY_ERROR_LINE.search(log), RAY_ERROR_LINE.search(log).group(0)
     assert "constructor arguments in the object store" not in log
@@ -179,17 +263,35 @@ def test_a_submitted_job_is_the_single_process_run(head, single, traces, tmp_pat
         time.sleep(1)  # the job's supervisor may take a moment to go
 
 
-@pytest.mark.xfail(reason="2026-12-07, load ~8: the head's Ray Client proxy answered "
-                          "'Starting Ray client server failed' (its per-client server, port "
-                          "23000); cause not found yet (docs/cluster.md)", strict=False)
-def test_a_ray_client_driver_is_the_single_process_run(head, single, traces, tmp_path,
-                                                       assert_frames_bitwise_equal):
+@pytest.mark.xfail(
+    reason="2026-12-07, load ~8: the head's Ray Client proxy answered "
+    "'Starting Ray client server failed' (its per-client server, port "
+    "23000); cause not found yet (docs/cluster.md)",
+    strict=False,
+)
+def test_a_ray_client_driver_is_the_single_process_run(
+    head, single, traces, tmp_path, assert_frames_bitwise_equal
+):
     """``--ray ray://HOST:PORT`` (Ray Client, the head's client server): the CLI driver
     runs here and its actors on the head; the frame is bitwise the single-process one."""
     out = tmp_path / "out.parquet"
     run = subprocess.run(
-        [str(BIN / "trace-replay"), "replay", str(traces), *CLI_ENGINE, "--ray",
-         head["client"], "--out", str(out), "--quiet"],
-        env=head["env"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        [
+            str(BIN / "trace-replay"),
+            "replay",
+            str(traces),
+            *CLI_ENGINE,
+            "--ray",
+            head["client"],
+            "--out",
+            str(out),
+            "--quiet",
+        ],
+        env=head["env"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     assert_frames_bitwise_equal(pd.read_parquet(out), single)

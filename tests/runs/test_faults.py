@@ -26,10 +26,15 @@ from trace_replay.runs.replay import replay
 pytestmark = pytest.mark.slow
 
 TOL = 1e-4  # the same computation in two processes; a wrong trace is off by far more
-TRACES = [{"id": f"t{i:02d}", "prompt": f"Item {i}:",
-           "completion": " " + " ".join(["red", "green", "blue", "cat", "dog"][j % 5]
-                                        for j in range(i % 7 + 2))}
-          for i in range(32)]
+TRACES = [
+    {
+        "id": f"t{i:02d}",
+        "prompt": f"Item {i}:",
+        "completion": " "
+        + " ".join(["red", "green", "blue", "cat", "dog"][j % 5] for j in range(i % 7 + 2)),
+    }
+    for i in range(32)
+]
 DRIVER = """
 import sys
 from trace_replay.runs.replay import replay
@@ -58,9 +63,12 @@ def files(tmp_path):
 
 
 def _start(traces, checkpoint, out):
-    return subprocess.Popen([sys.executable, "-c", DRIVER, str(traces), str(checkpoint), str(out)],
-                            stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.Popen(
+        [sys.executable, "-c", DRIVER, str(traces), str(checkpoint), str(out)],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def _wait_for_parts(child, checkpoint, count):
@@ -105,8 +113,9 @@ def test_kill_9_at_random_points_then_a_flipped_bit(engine, expected, files, tmp
     damaged.write_bytes(bytes(data))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = replay(traces, engine=engine, progress=False, checkpoint=checkpoint,
-                     checkpoint_every=0)
+        got = replay(
+            traces, engine=engine, progress=False, checkpoint=checkpoint, checkpoint_every=0
+        )
     assert any("corrupt" in str(w.message) for w in caught)
     _assert_complete_and_correct(got, expected)
     assert got.attrs["resumed_traces"] == len(parts) - 1  # one trace a part, one part lost
@@ -120,8 +129,7 @@ def test_two_runs_on_one_folder_split_the_work(engine, expected, files, tmp_path
     traces, checkpoint = files
     child = _start(traces, checkpoint, tmp_path / "child.parquet")
     _wait_for_parts(child, checkpoint, 1)
-    ours = replay(traces, engine=engine, progress=False, checkpoint=checkpoint,
-                  checkpoint_every=0)
+    ours = replay(traces, engine=engine, progress=False, checkpoint=checkpoint, checkpoint_every=0)
     assert child.wait() == 0, child.stderr.read()
     _assert_complete_and_correct(ours, expected)
     _assert_complete_and_correct(pd.read_parquet(tmp_path / "child.parquet"), expected)
@@ -147,8 +155,9 @@ def test_a_killed_runs_claims_are_taken_over(engine, expected, files):
     killer = threading.Thread(target=kill_later)
     killer.start()
     try:
-        ours = replay(traces, engine=engine, progress=False, checkpoint=checkpoint,
-                      checkpoint_every=0)
+        ours = replay(
+            traces, engine=engine, progress=False, checkpoint=checkpoint, checkpoint_every=0
+        )
     finally:
         killer.join()
         child.wait()

@@ -13,17 +13,29 @@ from trace_replay.traces.sets import Trace
 def result(trace_id: str, prompt_len: int, token_ids: list[int]) -> TraceResult:
     steps = len(token_ids)
     top = np.array([[token_ids[0], 13]] * steps)
-    return TraceResult(trace_id=trace_id, prompt_len=prompt_len, token_ids=np.array(token_ids),
-                       logprob=-np.arange(1, steps + 1, dtype=np.float32) / 4,
-                       rank=np.arange(1, steps + 1), top_token_ids=top,
-                       top_logprobs=np.full((steps, 2), -0.5), entropy=np.full(steps, 1.5))
+    return TraceResult(
+        trace_id=trace_id,
+        prompt_len=prompt_len,
+        token_ids=np.array(token_ids),
+        logprob=-np.arange(1, steps + 1, dtype=np.float32) / 4,
+        rank=np.arange(1, steps + 1),
+        top_token_ids=top,
+        top_logprobs=np.full((steps, 2), -0.5),
+        entropy=np.full(steps, 1.5),
+    )
 
 
 @pytest.fixture(scope="module")
 def traces():
-    return {"a": Trace("a", prompt_token_ids=(1, 2, 3), trace_token_ids=(3575, 282, 4649),
-                       ref_logprobs=(-0.25, -0.5, -0.75)),
-            "b": Trace("b", prompt_token_ids=(1,), trace_token_ids=(314, 1201))}
+    return {
+        "a": Trace(
+            "a",
+            prompt_token_ids=(1, 2, 3),
+            trace_token_ids=(3575, 282, 4649),
+            ref_logprobs=(-0.25, -0.5, -0.75),
+        ),
+        "b": Trace("b", prompt_token_ids=(1,), trace_token_ids=(314, 1201)),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +101,14 @@ def test_chat_and_plain_traces_in_one_call_keep_labels_and_nulls(traces, tokeniz
     """A chat trace's rows carry its turns and roles; a plain trace's rows beside them get
     nulls (turn <NA>, role None); every other column is as for the plain traces alone."""
     ids = (3575, 282)
-    chat = Trace("c", messages=[{"role": "user", "content": "Hi"},
-                                {"role": "assistant", "content": "Paris"}],
-                 prompt_token_ids=(1, 2), trace_token_ids=ids, trace_turns=(1, 1),
-                 trace_roles=("assistant", "template"))
+    chat = Trace(
+        "c",
+        messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Paris"}],
+        prompt_token_ids=(1, 2),
+        trace_token_ids=ids,
+        trace_turns=(1, 1),
+        trace_roles=("assistant", "template"),
+    )
     both = {**traces, "c": chat}
     results = [result("a", 3, [3575, 282, 4649]), result("c", 2, list(ids))]
     df = to_frame(results, both, TokenDecoder(tokenizer))
@@ -108,8 +124,10 @@ def test_extra_columns_follow_entropy_and_are_checked_for_length(traces, tokeniz
     length is an error naming its trace, not a column shifted onto other traces' rows."""
     from dataclasses import replace
 
-    exact = [replace(result("a", 3, [3575, 282, 4649]), extra={"rank_exact": np.ones(3, bool)}),
-             replace(result("b", 1, [314, 1201]), extra={"rank_exact": np.array([True, False])})]
+    exact = [
+        replace(result("a", 3, [3575, 282, 4649]), extra={"rank_exact": np.ones(3, bool)}),
+        replace(result("b", 1, [314, 1201]), extra={"rank_exact": np.array([True, False])}),
+    ]
     df = to_frame(exact, traces, TokenDecoder(tokenizer))
     assert list(df.columns) == [*COLUMNS, "rank_exact", "ref_logprob", "tokens_digest"]
     assert df["rank_exact"].tolist() == [True, True, True, True, False]
@@ -144,10 +162,11 @@ def test_token_texts_join_back_into_the_completion(text, tokenizer):
     split token)."""
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert any("\ufffd" in tokenizer.decode([i]) for i in ids) or text == " naïve café"
-    traces = {"t": Trace("t", prompt_token_ids=(1,), trace_token_ids=tuple(ids)),
-              "u": Trace("u", prompt_token_ids=(1,), trace_token_ids=tuple(ids[:-1]))}
-    df = to_frame([result("t", 1, ids), result("u", 1, ids[:-1])], traces,
-                  TokenDecoder(tokenizer))
+    traces = {
+        "t": Trace("t", prompt_token_ids=(1,), trace_token_ids=tuple(ids)),
+        "u": Trace("u", prompt_token_ids=(1,), trace_token_ids=tuple(ids[:-1])),
+    }
+    df = to_frame([result("t", 1, ids), result("u", 1, ids[:-1])], traces, TokenDecoder(tokenizer))
     tokens = df.groupby("trace_id")["token"].agg("".join)
     assert tokens["t"] == tokenizer.decode(ids) == text
     assert "\ufffd" not in tokens["t"]

@@ -82,16 +82,28 @@ def test_the_key_holds_every_setting_that_configures_an_engine(tmp_path):
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (folder / "model.safetensors").write_bytes(b"0" * 8)
-    config = {"dtype": "float32", "device": "cpu", "batch_size": 2, "top_k": 3,
-              "speculative": None, "engine_args": None, "deterministic": False}
+    config = {
+        "dtype": "float32",
+        "device": "cpu",
+        "batch_size": 2,
+        "top_k": 3,
+        "speculative": None,
+        "engine_args": None,
+        "deterministic": False,
+    }
 
     def key(name="torch", model=folder, **changes):
         return kept_engines._key(name, model, {**config, **changes})
 
     identity, weights = key()
     assert key(dtype=torch.float32) == (identity, weights)  # one dtype, however spelled
-    for change in ({"top_k": 4}, {"batch_size": 3}, {"dtype": "bfloat16"},
-                   {"deterministic": True}, {"engine_args": {"max_model_len": 512}}):
+    for change in (
+        {"top_k": 4},
+        {"batch_size": 3},
+        {"dtype": "bfloat16"},
+        {"deterministic": True},
+        {"engine_args": {"max_model_len": 512}},
+    ):
         assert key(**change)[0] != identity, change
     assert key(name="prefill")[0] != identity
     (folder / "model.safetensors").write_bytes(b"1" * 9)  # retrained in place
@@ -128,8 +140,9 @@ def closing():
 entry.engine.close = closing
 print("replayed", flush=True)
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["replayed", "closed", "at", "exit"]
     assert "KeptEngineWarning" in done.stderr

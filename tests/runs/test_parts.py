@@ -21,8 +21,18 @@ ROWS = [
     ("a", "da", 2, 5, 7, -2.0, 4, [1, 2, 3], [-1.2, -1.5, -1.9], 2.0),
     ("b", "db", 0, 1, 9, -0.01, 1, [9, 4, 3], [-0.01, -5.0, -6.0], 0.05),
 ]
-COLUMNS = ["trace_id", "trace_digest", "step", "position", "token_id", "logprob", "rank",
-           "top_token_ids", "top_logprobs", "entropy"]
+COLUMNS = [
+    "trace_id",
+    "trace_digest",
+    "step",
+    "position",
+    "token_id",
+    "logprob",
+    "rank",
+    "top_token_ids",
+    "top_logprobs",
+    "entropy",
+]
 REQUESTS = {"da": ReplayRequest("a", (1, 2, 3), (5, 6, 7)), "db": ReplayRequest("b", (4,), (9,))}
 
 
@@ -36,8 +46,10 @@ def test_a_part_round_trips(frame, tmp_path):
     """What write_part wrote, read_part gives back, checked against its requests and top_k."""
     path = write_part(tmp_path, frame)
     got = read_part(path, top_k=TOP_K, requests=REQUESTS)
-    pd.testing.assert_frame_equal(got[["trace_id", "step", "token_id", "logprob", "rank"]],
-                                  frame[["trace_id", "step", "token_id", "logprob", "rank"]])
+    pd.testing.assert_frame_equal(
+        got[["trace_id", "step", "token_id", "logprob", "rank"]],
+        frame[["trace_id", "step", "token_id", "logprob", "rank"]],
+    )
     assert np.stack(got["top_logprobs"]).tolist() == [row[8] for row in ROWS]
 
 
@@ -83,18 +95,27 @@ def test_a_damaged_page_is_caught_by_its_crc(frame, tmp_path):
         read_part(renamed)
 
 
-@pytest.mark.parametrize("edit, problem", [
-    (lambda f: f.drop(columns="entropy"), r"columns \['entropy'\] missing"),
-    (lambda f: f.assign(step=[0, 2, 3, 0]), "steps are not 0, 1, 2"),
-    (lambda f: f.assign(position=[3, 4, 6, 1]), "positions are not prompt_len \\+ step"),
-    (lambda f: f.assign(logprob=[-0.5, np.nan, -2.0, -0.01]),
-     "trace 'a', step 1: logprob nan is impossible"),
-    (lambda f: f.assign(logprob=[-0.5, -1.0, 0.5, -0.01]),
-     "trace 'a', step 2: logprob 0.5 is impossible"),
-    (lambda f: f.assign(rank=[1, 2, 4, 0]), "trace 'b', step 0: rank 0 is impossible"),
-    (lambda f: f.assign(entropy=[1.2, 0.9, -0.5, 0.05]),
-     "trace 'a', step 2: entropy -0.5 is impossible"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "edit, problem",
+    [
+        (lambda f: f.drop(columns="entropy"), r"columns \['entropy'\] missing"),
+        (lambda f: f.assign(step=[0, 2, 3, 0]), "steps are not 0, 1, 2"),
+        (lambda f: f.assign(position=[3, 4, 6, 1]), "positions are not prompt_len \\+ step"),
+        (
+            lambda f: f.assign(logprob=[-0.5, np.nan, -2.0, -0.01]),
+            "trace 'a', step 1: logprob nan is impossible",
+        ),
+        (
+            lambda f: f.assign(logprob=[-0.5, -1.0, 0.5, -0.01]),
+            "trace 'a', step 2: logprob 0.5 is impossible",
+        ),
+        (lambda f: f.assign(rank=[1, 2, 4, 0]), "trace 'b', step 0: rank 0 is impossible"),
+        (
+            lambda f: f.assign(entropy=[1.2, 0.9, -0.5, 0.05]),
+            "trace 'a', step 2: entropy -0.5 is impossible",
+        ),
+    ],
+)
 def test_implausible_values_are_named(frame, tmp_path, edit, problem):
     """A part with a valid checksum but impossible values is refused, naming the trace, the
     step, the field and its value."""
@@ -118,8 +139,11 @@ def test_top_k_lists_must_have_top_k_entries(frame, tmp_path):
 def test_unsorted_top_k_is_refused(frame, tmp_path):
     """top_logprobs must descend (within the tolerance)."""
     frame.at[1, "top_logprobs"] = [-1.0, -0.2, -3.0]
-    with pytest.raises(CorruptPart, match=r"step 1: top_logprobs \[-1.0, -0.2, -3.0\] is "
-                                          "impossible: top-k logprobs are in descending order"):
+    with pytest.raises(
+        CorruptPart,
+        match=r"step 1: top_logprobs \[-1.0, -0.2, -3.0\] is "
+        "impossible: top-k logprobs are in descending order",
+    ):
         read_part(write_part(tmp_path, frame), top_k=TOP_K)
 
 
@@ -128,8 +152,10 @@ def test_rank_must_agree_with_top_k(frame, tmp_path, row, rank):
     """Rank r <= top_k: the r-th top logprob is the token's own; beyond: the last top logprob
     is at least the token's."""
     frame.at[row, "rank"] = rank
-    with pytest.raises(CorruptPart, match=f"step {row}: rank {rank} is impossible: a rank "
-                                          "agrees with the top-k logprobs"):
+    with pytest.raises(
+        CorruptPart,
+        match=f"step {row}: rank {rank} is impossible: a rank agrees with the top-k logprobs",
+    ):
         read_part(write_part(tmp_path, frame), top_k=TOP_K)
 
 
@@ -147,15 +173,21 @@ def test_tokens_must_be_the_digests_trace(frame, tmp_path):
 def test_every_problem_is_named_at_once(frame, tmp_path):
     """Several problems: one error naming each of them, with its trace and first step."""
     bad = frame.assign(rank=[1, 2, 4, 0], entropy=[1.2, 0.9, -0.5, 0.05])
-    with pytest.raises(CorruptPart, match="trace 'b', step 0: rank 0 is impossible: .*; "
-                                          "trace 'a', step 2: entropy -0.5 is impossible"):
+    with pytest.raises(
+        CorruptPart,
+        match="trace 'b', step 0: rank 0 is impossible: .*; "
+        "trace 'a', step 2: entropy -0.5 is impossible",
+    ):
         read_part(write_part(tmp_path, bad))
 
 
-@pytest.mark.parametrize("ids, problem", [
-    ([8, 8, 2], "top-k token ids are distinct"),  # one alternative listed twice
-    ([6, 8, 2], "top_logprobs"),  # the token listed at rank 1 with another logprob
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "ids, problem",
+    [
+        ([8, 8, 2], "top-k token ids are distinct"),  # one alternative listed twice
+        ([6, 8, 2], "top_logprobs"),  # the token listed at rank 1 with another logprob
+    ],
+)
 def test_read_back_applies_the_top_k_id_rules(frame, tmp_path, ids, problem):
     """A part is held to every rule an engine's result is: the top-k token ids too (distinct,
     and a listed token carries its own logprob), not only the logprobs and ranks."""
@@ -177,4 +209,5 @@ def test_a_frame_is_checked_as_its_part_read_back_is(frame, tmp_path):
     for rows in (bad, back):
         assert check_rows(rows, top_k=TOP_K, requests=other) == {
             "a": ["step 1: tokens differ from its digest's"],
-            "b": ["step 0: rank 0 is impossible: a rank is an integer >= 1"]}
+            "b": ["step 0: rank 0 is impossible: a rank is an integer >= 1"],
+        }

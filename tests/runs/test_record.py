@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trace_replay.traces.chat import tokenize_chat_prompt
 from trace_replay.engines import make_engine
 from trace_replay.runs.recording import record
 from trace_replay.runs.replay import replay
+from trace_replay.traces.chat import tokenize_chat_prompt
 from trace_replay.traces.sets import Trace, load_traces
 
 pytestmark = pytest.mark.slow
@@ -24,9 +24,11 @@ def engine(lm):
 
 @pytest.fixture(scope="module")
 def recorded(engine):
-    prompts = ["The capital of France is",
-               {"id": "code", "prompt": "def add(a, b):", "meta": {"task": "add"}},
-               Trace("story", prompt="Once upon a", completion=" time", meta={"n": 1})]
+    prompts = [
+        "The capital of France is",
+        {"id": "code", "prompt": "def add(a, b):", "meta": {"task": "add"}},
+        Trace("story", prompt="Once upon a", completion=" time", meta={"n": 1}),
+    ]
     return record(prompts, engine=engine, max_tokens=MAX_TOKENS)
 
 
@@ -50,9 +52,13 @@ def test_meta_records_the_generation_settings(recorded, engine):
     """meta keeps the prompt's own keys and adds recorded_with: model, engine, path, sampling."""
     assert recorded[1].meta["task"] == "add" and recorded[2].meta["n"] == 1
     assert recorded[0].meta["recorded_with"] == {
-        "model": engine.settings()["model"], "engine": "torch",
-        "engine_path": engine.settings()["engine_path"], "temperature": 0.0, "seed": 0,
-        "max_tokens": MAX_TOKENS}
+        "model": engine.settings()["model"],
+        "engine": "torch",
+        "engine_path": engine.settings()["engine_path"],
+        "temperature": 0.0,
+        "seed": 0,
+        "max_tokens": MAX_TOKENS,
+    }
 
 
 def test_replay_gives_the_recorded_logprobs_back(recorded, engine):
@@ -68,8 +74,11 @@ def test_an_engine_that_cannot_generate_is_refused(lm):
     """Prefill scoring cannot write traces: a TypeError names the engine; unknown names too."""
     with pytest.raises(TypeError, match="engine 'prefill' cannot generate"):
         record(["Hi"], engine=make_engine("prefill", lm), max_tokens=2)
-    with pytest.raises(ValueError, match=r"record runs on an engine that generates "
-                       r"\(auto, torch, vllm\), not 'prefill'"):
+    with pytest.raises(
+        ValueError,
+        match=r"record runs on an engine that generates "
+        r"\(auto, torch, vllm\), not 'prefill'",
+    ):
         record(["Hi"], engine="prefill", max_tokens=2)
 
 
@@ -77,8 +86,11 @@ def test_an_engine_that_cannot_generate_is_refused(lm):
 def test_max_tokens_below_one_is_named(engine, max_tokens):
     """max_tokens that is not an integer >= 1 is refused naming it and the value, before
     anything is generated (was torch's 'stack expects a non-empty TensorList')."""
-    with pytest.raises(ValueError, match=rf"^max_tokens must be an integer >= 1, got "
-                                         rf"{max_tokens!r}$"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^max_tokens must be an integer >= 1, got "
+        rf"{max_tokens!r}$",
+    ):
         record(["Hi"], engine=engine, max_tokens=max_tokens)
 
 
@@ -107,7 +119,8 @@ def test_chat_prompt_records_a_reply_that_replays(engine, tokenizer, tmp_path):
     trace = traces[0]
     assert list(trace.prompt_token_ids) == tokenize_chat_prompt(tokenizer, messages)
     assert trace.messages == messages and trace.completion == tokenizer.decode(
-        list(trace.trace_token_ids))
+        list(trace.trace_token_ids)
+    )
     traces.to_jsonl(tmp_path / "chat.jsonl")
     df = replay(load_traces(tmp_path / "chat.jsonl"), engine=engine, progress=False)
     assert set(df["role"]) == {"assistant"}

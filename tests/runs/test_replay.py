@@ -11,8 +11,18 @@ from trace_replay.runs.replay import replay
 
 pytestmark = pytest.mark.slow
 
-REQUIRED = ["trace_id", "step", "position", "token_id", "token", "logprob", "rank",
-            "top_token_ids", "top_logprobs", "entropy"]
+REQUIRED = [
+    "trace_id",
+    "step",
+    "position",
+    "token_id",
+    "token",
+    "logprob",
+    "rank",
+    "top_token_ids",
+    "top_logprobs",
+    "entropy",
+]
 
 
 @pytest.fixture(scope="module")
@@ -28,22 +38,33 @@ def test_frame_columns_and_attrs(engine, real_traces):
     assert len(df) == sum(len(t.trace_token_ids) for t in real_traces)
     assert not df.duplicated(["trace_id", "step"]).any()
     assert df["top_token_ids"].map(len).eq(3).all()
-    for key in ("model", "engine", "engine_path", "dtype", "device", "top_k", "batch_size",
-                "versions", "started_at"):
+    for key in (
+        "model",
+        "engine",
+        "engine_path",
+        "dtype",
+        "device",
+        "top_k",
+        "batch_size",
+        "versions",
+        "started_at",
+    ):
         assert key in df.attrs, key
     assert "ref_logprob" not in df.columns
 
 
 def test_prefill_matches_reference(engine, real_traces, assert_matches_reference):
     """Teacher-forced float32 scoring agrees with the float64 computation."""
-    
+
     assert_matches_reference(replay(real_traces, engine=engine, progress=False))
 
 
 def test_ref_logprob_column(engine):
     """A trace's ref_logprobs come back as the ref_logprob column, NaN for traces without."""
-    traces = [{"id": "a", "prompt": "Hello", "trace_token_ids": [28, 45], "ref_logprobs": [-1, -2]},
-              {"id": "b", "prompt": "Hello", "trace_token_ids": [28]}]
+    traces = [
+        {"id": "a", "prompt": "Hello", "trace_token_ids": [28, 45], "ref_logprobs": [-1, -2]},
+        {"id": "b", "prompt": "Hello", "trace_token_ids": [28]},
+    ]
     df = replay(traces, engine=engine, progress=False)
     assert df["ref_logprob"].iloc[:2].tolist() == [-1.0, -2.0]
     assert df["ref_logprob"].iloc[2:].isna().all()
@@ -130,8 +151,11 @@ def test_too_long_trace_is_named(lm):
 def test_out_of_vocab_is_named(engine):
     """A token id outside the model's vocabulary is refused before any work, naming the trace."""
     with pytest.raises(TraceError, match="oov"):
-        replay([{"id": "oov", "prompt": "Hi", "trace_token_ids": [49152]}], engine=engine,
-               progress=False)
+        replay(
+            [{"id": "oov", "prompt": "Hi", "trace_token_ids": [49152]}],
+            engine=engine,
+            progress=False,
+        )
 
 
 def test_ids_past_the_models_vocabulary_are_named(tiny_llama):
@@ -143,13 +167,24 @@ def test_ids_past_the_models_vocabulary_are_named(tiny_llama):
     with make_engine("torch", tiny_llama) as engine:
         engine.tokenizer = load_tokenizer()
         with pytest.raises(TraceError, match=r"past-vocab.*trace_token_ids\[1\] = 500 .*128"):
-            replay([{"id": "past-vocab", "prompt_token_ids": [1, 2],
-                     "trace_token_ids": [3, 500]}], engine=engine, progress=False)
+            replay(
+                [{"id": "past-vocab", "prompt_token_ids": [1, 2], "trace_token_ids": [3, 500]}],
+                engine=engine,
+                progress=False,
+            )
 
 
-@pytest.mark.parametrize(("argument", "value"), [
-    ("chunk_size", -1), ("chunk_size", 0), ("shard", (0, 0)), ("shard", (2, 2)),
-    ("checkpoint_every", -1.0), ("truncate", "yes")])
+@pytest.mark.parametrize(
+    ("argument", "value"),
+    [
+        ("chunk_size", -1),
+        ("chunk_size", 0),
+        ("shard", (0, 0)),
+        ("shard", (2, 2)),
+        ("checkpoint_every", -1.0),
+        ("truncate", "yes"),
+    ],
+)
 def test_bad_arguments_are_refused(engine, real_traces, argument, value):
     """A bad argument is a ValueError naming it, never a silently dropped trace."""
     with pytest.raises(ValueError, match=argument):
@@ -200,9 +235,12 @@ def test_an_engine_object_lacking_protocol_members_is_refused(engine):
             return {}
 
     hello = [{"id": "t", "prompt": "Hi", "completion": " there"}]
-    with pytest.raises(TypeError, match=r"^engine must be a name \(auto, .*\) or an Engine: "
-                                        r"Scorer is not an Engine: it lacks .*"
-                                        r"batch_size, .*tokenizer, vocab_size, weights_digest"):
+    with pytest.raises(
+        TypeError,
+        match=r"^engine must be a name \(auto, .*\) or an Engine: "
+        r"Scorer is not an Engine: it lacks .*"
+        r"batch_size, .*tokenizer, vocab_size, weights_digest",
+    ):
         replay(hello, engine=Scorer(), progress=False)
 
 
@@ -229,8 +267,8 @@ def test_an_impossible_trace_keeps_its_batch_mates(engine, real_traces, tmp_path
     """One trace of a batch scored NaN: replay raises naming it, and with a checkpoint the
     batch's other traces are saved, so a rerun resumes them and computes only that trace."""
     from trace_replay.engines.base import engine_identity
-    from trace_replay.runs.checkpoint import Checkpoint
     from trace_replay.engines.validate import ImpossibleResult
+    from trace_replay.runs.checkpoint import Checkpoint
     from trace_replay.runs.replay import prepare_requests
 
     traces = real_traces[:4]

@@ -16,9 +16,14 @@ from trace_replay.runs.result_file import read_result
 def result(make_replay, tmp_path):
     """A whole run of two traces of six steps, with the attrs replay writes."""
     frame = make_replay(n_traces=2, n_steps=6, seed=4).drop(columns="ref_logprob")
-    frame.attrs = {**frame.attrs, "settings_keys": ["engine", "top_k", "weights_digest"],
-                   "weights_digest": "d" * 32, "num_traces": 2, "num_tokens": 12,
-                   "shard": None}
+    frame.attrs = {
+        **frame.attrs,
+        "settings_keys": ["engine", "top_k", "weights_digest"],
+        "weights_digest": "d" * 32,
+        "num_traces": 2,
+        "num_tokens": 12,
+        "shard": None,
+    }
     return frame
 
 
@@ -27,17 +32,28 @@ def _rows(frame: pd.DataFrame, trace_id: str, step: int) -> pd.Series:
 
 
 TAMPERED = {  # edit of the file -> what the error names (trace, step, field)
-    "positive logprob": (lambda f: f.assign(logprob=f["logprob"].mask(_rows(f, "t1", 3), 0.5)),
-                         "trace 't1', step 3: logprob 0.5 is impossible"),
-    "rank 0": (lambda f: f.assign(rank=f["rank"].mask(_rows(f, "t0", 2), 0)),
-               "trace 't0', step 2: rank 0 is impossible"),
-    "middle step deleted": (lambda f: f[~_rows(f, "t0", 3)],
-                            "trace 't0', step 4: steps are not 0, 1, 2"),
-    "last step deleted": (lambda f: f[~_rows(f, "t1", 5)],
-                          "records 12 rows (num_tokens) but holds 11 rows"),
-    "short top-k list": (lambda f: f.assign(top_logprobs=[lp[:4] if i == 7 else lp for i, lp in
-                                                          enumerate(f["top_logprobs"])]),
-                         "trace 't1', step 1: top-k lists of the wrong length"),
+    "positive logprob": (
+        lambda f: f.assign(logprob=f["logprob"].mask(_rows(f, "t1", 3), 0.5)),
+        "trace 't1', step 3: logprob 0.5 is impossible",
+    ),
+    "rank 0": (
+        lambda f: f.assign(rank=f["rank"].mask(_rows(f, "t0", 2), 0)),
+        "trace 't0', step 2: rank 0 is impossible",
+    ),
+    "middle step deleted": (
+        lambda f: f[~_rows(f, "t0", 3)],
+        "trace 't0', step 4: steps are not 0, 1, 2",
+    ),
+    "last step deleted": (
+        lambda f: f[~_rows(f, "t1", 5)],
+        "records 12 rows (num_tokens) but holds 11 rows",
+    ),
+    "short top-k list": (
+        lambda f: f.assign(
+            top_logprobs=[lp[:4] if i == 7 else lp for i, lp in enumerate(f["top_logprobs"])]
+        ),
+        "trace 't1', step 1: top-k lists of the wrong length",
+    ),
 }
 
 
@@ -53,8 +69,7 @@ def test_merge_and_report_refuse_a_tampered_file_alike(result, tmp_path, case):
     tampered = edit(pd.read_parquet(path))
     tampered.to_parquet(path, index=False)
     messages = []
-    for run in (lambda: merge_results([path]),
-                lambda: write_report(path, out=tmp_path / "r.html")):
+    for run in (lambda: merge_results([path]), lambda: write_report(path, out=tmp_path / "r.html")):
         with pytest.raises(ValueError, match=re.escape(problem)) as error:
             run()
         assert str(path) in str(error.value)

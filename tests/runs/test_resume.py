@@ -23,11 +23,19 @@ import pytest
 pytestmark = pytest.mark.slow
 
 DEFAULT_TOLERANCE = 2e-4  # nats, |Δ logprob| and |Δ entropy| between differently batched runs
-TRACES = [{"id": f"t{i}", "prompt": prompt, "completion": completion}
-          for i, (prompt, completion) in enumerate([
-              ("The capital of France is", " Paris."), ("1, 2, 3,", " 4, 5"),
-              ("def add(a, b):", "\n    return"), ("Say hi.", " Hi!"),
-              ("Once upon a", " time"), ("The sky is", " blue.")])]
+TRACES = [
+    {"id": f"t{i}", "prompt": prompt, "completion": completion}
+    for i, (prompt, completion) in enumerate(
+        [
+            ("The capital of France is", " Paris."),
+            ("1, 2, 3,", " 4, 5"),
+            ("def add(a, b):", "\n    return"),
+            ("Say hi.", " Hi!"),
+            ("Once upon a", " time"),
+            ("The sky is", " blue."),
+        ]
+    )
+]
 
 
 def _cli(*args: str) -> list[str]:
@@ -37,19 +45,24 @@ def _cli(*args: str) -> list[str]:
 def _env() -> dict:
     # the checkout under test first; one intra-op thread, as in the test process (conftest)
     root = str(Path(__file__).resolve().parents[2])
-    return {**os.environ, "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+    }
 
 
 def _kill_after_first_part(args: list[str], checkpoint: Path) -> None:
     """Start the CLI, SIGKILL it once a checkpoint part exists, wait for it to die."""
-    proc = subprocess.Popen(_cli(*args), env=_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        _cli(*args), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     deadline = time.monotonic() + 600
     while not list(checkpoint.glob("part-*.parquet")):
         if proc.poll() is not None:
-            raise AssertionError(f"the replay ended before it could be killed: "
-                                 f"{proc.stderr.read().decode()[-2000:]}")
+            raise AssertionError(
+                f"the replay ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
+            )
         if time.monotonic() > deadline:
             proc.kill()
             raise AssertionError("no checkpoint part appeared")
@@ -65,12 +78,29 @@ def test_killed_replay_resumes_to_the_uninterrupted_result(tmp_path, engine, det
     traces = tmp_path / "traces.jsonl"
     traces.write_text("".join(json.dumps(t) + "\n" for t in TRACES))
     flags = ["--engine", engine] + (["--deterministic"] if deterministic else [])
-    full, resumed, checkpoint = (tmp_path / "full.parquet", tmp_path / "resumed.parquet",
-                                 tmp_path / "ckpt")
-    subprocess.run(_cli(str(traces), *flags, "--batch-size", "8", "--out", str(full)),
-                   env=_env(), check=True, capture_output=True)
-    interrupted = [str(traces), *flags, "--batch-size", "2", "--chunk-size", "1",
-                   "--checkpoint", str(checkpoint), "--out", str(resumed)]
+    full, resumed, checkpoint = (
+        tmp_path / "full.parquet",
+        tmp_path / "resumed.parquet",
+        tmp_path / "ckpt",
+    )
+    subprocess.run(
+        _cli(str(traces), *flags, "--batch-size", "8", "--out", str(full)),
+        env=_env(),
+        check=True,
+        capture_output=True,
+    )
+    interrupted = [
+        str(traces),
+        *flags,
+        "--batch-size",
+        "2",
+        "--chunk-size",
+        "1",
+        "--checkpoint",
+        str(checkpoint),
+        "--out",
+        str(resumed),
+    ]
     _kill_after_first_part(interrupted, checkpoint)
     assert not resumed.exists()
     done = pd.concat(pd.read_parquet(p) for p in checkpoint.glob("part-*.parquet"))

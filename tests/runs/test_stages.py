@@ -11,13 +11,19 @@ from trace_replay.engines import make_engine
 from trace_replay.runs.stages import ReplayOptions
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"shard": (2, 2)}, r"shard must be \(index, count\) with 0 <= index < count, got \(2, 2\)"),
-    ({"chunk_size": 0}, "chunk_size must be an integer >= 1, got 0"),
-    ({"checkpoint_every": -1}, "checkpoint_every must be seconds >= 0, got -1"),
-    ({"truncate": "yes"}, "truncate must be True or False, got 'yes'"),
-    ({"checkpoint": 3}, "checkpoint must be a folder path, got int"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (
+            {"shard": (2, 2)},
+            r"shard must be \(index, count\) with 0 <= index < count, got \(2, 2\)",
+        ),
+        ({"chunk_size": 0}, "chunk_size must be an integer >= 1, got 0"),
+        ({"checkpoint_every": -1}, "checkpoint_every must be seconds >= 0, got -1"),
+        ({"truncate": "yes"}, "truncate must be True or False, got 'yes'"),
+        ({"checkpoint": 3}, "checkpoint must be a folder path, got int"),
+    ],
+)
 def test_bad_options_are_refused_when_made(fields, message):
     """Each bad value is refused naming the option and the value, before anything loads."""
     with pytest.raises(ValueError, match=message):
@@ -37,6 +43,6 @@ def test_options_are_frozen_and_name_what_builds_an_engine():
 def test_the_settings_given_for_an_engine_are_those_off_their_defaults():
     """What an engine object passed in would ignore: every engine option set, by name."""
     assert ReplayOptions().engine_settings_given() == []
-    assert ReplayOptions(dtype="bfloat16", top_k=3, verbose=True,
-                         progress=False).engine_settings_given() == ["dtype", "top_k",
-                                                                      "verbose"]
+    assert ReplayOptions(
+        dtype="bfloat16", top_k=3, verbose=True, progress=False
+    ).engine_settings_given() == ["dtype", "top_k", "verbose"]

@@ -79,5 +79,6 @@ def test_a_typo_column_is_named_at_the_first_row_holding_it(kind, tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UnknownFieldWarning)
         load_traces(source)
-    assert [str(w.message).split(" unknown")[0] for w in caught] == \
-        [f"{'<DataFrame>' if kind == 'frame' else source} row 1: trace 'typo':"]
+    assert [str(w.message).split(" unknown")[0] for w in caught] == [
+        f"{'<DataFrame>' if kind == 'frame' else source} row 1: trace 'typo':"
+    ]

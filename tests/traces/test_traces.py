@@ -16,17 +16,29 @@ from hypothesis import strategies as st
 from trace_replay.traces.sets import Trace, TraceError, TraceSet, load_traces
 
 RECORDS = [
-    {"id": "he/0", "prompt_token_ids": [1, 2, 3], "trace_token_ids": [4, 5],
-     "ref_logprobs": [-0.5, -1.25], "meta": {"task": "HumanEval/0", "n": 1}},
+    {
+        "id": "he/0",
+        "prompt_token_ids": [1, 2, 3],
+        "trace_token_ids": [4, 5],
+        "ref_logprobs": [-0.5, -1.25],
+        "meta": {"task": "HumanEval/0", "n": 1},
+    },
     {"id": "he/1", "prompt": "def add(a, b):", "completion": "\n    return a + b"},
     {"id": 7, "prompt": "Hi", "prompt_token_ids": [9], "trace_token_ids": [10, 11, 12]},
 ]
-EXPECTED = TraceSet([
-    Trace("he/0", prompt_token_ids=(1, 2, 3), trace_token_ids=(4, 5), ref_logprobs=(-0.5, -1.25),
-          meta={"task": "HumanEval/0", "n": 1}),
-    Trace("he/1", prompt="def add(a, b):", completion="\n    return a + b"),
-    Trace("7", prompt="Hi", prompt_token_ids=(9,), trace_token_ids=(10, 11, 12)),
-])
+EXPECTED = TraceSet(
+    [
+        Trace(
+            "he/0",
+            prompt_token_ids=(1, 2, 3),
+            trace_token_ids=(4, 5),
+            ref_logprobs=(-0.5, -1.25),
+            meta={"task": "HumanEval/0", "n": 1},
+        ),
+        Trace("he/1", prompt="def add(a, b):", completion="\n    return a + b"),
+        Trace("7", prompt="Hi", prompt_token_ids=(9,), trace_token_ids=(10, 11, 12)),
+    ]
+)
 GOOD = {"id": "ok", "prompt_token_ids": [1], "trace_token_ids": [2]}
 CHAT = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
 
@@ -52,8 +64,10 @@ def write_jsonl(path, records):
 
 def write_parquet(path, records):
     # A Parquet column has one type: ids as str, meta as its JSON string.
-    rows = [{**r, "id": str(r["id"]), "meta": json.dumps(r["meta"]) if "meta" in r else None}
-            for r in records]
+    rows = [
+        {**r, "id": str(r["id"]), "meta": json.dumps(r["meta"]) if "meta" in r else None}
+        for r in records
+    ]
     pd.DataFrame(rows).to_parquet(path)
     return path
 
@@ -64,8 +78,9 @@ SOURCES = {
     "jsonl": lambda tmp_path: write_jsonl(tmp_path / "t.jsonl", RECORDS),
     "jsonl-str-path": lambda tmp_path: str(write_jsonl(tmp_path / "t.jsonl", RECORDS)),
     "json-list": lambda tmp_path: write_lines(tmp_path / "t.json", [json.dumps(RECORDS)]),
-    "json-object": lambda tmp_path: write_lines(tmp_path / "t.json",
-                                                [json.dumps({"traces": RECORDS})]),
+    "json-object": lambda tmp_path: write_lines(
+        tmp_path / "t.json", [json.dumps({"traces": RECORDS})]
+    ),
     "parquet": lambda tmp_path: write_parquet(tmp_path / "t.parquet", RECORDS),
     "dataframe": lambda tmp_path: pd.DataFrame(RECORDS),
     "dataset": lambda tmp_path: FakeDataset(RECORDS),
@@ -80,8 +95,12 @@ def test_every_source_kind_loads_the_same_traces(kind, tmp_path):
 
 def test_trace_normalizes_sequences_to_python_tuples():
     """A Trace stores token ids as tuples of int and logprobs as tuples of float."""
-    trace = Trace("a", prompt_token_ids=np.array([1, 2]), trace_token_ids=[np.int32(3)],
-                  ref_logprobs=[np.float32(-1.0)])
+    trace = Trace(
+        "a",
+        prompt_token_ids=np.array([1, 2]),
+        trace_token_ids=[np.int32(3)],
+        ref_logprobs=[np.float32(-1.0)],
+    )
     assert trace.prompt_token_ids == (1, 2) and type(trace.prompt_token_ids[0]) is int
     assert trace.trace_token_ids == (3,) and type(trace.ref_logprobs[0]) is float
     assert trace.is_tokenized and not Trace("b", prompt="p", trace_token_ids=[1]).is_tokenized
@@ -104,67 +123,108 @@ def test_jsonl_keeps_both_text_and_ids():
 
 
 BAD_RECORDS = {
-    "missing prompt": ({"id": "bad", "trace_token_ids": [1]},
-                       "missing prompt: give 'prompt' or 'prompt_token_ids'"),
-    "missing trace": ({"id": "bad", "prompt": "p"},
-                      "missing trace: give 'trace_token_ids' or 'completion'"),
-    "empty trace": ({"id": "bad", "prompt": "p", "trace_token_ids": []},
-                    "trace_token_ids is empty"),
+    "missing prompt": (
+        {"id": "bad", "trace_token_ids": [1]},
+        "missing prompt: give 'prompt' or 'prompt_token_ids'",
+    ),
+    "missing trace": (
+        {"id": "bad", "prompt": "p"},
+        "missing trace: give 'trace_token_ids' or 'completion'",
+    ),
+    "empty trace": (
+        {"id": "bad", "prompt": "p", "trace_token_ids": []},
+        "trace_token_ids is empty",
+    ),
     "empty completion": ({"id": "bad", "prompt": "p", "completion": ""}, "completion is empty"),
-    "empty prompt ids": ({"id": "bad", "prompt_token_ids": [], "completion": "c"},
-                         "prompt_token_ids is empty"),
-    "negative id": ({**GOOD, "id": "bad", "trace_token_ids": [1, -2]},
-                    "trace_token_ids[1] = -2 is negative"),
-    "float token": ({**GOOD, "id": "bad", "trace_token_ids": [3.0]},
-                    "trace_token_ids[0] = 3.0 is not an integer (float)"),
-    "fractional token": ({**GOOD, "id": "bad", "prompt_token_ids": [3.5]},
-                         "prompt_token_ids[0] = 3.5 is not an integer (float)"),
-    "str token": ({**GOOD, "id": "bad", "trace_token_ids": ["3"]},
-                  "trace_token_ids[0] = '3' is not an integer (str)"),
-    "bool token": ({**GOOD, "id": "bad", "trace_token_ids": [True]},
-                   "trace_token_ids[0] = True is not an integer (bool)"),
-    "ids not a list": ({**GOOD, "id": "bad", "trace_token_ids": "1 2"},
-                       "trace_token_ids must be a list of ints, got str"),
-    "ref_logprobs length": ({**GOOD, "id": "bad", "ref_logprobs": [-1.0, -2.0]},
-                            "ref_logprobs has 2 values for 1 trace tokens"),
-    "ref_logprobs null": ({**GOOD, "id": "bad", "ref_logprobs": [None]},
-                          "ref_logprobs[0] = None is not a number"),
+    "empty prompt ids": (
+        {"id": "bad", "prompt_token_ids": [], "completion": "c"},
+        "prompt_token_ids is empty",
+    ),
+    "negative id": (
+        {**GOOD, "id": "bad", "trace_token_ids": [1, -2]},
+        "trace_token_ids[1] = -2 is negative",
+    ),
+    "float token": (
+        {**GOOD, "id": "bad", "trace_token_ids": [3.0]},
+        "trace_token_ids[0] = 3.0 is not an integer (float)",
+    ),
+    "fractional token": (
+        {**GOOD, "id": "bad", "prompt_token_ids": [3.5]},
+        "prompt_token_ids[0] = 3.5 is not an integer (float)",
+    ),
+    "str token": (
+        {**GOOD, "id": "bad", "trace_token_ids": ["3"]},
+        "trace_token_ids[0] = '3' is not an integer (str)",
+    ),
+    "bool token": (
+        {**GOOD, "id": "bad", "trace_token_ids": [True]},
+        "trace_token_ids[0] = True is not an integer (bool)",
+    ),
+    "ids not a list": (
+        {**GOOD, "id": "bad", "trace_token_ids": "1 2"},
+        "trace_token_ids must be a list of ints, got str",
+    ),
+    "ref_logprobs length": (
+        {**GOOD, "id": "bad", "ref_logprobs": [-1.0, -2.0]},
+        "ref_logprobs has 2 values for 1 trace tokens",
+    ),
+    "ref_logprobs null": (
+        {**GOOD, "id": "bad", "ref_logprobs": [None]},
+        "ref_logprobs[0] = None is not a number",
+    ),
     "meta not a dict": ({**GOOD, "id": "bad", "meta": [1]}, "meta must be a dict, got list"),
-    "messages and prompt": ({"id": "bad", "prompt": "p", "messages": CHAT},
-                            "give either 'messages' or 'prompt'/'completion' text, not both"),
-    "messages not a list": ({"id": "bad", "messages": {"role": "user"}},
-                            "messages must be a list of message objects, got dict"),
-    "message without role": ({"id": "bad", "messages": [*CHAT, {"content": "x"}]},
-                             "messages[2] has no 'role'"),
-    "unknown turns": ({"id": "bad", "messages": CHAT, "turns": "first"},
-                      "turns must be one of 'last', 'all', got 'first'"),
-    "turns without messages": ({**GOOD, "id": "bad", "turns": "all"},
-                               "tools and turns apply to chat traces only (give 'messages')"),
-    "roles length": ({**GOOD, "id": "bad", "trace_turns": [1, 1], "trace_roles": ["a", "a"]},
-                     "trace_turns has 2 values for 1 trace tokens"),
-    "roles alone": ({**GOOD, "id": "bad", "trace_roles": ["assistant"]},
-                    "trace_turns and trace_roles come together"),
-    "labels without messages": ({**GOOD, "id": "bad", "trace_turns": [1],
-                                 "trace_roles": ["assistant"]},
-                                "trace_turns and trace_roles label the tokens of a chat trace: "
-                                "give its 'messages'"),
-    "turn past the messages": ({**GOOD, "id": "bad", "messages": CHAT, "trace_turns": [3],
-                                "trace_roles": ["assistant"]},
-                               "trace_turns[0] = 3 is no message: messages has 2 (0-1; 2 is "
-                               "the reply to them)"),
-    "role not the message's": ({**GOOD, "id": "bad", "messages": CHAT, "trace_turns": [0],
-                                "trace_roles": ["assistant"]},
-                               "trace_roles[0] = 'assistant', but trace_turns[0] = 0 is "
-                               "messages[0], role 'user': the label must be 'user'"),
-    "template on a user turn": ({**GOOD, "id": "bad", "messages": CHAT, "trace_turns": [0],
-                                 "trace_roles": ["template"]},
-                                "trace_roles[0] = 'template', but trace_turns[0] = 0 is "
-                                "messages[0], role 'user': the label must be 'user'"),
-    "reply not the assistant's": ({**GOOD, "id": "bad", "messages": CHAT, "trace_turns": [2],
-                                   "trace_roles": ["user"]},
-                                  "trace_roles[0] = 'user', but trace_turns[0] = 2 is the "
-                                  "reply, role 'assistant': the label must be 'assistant' or "
-                                  "'template'"),
+    "messages and prompt": (
+        {"id": "bad", "prompt": "p", "messages": CHAT},
+        "give either 'messages' or 'prompt'/'completion' text, not both",
+    ),
+    "messages not a list": (
+        {"id": "bad", "messages": {"role": "user"}},
+        "messages must be a list of message objects, got dict",
+    ),
+    "message without role": (
+        {"id": "bad", "messages": [*CHAT, {"content": "x"}]},
+        "messages[2] has no 'role'",
+    ),
+    "unknown turns": (
+        {"id": "bad", "messages": CHAT, "turns": "first"},
+        "turns must be one of 'last', 'all', got 'first'",
+    ),
+    "turns without messages": (
+        {**GOOD, "id": "bad", "turns": "all"},
+        "tools and turns apply to chat traces only (give 'messages')",
+    ),
+    "roles length": (
+        {**GOOD, "id": "bad", "trace_turns": [1, 1], "trace_roles": ["a", "a"]},
+        "trace_turns has 2 values for 1 trace tokens",
+    ),
+    "roles alone": (
+        {**GOOD, "id": "bad", "trace_roles": ["assistant"]},
+        "trace_turns and trace_roles come together",
+    ),
+    "labels without messages": (
+        {**GOOD, "id": "bad", "trace_turns": [1], "trace_roles": ["assistant"]},
+        "trace_turns and trace_roles label the tokens of a chat trace: give its 'messages'",
+    ),
+    "turn past the messages": (
+        {**GOOD, "id": "bad", "messages": CHAT, "trace_turns": [3], "trace_roles": ["assistant"]},
+        "trace_turns[0] = 3 is no message: messages has 2 (0-1; 2 is the reply to them)",
+    ),
+    "role not the message's": (
+        {**GOOD, "id": "bad", "messages": CHAT, "trace_turns": [0], "trace_roles": ["assistant"]},
+        "trace_roles[0] = 'assistant', but trace_turns[0] = 0 is "
+        "messages[0], role 'user': the label must be 'user'",
+    ),
+    "template on a user turn": (
+        {**GOOD, "id": "bad", "messages": CHAT, "trace_turns": [0], "trace_roles": ["template"]},
+        "trace_roles[0] = 'template', but trace_turns[0] = 0 is "
+        "messages[0], role 'user': the label must be 'user'",
+    ),
+    "reply not the assistant's": (
+        {**GOOD, "id": "bad", "messages": CHAT, "trace_turns": [2], "trace_roles": ["user"]},
+        "trace_roles[0] = 'user', but trace_turns[0] = 2 is the "
+        "reply, role 'assistant': the label must be 'assistant' or "
+        "'template'",
+    ),
 }
 
 
@@ -195,10 +255,14 @@ def test_malformed_json_file_names_its_line(tmp_path):
 
 @pytest.mark.parametrize(
     ("trace_id", "problem"),
-    [(None, "missing 'id'"), (3.0, "id must be a str or int, got float 3.0"),
-     (True, "id must be a str or int, got bool True"), ("", "id must be a non-empty str"),
-     ("   ", "id must be a non-empty str, not only whitespace, got '   '"),
-     ("\t\n", "id must be a non-empty str, not only whitespace")],
+    [
+        (None, "missing 'id'"),
+        (3.0, "id must be a str or int, got float 3.0"),
+        (True, "id must be a str or int, got bool True"),
+        ("", "id must be a non-empty str"),
+        ("   ", "id must be a non-empty str, not only whitespace, got '   '"),
+        ("\t\n", "id must be a non-empty str, not only whitespace"),
+    ],
 )
 def test_bad_trace_id_is_rejected_at_its_line(trace_id, problem, tmp_path):
     """A missing, float, bool, empty or whitespace-only id is an error at the record's line."""
@@ -209,10 +273,11 @@ def test_bad_trace_id_is_rejected_at_its_line(trace_id, problem, tmp_path):
 
 
 BAD_SOURCES = {
-    "json": (lambda tmp_path, rows: write_lines(tmp_path / "x.json", [json.dumps(rows)]),
-             "{path}[1]"),
-    "parquet": (lambda tmp_path, rows: write_parquet(tmp_path / "x.parquet", rows),
-                "{path} row 1"),
+    "json": (
+        lambda tmp_path, rows: write_lines(tmp_path / "x.json", [json.dumps(rows)]),
+        "{path}[1]",
+    ),
+    "parquet": (lambda tmp_path, rows: write_parquet(tmp_path / "x.parquet", rows), "{path} row 1"),
     "dataframe": (lambda tmp_path, rows: pd.DataFrame(rows), "<DataFrame> row 1"),
     "list": (lambda tmp_path, rows: rows, "<list> row 1"),
     "dataset": (lambda tmp_path, rows: FakeDataset(rows), "<FakeDataset> row 1"),
@@ -282,20 +347,26 @@ def test_trace_error_survives_pickling():
 
 trace_ids = st.lists(st.integers(0, 2**31), min_size=1, max_size=6).map(tuple)
 texts = st.text(st.characters(exclude_categories=("Cs",)), max_size=12)
-json_values = st.none() | st.booleans() | st.integers(-(2**60), 2**60) | texts | st.floats(
-    allow_nan=False, allow_infinity=False)
+json_values = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**60), 2**60)
+    | texts
+    | st.floats(allow_nan=False, allow_infinity=False)
+)
 
 
 @st.composite
 def chat_traces(draw, trace_id: str) -> Trace:
     roles = st.sampled_from(["system", "user", "assistant", "tool"])
-    messages = draw(st.lists(st.fixed_dictionaries({"role": roles, "content": texts}),
-                             max_size=3))
+    messages = draw(st.lists(st.fixed_dictionaries({"role": roles, "content": texts}), max_size=3))
     messages.append({"role": "assistant", "content": draw(texts)})
     token_ids = draw(st.none() | trace_ids)
     labelled = token_ids is not None and draw(st.booleans())
     return Trace(
-        trace_id, messages=messages, trace_token_ids=token_ids,
+        trace_id,
+        messages=messages,
+        trace_token_ids=token_ids,
         prompt_token_ids=None if token_ids is None else draw(st.none() | trace_ids),
         tools=draw(st.none() | st.just([{"type": "function", "function": {"name": "f"}}])),
         turns=draw(st.sampled_from([None, "last", "all"])),
@@ -313,23 +384,34 @@ def trace_sets(draw) -> TraceSet:
             continue
         prompt_ids = draw(st.none() | trace_ids)
         token_ids = draw(st.none() | trace_ids)
-        traces.append(Trace(
-            trace_id,
-            prompt=draw(texts if prompt_ids is None else st.none() | texts),
-            prompt_token_ids=prompt_ids,
-            completion=draw(texts.filter(bool) if token_ids is None else st.none() | texts),
-            trace_token_ids=token_ids,
-            ref_logprobs=None if token_ids is None else draw(st.none() | st.lists(
-                st.floats(min_value=-9999.0, max_value=0.0, exclude_min=True),  # -9999: -inf
-                min_size=len(token_ids),
-                max_size=len(token_ids))),
-            meta=draw(st.dictionaries(texts, json_values, max_size=3)),
-        ))
+        traces.append(
+            Trace(
+                trace_id,
+                prompt=draw(texts if prompt_ids is None else st.none() | texts),
+                prompt_token_ids=prompt_ids,
+                completion=draw(texts.filter(bool) if token_ids is None else st.none() | texts),
+                trace_token_ids=token_ids,
+                ref_logprobs=None
+                if token_ids is None
+                else draw(
+                    st.none()
+                    | st.lists(
+                        st.floats(
+                            min_value=-9999.0, max_value=0.0, exclude_min=True
+                        ),  # -9999: -inf
+                        min_size=len(token_ids),
+                        max_size=len(token_ids),
+                    )
+                ),
+                meta=draw(st.dictionaries(texts, json_values, max_size=3)),
+            )
+        )
     return TraceSet(traces)
 
 
-round_trip = settings(max_examples=25, deadline=None,
-                      suppress_health_check=[HealthCheck.function_scoped_fixture])
+round_trip = settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 
 @round_trip
@@ -455,10 +537,13 @@ def test_derived_sets_keep_the_original_error_locations(tmp_path):
 
 def test_import_does_not_load_pandas_or_transformers():
     """Importing the module (and loading plain records) pulls in neither pandas nor transformers."""
-    code = ("import sys, trace_replay.traces.sets as t; t.load_traces([{'id': 1, 'prompt': 'p', "
-            "'completion': 'c'}]); print('pandas' in sys.modules, 'transformers' in sys.modules)")
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True).stdout.split() == ["False", "False"]
+    code = (
+        "import sys, trace_replay.traces.sets as t; t.load_traces([{'id': 1, 'prompt': 'p', "
+        "'completion': 'c'}]); print('pandas' in sys.modules, 'transformers' in sys.modules)"
+    )
+    assert subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split() == ["False", "False"]
 
 
 def test_tokenize_splits_the_joined_text_at_the_prompt_end(tokenizer):
@@ -466,23 +551,26 @@ def test_tokenize_splits_the_joined_text_at_the_prompt_end(tokenizer):
     text's ids, and the trace decodes back to the exact completion."""
     trace = load_traces(RECORDS).tokenize(tokenizer)[1]
     assert [*trace.prompt_token_ids, *trace.trace_token_ids] == tokenizer.encode(
-        "def add(a, b):\n    return a + b", add_special_tokens=True)
+        "def add(a, b):\n    return a + b", add_special_tokens=True
+    )
     assert not set(trace.trace_token_ids) & set(tokenizer.all_special_ids)
     assert tokenizer.decode(trace.trace_token_ids) == "\n    return a + b"
 
 
 def test_tokenize_encodes_a_lone_completion_without_special_tokens(tokenizer):
     """Beside given prompt ids, a completion is encoded alone, without special tokens."""
-    trace = load_traces([{"id": "c", "prompt_token_ids": [1], "completion": " Paris."}],
-                        tokenizer=tokenizer)[0]
+    trace = load_traces(
+        [{"id": "c", "prompt_token_ids": [1], "completion": " Paris."}], tokenizer=tokenizer
+    )[0]
     assert list(trace.trace_token_ids) == tokenizer.encode(" Paris.", add_special_tokens=False)
 
 
 def test_tokenize_encodes_prompt_and_keeps_text(tokenizer):
     """A prompt gets the tokenizer's ids (with its special tokens); the text fields stay."""
     trace = load_traces(RECORDS).tokenize(tokenizer)[1]
-    assert trace.prompt_token_ids == tuple(tokenizer.encode("def add(a, b):",
-                                                            add_special_tokens=True))
+    assert trace.prompt_token_ids == tuple(
+        tokenizer.encode("def add(a, b):", add_special_tokens=True)
+    )
     assert (trace.prompt, trace.completion) == ("def add(a, b):", "\n    return a + b")
     assert trace.is_tokenized
 
@@ -514,8 +602,11 @@ def test_tokenize_rejects_ids_beyond_a_small_vocab(tokenizer, tmp_path):
     """A completion whose tokens reach past vocab_size is rejected, naming the trace and line."""
     record = {"id": "v", "prompt_token_ids": [1], "completion": " antidisestablishmentarianism"}
     path = write_jsonl(tmp_path / "x.jsonl", [record])
-    with pytest.raises(TraceError, match=rf"^{path}:1: trace 'v': trace_token_ids\[0\] = \d+ is "
-                                         r"out of vocab \(vocab_size=100\)"):
+    with pytest.raises(
+        TraceError,
+        match=rf"^{path}:1: trace 'v': trace_token_ids\[0\] = \d+ is "
+        r"out of vocab \(vocab_size=100\)",
+    ):
         load_traces(path, tokenizer=tokenizer, vocab_size=100)
 
 
@@ -549,8 +640,9 @@ def test_truncate_cuts_ids_and_ref_logprobs_together():
 
 def test_truncate_drops_the_completion_text_it_no_longer_matches(tokenizer):
     """A cut trace loses its completion text (the ids win); an uncut one keeps it."""
-    traces = load_traces([{"id": "t", "prompt": "Hi", "completion": " one two three four"}],
-                         tokenizer=tokenizer)
+    traces = load_traces(
+        [{"id": "t", "prompt": "Hi", "completion": " one two three four"}], tokenizer=tokenizer
+    )
     n_tokens = len(traces[0].trace_token_ids)
     assert traces.truncate(n_tokens)[0].completion == " one two three four"
     assert traces.truncate(n_tokens - 1)[0].completion is None
@@ -560,15 +652,23 @@ def test_truncate_text_only_trace_says_to_tokenize_first(tmp_path):
     """Text has no token count until a model tokenizes it: the error names the trace, its
     line, and the fix."""
     path = write_jsonl(tmp_path / "x.jsonl", [GOOD, RECORDS[1]])
-    with pytest.raises(TraceError, match=r"^.*x\.jsonl:2: trace 'he/1': has no trace_token_ids "
-                                         r"to truncate.*tokenize\(tokenizer\)\.truncate"):
+    with pytest.raises(
+        TraceError,
+        match=r"^.*x\.jsonl:2: trace 'he/1': has no trace_token_ids "
+        r"to truncate.*tokenize\(tokenizer\)\.truncate",
+    ):
         load_traces(path).truncate(4)
 
 
 def test_truncate_cuts_a_chat_trace_with_its_turn_labels(tokenizer):
     """A tokenized chat trace keeps the turn and role labels of exactly the tokens it keeps."""
-    chat = {"id": "c", "messages": [{"role": "user", "content": "Hi"},
-                                    {"role": "assistant", "content": "Hello there, how are"}]}
+    chat = {
+        "id": "c",
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello there, how are"},
+        ],
+    }
     whole = load_traces([chat], tokenizer=tokenizer)[0]
     cut = load_traces([chat], tokenizer=tokenizer).truncate(2)[0]
     assert cut.trace_token_ids == whole.trace_token_ids[:2]
@@ -586,8 +686,12 @@ def test_truncate_rejects_a_bad_length(max_tokens):
 def test_chat_reply_keeps_its_text_beside_its_ids():
     """A chat request with its reply as trace_token_ids may carry the reply's text as
     completion (what record writes); the ids are the trace."""
-    record = {"id": "r", "messages": [{"role": "user", "content": "Hi"}],
-              "trace_token_ids": [19556, 2], "completion": "Hello<|im_end|>"}
+    record = {
+        "id": "r",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "trace_token_ids": [19556, 2],
+        "completion": "Hello<|im_end|>",
+    }
     trace = load_traces([record])[0]
     assert trace.is_chat and trace.completion == "Hello<|im_end|>"
     assert trace.trace_token_ids == (19556, 2)
@@ -607,15 +711,18 @@ def test_unknown_field_warns_once_naming_field_location_and_closest_name(kind, t
     from trace_replay.traces.sources import UnknownFieldWarning
 
     make, location = TYPO_SOURCES[kind]
-    rows = [{**GOOD, "id": "typo", "trace_tokens_ids": [5]},
-            {**GOOD, "id": "again", "trace_tokens_ids": [6]}]
+    rows = [
+        {**GOOD, "id": "typo", "trace_tokens_ids": [5]},
+        {**GOOD, "id": "again", "trace_tokens_ids": [6]},
+    ]
     source = make(tmp_path, rows)
     with pytest.warns(UnknownFieldWarning) as caught:
         traces = load_traces(source)
     assert len(caught) == 1 and traces.ids == ["typo", "again"]
     assert str(caught[0].message).startswith(
         f"{location.format(path=source)}: trace 'typo': unknown field 'trace_tokens_ids' is "
-        "ignored (did you mean 'trace_token_ids'?)")
+        "ignored (did you mean 'trace_token_ids'?)"
+    )
 
 
 def test_unknown_field_warning_names_the_jsonl_line_before_the_error_it_causes(tmp_path):
@@ -623,10 +730,14 @@ def test_unknown_field_warning_names_the_jsonl_line_before_the_error_it_causes(t
     line comes before the TraceError, so the cause is shown with the error."""
     from trace_replay.traces.sources import UnknownFieldWarning
 
-    path = write_jsonl(tmp_path / "t.jsonl", [GOOD, {"id": "x", "prompt_token_ids": [1],
-                                                     "trace_tokens_ids": [2]}])
-    with pytest.warns(UnknownFieldWarning, match=rf"{path}:2: trace 'x': unknown field "
-                                                 r"'trace_tokens_ids' .*'trace_token_ids'"):
+    path = write_jsonl(
+        tmp_path / "t.jsonl", [GOOD, {"id": "x", "prompt_token_ids": [1], "trace_tokens_ids": [2]}]
+    )
+    with pytest.warns(
+        UnknownFieldWarning,
+        match=rf"{path}:2: trace 'x': unknown field "
+        r"'trace_tokens_ids' .*'trace_token_ids'",
+    ):
         with pytest.raises(TraceError, match=rf"{path}:2: trace 'x': missing trace"):
             load_traces(path)
 
@@ -639,10 +750,19 @@ def test_known_fields_never_warn(tmp_path):
 
     from trace_replay.traces.sources import UnknownFieldWarning
 
-    records = [*RECORDS,
-               {"id": "c", "messages": CHAT, "tools": [{"type": "function"}], "turns": "all"},
-               {"id": "r", "messages": CHAT[:1], "prompt_token_ids": [1], "trace_token_ids": [2, 3],
-                "completion": "Hello!", "trace_turns": [1, 1], "trace_roles": ["assistant"] * 2}]
+    records = [
+        *RECORDS,
+        {"id": "c", "messages": CHAT, "tools": [{"type": "function"}], "turns": "all"},
+        {
+            "id": "r",
+            "messages": CHAT[:1],
+            "prompt_token_ids": [1],
+            "trace_token_ids": [2, 3],
+            "completion": "Hello!",
+            "trace_turns": [1, 1],
+            "trace_roles": ["assistant"] * 2,
+        },
+    ]
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnknownFieldWarning)
         traces = load_traces(records)

@@ -30,25 +30,34 @@ from tqdm.auto import tqdm
 
 from trace_replay.analysis.capture import SITES, Site, SiteCapture, model_sites
 from trace_replay.analysis.capture_rows import RowCapture
+from trace_replay.analysis.pairing import METRICS, Comparer, HeldActivations
 from trace_replay.engines.base import Activations, Engine, ReplayRequest
 from trace_replay.engines.cache import ModelCache, check_settings
 from trace_replay.engines.capabilities import ActivationSource, BatchHooks, supports
 from trace_replay.engines.registry import engine_spec, engine_specs
-from trace_replay.analysis.pairing import METRICS, Comparer, HeldActivations
 from trace_replay.runs.replay import TraceInput, prepare_requests
 from trace_replay.traces.sets import TraceSet, load_traces
 
 __all__ = ["locate_divergence", "divergence_origin"]
 
-_UNSUPPORTED = {"speculative": "verify feeds several tokens per forward and drops some",
-                "engine_args": "vLLM runs its model in another process"}
+_UNSUPPORTED = {
+    "speculative": "verify feeds several tokens per forward and drops some",
+    "engine_args": "vLLM runs its model in another process",
+}
 
 
-def locate_divergence(traces: TraceInput, a: Mapping[str, Any], b: Mapping[str, Any], *,
-                      sites: Sequence[str] | None = None, tol: float = 0.0,
-                      progress: bool = True, chunk_size: int | None = None,
-                      max_held_bytes: int = 1 << 30,
-                      models: ModelCache | None = None) -> pd.DataFrame:
+def locate_divergence(
+    traces: TraceInput,
+    a: Mapping[str, Any],
+    b: Mapping[str, Any],
+    *,
+    sites: Sequence[str] | None = None,
+    tol: float = 0.0,
+    progress: bool = True,
+    chunk_size: int | None = None,
+    max_held_bytes: int = 1 << 30,
+    models: ModelCache | None = None,
+) -> pd.DataFrame:
     """Compare two runs of the same traces site by site, at every step and decoder layer.
 
     Parameters
@@ -116,8 +125,14 @@ def locate_divergence(traces: TraceInput, a: Mapping[str, Any], b: Mapping[str, 
             if "backend" in takes and not settings.get("deterministic"):
                 settings = {"backend": "hf", **settings}  # hooks see its modules
             engines.append(models.engine(settings))
-        frame = _locate(load_traces(traces), engines, wanted, progress=progress,
-                        chunk_size=chunk_size, max_held_bytes=max_held_bytes)
+        frame = _locate(
+            load_traces(traces),
+            engines,
+            wanted,
+            progress=progress,
+            chunk_size=chunk_size,
+            max_held_bytes=max_held_bytes,
+        )
     finally:
         for engine in engines:
             engine.close()
@@ -125,12 +140,21 @@ def locate_divergence(traces: TraceInput, a: Mapping[str, Any], b: Mapping[str, 
     return frame
 
 
-def _locate(traceset, engines, wanted: tuple[str, ...], *, progress: bool,
-            chunk_size: int | None, max_held_bytes: int) -> pd.DataFrame:
+def _locate(
+    traceset,
+    engines,
+    wanted: tuple[str, ...],
+    *,
+    progress: bool,
+    chunk_size: int | None,
+    max_held_bytes: int,
+) -> pd.DataFrame:
     for engine in engines:
         if not (supports(engine, ActivationSource) and supports(engine, BatchHooks)):
-            raise TypeError(f"engine {engine.name!r} gives no activations or on_batch hook "
-                            "(capabilities ActivationSource and BatchHooks)")
+            raise TypeError(
+                f"engine {engine.name!r} gives no activations or on_batch hook "
+                "(capabilities ActivationSource and BatchHooks)"
+            )
     sources = [engine.activations() for engine in engines]
     lms = [source.model for source in sources]
     all_sites = [model_sites(lm) for lm in lms]
@@ -139,10 +163,9 @@ def _locate(traceset, engines, wanted: tuple[str, ...], *, progress: bool,
     site_lists = [[s for s in sites if s.name in wanted] for sites in all_sites]
     requests = _requests(traceset, engines)
     size = chunk_size or math.lcm(*(engine.batch_size for engine in engines))
-    chunks = [requests[i:i + size] for i in range(0, len(requests), size)]
+    chunks = [requests[i : i + size] for i in range(0, len(requests), size)]
     plans = [_bands(chunk, site_lists[0], lms[0], max_held_bytes) for chunk in chunks]
-    total = sum(len(bands) * sum(r.trace_len for r in chunk)
-                for chunk, bands in zip(chunks, plans))
+    total = sum(len(bands) * sum(r.trace_len for r in chunk) for chunk, bands in zip(chunks, plans))
     frames = []
     with tqdm(total=total, unit="step", disable=not progress, desc="locate_divergence") as bar:
         for chunk, bands in zip(chunks, plans):
@@ -150,9 +173,13 @@ def _locate(traceset, engines, wanted: tuple[str, ...], *, progress: bool,
                 in_band = [[s for s in sites if s.index in band] for sites in site_lists]
                 frames.append(_compare_pass(engines, sources, chunk, in_band, bar))
     frame = _to_frame(frames, requests)
-    frame.attrs = {"a": engines[0].settings(), "b": engines[1].settings(), "sites": list(wanted),
-                   "num_layers": all_sites[0][-1].layer,
-                   "passes": sum(len(bands) for bands in plans)}
+    frame.attrs = {
+        "a": engines[0].settings(),
+        "b": engines[1].settings(),
+        "sites": list(wanted),
+        "num_layers": all_sites[0][-1].layer,
+        "passes": sum(len(bands) for bands in plans),
+    }
     return frame
 
 
@@ -161,14 +188,18 @@ def _check_settings(name: str, settings: Mapping[str, Any]) -> None:
     engine = settings.get("engine", "torch")
     if not engine_spec(engine).activations:
         watched = ", ".join(spec.name for spec in engine_specs() if spec.activations)
-        raise ValueError(f"{name}: layer attribution runs engines whose forwards run in this "
-                         f"process and can be watched ({watched}), not {engine!r}")
+        raise ValueError(
+            f"{name}: layer attribution runs engines whose forwards run in this "
+            f"process and can be watched ({watched}), not {engine!r}"
+        )
     for key, why in _UNSUPPORTED.items():
         if settings.get(key) is not None:
             raise ValueError(f"{name}: {key} is not supported by layer attribution ({why})")
     if settings.get("backend", "hf") != "hf":
-        raise ValueError(f"{name}: layer attribution needs backend='hf': the static backend's "
-                         "compiled, graph-captured steps run no Python forward hooks")
+        raise ValueError(
+            f"{name}: layer attribution needs backend='hf': the static backend's "
+            "compiled, graph-captured steps run no Python forward hooks"
+        )
 
 
 def _check_sites(sites: Sequence[str] | None) -> tuple[str, ...]:
@@ -192,8 +223,9 @@ def _requests(traceset: TraceSet, engines) -> list[ReplayRequest]:
     return requests
 
 
-def _bands(chunk: Sequence[ReplayRequest], sites: Sequence[Site], lm,
-           max_held_bytes: int) -> list[set[int]]:
+def _bands(
+    chunk: Sequence[ReplayRequest], sites: Sequence[Site], lm, max_held_bytes: int
+) -> list[set[int]]:
     """Site indices per pass: consecutive sites whose held activations fit the budget."""
     tokens = sum(r.trace_len for r in chunk)
     itemsize = next(lm.parameters()).element_size()
@@ -209,8 +241,7 @@ def _bands(chunk: Sequence[ReplayRequest], sites: Sequence[Site], lm,
     return bands
 
 
-def _compare_pass(engines, sources, chunk: Sequence[ReplayRequest], sites,
-                  bar) -> pd.DataFrame:
+def _compare_pass(engines, sources, chunk: Sequence[ReplayRequest], sites, bar) -> pd.DataFrame:
     """One pass over ``chunk``: run a holding its sites, run b comparing as it goes."""
     held = HeldActivations()
     with _capture(sources[0], engines[0], chunk, sites[0], held.put):
@@ -220,16 +251,19 @@ def _compare_pass(engines, sources, chunk: Sequence[ReplayRequest], sites,
         engines[1].run(chunk)
     if held.where:
         trace, step = next(iter(held.where))
-        raise RuntimeError(f"run a computed trace {chunk[trace].trace_id!r} step {step}, "
-                           "which run b did not")
+        raise RuntimeError(
+            f"run a computed trace {chunk[trace].trace_id!r} step {step}, which run b did not"
+        )
     parts = {key: np.concatenate([p[key] for p in comparer.parts]) for key in comparer.parts[0]}
-    parts["trace_id"] = np.array([chunk[i].trace_id for i in parts.pop("trace_index")],
-                                 dtype=object)
+    parts["trace_id"] = np.array(
+        [chunk[i].trace_id for i in parts.pop("trace_index")], dtype=object
+    )
     return pd.DataFrame(parts)
 
 
-def _capture(source: Activations, engine: Engine, chunk: Sequence[ReplayRequest],
-             sites: Sequence[Site], sink):
+def _capture(
+    source: Activations, engine: Engine, chunk: Sequence[ReplayRequest], sites: Sequence[Site], sink
+):
     """Module hooks on the engine's model, or the observer of its row-wise model."""
     if source.rows is not None:
         return RowCapture(source.rows, engine, chunk, sites, sink)
@@ -238,18 +272,24 @@ def _capture(source: Activations, engine: Engine, chunk: Sequence[ReplayRequest]
 
 def _to_frame(frames: list[pd.DataFrame], requests: Sequence[ReplayRequest]) -> pd.DataFrame:
     columns = ["trace_id", "step", "layer", "site", *METRICS]
-    frame = (pd.concat(frames, ignore_index=True) if frames
-             else pd.DataFrame({c: [] for c in columns}))[columns]
+    frame = (
+        pd.concat(frames, ignore_index=True) if frames else pd.DataFrame({c: [] for c in columns})
+    )[columns]
     order = {r.trace_id: i for i, r in enumerate(requests)}
     frame["site"] = pd.Categorical(frame["site"], categories=SITES, ordered=True)
-    frame = frame.sort_values(["trace_id", "step", "layer", "site"], kind="stable",
-                              key=lambda s: s.map(order) if s.name == "trace_id" else s)
+    frame = frame.sort_values(
+        ["trace_id", "step", "layer", "site"],
+        kind="stable",
+        key=lambda s: s.map(order) if s.name == "trace_id" else s,
+    )
     return frame.astype({"step": "int64", "layer": "int64", "bitwise_equal": bool}).reset_index(
-        drop=True)
+        drop=True
+    )
 
 
-def divergence_origin(frame: pd.DataFrame, *, tol: float | None = None,
-                      by: str = "trace") -> pd.DataFrame:
+def divergence_origin(
+    frame: pd.DataFrame, *, tol: float | None = None, by: str = "trace"
+) -> pd.DataFrame:
     """Where the runs first differ by more than ``tol``: the first (step, layer, site).
 
     Parameters
@@ -290,8 +330,9 @@ def divergence_origin(frame: pd.DataFrame, *, tol: float | None = None,
     first = divergent.groupby(keys, sort=False, observed=True).head(1)
     cols = ["layer", "site", "max_abs_diff", "rel_l2"]
     index = frame[keys].drop_duplicates()
-    out = index.merge(first[[*keys, "step", *cols] if by == "trace" else [*keys, *cols]],
-                      on=keys, how="left")
+    out = index.merge(
+        first[[*keys, "step", *cols] if by == "trace" else [*keys, *cols]], on=keys, how="left"
+    )
     out["layer"] = out["layer"].astype("Int64")
     if by == "trace":
         out = out.rename(columns={"step": "first_divergence_step"})

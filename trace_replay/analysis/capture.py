@@ -70,12 +70,16 @@ def model_sites(lm: torch.nn.Module) -> list[Site]:
         decoder, config = _decoder(lm), lm.config
         layers = decoder.layers
         embed, norm, head = decoder.embed_tokens, decoder.norm, lm.get_output_embeddings()
-        modules = [{site: getattr(layer, name) for site, name in _LAYER_MODULES.items()}
-                   for layer in layers]
+        modules = [
+            {site: getattr(layer, name) for site, name in _LAYER_MODULES.items()}
+            for layer in layers
+        ]
     except AttributeError as exc:
-        raise ValueError(f"{type(lm).__name__} does not have the Llama module layout "
-                         f"(model.layers[i].input_layernorm/self_attn/mlp, model.norm, "
-                         f"lm_head) that layer attribution hooks: {exc}") from None
+        raise ValueError(
+            f"{type(lm).__name__} does not have the Llama module layout "
+            f"(model.layers[i].input_layernorm/self_attn/mlp, model.norm, "
+            f"lm_head) that layer attribution hooks: {exc}"
+        ) from None
     hidden, vocab, num_layers = config.hidden_size, config.vocab_size, len(layers)
     entries = [(-1, "embeddings", embed, hidden)]
     for i, (layer, parts) in enumerate(zip(layers, modules)):
@@ -119,8 +123,14 @@ class SiteCapture:
 
     _ids = itertools.count()
 
-    def __init__(self, lm: torch.nn.Module, engine: Engine, requests: Sequence[ReplayRequest],
-                 sites: Sequence[Site], sink: Sink) -> None:
+    def __init__(
+        self,
+        lm: torch.nn.Module,
+        engine: Engine,
+        requests: Sequence[ReplayRequest],
+        sites: Sequence[Site],
+        sink: Sink,
+    ) -> None:
         self.lm, self.engine, self.sites, self.sink = lm, engine, list(sites), sink
         self.index = {r.trace_id: i for i, r in enumerate(requests)}
         self.decoder = _decoder(lm)
@@ -160,19 +170,29 @@ class SiteCapture:
         rows, width = inputs.shape[:2]
         positions = self._positions(kwargs, width)
         mask = kwargs.get("attention_mask")
-        real = (torch.ones((rows, width), dtype=torch.bool) if mask is None
-                else mask[:, -width:].bool().cpu())
+        real = (
+            torch.ones((rows, width), dtype=torch.bool)
+            if mask is None
+            else mask[:, -width:].bool().cpu()
+        )
         n = min(rows, len(self._batch))  # engines may pad a batch with idle rows
         prompt_len = torch.tensor([r.prompt_len for r in self._batch[:n]])[:, None]
         trace_len = torch.tensor([r.trace_len for r in self._batch[:n]])[:, None]
         step = positions.expand(rows, width)[:n] - (prompt_len - 1)
-        batch_row, column = torch.nonzero(real[:n] & (step >= 0) & (step < trace_len),
-                                          as_tuple=True)
-        trace_index = np.array([self.index[self._batch[r].trace_id] for r in batch_row.tolist()],
-                               dtype=np.int64)
+        batch_row, column = torch.nonzero(
+            real[:n] & (step >= 0) & (step < trace_len), as_tuple=True
+        )
+        trace_index = np.array(
+            [self.index[self._batch[r].trace_id] for r in batch_row.tolist()], dtype=np.int64
+        )
         device = inputs.device
-        self._rows = ForwardRows(next(self._ids), batch_row.to(device), column.to(device),
-                                 trace_index, step[batch_row, column].numpy())
+        self._rows = ForwardRows(
+            next(self._ids),
+            batch_row.to(device),
+            column.to(device),
+            trace_index,
+            step[batch_row, column].numpy(),
+        )
         self._width = width
 
     def _positions(self, kwargs, width: int) -> torch.Tensor:

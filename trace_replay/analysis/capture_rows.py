@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from trace_replay.analysis.capture import ForwardRows, Site, Sink
+from trace_replay.analysis.capture import ForwardRows, Sink, Site
 from trace_replay.engines.base import Engine, ReplayRequest
 
 if TYPE_CHECKING:  # the row-wise model imports the Triton kernels' modules
@@ -42,8 +42,14 @@ class RowCapture:
 
     _ids = itertools.count()
 
-    def __init__(self, model: DeterministicLlama, engine: Engine, requests: Sequence[ReplayRequest],
-                 sites: Sequence[Site], sink: Sink) -> None:
+    def __init__(
+        self,
+        model: DeterministicLlama,
+        engine: Engine,
+        requests: Sequence[ReplayRequest],
+        sites: Sequence[Site],
+        sink: Sink,
+    ) -> None:
         self.model, self.engine, self.sink = model, engine, sink
         self.sites = {(site.layer, site.name): site for site in sites}
         self.logits = next((s for s in sites if s.name == "logits"), None)
@@ -77,12 +83,18 @@ class RowCapture:
         trace_len = torch.tensor([r.trace_len for r in batch])[safe]
         step = positions.cpu().long() - (prompt_len - 1)
         (picked,) = torch.nonzero(real & (step >= 0) & (step < trace_len), as_tuple=True)
-        trace_index = np.array([self.index[batch[b].trace_id] for b in row[picked].tolist()],
-                               dtype=np.int64)
+        trace_index = np.array(
+            [self.index[batch[b].trace_id] for b in row[picked].tolist()], dtype=np.int64
+        )
         picked_device = picked.to(cache_row.device)
         # rows are flat (one token each): batch_rows index them, columns are unused
-        self._rows = ForwardRows(next(self._ids), picked_device, torch.zeros_like(picked_device),
-                                 trace_index, step[picked].numpy())
+        self._rows = ForwardRows(
+            next(self._ids),
+            picked_device,
+            torch.zeros_like(picked_device),
+            trace_index,
+            step[picked].numpy(),
+        )
 
     def site(self, layer: int, name: str, values: torch.Tensor) -> None:
         rows = self._rows

@@ -79,8 +79,9 @@ def _js(p: np.ndarray, q: np.ndarray) -> np.ndarray:
 _TERMS = {"kl_ab": _kl, "kl_ba": lambda p, q: _kl(q, p), "tv": _tv, "js": _js}
 
 
-def distribution_bounds(a: pd.DataFrame, b: pd.DataFrame, *,
-                        labels: tuple[str, str] | None = None) -> pd.DataFrame:
+def distribution_bounds(
+    a: pd.DataFrame, b: pd.DataFrame, *, labels: tuple[str, str] | None = None
+) -> pd.DataFrame:
     """Lower and upper bounds of each per-token divergence of two replay frames.
 
     Parameters
@@ -111,18 +112,23 @@ def distribution_bounds(a: pd.DataFrame, b: pd.DataFrame, *,
 
     for frame, name in ((a, "a"), (b, "b")):
         check_frame(frame, name)
-        missing = [c for c in ("top_token_ids", "top_logprobs", "tail_logmass")
-                   if c not in frame.columns]
+        missing = [
+            c for c in ("top_token_ids", "top_logprobs", "tail_logmass") if c not in frame.columns
+        ]
         if missing:
-            raise ValueError(f"{name} lacks {missing}: bounds need each step's top-k and the "
-                             "tail mass outside it (replay it again with this version)")
+            raise ValueError(
+                f"{name} lacks {missing}: bounds need each step's top-k and the "
+                "tail mass outside it (replay it again with this version)"
+            )
     cmp = compare(a, b, labels=labels)
     tails = [_side(frame, cmp) for frame in (a, b)]
     for tail, name in zip(tails, ("a", "b")):
         if np.isnan(tail).any():
             row = cmp.iloc[int(np.argmax(np.isnan(tail)))]
-            raise ValueError(f"{name}: trace {row.trace_id!r} step {row.step} has no tail mass "
-                             "(its engine records none): no bounds")
+            raise ValueError(
+                f"{name}: trace {row.trace_id!r} step {row.step} has no tail mass "
+                "(its engine records none): no bounds"
+            )
     ids_a, lp_a = _known(cmp, "a")
     ids_b, lp_b = _known(cmp, "b")
     top_a = np.stack(cmp["top_token_ids_a"].map(np.asarray).to_numpy()).reshape(len(cmp), -1)
@@ -132,13 +138,18 @@ def distribution_bounds(a: pd.DataFrame, b: pd.DataFrame, *,
     for name in _METRICS:
         out[f"{name}_lower"], out[f"{name}_upper"] = bounds[name]
     k = top_a.shape[1]
-    out["topk_overlap"] = ((top_a[:, :, None] == top_b[:, None, :]).any(axis=2).sum(axis=1) / k
-                           if k else np.nan)
+    out["topk_overlap"] = (
+        (top_a[:, :, None] == top_b[:, None, :]).any(axis=2).sum(axis=1) / k if k else np.nan
+    )
     out["form"] = "bounded"
-    out.attrs = {"distribution_form": "bounded", "labels": cmp.attrs["labels"],
-                 "attrs_a": dict(a.attrs), "attrs_b": dict(b.attrs),
-                 "metrics": "each metric's _lower <= exact <= _upper, from stored top-k, "
-                            "token logprob and tail mass; kl upper bounds are inf"}
+    out.attrs = {
+        "distribution_form": "bounded",
+        "labels": cmp.attrs["labels"],
+        "attrs_a": dict(a.attrs),
+        "attrs_b": dict(b.attrs),
+        "metrics": "each metric's _lower <= exact <= _upper, from stored top-k, "
+        "token logprob and tail mass; kl upper bounds are inf",
+    }
     return out
 
 
@@ -161,13 +172,20 @@ def _known(cmp: pd.DataFrame, side: str) -> tuple[np.ndarray, np.ndarray]:
     lps = np.stack(cmp[f"top_logprobs_{side}"].map(np.asarray).to_numpy()).reshape(len(cmp), -1)
     token = cmp["token_id"].to_numpy(np.int64)
     listed = (ids == token[:, None]).any(axis=1)
-    return (np.column_stack([ids.astype(np.int64), np.where(listed, -1, token)]),
-            np.column_stack([lps.astype(np.float64),
-                             cmp[f"logprob_{side}"].to_numpy(np.float64)]))
+    return (
+        np.column_stack([ids.astype(np.int64), np.where(listed, -1, token)]),
+        np.column_stack([lps.astype(np.float64), cmp[f"logprob_{side}"].to_numpy(np.float64)]),
+    )
 
 
-def bound_arrays(ids_p: np.ndarray, lp_p: np.ndarray, tail_p: np.ndarray, ids_q: np.ndarray,
-                 lp_q: np.ndarray, tail_q: np.ndarray) -> dict[str, tuple[np.ndarray, ...]]:
+def bound_arrays(
+    ids_p: np.ndarray,
+    lp_p: np.ndarray,
+    tail_p: np.ndarray,
+    ids_q: np.ndarray,
+    lp_q: np.ndarray,
+    tail_q: np.ndarray,
+) -> dict[str, tuple[np.ndarray, ...]]:
     """``{metric: (lower, upper)}`` from what two runs know (see the module docstring).
 
     ``ids_*`` ``[N, k + 1]``: the top-k ids then the token's (-1: listed already);
@@ -206,10 +224,10 @@ def bound_arrays(ids_p: np.ndarray, lp_p: np.ndarray, tail_p: np.ndarray, ids_q:
             upper = np.minimum(upper, 1.0)
         if name == "js":
             upper = np.minimum(upper, np.log(2.0))
-        out[name] = (np.maximum(lower * (1 - SLACK) - SLACK, 0.0),
-                     upper * (1 + SLACK) + SLACK)
-    out["max_abs_dlogprob"] = _max_dlogprob(lp_p, lp_q, in_c_p, same, d_p, d_q, m_p, m_q,
-                                            cap_r_p, cap_r_q, g_p, g_q)
+        out[name] = (np.maximum(lower * (1 - SLACK) - SLACK, 0.0), upper * (1 + SLACK) + SLACK)
+    out["max_abs_dlogprob"] = _max_dlogprob(
+        lp_p, lp_q, in_c_p, same, d_p, d_q, m_p, m_q, cap_r_p, cap_r_q, g_p, g_q
+    )
     return out
 
 
@@ -222,8 +240,8 @@ def _max_dlogprob(lp_p, lp_q, in_c_p, same, d_p, d_q, m_p, m_q, r_p, r_q, g_p, g
         past_q = np.where(d_p, lp_p - cap_q[:, None], -np.inf).max(axis=1)
         past_p = np.where(d_q, lp_q - cap_p[:, None], -np.inf).max(axis=1)
         merged = np.where((g_p > 0) & (g_q > 0), np.abs(np.log(g_p) - np.log(g_q)), -np.inf)
-    lower = np.nan_to_num(np.maximum.reduce([shared, past_q, past_p, merged,
-                                             np.zeros(len(g_p))]), nan=0.0)
+    lower = np.nan_to_num(
+        np.maximum.reduce([shared, past_q, past_p, merged, np.zeros(len(g_p))]), nan=0.0
+    )
     upper = np.where((g_p > 0) | (g_q > 0), np.inf, shared)
-    return (np.maximum(lower * (1 - SLACK) - SLACK, 0.0),
-            upper * (1 + SLACK) + SLACK)
+    return (np.maximum(lower * (1 - SLACK) - SLACK, 0.0), upper * (1 + SLACK) + SLACK)

@@ -20,7 +20,6 @@ both the usual way and returns the bounds of
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,8 +42,9 @@ _LOG_ZERO = -1e300  # log of a probability 0 (-inf) is clamped here, so 0 * log 
 _INFINITE = 1e299  # a KL term or |Δ logprob| from _LOG_ZERO: infinite
 
 
-def step_divergences(logits_a: torch.Tensor, logits_b: torch.Tensor, token_ids: torch.Tensor,
-                     top_k: int) -> torch.Tensor:
+def step_divergences(
+    logits_a: torch.Tensor, logits_b: torch.Tensor, token_ids: torch.Tensor, top_k: int
+) -> torch.Tensor:
     """Per row, the divergences of the two distributions, on the logits' device.
 
     Parameters
@@ -72,8 +72,10 @@ def step_divergences(logits_a: torch.Tensor, logits_b: torch.Tensor, token_ids: 
     0.25
     """
     if logits_a.shape != logits_b.shape:
-        raise ValueError(f"the two engines' step logits differ in shape: "
-                         f"{tuple(logits_a.shape)} and {tuple(logits_b.shape)}")
+        raise ValueError(
+            f"the two engines' step logits differ in shape: "
+            f"{tuple(logits_a.shape)} and {tuple(logits_b.shape)}"
+        )
     # few full-vocabulary passes, all float64: log-softmax in place, then dot products
     (la, pa), (lb, pb) = _log_softmax(logits_a), _log_softmax(logits_b)
     diff = la - lb
@@ -89,9 +91,13 @@ def step_divergences(logits_a: torch.Tensor, logits_b: torch.Tensor, token_ids: 
     ids = token_ids.long().to(la.device)[:, None]
     token_lps = [side.gather(1, ids).squeeze(1) for side in (la, lb)]
     # a token one side gives probability 0 and the other not: infinite KL and |Δ logprob|
-    columns = [*(torch.where(lp <= _LOG_ZERO, -torch.inf, lp) for lp in token_lps),
-               *(torch.where(c > _INFINITE, torch.inf, c) for c in (kl_ab, kl_ba)),
-               tv, js, torch.where(biggest > _INFINITE, torch.inf, biggest)]
+    columns = [
+        *(torch.where(lp <= _LOG_ZERO, -torch.inf, lp) for lp in token_lps),
+        *(torch.where(c > _INFINITE, torch.inf, c) for c in (kl_ab, kl_ba)),
+        tv,
+        js,
+        torch.where(biggest > _INFINITE, torch.inf, biggest),
+    ]
     if top_k > 0:
         top_a = logits_a.topk(top_k, dim=-1).indices
         top_b = logits_b.topk(top_k, dim=-1).indices
@@ -119,9 +125,16 @@ def _dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x[:, None, :], y[:, :, None]).reshape(-1)
 
 
-def replay_pair(traces: Any, engine_a: Engine, engine_b: Engine, *, top_k: int = 5,
-                labels: tuple[str, str] | None = None, batch_size: int | None = None,
-                progress: bool = False) -> pd.DataFrame:
+def replay_pair(
+    traces: Any,
+    engine_a: Engine,
+    engine_b: Engine,
+    *,
+    top_k: int = 5,
+    labels: tuple[str, str] | None = None,
+    batch_size: int | None = None,
+    progress: bool = False,
+) -> pd.DataFrame:
     """Replay ``traces`` through two engines and compare their full distributions per token.
 
     Parameters
@@ -163,52 +176,73 @@ def replay_pair(traces: Any, engine_a: Engine, engine_b: Engine, *, top_k: int =
     if lacking:
         return _bounded_pair(traces, engine_a, engine_b, lacking, labels, progress)
     if engine_a.vocab_size != engine_b.vocab_size:
-        raise ValueError(f"the engines' vocabularies differ ({engine_a.vocab_size} and "
-                         f"{engine_b.vocab_size} logits per step): no per-token distance")
+        raise ValueError(
+            f"the engines' vocabularies differ ({engine_a.vocab_size} and "
+            f"{engine_b.vocab_size} logits per step): no per-token distance"
+        )
     settings = [engine_identity(engine_a), engine_identity(engine_b)]
-    _, requests, _ = prepare_run(load_traces(traces), tokenizer=engine_a.tokenizer,
-                                 vocab_size=engine_a.vocab_size,
-                                 max_model_len=_shorter(engine_a, engine_b), top_k=top_k,
-                                 truncate=False)
+    _, requests, _ = prepare_run(
+        load_traces(traces),
+        tokenizer=engine_a.tokenizer,
+        vocab_size=engine_a.vocab_size,
+        max_model_len=_shorter(engine_a, engine_b),
+        top_k=top_k,
+        truncate=False,
+    )
     batch = batch_size or min(engine_a.batch_size, engine_b.batch_size)
     # one thread setting for both engines' steps and the reductions between them
     with intra_op_threads(getattr(engine_a, "threads", None)):
-        frames = [_pair_batch(requests[i:i + batch], engine_a, engine_b, top_k)
-                  for i in range(0, len(requests), batch)]
-    df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(
-        columns=["trace_id", "step", "token_id", *_COLUMNS, "form"])
+        frames = [
+            _pair_batch(requests[i : i + batch], engine_a, engine_b, top_k)
+            for i in range(0, len(requests), batch)
+        ]
+    df = (
+        pd.concat(frames, ignore_index=True)
+        if frames
+        else pd.DataFrame(columns=["trace_id", "step", "token_id", *_COLUMNS, "form"])
+    )
     if labels is None:
         from trace_replay.analysis.metrics import run_labels
 
         labels = tuple(run_labels(settings))
-    df.attrs = {"distribution_form": "exact", "labels": tuple(labels), "attrs_a": settings[0],
-                "attrs_b": settings[1], "top_k": top_k,
-                "metrics": "kl_ab = KL(a||b), kl_ba = KL(b||a), nats; tv; js; "
-                           "max_abs_dlogprob over the vocabulary; from full logits, float64"}
+    df.attrs = {
+        "distribution_form": "exact",
+        "labels": tuple(labels),
+        "attrs_a": settings[0],
+        "attrs_b": settings[1],
+        "top_k": top_k,
+        "metrics": "kl_ab = KL(a||b), kl_ba = KL(b||a), nats; tv; js; "
+        "max_abs_dlogprob over the vocabulary; from full logits, float64",
+    }
     return df
 
 
-def _pair_batch(group: Sequence[ReplayRequest], engine_a: StepLogits, engine_b: StepLogits,
-                top_k: int) -> pd.DataFrame:
+def _pair_batch(
+    group: Sequence[ReplayRequest], engine_a: StepLogits, engine_b: StepLogits, top_k: int
+) -> pd.DataFrame:
     """One batch through both engines in lockstep: each step's two logits reduced at once."""
     lengths = np.array([r.trace_len for r in group])
     values = []
-    for step, (xa, xb) in enumerate(zip(engine_a.step_logits(group),
-                                        engine_b.step_logits(group))):
+    for step, (xa, xb) in enumerate(zip(engine_a.step_logits(group), engine_b.step_logits(group))):
         live = np.flatnonzero(lengths > step)
         tokens = torch.tensor([group[i].trace_token_ids[step] for i in live])
         if len(xa) != len(live) or len(xb) != len(live):
-            raise RuntimeError(f"step {step}: the engines gave {len(xa)} and {len(xb)} rows "
-                               f"of logits for {len(live)} traces")
+            raise RuntimeError(
+                f"step {step}: the engines gave {len(xa)} and {len(xb)} rows "
+                f"of logits for {len(live)} traces"
+            )
         values.append(step_divergences(xa, xb, tokens, top_k))
     host = torch.cat(values).cpu().numpy()  # one transfer per batch: [tokens, 8]
     steps = np.concatenate([np.full(int((lengths > s).sum()), s) for s in range(lengths.max())])
     rows = np.concatenate([np.flatnonzero(lengths > s) for s in range(lengths.max())])
     order = np.lexsort((steps, rows))  # trace by trace, step by step
-    frame = pd.DataFrame({"trace_id": [group[i].trace_id for i in rows[order]],
-                          "step": steps[order].astype(np.int64),
-                          "token_id": [group[i].trace_token_ids[s]
-                                       for i, s in zip(rows[order], steps[order])]})
+    frame = pd.DataFrame(
+        {
+            "trace_id": [group[i].trace_id for i in rows[order]],
+            "step": steps[order].astype(np.int64),
+            "token_id": [group[i].trace_token_ids[s] for i, s in zip(rows[order], steps[order])],
+        }
+    )
     for j, name in enumerate(_COLUMNS):
         frame[name] = host[order, j]
     frame["form"] = "exact"
@@ -220,8 +254,14 @@ def _shorter(engine_a: Engine, engine_b: Engine) -> int | None:
     return min(limits) if limits else None
 
 
-def _bounded_pair(traces: Any, engine_a: Engine, engine_b: Engine, lacking: list,
-                  labels: tuple[str, str] | None, progress: bool) -> pd.DataFrame:
+def _bounded_pair(
+    traces: Any,
+    engine_a: Engine,
+    engine_b: Engine,
+    lacking: list,
+    labels: tuple[str, str] | None,
+    progress: bool,
+) -> pd.DataFrame:
     """Both engines replayed as usual; the divergences bounded from top-k and tail mass."""
     from trace_replay.analysis.distribution_bounds import distribution_bounds
     from trace_replay.runs.replay import replay
@@ -230,6 +270,8 @@ def _bounded_pair(traces: Any, engine_a: Engine, engine_b: Engine, lacking: list
     b = replay(traces, engine=engine_b, progress=progress)
     df = distribution_bounds(a, b, labels=labels)
     names = ", ".join(repr(e.name) for e in lacking)
-    df.attrs["distribution_reason"] = (f"engine {names} gives no full distributions "
-                                       "(no step_logits): bounds from top-k and tail mass")
+    df.attrs["distribution_reason"] = (
+        f"engine {names} gives no full distributions "
+        "(no step_logits): bounds from top-k and tail mass"
+    )
     return df

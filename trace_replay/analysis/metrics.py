@@ -59,9 +59,6 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from trace_replay.runs.frame import check_frame
-from trace_replay.analysis.same_traces import same_traces
-from trace_replay.wording import plural
 from trace_replay.analysis.mismatch import (
     NOISE_SE,
     ROUNDING_NATS,
@@ -83,6 +80,9 @@ from trace_replay.analysis.ranks import (
     rank_fractions,
     trace_summary,
 )
+from trace_replay.analysis.same_traces import same_traces
+from trace_replay.runs.frame import check_frame
+from trace_replay.wording import plural
 
 # the rank-bucket and single-run names live in trace_replay.analysis.ranks; re-exported here, where
 # they have always been imported from
@@ -100,7 +100,15 @@ __all__ = [
 ]
 
 _KEY = ["trace_id", "step"]
-_SIDE_COLUMNS = ("logprob", "rank", "rank_exact", "top_token_ids", "top_logprobs", "top_tokens", "entropy")
+_SIDE_COLUMNS = (
+    "logprob",
+    "rank",
+    "rank_exact",
+    "top_token_ids",
+    "top_logprobs",
+    "top_tokens",
+    "entropy",
+)
 
 
 def _ref_side(df: pd.DataFrame) -> pd.DataFrame:
@@ -123,9 +131,7 @@ def _first_mismatch(a: pd.DataFrame, b: pd.DataFrame, name: str) -> str:
 _LABEL_FIELDS = ("engine", "dtype", "device")
 
 
-def run_labels(
-    attrs: Sequence[Mapping], *, fields: Sequence[str] = _LABEL_FIELDS
-) -> list[str]:
+def run_labels(attrs: Sequence[Mapping], *, fields: Sequence[str] = _LABEL_FIELDS) -> list[str]:
     """Short names for runs, from their provenance, keeping only the fields that differ.
 
     Parameters
@@ -247,8 +253,9 @@ def compare(
     check_frame(b, f"b ({labels[1]})")
     left_out: list[str] = []
     if not paired_with_ref:
-        a, b, left_out = same_traces(a, b, labels=(f"a ({labels[0]})", f"b ({labels[1]})"),
-                                     drop_mismatched=drop_mismatched)
+        a, b, left_out = same_traces(
+            a, b, labels=(f"a ({labels[0]})", f"b ({labels[1]})"), drop_mismatched=drop_mismatched
+        )
 
     keys_a = pd.MultiIndex.from_frame(a[_KEY])
     keys_b = pd.MultiIndex.from_frame(b[_KEY])
@@ -261,8 +268,7 @@ def compare(
         )
 
     # per-token facts of the trace itself, not of a run: kept once
-    shared = [c for c in ("position", "token", "turn", "role")
-              if c in a.columns or c in b.columns]
+    shared = [c for c in ("position", "token", "turn", "role") if c in a.columns or c in b.columns]
     side_a = a[[*_KEY, "token_id", *[c for c in shared if c in a.columns]]]
     side_b = b[[*_KEY, "token_id", *[c for c in shared if c not in a.columns]]]
     order = {t: i for i, t in enumerate(pd.unique(a["trace_id"]))}
@@ -305,10 +311,29 @@ def compare(
     cmp["ulp_distance"] = ulp_distance(la, lb)
     cmp["nonfinite"] = ~(np.isfinite(la) & np.isfinite(lb))
 
-    first = [*_KEY, *shared, "token_id", "logprob_a", "logprob_b", "delta", "abs_delta",
-             "ratio", "k1", "k3", "abs_delta_prob", "rank_a", "rank_b", "rank_exact_a",
-             "rank_exact_b", "top1_a", "top1_b",
-             "top1_agree", "bit_mismatch", "ulp_distance", "nonfinite"]  # fmt: skip
+    first = [
+        *_KEY,
+        *shared,
+        "token_id",
+        "logprob_a",
+        "logprob_b",
+        "delta",
+        "abs_delta",
+        "ratio",
+        "k1",
+        "k3",
+        "abs_delta_prob",
+        "rank_a",
+        "rank_b",
+        "rank_exact_a",
+        "rank_exact_b",
+        "top1_a",
+        "top1_b",
+        "top1_agree",
+        "bit_mismatch",
+        "ulp_distance",
+        "nonfinite",
+    ]
     cmp = cmp[first + [c for c in cmp.columns if c not in first]]
     cmp.attrs = {"labels": labels, "attrs_a": dict(a.attrs), "attrs_b": dict(b.attrs)}
     if left_out:
@@ -387,10 +412,12 @@ def summarize(cmp: pd.DataFrame, *, tol: float = 1e-3) -> pd.DataFrame:
     for side in ("a", "b"):
         out[f"ppl_{side}"] = np.exp(-g[f"logprob_{side}"].mean().astype("float64"))
     for side in ("a", "b"):
-        out[f"n_rank_bound_{side}"] = (~exact_ranks(cmp, f"_{side}")).groupby(
-            by_trace, sort=False).sum()
+        out[f"n_rank_bound_{side}"] = (
+            (~exact_ranks(cmp, f"_{side}")).groupby(by_trace, sort=False).sum()
+        )
     se_k1 = (-finite).groupby(by_trace, sort=False).std() / np.sqrt(
-        finite.notna().groupby(by_trace, sort=False).sum())
+        finite.notna().groupby(by_trace, sort=False).sum()
+    )
     _warn_negative_traces(out["mean_k1"], se_k1)
     return out.reset_index()
 
@@ -401,8 +428,10 @@ def _warn_negative_traces(mean_k1: pd.Series, se: pd.Series) -> None:
     negative = mean_k1[mean_k1 < -(NOISE_SE * se.fillna(0) + ROUNDING_NATS)]
     if len(negative):
         lowest = negative.idxmin()
-        name = (f"mean_k1 of {len(negative)} of {plural(len(mean_k1), 'trace')} "
-                f"(lowest: trace {lowest!r})")
+        name = (
+            f"mean_k1 of {len(negative)} of {plural(len(mean_k1), 'trace')} "
+            f"(lowest: trace {lowest!r})"
+        )
         warn_negative({name: (negative[lowest], se[lowest], ROUNDING_NATS)}, stacklevel=4)
 
 

@@ -15,9 +15,17 @@ from collections.abc import Mapping
 import numpy as np
 import pandas as pd
 
-__all__ = ["NOISE_SE", "ROUNDING_NATS", "NegativeEstimateWarning", "bit_mismatch",
-           "ulp_distance", "trainer_metrics", "repeated_step", "require_comparison",
-           "warn_negative"]
+__all__ = [
+    "NOISE_SE",
+    "ROUNDING_NATS",
+    "NegativeEstimateWarning",
+    "bit_mismatch",
+    "ulp_distance",
+    "trainer_metrics",
+    "repeated_step",
+    "require_comparison",
+    "warn_negative",
+]
 
 _COMPARISON = ("trace_id", "step", "logprob_a", "logprob_b", "delta")
 _ASSUMPTION = (
@@ -60,25 +68,32 @@ def require_comparison(cmp: pd.DataFrame, caller: str, *, one: bool = False) -> 
     if not missing:
         row = repeated_step(cmp) if one else None
         if row is not None:
-            raise ValueError(f"{caller} takes one comparison, but cmp holds trace "
-                             f"{row['trace_id']!r} step {row['step']} more than once "
-                             f"(comparisons concatenated? {caller} each one; the plots take "
-                             "them with hue=)")
+            raise ValueError(
+                f"{caller} takes one comparison, but cmp holds trace "
+                f"{row['trace_id']!r} step {row['step']} more than once "
+                f"(comparisons concatenated? {caller} each one; the plots take "
+                "them with hue=)"
+            )
         return
     if not isinstance(cmp, pd.DataFrame):
         got = f"a {type(cmp).__name__}"
     elif "logprob" in cmp.columns:
-        got = ("a replay frame (per-run column 'logprob'); compare it with another run, "
-               'compare(df, other), or with its ref_logprob column, compare(df, "ref"), or '
-               "summarize one run with trace_summary(df)")
+        got = (
+            "a replay frame (per-run column 'logprob'); compare it with another run, "
+            'compare(df, other), or with its ref_logprob column, compare(df, "ref"), or '
+            "summarize one run with trace_summary(df)"
+        )
     else:
         got = f"a frame with columns {list(cmp.columns)}"
-    raise ValueError(f"{caller} needs a comparison frame from compare(a, b) (columns "
-                     f"{', '.join(_COMPARISON)}); lacking {missing}, got {got}")
+    raise ValueError(
+        f"{caller} needs a comparison frame from compare(a, b) (columns "
+        f"{', '.join(_COMPARISON)}); lacking {missing}, got {got}"
+    )
 
 
-def warn_negative(estimates: Mapping[str, tuple[float, float, float]], *,
-                  stacklevel: int = 3) -> None:
+def warn_negative(
+    estimates: Mapping[str, tuple[float, float, float]], *, stacklevel: int = 3
+) -> None:
     """Warn once (`NegativeEstimateWarning`) naming every estimate below zero by more than
     :data:`NOISE_SE` standard errors plus its rounding floor, with its value and standard
     error.
@@ -90,17 +105,26 @@ def warn_negative(estimates: Mapping[str, tuple[float, float, float]], *,
     noise or its floor of zero, as on side a's own samples scored by two engines of one
     model, does not warn; NaN never does.
     """
-    negative = {name: (value, se) for name, (value, se, floor) in estimates.items()
-                if value < -(NOISE_SE * np.nan_to_num(se) + floor)}
+    negative = {
+        name: (value, se)
+        for name, (value, se, floor) in estimates.items()
+        if value < -(NOISE_SE * np.nan_to_num(se) + floor)
+    }
     if negative:
         listed = ", ".join(f"{name} = {value:.4g}" for name, (value, _) in negative.items())
         errors = ", ".join(f"{se:.2g}" for _, se in negative.values())
-        unknown = ("; nan: a mean of one value, whose error is unknown"
-                   if any(np.isnan(se) for _, se in negative.values()) else "")
-        warnings.warn(f"negative estimate: {listed}. {_ASSUMPTION}; below zero by more than "
-                      f"{NOISE_SE:g} standard errors ({errors}{unknown}) and than a rounding "
-                      f"of {ROUNDING_NATS:g} nats per token could move it, so not noise",
-                      NegativeEstimateWarning, stacklevel=stacklevel)
+        unknown = (
+            "; nan: a mean of one value, whose error is unknown"
+            if any(np.isnan(se) for _, se in negative.values())
+            else ""
+        )
+        warnings.warn(
+            f"negative estimate: {listed}. {_ASSUMPTION}; below zero by more than "
+            f"{NOISE_SE:g} standard errors ({errors}{unknown}) and than a rounding "
+            f"of {ROUNDING_NATS:g} nats per token could move it, so not noise",
+            NegativeEstimateWarning,
+            stacklevel=stacklevel,
+        )
 
 
 def standard_error(values: np.ndarray) -> float:
@@ -277,10 +301,16 @@ def trainer_metrics(cmp: pd.DataFrame) -> dict[str, float]:
         "max_ulp_distance": stat(np.max, ulps),
     }
     rounded = _divergence_terms(d + ROUNDING_NATS, trace_ids)  # every token rounded one way
-    warn_negative({name: (metrics[name], standard_error(values),
-                          abs(float(np.mean(rounded[name]) - np.mean(values))) if values.size
-                          else 0.0)
-                   for name, values in samples.items()})
+    warn_negative(
+        {
+            name: (
+                metrics[name],
+                standard_error(values),
+                abs(float(np.mean(rounded[name]) - np.mean(values))) if values.size else 0.0,
+            )
+            for name, values in samples.items()
+        }
+    )
     return metrics
 
 

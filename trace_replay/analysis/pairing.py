@@ -40,8 +40,9 @@ class HeldActivations:
         self.blocks[fid][site.index] = values.cpu()
         self.left[fid, site.index] = len(rows.step)
 
-    def take(self, site: Site, groups: dict[int, tuple[np.ndarray, np.ndarray]],
-             n: int) -> torch.Tensor:
+    def take(
+        self, site: Site, groups: dict[int, tuple[np.ndarray, np.ndarray]], n: int
+    ) -> torch.Tensor:
         """Run a's values for ``n`` rows of b, gathered per a-forward; drops what is used up."""
         out = None
         for fid, (b_rows, a_rows) in groups.items():
@@ -58,8 +59,9 @@ class HeldActivations:
 class Comparer:
     """Run b's sink: pairs each activation with run a's and keeps four numbers per row."""
 
-    def __init__(self, held: HeldActivations, requests: Sequence[ReplayRequest], last_site: int,
-                 bar) -> None:
+    def __init__(
+        self, held: HeldActivations, requests: Sequence[ReplayRequest], last_site: int, bar
+    ) -> None:
         self.held, self.requests, self.last_site, self.bar = held, requests, last_site, bar
         self.groups: tuple[int, dict] | None = None  # (b forward, its rows grouped by a fwd)
         self.parts: list[dict[str, np.ndarray]] = []
@@ -69,10 +71,15 @@ class Comparer:
             self.groups = (rows.forward_id, self._group(rows))
         mine = values.cpu()
         theirs = self.held.take(site, self.groups[1], len(mine))
-        self.parts.append({"trace_index": rows.trace_index, "step": rows.step,
-                           "layer": np.full(len(mine), site.layer),
-                           "site": np.full(len(mine), site.name, dtype=object),
-                           **row_metrics(theirs, mine)})
+        self.parts.append(
+            {
+                "trace_index": rows.trace_index,
+                "step": rows.step,
+                "layer": np.full(len(mine), site.layer),
+                "site": np.full(len(mine), site.name, dtype=object),
+                **row_metrics(theirs, mine),
+            }
+        )
         if site.index == self.last_site:
             self.bar.update(len(mine))
 
@@ -80,8 +87,10 @@ class Comparer:
         found: dict[int, tuple[list, list]] = {}
         for i, key in enumerate(zip(rows.trace_index.tolist(), rows.step.tolist())):
             if key not in self.held.where:
-                raise RuntimeError(f"run b computed trace {self.requests[key[0]].trace_id!r} "
-                                   f"step {key[1]}, which run a did not")
+                raise RuntimeError(
+                    f"run b computed trace {self.requests[key[0]].trace_id!r} "
+                    f"step {key[1]}, which run a did not"
+                )
             fid, row = self.held.where.pop(key)
             found.setdefault(fid, ([], []))[0].append(i)
             found[fid][1].append(row)
@@ -106,7 +115,9 @@ def row_metrics(a: torch.Tensor, b: torch.Tensor) -> dict[str, np.ndarray]:
     rel_l2 = diff.norm(dim=1) / norm_a
     cosine = ((a * b).sum(dim=1) / (norm_a * norm_b)).clamp(-1.0, 1.0)
     same = (max_abs == 0) | bitwise
-    return {"max_abs_diff": torch.where(same, 0.0, max_abs).numpy(),
-            "rel_l2": torch.where(same, 0.0, rel_l2).numpy(),
-            "cosine": torch.where(same, 1.0, cosine).numpy(),
-            "bitwise_equal": bitwise.numpy()}
+    return {
+        "max_abs_diff": torch.where(same, 0.0, max_abs).numpy(),
+        "rel_l2": torch.where(same, 0.0, rel_l2).numpy(),
+        "cosine": torch.where(same, 1.0, cosine).numpy(),
+        "bitwise_equal": bitwise.numpy(),
+    }

@@ -24,9 +24,18 @@ import pandas as pd
 
 from trace_replay.analysis.mismatch import repeated_step, require_comparison
 
-__all__ = ["BOUND_BUCKET", "RANK_BUCKETS", "RANK_CUTS", "exact_ranks", "rank_bucket",
-           "rank_fractions", "rank_label", "rank_bucket_transitions", "trace_summary",
-           "engine_table"]
+__all__ = [
+    "BOUND_BUCKET",
+    "RANK_BUCKETS",
+    "RANK_CUTS",
+    "exact_ranks",
+    "rank_bucket",
+    "rank_fractions",
+    "rank_label",
+    "rank_bucket_transitions",
+    "trace_summary",
+    "engine_table",
+]
 
 BOUND_BUCKET = "bound"  # a lower-bound rank whose bucket it does not decide
 RANK_BUCKETS = ("1-10", "11-100", "101-1000", ">1000", BOUND_BUCKET)
@@ -41,20 +50,26 @@ def _require_replay(df: pd.DataFrame, caller: str) -> None:
     if not missing:
         row = repeated_step(df)
         if row is not None:
-            raise ValueError(f"{caller} takes one run, but df holds trace {row['trace_id']!r} "
-                             f"step {row['step']} more than once (runs concatenated? "
-                             f"{caller.split(' ')[0]} each one; plot_rank_buckets takes them "
-                             "with hue=)")
+            raise ValueError(
+                f"{caller} takes one run, but df holds trace {row['trace_id']!r} "
+                f"step {row['step']} more than once (runs concatenated? "
+                f"{caller.split(' ')[0]} each one; plot_rank_buckets takes them "
+                "with hue=)"
+            )
         return
     if not isinstance(df, pd.DataFrame):
         got = f"a {type(df).__name__}"
     elif "logprob_a" in df.columns:
-        got = ("a comparison frame (columns logprob_a, logprob_b): summarize it with "
-               "summarize(cmp), or pass one run")
+        got = (
+            "a comparison frame (columns logprob_a, logprob_b): summarize it with "
+            "summarize(cmp), or pass one run"
+        )
     else:
         got = f"a frame with columns {list(df.columns)}"
-    raise ValueError(f"{caller} needs a replay frame (columns trace_id, step, logprob, rank); "
-                     f"lacking {missing}, got {got}")
+    raise ValueError(
+        f"{caller} needs a replay frame (columns trace_id, step, logprob, rank); "
+        f"lacking {missing}, got {got}"
+    )
 
 
 def as_float64(series: pd.Series) -> np.ndarray:
@@ -90,9 +105,10 @@ def first_step(df: pd.DataFrame, mask: pd.Series) -> pd.Series:
     return steps.groupby(df["trace_id"], sort=False).min().astype("Int64")
 
 
-def rank_bucket(rank: pd.Series | Sequence[float] | np.ndarray,
-                exact: pd.Series | Sequence[bool] | np.ndarray | None = None,
-                ) -> pd.Series | pd.Categorical:
+def rank_bucket(
+    rank: pd.Series | Sequence[float] | np.ndarray,
+    exact: pd.Series | Sequence[bool] | np.ndarray | None = None,
+) -> pd.Series | pd.Categorical:
     """GLTR bucket of each rank: "1-10", "11-100", "101-1000" or ">1000" (its rank range),
     or "bound" for a lower bound that does not decide its range.
 
@@ -137,12 +153,15 @@ def _rank_hits(rank: pd.Series, exact: pd.Series | None = None) -> pd.DataFrame:
     known = values.notna()
     exact = pd.Series(True, index=rank.index) if exact is None else exact
     # a bound r says rank >= r: it decides "rank <= K" (false) only when r > K
-    hits = {f"frac_rank_le_{cut}": (values <= cut, exact | (values > cut))
-            for cut in RANK_CUTS}
+    hits = {f"frac_rank_le_{cut}": (values <= cut, exact | (values > cut)) for cut in RANK_CUTS}
     last = RANK_CUTS[-1]
     hits[f"frac_rank_gt_{last}"] = (values > last, exact | (values > last))
-    return pd.DataFrame({name: hit.astype("float64").where(known & decided)
-                         for name, (hit, decided) in hits.items()})
+    return pd.DataFrame(
+        {
+            name: hit.astype("float64").where(known & decided)
+            for name, (hit, decided) in hits.items()
+        }
+    )
 
 
 def rank_fractions(rank: pd.Series, exact: pd.Series | None = None) -> pd.Series:
@@ -283,12 +302,17 @@ def engine_table(results: dict[str, pd.DataFrame]) -> pd.DataFrame:
     rows = []
     for name, df in results.items():
         _require_replay(df, f"engine_table (run {name!r})")
-        rows.append({"engine": name, "path": df.attrs.get("engine_path"),
-                     "traces": df["trace_id"].nunique(), "tokens": len(df),
-                     "mean_logprob": df["logprob"].mean(),
-                     "frac_rank_le_1": _rank_hits(df["rank"], exact_ranks(df))
-                     ["frac_rank_le_1"].mean(),
-                     "ppl": float(np.exp(-df["logprob"].mean())),
-                     "wall_s": df.attrs.get("wall_s"),
-                     "n_rank_bound": int((~exact_ranks(df)).sum())})
+        rows.append(
+            {
+                "engine": name,
+                "path": df.attrs.get("engine_path"),
+                "traces": df["trace_id"].nunique(),
+                "tokens": len(df),
+                "mean_logprob": df["logprob"].mean(),
+                "frac_rank_le_1": _rank_hits(df["rank"], exact_ranks(df))["frac_rank_le_1"].mean(),
+                "ppl": float(np.exp(-df["logprob"].mean())),
+                "wall_s": df.attrs.get("wall_s"),
+                "n_rank_bound": int((~exact_ranks(df)).sum()),
+            }
+        )
     return pd.DataFrame(rows)

@@ -24,8 +24,9 @@ __all__ = ["flip_matrix", "record_routing", "routing_flips"]
 _KEY = ["trace_id", "step", "layer"]
 
 
-def record_routing(traces: Any, engine: Any, **replay_options: Any) -> tuple[pd.DataFrame,
-                                                                             pd.DataFrame]:
+def record_routing(
+    traces: Any, engine: Any, **replay_options: Any
+) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Replay ``traces`` through ``engine`` and record its MoE routing.
 
     Parameters
@@ -50,45 +51,57 @@ def record_routing(traces: Any, engine: Any, **replay_options: Any) -> tuple[pd.
     from trace_replay.runs.replay import replay
 
     if replay_options.get("checkpoint") is not None:
-        raise ValueError("record_routing cannot resume a checkpoint: skipped traces would "
-                         "have no routing")
+        raise ValueError(
+            "record_routing cannot resume a checkpoint: skipped traces would have no routing"
+        )
     if supports(engine, RoutedExperts) and engine.returns_routing:  # vLLM's own (GPU)
         engine.routed.clear()
-        df = replay(traces, engine=engine, progress=replay_options.pop("progress", False),
-                    **replay_options)
+        df = replay(
+            traces, engine=engine, progress=replay_options.pop("progress", False), **replay_options
+        )
         routing = _from_arrays(engine.routed)
         routing.attrs = {"engine": engine.name, "routing_layout": "vllm"}
         return df, routing
     with RoutingRecorder(engine) as recorder:
-        df = replay(traces, engine=engine, progress=replay_options.pop("progress", False),
-                    **replay_options)
+        df = replay(
+            traces, engine=engine, progress=replay_options.pop("progress", False), **replay_options
+        )
     routing = recorder.frame()
-    routing.attrs = {"engine": engine.name, "routing_layout": engine.routing_layout,
-                     "layers": sorted(recorder.routers)}
+    routing.attrs = {
+        "engine": engine.name,
+        "routing_layout": engine.routing_layout,
+        "layers": sorted(recorder.routers),
+    }
     return df, routing
 
 
 def _from_arrays(routed: dict[str, np.ndarray]) -> pd.DataFrame:
     """Rows of ``{trace_id: [T, layers, top-k] expert ids}`` (no router weights: NaN)."""
-    rows = [(trace_id, step, layer, tuple(sorted(int(e) for e in experts)), None)
-            for trace_id, array in routed.items()
-            for step, per_layer in enumerate(np.asarray(array))
-            for layer, experts in enumerate(per_layer)]
+    rows = [
+        (trace_id, step, layer, tuple(sorted(int(e) for e in experts)), None)
+        for trace_id, array in routed.items()
+        for step, per_layer in enumerate(np.asarray(array))
+        for layer, experts in enumerate(per_layer)
+    ]
     return pd.DataFrame(rows, columns=["trace_id", "step", "layer", "experts", "weights"])
 
 
 def _joined(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
-    both = a[[*_KEY, "experts"]].merge(b[[*_KEY, "experts"]], on=_KEY, suffixes=("_a", "_b"),
-                                       validate="one_to_one")
+    both = a[[*_KEY, "experts"]].merge(
+        b[[*_KEY, "experts"]], on=_KEY, suffixes=("_a", "_b"), validate="one_to_one"
+    )
     if len(both) != len(a) or len(both) != len(b):
-        raise ValueError(f"the routing records differ in their (trace, step, layer) rows: "
-                         f"{len(a)} and {len(b)}, {len(both)} shared")
+        raise ValueError(
+            f"the routing records differ in their (trace, step, layer) rows: "
+            f"{len(a)} and {len(b)}, {len(both)} shared"
+        )
     both["flip"] = [x != y for x, y in zip(both["experts_a"], both["experts_b"])]
     return both
 
 
-def routing_flips(a: pd.DataFrame, b: pd.DataFrame, cmp: pd.DataFrame | None = None, *,
-                  tol: float = 1e-3) -> pd.DataFrame:
+def routing_flips(
+    a: pd.DataFrame, b: pd.DataFrame, cmp: pd.DataFrame | None = None, *, tol: float = 1e-3
+) -> pd.DataFrame:
     """Per trace, the first routing flip of two routing records, beside the first logprob
     divergence.
 
@@ -115,12 +128,17 @@ def routing_flips(a: pd.DataFrame, b: pd.DataFrame, cmp: pd.DataFrame | None = N
     for trace_id, group in both.groupby("trace_id", sort=False):
         flipped = group[group["flip"]].sort_values(["step", "layer"])
         first = flipped.iloc[0] if len(flipped) else None
-        rows.append({"trace_id": trace_id, "flips": int(group["flip"].sum()),
-                     "flip_rate": float(group["flip"].mean()),
-                     "first_flip_step": -1 if first is None else int(first.step),
-                     "first_flip_layer": -1 if first is None else int(first.layer),
-                     "experts_a": None if first is None else first.experts_a,
-                     "experts_b": None if first is None else first.experts_b})
+        rows.append(
+            {
+                "trace_id": trace_id,
+                "flips": int(group["flip"].sum()),
+                "flip_rate": float(group["flip"].mean()),
+                "first_flip_step": -1 if first is None else int(first.step),
+                "first_flip_layer": -1 if first is None else int(first.layer),
+                "experts_a": None if first is None else first.experts_a,
+                "experts_b": None if first is None else first.experts_b,
+            }
+        )
     out = pd.DataFrame(rows)
     if cmp is not None:
         delta = cmp["delta"].astype("float64")

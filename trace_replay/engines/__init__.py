@@ -27,10 +27,18 @@ from trace_replay.engines.vllm.deterministic import deterministic_unavailable
 __all__ = ["ENGINES", "ENGINE_OPTIONS", "Engine", "EngineConfig", "make_engine"]
 
 
-def make_engine(name: str, model: Any = None, *, dtype=None, device=None,
-                batch_size: int | None = None, top_k: int = 5, deterministic: bool = False,
-                verbose: bool = False,
-                **options: Any) -> Engine:
+def make_engine(
+    name: str,
+    model: Any = None,
+    *,
+    dtype=None,
+    device=None,
+    batch_size: int | None = None,
+    top_k: int = 5,
+    deterministic: bool = False,
+    verbose: bool = False,
+    **options: Any,
+) -> Engine:
     """Build the engine ``name``.
 
     Parameters
@@ -61,8 +69,14 @@ def make_engine(name: str, model: Any = None, *, dtype=None, device=None,
         Ready to ``run``; close it (or use ``with``) to release its model and processes.
     """
     spec = engine_spec(name)
-    config = EngineConfig(model=model, dtype=dtype, device=device, batch_size=batch_size,
-                          top_k=top_k, deterministic=deterministic)
+    config = EngineConfig(
+        model=model,
+        dtype=dtype,
+        device=device,
+        batch_size=batch_size,
+        top_k=top_k,
+        deterministic=deterministic,
+    )
     options = {k: v for k, v in options.items() if v is not None}
     unknown = sorted(set(options) - set(spec.takes()))
     if unknown:
@@ -91,10 +105,10 @@ def _make_auto(config: EngineConfig, *, verbose: bool = False, **options: Any) -
             else:
                 engine.selected_by = "auto: vllm"
                 return engine
-        warnings.warn(f"engine='auto' falls back to the torch engine ({reason})",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"engine='auto' falls back to the torch engine ({reason})", RuntimeWarning, stacklevel=3
+        )
     torch_options = {k: v for k, v in options.items() if k in ENGINE_OPTIONS["torch"]}
     engine = make_engine("torch", **vars(config), **torch_options)
     engine.selected_by = f"auto: torch ({reason})"
     return engine
-

@@ -17,17 +17,51 @@ from typing import Any
 
 import torch
 
-from trace_replay.engines.capabilities import (ActivationSource, Activations, BatchHooks,
-                                               Generates, protocol_members, supports)
-from trace_replay.engines.identity import (EngineClosed, engine_identity, glance, guard_class,
-                                           marking_closed, read_weights, refused_when_closed)
-from trace_replay.engines.protocol import (BatchFailed, Engine, ReplayRequest, TraceResult,
-                                           missing_members)
+from trace_replay.engines.capabilities import (
+    Activations,
+    ActivationSource,
+    BatchHooks,
+    Generates,
+    protocol_members,
+    supports,
+)
+from trace_replay.engines.identity import (
+    EngineClosed,
+    engine_identity,
+    glance,
+    guard_class,
+    marking_closed,
+    read_weights,
+    refused_when_closed,
+)
+from trace_replay.engines.protocol import (
+    BatchFailed,
+    Engine,
+    ReplayRequest,
+    TraceResult,
+    missing_members,
+)
 
-__all__ = ["ActivationSource", "Activations", "BatchFailed", "BatchHooks", "ENGINE_MEMBERS",
-           "Engine", "EngineBase", "EngineClosed", "EngineConfig", "Generates", "PROVENANCE",
-           "ReplayRequest", "TraceResult", "check_engine", "engine_identity",
-           "missing_members", "protocol_members", "supports"]
+__all__ = [
+    "ActivationSource",
+    "Activations",
+    "BatchFailed",
+    "BatchHooks",
+    "ENGINE_MEMBERS",
+    "Engine",
+    "EngineBase",
+    "EngineClosed",
+    "EngineConfig",
+    "Generates",
+    "PROVENANCE",
+    "ReplayRequest",
+    "TraceResult",
+    "check_engine",
+    "engine_identity",
+    "missing_members",
+    "protocol_members",
+    "supports",
+]
 
 
 @dataclass(frozen=True)
@@ -74,12 +108,15 @@ def _check_device(device: str | torch.device) -> None:
     if backend is not None:
         count = backend.device_count() if backend.is_available() else 0
         if count == 0:
-            raise ValueError(f"device {str(device)!r} is not available on this machine "
-                             f"(torch.{device.type}.is_available() is False)")
+            raise ValueError(
+                f"device {str(device)!r} is not available on this machine "
+                f"(torch.{device.type}.is_available() is False)"
+            )
         if device.index is not None and device.index >= count:
-            raise ValueError(f"device {str(device)!r} does not exist: this machine has "
-                             f"{count} {device.type} device(s)")
-
+            raise ValueError(
+                f"device {str(device)!r} does not exist: this machine has "
+                f"{count} {device.type} device(s)"
+            )
 
 
 class EngineBase(ABC):
@@ -122,8 +159,9 @@ class EngineBase(ABC):
         guard_class(cls)
 
     @abstractmethod
-    def run(self, requests: Sequence[ReplayRequest], *,
-            on_tokens: Callable[[int], None] | None = None) -> list[TraceResult]:
+    def run(
+        self, requests: Sequence[ReplayRequest], *, on_tokens: Callable[[int], None] | None = None
+    ) -> list[TraceResult]:
         """Score ``requests``; one result each, in the order given (see :class:`Engine`)."""
 
     @property
@@ -176,13 +214,18 @@ class EngineBase(ABC):
         return read_weights(self.lm)
 
     @refused_when_closed
-    def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int,
-                 temperature: float = 0.0, seed: int = 0,
-                 eos_token_id: int | None = None) -> list[tuple[list[int], list[float]]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_tokens: int,
+        temperature: float = 0.0,
+        seed: int = 0,
+        eos_token_id: int | None = None,
+    ) -> list[tuple[list[int], list[float]]]:
         """Free generation, ``(token_ids, raw logprobs)`` per prompt; only where
         ``can_generate`` (this default raises NotImplementedError)."""
-        raise NotImplementedError(f"engine {self.name!r} cannot generate (can_generate is "
-                                  "False)")
+        raise NotImplementedError(f"engine {self.name!r} cannot generate (can_generate is False)")
 
     generate._refuses = True  # type: ignore[attr-defined]  # not Generates (supports())
 
@@ -190,17 +233,25 @@ class EngineBase(ABC):
     def activations(self) -> Activations:
         """Where this engine's forwards can be watched (:class:`Activations`); this default
         raises NotImplementedError: the model runs outside this process."""
-        raise NotImplementedError(f"engine {self.name!r} runs its model outside this process: "
-                                  "its activations cannot be read (layer attribution runs "
-                                  "engines that are an ActivationSource)")
+        raise NotImplementedError(
+            f"engine {self.name!r} runs its model outside this process: "
+            "its activations cannot be read (layer attribution runs "
+            "engines that are an ActivationSource)"
+        )
 
     activations._refuses = True  # type: ignore[attr-defined]  # not an ActivationSource
 
     def settings(self) -> dict[str, Any]:
-        settings = {"engine": self.name, "engine_path": self.engine_path,
-                    "model": self.model_label, "dtype": self.dtype, "device": self.device,
-                    "batch_size": self.batch_size, "top_k": self.top_k,
-                    "deterministic": self.deterministic}
+        settings = {
+            "engine": self.name,
+            "engine_path": self.engine_path,
+            "model": self.model_label,
+            "dtype": self.dtype,
+            "device": self.device,
+            "batch_size": self.batch_size,
+            "top_k": self.top_k,
+            "deterministic": self.deterministic,
+        }
         if self.selected_by is not None:
             settings["selected_by"] = self.selected_by
         return settings
@@ -208,7 +259,7 @@ class EngineBase(ABC):
     def stats(self) -> dict[str, Any]:
         return {}
 
-    @marking_closed
+    @marking_closed  # noqa: B027 (a default: an engine that holds nothing needs no close)
     def close(self) -> None:
         """Release what the engine holds; a closed engine cannot run again
         (:class:`EngineClosed`)."""
@@ -224,8 +275,11 @@ class EngineBase(ABC):
 
 
 # what a subclass of EngineBase sets itself: the annotated attributes without a value there
-PROVENANCE = tuple(name for name in EngineBase.__annotations__
-                   if not hasattr(EngineBase, name) and not name.startswith("_"))
+PROVENANCE = tuple(
+    name
+    for name in EngineBase.__annotations__
+    if not hasattr(EngineBase, name) and not name.startswith("_")
+)
 
 # every member of the core protocol, attributes and methods (what check_engine asks for)
 ENGINE_MEMBERS = protocol_members(Engine, ("__enter__", "__exit__"))
@@ -240,6 +294,8 @@ def check_engine(engine: Any) -> None:
     wanted = ENGINE_MEMBERS + (PROVENANCE if isinstance(engine, EngineBase) else ())
     missing = missing_members(engine, wanted)
     if missing:
-        raise TypeError(f"{type(engine).__name__} is not an Engine: it lacks "
-                        f"{', '.join(missing)} (subclass trace_replay.engines.base.EngineBase, "
-                        "which gives all but run and the provenance attributes)")
+        raise TypeError(
+            f"{type(engine).__name__} is not an Engine: it lacks "
+            f"{', '.join(missing)} (subclass trace_replay.engines.base.EngineBase, "
+            "which gives all but run and the provenance attributes)"
+        )

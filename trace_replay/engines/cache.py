@@ -47,8 +47,9 @@ def check_settings(settings: Mapping[str, Any], where: str) -> None:
         if key not in valid:
             close = difflib.get_close_matches(str(key), valid, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"{where}: unknown setting {key!r}{hint}; engine {name!r} takes "
-                             f"{', '.join(valid)}")
+            raise ValueError(
+                f"{where}: unknown setting {key!r}{hint}; engine {name!r} takes {', '.join(valid)}"
+            )
 
 
 def _device(device: str | torch.device | None) -> torch.device:
@@ -80,13 +81,20 @@ class ModelCache:
     def __len__(self) -> int:
         return len(self._models)
 
-    def get(self, model: Any = None, *, dtype: str | torch.dtype | None = None,
-            device: str | torch.device | None = None) -> torch.nn.Module:
+    def get(
+        self,
+        model: Any = None,
+        *,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device | None = None,
+    ) -> torch.nn.Module:
         """The model ``model`` in ``dtype`` on ``device``, loaded or cast at most once."""
         if isinstance(model, torch.nn.Module):
             weight = next(model.parameters())
-            want = (resolve_dtype(dtype) if dtype is not None else weight.dtype,
-                    torch.device(device) if device is not None else weight.device)
+            want = (
+                resolve_dtype(dtype) if dtype is not None else weight.dtype,
+                torch.device(device) if device is not None else weight.device,
+            )
             if (want[0], want[1].type) == (weight.dtype, weight.device.type):
                 return model
             key = ("module", id(model), *want)

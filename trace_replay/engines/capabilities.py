@@ -28,8 +28,15 @@ if TYPE_CHECKING:
 
     from trace_replay.engines.protocol import ReplayRequest
 
-__all__ = ["ActivationSource", "Activations", "BatchHooks", "Generates", "missing_members",
-           "protocol_members", "supports"]
+__all__ = [
+    "ActivationSource",
+    "Activations",
+    "BatchHooks",
+    "Generates",
+    "missing_members",
+    "protocol_members",
+    "supports",
+]
 
 
 @dataclass(frozen=True)
@@ -53,9 +60,15 @@ class Generates(Protocol):
     """Free generation: ``(token_ids, raw logprobs)`` per prompt, greedy at temperature 0,
     else seeded sampling; stops at ``eos_token_id`` (kept) when given."""
 
-    def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int,
-                 temperature: float = 0.0, seed: int = 0,
-                 eos_token_id: int | None = None) -> list[tuple[list[int], list[float]]]: ...
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_tokens: int,
+        temperature: float = 0.0,
+        seed: int = 0,
+        eos_token_id: int | None = None,
+    ) -> list[tuple[list[int], list[float]]]: ...
 
 
 @runtime_checkable
@@ -78,9 +91,18 @@ class BatchHooks(Protocol):
 def protocol_members(protocol: type, dunders: Sequence[str] = ()) -> tuple[str, ...]:
     """Every member ``protocol`` declares, sorted: its annotated attributes and its public
     methods, with the special methods named in ``dunders``."""
-    return tuple(sorted({*protocol.__annotations__, *(
-        name for name, value in vars(protocol).items()
-        if inspect.isfunction(value) and (not name.startswith("_") or name in dunders))}))
+    return tuple(
+        sorted(
+            {
+                *protocol.__annotations__,
+                *(
+                    name
+                    for name, value in vars(protocol).items()
+                    if inspect.isfunction(value) and (not name.startswith("_") or name in dunders)
+                ),
+            }
+        )
+    )
 
 
 def supports(engine: Any, capability: type) -> bool:
@@ -97,5 +119,3 @@ def _static(obj: Any, name: str) -> Any:
         return inspect.getattr_static(obj, name)
     except AttributeError:
         return getattr(obj, name, None)
-
-

@@ -21,8 +21,16 @@ import torch
 if TYPE_CHECKING:
     from trace_replay.engines.protocol import Engine
 
-__all__ = ["NEEDS_OPEN", "EngineClosed", "engine_identity", "glance", "guard_class",
-           "marking_closed", "read_weights", "refused_when_closed"]
+__all__ = [
+    "NEEDS_OPEN",
+    "EngineClosed",
+    "engine_identity",
+    "glance",
+    "guard_class",
+    "marking_closed",
+    "read_weights",
+    "refused_when_closed",
+]
 
 
 def glance(lm: torch.nn.Module) -> bytes:
@@ -47,8 +55,11 @@ def read_weights(lm: torch.nn.Module) -> str:
     with torch.no_grad():
         for name, weight in lm.named_parameters():
             flat = weight.detach().reshape(-1)
-            sums = torch.stack([flat.sum(dtype=torch.float64),
-                                flat.double().square().sum()]).cpu().numpy()
+            sums = (
+                torch.stack([flat.sum(dtype=torch.float64), flat.double().square().sum()])
+                .cpu()
+                .numpy()
+            )
             digest.update(f"{name}:{tuple(weight.shape)}:{weight.dtype}".encode())
             digest.update(sums.tobytes())
             digest.update(_sample(weight))
@@ -59,7 +70,7 @@ def _sample(weight: torch.Tensor) -> bytes:
     """The exact bytes of 1,024 elements of ``weight``, strided over all of it."""
     with torch.no_grad():
         flat = weight.detach().reshape(-1)
-        sample = flat[::max(1, flat.numel() // 1024)][:1024]
+        sample = flat[:: max(1, flat.numel() // 1024)][:1024]
         return sample.cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
 
@@ -86,12 +97,15 @@ class EngineClosed(RuntimeError):
 
 def refused_when_closed(method: Callable) -> Callable:
     """``method``, raising :class:`EngineClosed` instead on an engine that is closed."""
+
     @functools.wraps(method)
     def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
         if self._closed:
-            raise EngineClosed(f"engine {self.name!r} is closed: {method.__name__}() needs "
-                               "what close() (or the end of its with block) released; build "
-                               "a new engine")
+            raise EngineClosed(
+                f"engine {self.name!r} is closed: {method.__name__}() needs "
+                "what close() (or the end of its with block) released; build "
+                "a new engine"
+            )
         return method(self, *args, **kwargs)
 
     guarded._guarded = True  # type: ignore[attr-defined]
@@ -101,6 +115,7 @@ def refused_when_closed(method: Callable) -> Callable:
 def marking_closed(close: Callable) -> Callable:
     """``close``, marking the engine closed once it has run (or failed part way: a half
     released engine is no more usable)."""
+
     @functools.wraps(close)
     def marking(self: Any) -> None:
         try:

@@ -15,8 +15,15 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ENGINES", "ENGINE_OPTIONS", "EngineSpec", "engine_spec", "engine_specs",
-           "register_engine", "unregister_engine"]
+__all__ = [
+    "ENGINES",
+    "ENGINE_OPTIONS",
+    "EngineSpec",
+    "engine_spec",
+    "engine_specs",
+    "register_engine",
+    "unregister_engine",
+]
 
 
 @dataclass(frozen=True)
@@ -44,8 +51,9 @@ class EngineSpec:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"an engine's name is a non-empty str, got {self.name!r}")
         if isinstance(self.factory, str) and ":" not in self.factory:
-            raise ValueError(f"engine {self.name!r}: factory {self.factory!r} is not "
-                             "'module:attribute'")
+            raise ValueError(
+                f"engine {self.name!r}: factory {self.factory!r} is not 'module:attribute'"
+            )
 
     def takes(self) -> tuple[str, ...]:
         """The keyword options this engine takes beyond the config (``None``: every
@@ -69,8 +77,7 @@ _SPECS: dict[str, EngineSpec] = {}
 def register_engine(spec: EngineSpec, *, replace: bool = False) -> EngineSpec:
     """Add ``spec`` under its name (refused where the name is taken, unless ``replace``)."""
     if spec.name in _SPECS and not replace:
-        raise ValueError(f"engine {spec.name!r} is registered already (replace=True to "
-                         "swap it)")
+        raise ValueError(f"engine {spec.name!r} is registered already (replace=True to swap it)")
     _SPECS[spec.name] = spec
     return spec
 
@@ -129,24 +136,60 @@ class _Options(Mapping):
 ENGINES: Sequence[str] = _Names()
 ENGINE_OPTIONS: Mapping[str, tuple[str, ...]] = _Options()
 
-register_engine(EngineSpec(
-    "auto", "trace_replay.engines:_make_auto", "vLLM when it starts, else torch (with a "
-    "warning saying why)", options=None, verbose=True, generates=True, loaded_model=False))
-register_engine(EngineSpec(
-    "torch", "trace_replay.engines.builtin.engine:TorchEngine", "the built-in batched "
-    "decode loop over a transformers model (CPU, CUDA)",
-    options=("speculative", "backend", "float32_matmul", "batch1_fusions",
-             "deterministic_attention"), generates=True, activations=True))
-register_engine(EngineSpec(
-    "prefill", "trace_replay.engines.builtin.prefill:PrefillEngine", "teacher-forced "
-    "scoring, one forward over prompt + trace", options=("deterministic_attention",),
-    activations=True))
-register_engine(EngineSpec(
-    "vllm", "trace_replay.engines.vllm:start_engine", "vLLM in this process: native trace "
-    "replay or logits-processor forcing", options=("engine_args", "native"), verbose=True,
-    generates=True, loaded_model=False))
-register_engine(EngineSpec(
-    "vllm-server", "trace_replay.engines.server.engine:ServerEngine", "a running vLLM "
-    "server over HTTP (trace-replay serve), --engine-arg base_url=...",
-    options=("engine_args",), kept=False,
-    needs="a server's base_url (--engine-arg base_url=http://HOST:PORT/v1)"))
+register_engine(
+    EngineSpec(
+        "auto",
+        "trace_replay.engines:_make_auto",
+        "vLLM when it starts, else torch (with a warning saying why)",
+        options=None,
+        verbose=True,
+        generates=True,
+        loaded_model=False,
+    )
+)
+register_engine(
+    EngineSpec(
+        "torch",
+        "trace_replay.engines.builtin.engine:TorchEngine",
+        "the built-in batched decode loop over a transformers model (CPU, CUDA)",
+        options=(
+            "speculative",
+            "backend",
+            "float32_matmul",
+            "batch1_fusions",
+            "deterministic_attention",
+        ),
+        generates=True,
+        activations=True,
+    )
+)
+register_engine(
+    EngineSpec(
+        "prefill",
+        "trace_replay.engines.builtin.prefill:PrefillEngine",
+        "teacher-forced scoring, one forward over prompt + trace",
+        options=("deterministic_attention",),
+        activations=True,
+    )
+)
+register_engine(
+    EngineSpec(
+        "vllm",
+        "trace_replay.engines.vllm:start_engine",
+        "vLLM in this process: native trace replay or logits-processor forcing",
+        options=("engine_args", "native"),
+        verbose=True,
+        generates=True,
+        loaded_model=False,
+    )
+)
+register_engine(
+    EngineSpec(
+        "vllm-server",
+        "trace_replay.engines.server.engine:ServerEngine",
+        "a running vLLM server over HTTP (trace-replay serve), --engine-arg base_url=...",
+        options=("engine_args",),
+        kept=False,
+        needs="a server's base_url (--engine-arg base_url=http://HOST:PORT/v1)",
+    )
+)

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from trace_replay.kernels.force_logits import force_trace_logits
 from trace_replay.kernels._triton import use_triton
+from trace_replay.kernels.force_logits import force_trace_logits
 from trace_replay.kernels.trace_tokens import apply_trace_tokens, apply_trace_tokens_reference
 from trace_replay.kernels.trace_tokens_verified import apply_trace_tokens_to_verified
 
@@ -100,8 +100,9 @@ class TraceReplayState:
         self._pin = self.device.type == "cuda"
         # the launcher's choice, made once for the state's device: on a CPU without Triton's
         # interpreter every step runs the torch reference directly
-        self._apply_trace = (apply_trace_tokens if use_triton(self.trace_len)
-                             else apply_trace_tokens_reference)
+        self._apply_trace = (
+            apply_trace_tokens if use_triton(self.trace_len) else apply_trace_tokens_reference
+        )
         self._staged: dict[int, torch.Tensor | None] = {}
         self._host_len = [0] * max_num_reqs  # lengths as of the last apply_staged_writes
         self._num_traced = 0  # slots whose length is > 0
@@ -190,11 +191,20 @@ class TraceReplayState:
     @property
     def _trace_args(self) -> tuple[torch.Tensor, ...]:
         """What every trace kernel reads: tokens, trace lengths, total and prompt lengths."""
-        return (self.trace_token_ids, self.trace_len, self.req_states.total_len,
-                self.req_states.prompt_len)
+        return (
+            self.trace_token_ids,
+            self.trace_len,
+            self.req_states.total_len,
+            self.req_states.prompt_len,
+        )
 
-    def apply_trace(self, sampled: torch.Tensor, idx_mapping: torch.Tensor, *,
-                    trace_token_ids: torch.Tensor | None = None) -> None:
+    def apply_trace(
+        self,
+        sampled: torch.Tensor,
+        idx_mapping: torch.Tensor,
+        *,
+        trace_token_ids: torch.Tensor | None = None,
+    ) -> None:
         """Force ``sampled`` to each request's trace token; see :func:`apply_trace_tokens`.
 
         ``trace_token_ids``: read the tokens from this copy of the storage (at least as long,
@@ -203,19 +213,33 @@ class TraceReplayState:
         if self._num_traced == 0:
             return
         tokens, *lengths = self._trace_args
-        self._apply_trace(sampled, idx_mapping,
-                          tokens if trace_token_ids is None else trace_token_ids, *lengths,
-                          trace_offsets=self.trace_offsets)
+        self._apply_trace(
+            sampled,
+            idx_mapping,
+            tokens if trace_token_ids is None else trace_token_ids,
+            *lengths,
+            trace_offsets=self.trace_offsets,
+        )
 
     def force_logits(
-        self, logits: torch.Tensor, idx_mapping: torch.Tensor, *, value: float = 1e30,
+        self,
+        logits: torch.Tensor,
+        idx_mapping: torch.Tensor,
+        *,
+        value: float = 1e30,
         advance: bool = False,
     ) -> None:
         """Raise each row's trace-token logit to ``value``; see :func:`force_trace_logits`."""
         if self._num_traced == 0 and not advance:
             return
-        force_trace_logits(logits, idx_mapping, *self._trace_args,
-                           trace_offsets=self.trace_offsets, value=value, advance=advance)
+        force_trace_logits(
+            logits,
+            idx_mapping,
+            *self._trace_args,
+            trace_offsets=self.trace_offsets,
+            value=value,
+            advance=advance,
+        )
 
     def apply_trace_to_verified(
         self,
@@ -228,9 +252,15 @@ class TraceReplayState:
         """Force verified tokens to the trace; see :func:`apply_trace_tokens_to_verified`."""
         if self._num_traced == 0:
             return
-        apply_trace_tokens_to_verified(sampled, num_sampled, draft_sampled, cu_num_logits,
-                                       idx_mapping, *self._trace_args,
-                                       trace_offsets=self.trace_offsets)
+        apply_trace_tokens_to_verified(
+            sampled,
+            num_sampled,
+            draft_sampled,
+            cu_num_logits,
+            idx_mapping,
+            *self._trace_args,
+            trace_offsets=self.trace_offsets,
+        )
 
     def peek(self, idx_mapping: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """The next ``num_tokens`` trace tokens of each batch row, as drafts to verify.

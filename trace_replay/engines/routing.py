@@ -83,21 +83,26 @@ class RoutingRecorder:
 
     def __init__(self, engine: RoutingSource) -> None:
         if getattr(engine, "routing_layout", None) not in LAYOUTS:
-            raise ValueError(f"engine {engine.name!r} cannot record routing: its forwards do "
-                             "not run a transformers model's modules in this process")
+            raise ValueError(
+                f"engine {engine.name!r} cannot record routing: its forwards do "
+                "not run a transformers model's modules in this process"
+            )
         self.engine, self.layout = engine, engine.routing_layout
         self.routers = find_routers(engine.activations().model)
         if not self.routers:
-            raise ValueError("the model has no mixture-of-experts router modules "
-                             "(a dense model routes nothing)")
+            raise ValueError(
+                "the model has no mixture-of-experts router modules (a dense model routes nothing)"
+            )
         self._batch: list[ReplayRequest] = []
         self._forward = -1  # forwards of the current batch, counted at its first layer
         self._rows: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._handles: list = []
 
     def __enter__(self) -> RoutingRecorder:
-        self._handles = [router.register_forward_hook(self._hook(layer))
-                         for layer, router in self.routers.items()]
+        self._handles = [
+            router.register_forward_hook(self._hook(layer))
+            for layer, router in self.routers.items()
+        ]
         self.engine.on_batch = self._on_batch
         return self
 
@@ -122,6 +127,7 @@ class RoutingRecorder:
             scores = scores.detach().float().cpu().numpy().reshape(indices.shape)
             for row, trace, step, column in self._where(indices.shape[1]):
                 self._rows[(trace, step, layer)] = (indices[row, column], scores[row, column])
+
         return record
 
     def _where(self, width: int):
@@ -143,8 +149,14 @@ class RoutingRecorder:
         rows = []
         for (trace, step, layer), (experts, weights) in self._rows.items():
             order = np.argsort(experts)
-            rows.append((trace, step, layer, tuple(int(e) for e in experts[order]),
-                         tuple(float(w) for w in weights[order])))
+            rows.append(
+                (
+                    trace,
+                    step,
+                    layer,
+                    tuple(int(e) for e in experts[order]),
+                    tuple(float(w) for w in weights[order]),
+                )
+            )
         df = pd.DataFrame(rows, columns=["trace_id", "step", "layer", "experts", "weights"])
-        return df.sort_values(["trace_id", "step", "layer"], kind="stable",
-                              ignore_index=True)
+        return df.sort_values(["trace_id", "step", "layer"], kind="stable", ignore_index=True)

@@ -16,5 +16,8 @@ FORCING_PROCESSOR = "trace_replay.engines.vllm.forcing:TraceForcingProcessor"
 TRACE_KEY = "trace_replay_token_ids"  # the SamplingParams.extra_args key the processor reads
 # NVLink multicast off in NCCL, PyTorch's symmetric memory and NVSHMEM: on a shared multi-GPU
 # host a program that uses it can put the host's GPUs out of service
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                 "NVSHMEM_DISABLE_NVLS": "1"}
+MULTICAST_OFF = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}

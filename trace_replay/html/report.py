@@ -20,7 +20,6 @@ import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from trace_replay.plots._figures import run_label
 from trace_replay._io import write_atomic, write_target
 from trace_replay.analysis.metrics import (
     compare,
@@ -29,6 +28,8 @@ from trace_replay.analysis.metrics import (
     summarize,
     trace_summary,
 )
+from trace_replay.html.tokens import render_tokens
+from trace_replay.plots._figures import run_label
 from trace_replay.plots.frames import (
     plot_delta_hist,
     plot_divergence_heatmap,
@@ -37,7 +38,6 @@ from trace_replay.plots.frames import (
     plot_rank_buckets,
     plot_trace,
 )
-from trace_replay.html.tokens import render_tokens
 from trace_replay.runs.frame import check_frame
 from trace_replay.runs.result_file import check_scores, read_result
 from trace_replay.wording import plural
@@ -82,8 +82,10 @@ def _partial_notes(sides: list[tuple[str, dict]]) -> list[str]:
     for label, attrs in sides:
         if attrs.get("complete") is False:
             missing = ", ".join(f"{i}/{n}" for i, n in attrs.get("missing_shards") or [])
-            notes.append(f"{label} is incomplete: shard {missing or '?'} missing; its numbers "
-                         "cover only the shards merged")
+            notes.append(
+                f"{label} is incomplete: shard {missing or '?'} missing; its numbers "
+                "cover only the shards merged"
+            )
         elif attrs.get("shard") and not isinstance(attrs["shard"][0], (list, tuple)):
             index, count = attrs["shard"]
             notes.append(f"{label} is shard {index}/{count} of a run, not the whole of it")
@@ -93,8 +95,14 @@ def _partial_notes(sides: list[tuple[str, dict]]) -> list[str]:
 def _table(df: pd.DataFrame, *, index: bool = False) -> str:
     """The frame as an HTML table that fits the page: long headers wrap, and a table still
     wider than the page scrolls inside its own box."""
-    table = df.to_html(index=index, escape=True, border=0, classes="tr-table", na_rep="—",
-                       float_format=lambda v: f"{v:.4g}")  # fmt: skip
+    table = df.to_html(
+        index=index,
+        escape=True,
+        border=0,
+        classes="tr-table",
+        na_rep="—",
+        float_format=lambda v: f"{v:.4g}",
+    )
     return f'<div class="tr-wide">{table}</div>'
 
 
@@ -155,9 +163,11 @@ def _bounds(df_a: pd.DataFrame, df_b: pd.DataFrame, cmp: pd.DataFrame) -> pd.Dat
     if not all("tail_logmass" in f and f["tail_logmass"].notna().all() for f in (df_a, df_b)):
         return None
     keep = cmp[["trace_id", "step"]]
-    return distribution_bounds(df_a.merge(keep, on=["trace_id", "step"]),
-                               df_b.merge(keep, on=["trace_id", "step"]),
-                               labels=cmp.attrs["labels"])
+    return distribution_bounds(
+        df_a.merge(keep, on=["trace_id", "step"]),
+        df_b.merge(keep, on=["trace_id", "step"]),
+        labels=cmp.attrs["labels"],
+    )
 
 
 def _distribution_sections(dist: pd.DataFrame, tol: float) -> list[str]:
@@ -168,20 +178,32 @@ def _distribution_sections(dist: pd.DataFrame, tol: float) -> list[str]:
     form = dist.attrs.get("distribution_form", "exact")
     rows = []
     for metric in ("kl_ab", "kl_ba", "tv", "js"):
-        for column in ([metric] if form == "exact" else [f"{metric}_lower", f"{metric}_upper"]):
+        for column in [metric] if form == "exact" else [f"{metric}_lower", f"{metric}_upper"]:
             values = dist[column].astype(float)
-            rows.append({"column": column, "mean": values.mean(),
-                         "p99": values.quantile(0.99, interpolation="higher"),  # inf-safe
-                         "max": values.max()})
-    note = ("exact: from both engines' full logits (a paired replay)" if form == "exact" else
-            "bounded: from each run's top-k and tail mass; the exact value lies between "
-            "_lower and _upper (KL's upper bound is infinite)")
-    return [f"<h2>Full distributions ({form})</h2><p class='tr-note'>{html.escape(note)}</p>",
-            _table(pd.DataFrame(rows)),
-            _figure(lambda ax: plot_distribution_hist(dist, metric="kl_ab", ax=ax), "KL hist"),
-            _figure(lambda ax: plot_distribution_hist(dist, metric="tv", ax=ax), "TV hist"),
-            _figure(lambda ax: plot_first_past(dist, metric="kl_ab", tol=tol, ax=ax),
-                    "first token past tol in KL")]
+            rows.append(
+                {
+                    "column": column,
+                    "mean": values.mean(),
+                    "p99": values.quantile(0.99, interpolation="higher"),  # inf-safe
+                    "max": values.max(),
+                }
+            )
+    note = (
+        "exact: from both engines' full logits (a paired replay)"
+        if form == "exact"
+        else "bounded: from each run's top-k and tail mass; the exact value lies between "
+        "_lower and _upper (KL's upper bound is infinite)"
+    )
+    return [
+        f"<h2>Full distributions ({form})</h2><p class='tr-note'>{html.escape(note)}</p>",
+        _table(pd.DataFrame(rows)),
+        _figure(lambda ax: plot_distribution_hist(dist, metric="kl_ab", ax=ax), "KL hist"),
+        _figure(lambda ax: plot_distribution_hist(dist, metric="tv", ax=ax), "TV hist"),
+        _figure(
+            lambda ax: plot_first_past(dist, metric="kl_ab", tol=tol, ax=ax),
+            "first token past tol in KL",
+        ),
+    ]
 
 
 def _trace_sections(frame: pd.DataFrame, trace_ids: list, color_by: str, tol: float) -> list[str]:
@@ -259,15 +281,18 @@ def write_report(
     if b is not None:
         df_b, name_b = _load(b, "b")
         named = name_a is not None and name_b is not None and name_a != name_b
-        cmp = compare(df_a, df_b, labels=(name_a, name_b) if named else None,
-                      drop_mismatched=drop_mismatched)
+        cmp = compare(
+            df_a, df_b, labels=(name_a, name_b) if named else None, drop_mismatched=drop_mismatched
+        )
         labels = cmp.attrs["labels"]
         if cmp.attrs.get("left_out"):
             left_out = cmp.attrs["left_out"]
-            parts.append(f"<p class='tr-warn'>left out {plural(len(left_out), 'trace')} whose "
-                         f"prompt or trace tokens differ between the runs: "
-                         f"{html.escape(', '.join(map(repr, left_out[:20])))}"
-                         f"{' …' if len(left_out) > 20 else ''}</p>")
+            parts.append(
+                f"<p class='tr-warn'>left out {plural(len(left_out), 'trace')} whose "
+                f"prompt or trace tokens differ between the runs: "
+                f"{html.escape(', '.join(map(repr, left_out[:20])))}"
+                f"{' …' if len(left_out) > 20 else ''}</p>"
+            )
         title = title or f"trace replay: {labels[1]} vs {labels[0]}"
         sides = [(f"a: {labels[0]}", df_a.attrs), (f"b: {labels[1]}", df_b.attrs)]
         parts += _comparison_sections(cmp, tol)
@@ -297,15 +322,17 @@ def write_report(
     for note in partial:
         warnings.warn(f"report: {note}", stacklevel=2)
     provenance = "".join(_attrs_table(dict(attrs), label) for label, attrs in sides)
-    page = "\n".join([
-        '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">',
-        f"<title>{html.escape(title)}</title>{_CSS}</head><body>",
-        f"<h1>{html.escape(title)}</h1><p class='tr-note'>generated {stamp}</p>",
-        *(f"<p class='tr-warn'>{html.escape(note)}</p>" for note in partial),
-        *parts,
-        f"<h2>Provenance</h2>{provenance}",
-        "</body></html>",
-    ])  # fmt: skip
+    page = "\n".join(
+        [
+            '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">',
+            f"<title>{html.escape(title)}</title>{_CSS}</head><body>",
+            f"<h1>{html.escape(title)}</h1><p class='tr-note'>generated {stamp}</p>",
+            *(f"<p class='tr-warn'>{html.escape(note)}</p>" for note in partial),
+            *parts,
+            f"<h2>Provenance</h2>{provenance}",
+            "</body></html>",
+        ]
+    )
     path = Path(out)
     write_atomic(path, lambda temporary: temporary.write_text(page, encoding="utf-8"))
     return path

@@ -16,14 +16,19 @@ import numpy as np
 import pandas as pd
 
 from trace_replay._io import write_atomic
-from trace_replay.wording import WHITESPACE_MARKS, plural, visible_token
 from trace_replay.analysis.metrics import compare, rank_bucket
 from trace_replay.analysis.ranks import exact_ranks, rank_label
+from trace_replay.wording import WHITESPACE_MARKS, plural, visible_token
 
 __all__ = ["TokenHTML", "render_tokens"]
 
-_BUCKET_BG = {"1-10": "#b8e6b8", "11-100": "#fbe99a", "101-1000": "#f7b3ae",
-              ">1000": "#dcc6f2", "bound": "#b9d3ee"}  # fmt: skip
+_BUCKET_BG = {
+    "1-10": "#b8e6b8",
+    "11-100": "#fbe99a",
+    "101-1000": "#f7b3ae",
+    ">1000": "#dcc6f2",
+    "bound": "#b9d3ee",
+}
 _UNKNOWN_BG = "#e6e6e6"
 _NONFINITE_BG = "#555555"
 _LOGPROB_FLOOR = -10.0
@@ -40,7 +45,6 @@ _CSS = """<style>
 .tr-tokens-view .tr-ramp{display:inline-block;width:110px;height:10px;margin:0 4px;
  vertical-align:middle;border:1px solid #ccc}
 </style>"""
-
 
 
 @dataclass(frozen=True)

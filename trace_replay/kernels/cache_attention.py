@@ -32,15 +32,28 @@ MAX_QUERY_ROWS = 64  # G * q per program; wider (prefill) is left to the caller'
 @triton.jit
 def _cache_attention_kernel(
     query_ptr,  # [B, H_kv, M, D] float, last stride 1; row g * q + i: head g's token i
-    query_strides_b, query_strides_h, query_strides_m,
+    query_strides_b,
+    query_strides_h,
+    query_strides_m,
     key_ptr,  # [B, H_kv, L, D], same dtype, last stride 1
-    key_strides_b, key_strides_h, key_strides_n,
+    key_strides_b,
+    key_strides_h,
+    key_strides_n,
     value_ptr,  # [B, H_kv, L, D], same dtype, last stride 1
-    value_strides_b, value_strides_h, value_strides_n,
+    value_strides_b,
+    value_strides_h,
+    value_strides_n,
     mask_ptr,  # [B, q, L] additive, any float dtype; the same for every head
-    mask_strides_b, mask_strides_q, mask_strides_n,
+    mask_strides_b,
+    mask_strides_q,
+    mask_strides_n,
     out_ptr,  # [B, H_kv, M, D] contiguous, query's dtype, written
-    rows, q, length, dim, scale, hidden_below,
+    rows,
+    q,
+    length,
+    dim,
+    scale,
+    hidden_below,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -50,9 +63,15 @@ def _cache_attention_kernel(
     b, h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
     row_ok, dim_ok = offs_m < rows, offs_d < dim
-    query = tl.load(query_ptr + b * query_strides_b + h * query_strides_h
-                    + offs_m[:, None] * query_strides_m + offs_d[None, :],
-                    mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    query = tl.load(
+        query_ptr
+        + b * query_strides_b
+        + h * query_strides_h
+        + offs_m[:, None] * query_strides_m
+        + offs_d[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
     if FLOAT32_DOTS:
         query = query.to(tl.float32)
     mask_rows = mask_ptr + b * mask_strides_b + (offs_m % q)[:, None] * mask_strides_q
@@ -64,14 +83,16 @@ def _cache_attention_kernel(
     for start in range(0, length, BLOCK_N):
         slot = start + offs_n
         slot_ok = slot < length
-        bias = tl.load(mask_rows + slot[None, :] * mask_strides_n,
-                       mask=row_ok[:, None] & slot_ok[None, :], other=float("-inf"))
+        bias = tl.load(
+            mask_rows + slot[None, :] * mask_strides_n,
+            mask=row_ok[:, None] & slot_ok[None, :],
+            other=float("-inf"),
+        )
         bias = bias.to(tl.float32)
         if tl.max(tl.max(bias, axis=1), axis=0) > hidden_below:
             load_ok = slot_ok[:, None] & dim_ok[None, :]
             keys = tl.load(keys_base + slot[:, None] * key_strides_n, mask=load_ok, other=0.0)
-            values = tl.load(values_base + slot[:, None] * value_strides_n, mask=load_ok,
-                             other=0.0)
+            values = tl.load(values_base + slot[:, None] * value_strides_n, mask=load_ok, other=0.0)
             if FLOAT32_DOTS:
                 keys, values = keys.to(tl.float32), values.to(tl.float32)
                 scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION)
@@ -86,19 +107,29 @@ def _cache_attention_kernel(
             rescale = tl.exp(row_max - shift)
             row_sum = row_sum * rescale + tl.sum(weights, axis=1)
             if FLOAT32_DOTS:
-                acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values,
-                                                      input_precision=PRECISION)
+                acc = acc * rescale[:, None] + tl.dot(
+                    weights.to(values.dtype), values, input_precision=PRECISION
+                )
             else:
                 acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values)
             row_max = new_max
     out = acc / row_sum[:, None]
-    tl.store(out_ptr + ((b * tl.num_programs(1) + h) * rows + offs_m[:, None]) * dim
-             + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(
+        out_ptr + ((b * tl.num_programs(1) + h) * rows + offs_m[:, None]) * dim + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & dim_ok[None, :],
+    )
 
 
-def cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    mask: torch.Tensor, scale: float, *, precision: str = "ieee") -> torch.Tensor:
+def cache_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    *,
+    precision: str = "ieee",
+) -> torch.Tensor:
     """Attention of grouped queries over a KV cache, skipping blocks the mask hides from all.
 
     Runs the Triton kernel when :func:`~trace_replay.kernels._triton.use_triton` allows it (CUDA
@@ -140,25 +171,39 @@ def cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if rows > MAX_QUERY_ROWS:
         raise ValueError(f"{rows} query rows per kv head; the kernel takes {MAX_QUERY_ROWS}")
     if rows % mask.shape[2]:
-        raise ValueError(f"{rows} query rows are not a multiple of the mask's "
-                         f"{mask.shape[2]} tokens")
+        raise ValueError(
+            f"{rows} query rows are not a multiple of the mask's {mask.shape[2]} tokens"
+        )
     if precision not in ("ieee", "tf32x3"):
         raise ValueError(f"precision={precision!r}; choose 'ieee' or 'tf32x3'")
     if not use_triton(query, key, value, mask):
         return cache_attention_reference(query, key, value, mask, scale)
-    return torch.ops.trace_replay.cache_attention(query, key, value, mask, float(scale),
-                                                  precision)
+    return torch.ops.trace_replay.cache_attention(query, key, value, mask, float(scale), precision)
 
 
 @torch.library.custom_op("trace_replay::cache_attention", mutates_args=())
-def _cache_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        mask: torch.Tensor, scale: float, precision: str) -> torch.Tensor:
+def _cache_attention_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    precision: str,
+) -> torch.Tensor:
     return launch(query, key, value, mask, scale, precision=precision)
 
 
-def launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-           scale: float, *, block_n: int | None = None,
-           num_warps: int | None = None, precision: str = "ieee") -> torch.Tensor:
+def launch(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    *,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    precision: str = "ieee",
+) -> torch.Tensor:
     """Run the kernel (no fallback); ``block_n``/``num_warps`` override the choices below
     (``benchmarks/bench_cache_attention.py --sweep``)."""
     batch, kv_heads, rows, dim = query.shape
@@ -168,18 +213,39 @@ def launch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
     # Blocks and warps from the sweep; float32 keeps 4 warps (some of its configurations
     # spill at 2). Fewer programs than SMs leave the GPU idle but for each program's walk
     # down the cache, so 16-bit inputs then take longer steps with more warps.
-    few = (query.dtype != torch.float32 and block_d <= 128
-           and batch * kv_heads < _multiprocessors(query.device))
+    few = (
+        query.dtype != torch.float32
+        and block_d <= 128
+        and batch * kv_heads < _multiprocessors(query.device)
+    )
     if block_n is None:
         block_n = 128 if few else 32 if block_d > 128 else 64
     if num_warps is None:
         num_warps = 4 if query.dtype == torch.float32 or few else 2
     _cache_attention_kernel[(batch, kv_heads)](
-        query, query.stride(0), query.stride(1), query.stride(2),
-        key, key.stride(0), key.stride(1), key.stride(2),
-        value, value.stride(0), value.stride(1), value.stride(2),
-        mask, mask.stride(0), mask.stride(2), mask.stride(3),
-        out, rows, mask.shape[2], key.shape[2], dim, scale, torch.finfo(mask.dtype).min / 2,
+        query,
+        query.stride(0),
+        query.stride(1),
+        query.stride(2),
+        key,
+        key.stride(0),
+        key.stride(1),
+        key.stride(2),
+        value,
+        value.stride(0),
+        value.stride(1),
+        value.stride(2),
+        mask,
+        mask.stride(0),
+        mask.stride(2),
+        mask.stride(3),
+        out,
+        rows,
+        mask.shape[2],
+        key.shape[2],
+        dim,
+        scale,
+        torch.finfo(mask.dtype).min / 2,
         BLOCK_M=max(16, triton.next_power_of_2(rows)),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
@@ -204,8 +270,9 @@ def _(query, key, value, mask, scale, precision):
     return query.new_empty(query.shape)
 
 
-def cache_attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                              mask: torch.Tensor, scale: float) -> torch.Tensor:
+def cache_attention_reference(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Pure-torch :func:`cache_attention`: SDPA over every slot, the mask repeated per head."""
     mask = grouped_mask(mask, query.shape[2] // mask.shape[2])
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
@@ -216,5 +283,6 @@ def grouped_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
     batch, _, q, length = mask.shape
     if q == 1:
         return mask
-    return mask[:, :, None].expand(batch, 1, groups, q, length).reshape(batch, 1, groups * q,
-                                                                        length)
+    return (
+        mask[:, :, None].expand(batch, 1, groups, q, length).reshape(batch, 1, groups * q, length)
+    )

@@ -61,8 +61,9 @@ def _attention_kernel(
     d = tl.arange(0, D_PAD)
     heads = kv_head * G + g
     q_mask = (g[:, None] < G) & (d[None, :] < D)
-    q = tl.load(q_ptr + row * stride_qr + heads[:, None] * stride_qh + d[None, :],
-                mask=q_mask, other=0.0).to(tl.float32)
+    q = tl.load(
+        q_ptr + row * stride_qr + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0
+    ).to(tl.float32)
     m_i = tl.full((G_PAD,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((G_PAD,), dtype=tl.float32)
     acc = tl.zeros((G_PAD, D_PAD), dtype=tl.float32)
@@ -71,8 +72,11 @@ def _attention_kernel(
         t = start + offsets
         inside = t < L
         kv_mask = inside[:, None] & (d[None, :] < D)
-        keys = tl.load(k_ptr + b * stride_kb + kv_head * stride_kh + t[:, None] * stride_kl
-                       + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        keys = tl.load(
+            k_ptr + b * stride_kb + kv_head * stride_kh + t[:, None] * stride_kl + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(tl.float32)
         scores = tl.sum(q[:, None, :] * keys[None, :, :], axis=2) * scale  # [G_PAD, BLOCK_N]
         ok = tl.load(valid_ptr + b * stride_valid + t, mask=inside, other=0) != 0
         allowed = (ok & (t <= own)) | (t == own)
@@ -81,18 +85,30 @@ def _attention_kernel(
         alpha = tl.where(m_new == m_i, 1.0, tl.exp(m_i - m_new))
         p = tl.where(allowed[None, :], tl.exp(scores - m_new[:, None]), 0.0)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        values = tl.load(v_ptr + b * stride_vb + kv_head * stride_vh + t[:, None] * stride_vl
-                         + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        values = tl.load(
+            v_ptr + b * stride_vb + kv_head * stride_vh + t[:, None] * stride_vl + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(tl.float32)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * values[None, :, :], axis=1)
         m_i = m_new
     out = acc / l_i[:, None]
-    tl.store(out_ptr + row * stride_or + heads[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(
+        out_ptr + row * stride_or + heads[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=q_mask,
+    )
 
 
-def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          valid: torch.Tensor, cache_row: torch.Tensor, slot: torch.Tensor,
-                          scale: float) -> torch.Tensor:
+def attention_rows_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    valid: torch.Tensor,
+    cache_row: torch.Tensor,
+    slot: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Each query row's attention over its own cache row, by the Triton kernel.
 
     Parameters
@@ -116,13 +132,25 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     q, out, valid, strides, shape = launch_args(q, k_cache, v_cache, valid)
     if q.shape[0]:
         _attention_kernel[(q.shape[0], k_cache.shape[1])](
-            q, k_cache, v_cache, valid, cache_row, slot, out, float(scale), k_cache.shape[2],
-            *strides, **shape, BLOCK_N=BLOCK_N)
+            q,
+            k_cache,
+            v_cache,
+            valid,
+            cache_row,
+            slot,
+            out,
+            float(scale),
+            k_cache.shape[2],
+            *strides,
+            **shape,
+            BLOCK_N=BLOCK_N,
+        )
     return out
 
 
-def launch_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                valid: torch.Tensor) -> tuple:
+def launch_args(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, valid: torch.Tensor
+) -> tuple:
     """What both attention launchers pass alike: ``(q contiguous, out, valid as int8,
     strides, shape constants)``; the strides in the kernels' order (q's row and head, the
     caches' row, head and slot, valid's row, out's row and head), the constants ``G``,
@@ -131,16 +159,31 @@ def launch_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out = torch.empty_like(q)
     valid = valid.view(torch.int8) if valid.dtype == torch.bool else valid
     groups, dim = q.shape[1] // k_cache.shape[1], q.shape[2]
-    strides = (q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-               valid.stride(0), out.stride(0), out.stride(1))
-    shape = dict(G=groups, G_PAD=triton.next_power_of_2(groups), D=dim,
-                 D_PAD=triton.next_power_of_2(dim))
+    strides = (
+        q.stride(0),
+        q.stride(1),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        valid.stride(0),
+        out.stride(0),
+        out.stride(1),
+    )
+    shape = dict(
+        G=groups, G_PAD=triton.next_power_of_2(groups), D=dim, D_PAD=triton.next_power_of_2(dim)
+    )
     return q, out, valid, strides, shape
 
 
-def attention_rows_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                             valid: torch.Tensor, cache_row: torch.Tensor, slot: torch.Tensor,
-                             scale: float, rows_per_call: int = 8) -> torch.Tensor:
+def attention_rows_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    valid: torch.Tensor,
+    cache_row: torch.Tensor,
+    slot: torch.Tensor,
+    scale: float,
+    rows_per_call: int = 8,
+) -> torch.Tensor:
     """:func:`attention_rows_triton` in torch ops, ``rows_per_call`` query rows at a time.
 
     Every torch call sees the same shapes (a block of ``rows_per_call`` rows, zero-padded,
@@ -160,19 +203,20 @@ def attention_rows_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     slot = torch.cat([slot, slot.new_zeros(pad)])
     offsets = torch.arange(BLOCK_N, device=q.device)
     for start in range(0, rows + pad, rows_per_call):
-        b = cache_row[start:start + rows_per_call]
-        own = slot[start:start + rows_per_call]
-        qb = q[start:start + rows_per_call].view(rows_per_call, kv_heads, groups, dim)
+        b = cache_row[start : start + rows_per_call]
+        own = slot[start : start + rows_per_call]
+        qb = q[start : start + rows_per_call].view(rows_per_call, kv_heads, groups, dim)
         m_i = qb.new_full((rows_per_call, kv_heads, groups, 1), float("-inf"))
         l_i = qb.new_zeros((rows_per_call, kv_heads, groups, 1))
         acc = qb.new_zeros((rows_per_call, kv_heads, groups, dim))
         for key_start in range(0, int(own.max()) + 1, BLOCK_N):
             t = key_start + offsets
-            keys = k_cache[b, :, key_start:key_start + BLOCK_N].float()  # [rows, H_kv, N, D]
-            values = v_cache[b, :, key_start:key_start + BLOCK_N].float()
+            keys = k_cache[b, :, key_start : key_start + BLOCK_N].float()  # [rows, H_kv, N, D]
+            values = v_cache[b, :, key_start : key_start + BLOCK_N].float()
             scores = torch.matmul(qb, keys.transpose(-1, -2)) * scale  # [rows, H_kv, G, N]
-            allowed = (valid[b][:, key_start:key_start + BLOCK_N] & (t <= own[:, None])) | \
-                (t == own[:, None])
+            allowed = (valid[b][:, key_start : key_start + BLOCK_N] & (t <= own[:, None])) | (
+                t == own[:, None]
+            )
             allowed = allowed[:, None, None, :]
             scores = scores.masked_fill(~allowed, float("-inf"))
             m_new = torch.maximum(m_i, scores.amax(dim=-1, keepdim=True))
@@ -184,6 +228,5 @@ def attention_rows_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         block = (acc / l_i).view(rows_per_call, heads, dim)
         take = min(rows_per_call, rows - start)
         if take > 0:
-            out[start:start + take] = block[:take].to(out.dtype)
+            out[start : start + take] = block[:take].to(out.dtype)
     return out
-

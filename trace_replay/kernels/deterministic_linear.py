@@ -35,9 +35,16 @@ import torch.nn.functional as F
 from trace_replay.kernels import fp32_linear
 from trace_replay.kernels._triton import tl, triton
 
-__all__ = ["INVARIANT_ROWS", "block_plan", "config_3xtf32", "group_config_3xtf32",
-           "linear_parts_3xtf32", "linear_rows_3xtf32", "linear_rows_reference",
-           "linear_rows_triton"]
+__all__ = [
+    "INVARIANT_ROWS",
+    "block_plan",
+    "config_3xtf32",
+    "group_config_3xtf32",
+    "linear_parts_3xtf32",
+    "linear_rows_3xtf32",
+    "linear_rows_reference",
+    "linear_rows_triton",
+]
 
 # Tile of one program. Constants: the arithmetic of an output element must not depend on
 # the number of rows (autotuning keyed on M, or split-K, would make it depend).
@@ -69,17 +76,26 @@ def _linear_kernel(
     for k0 in range(0, K, BLOCK_K):
         k = k0 + ks
         # masked loads give 0: a padded k adds 0 * 0 to every element alike
-        a = tl.load(x_ptr + rows[:, None] * stride_xr + k[None, :],
-                    mask=(rows[:, None] < R) & (k[None, :] < K), other=0.0)
-        b = tl.load(w_ptr + cols[None, :] * stride_wn + k[:, None],
-                    mask=(cols[None, :] < N) & (k[:, None] < K), other=0.0)
+        a = tl.load(
+            x_ptr + rows[:, None] * stride_xr + k[None, :],
+            mask=(rows[:, None] < R) & (k[None, :] < K),
+            other=0.0,
+        )
+        b = tl.load(
+            w_ptr + cols[None, :] * stride_wn + k[:, None],
+            mask=(cols[None, :] < N) & (k[:, None] < K),
+            other=0.0,
+        )
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
     mask = (rows[:, None] < R) & (cols[None, :] < N)
-    tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        out_ptr + rows[:, None] * stride_or + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 def linear_rows_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -104,9 +120,21 @@ def linear_rows_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if rows == 0:
         return out
     grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    _linear_kernel[grid](x, weight, out, rows, n, k, x.stride(0), weight.stride(0),
-                         out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                         IEEE=x.dtype == torch.float32)
+    _linear_kernel[grid](
+        x,
+        weight,
+        out,
+        rows,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        IEEE=x.dtype == torch.float32,
+    )
     return out
 
 
@@ -189,14 +217,16 @@ def linear_parts_3xtf32(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> tor
         (:func:`group_config_3xtf32` is None: launch them one at a time).
     """
     if x.dtype != torch.float32 or any(w.dtype != torch.float32 for w in weights):
-        raise ValueError(f"linear_parts_3xtf32 takes float32 (got {x.dtype} and "
-                         f"{[w.dtype for w in weights]})")
+        raise ValueError(
+            f"linear_parts_3xtf32 takes float32 (got {x.dtype} and {[w.dtype for w in weights]})"
+        )
     cols = [w.shape[0] for w in weights]
     if x.shape[0] == 0:
         return x.new_empty((1, 0, sum(cols)))
     if len(weights) == 1:
-        return fp32_linear.launch_partials(x, weights[0].contiguous(),
-                                           config=config_3xtf32(cols[0], x.shape[1]))
+        return fp32_linear.launch_partials(
+            x, weights[0].contiguous(), config=config_3xtf32(cols[0], x.shape[1])
+        )
     config = group_config_3xtf32(cols, x.shape[1])
     if config is None:
         raise ValueError(f"no tile width puts every member of {cols} on tiles of its own")
@@ -217,8 +247,9 @@ def block_plan(rows: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
     return plan
 
 
-def linear_rows_reference(x: torch.Tensor, weight: torch.Tensor,
-                          sizes: Sequence[int] = (16,)) -> torch.Tensor:
+def linear_rows_reference(
+    x: torch.Tensor, weight: torch.Tensor, sizes: Sequence[int] = (16,)
+) -> torch.Tensor:
     """``x @ weight.T`` as ``F.linear`` calls on blocks of rows from the menu ``sizes``.
 
     Every call has ``[size, K]`` rows, zero-padded at the end; the padding rows are dropped.
@@ -244,6 +275,5 @@ def linear_rows_reference(x: torch.Tensor, weight: torch.Tensor,
     end = plan[-1][0] + plan[-1][1]
     if end > rows:
         x = torch.cat([x, x.new_zeros((end - rows, x.shape[1]))])
-    out = [F.linear(x[start:start + size].contiguous(), weight) for start, size in plan]
+    out = [F.linear(x[start : start + size].contiguous(), weight) for start, size in plan]
     return torch.cat(out)[:rows] if len(out) > 1 else out[0][:rows]
-

@@ -37,8 +37,9 @@ def _rms_norm_kernel(
     variance = tl.sum(x32 * x32, axis=0) / H
     normed = (x32 * tl.rsqrt(variance + eps)).to(x.dtype)
     weight = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_o + cols, (weight * normed).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(
+        out_ptr + row * stride_o + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask
+    )
 
 
 def rms_norm_rows_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -47,13 +48,22 @@ def rms_norm_rows_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     rows, hidden = x.shape
     out = torch.empty((rows, hidden), dtype=torch.result_type(weight, x), device=x.device)
     if rows:
-        _rms_norm_kernel[(rows,)](x, weight, out, hidden, x.stride(0), out.stride(0),
-                                  float(eps), BLOCK_H=triton.next_power_of_2(hidden))
+        _rms_norm_kernel[(rows,)](
+            x,
+            weight,
+            out,
+            hidden,
+            x.stride(0),
+            out.stride(0),
+            float(eps),
+            BLOCK_H=triton.next_power_of_2(hidden),
+        )
     return out
 
 
-def rms_norm_rows_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                            rows: int = 8) -> torch.Tensor:
+def rms_norm_rows_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, rows: int = 8
+) -> torch.Tensor:
     """RMSNorm of ``x`` ``[R, H]`` in torch ops, ``rows`` rows per call (zero-padded)."""
     count = x.shape[0]
     pad = -count % rows
@@ -61,7 +71,7 @@ def rms_norm_rows_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
         x = torch.cat([x, x.new_zeros((pad, x.shape[1]))])
     out = []
     for start in range(0, count + pad, rows):
-        block = x[start:start + rows]
+        block = x[start : start + rows]
         b32 = block.float()
         b32 = b32 * torch.rsqrt(b32.pow(2).mean(-1, keepdim=True) + eps)
         out.append(weight * b32.to(block.dtype))

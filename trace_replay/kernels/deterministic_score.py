@@ -49,8 +49,9 @@ def _score_kernel(
     lane_max = tl.full((BLOCK,), float("-inf"), tl.float32)
     lane_sum = tl.zeros((BLOCK,), tl.float32)
     for start in range(0, vocab, BLOCK):
-        x = tl.load(base + start + offs, mask=start + offs < vocab,
-                    other=float("-inf")).to(tl.float32)
+        x = tl.load(base + start + offs, mask=start + offs < vocab, other=float("-inf")).to(
+            tl.float32
+        )
         new_max = tl.maximum(lane_max, x)
         # a lane with nothing finite yet scales by exp(-inf - 0) = 0, not exp(-inf - -inf)
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -83,8 +84,9 @@ def supports(logits: torch.Tensor, top_k: int) -> bool:
     return logits.dim() == 2 and 0 <= top_k <= min(MAX_TOP_K, logits.shape[1])
 
 
-def score_rows_triton(logits: torch.Tensor, token_ids: torch.Tensor,
-                      top_k: int) -> tuple[torch.Tensor, ...]:
+def score_rows_triton(
+    logits: torch.Tensor, token_ids: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, ...]:
     """Score ``token_ids`` ``[R]`` under ``logits`` ``[R, V]``, one program per row.
 
     Parameters
@@ -104,8 +106,10 @@ def score_rows_triton(logits: torch.Tensor, token_ids: torch.Tensor,
         ``[R, top_k]`` float32, entropy ``[R]`` float32.
     """
     if not supports(logits, top_k):
-        raise ValueError(f"score_rows_triton takes [R, V] logits and top_k <= {MAX_TOP_K} "
-                         f"(got {tuple(logits.shape)}, top_k={top_k})")
+        raise ValueError(
+            f"score_rows_triton takes [R, V] logits and top_k <= {MAX_TOP_K} "
+            f"(got {tuple(logits.shape)}, top_k={top_k})"
+        )
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     rows, vocab = logits.shape
@@ -114,8 +118,17 @@ def score_rows_triton(logits: torch.Tensor, token_ids: torch.Tensor,
     rank = torch.empty(rows, dtype=torch.long, device=logits.device)
     entropy = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows:
-        _score_kernel[(rows,)](logits, logits.stride(0), vocab, token_ids, logprob, rank,
-                               entropy, BLOCK=BLOCK, num_warps=8)
+        _score_kernel[(rows,)](
+            logits,
+            logits.stride(0),
+            vocab,
+            token_ids,
+            logprob,
+            rank,
+            entropy,
+            BLOCK=BLOCK,
+            num_warps=8,
+        )
     if top_k and rows:
         top_ids, top_logprobs = top_k_scores(logits, top_k, token_ids, logprob)
     else:
@@ -124,8 +137,9 @@ def score_rows_triton(logits: torch.Tensor, token_ids: torch.Tensor,
     return logprob, rank, top_ids, top_logprobs, entropy
 
 
-def score_rows_reference(logits: torch.Tensor, token_ids: torch.Tensor,
-                         top_k: int) -> tuple[torch.Tensor, ...]:
+def score_rows_reference(
+    logits: torch.Tensor, token_ids: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, ...]:
     """:func:`score_rows_triton`'s formulas in torch ops: logprob ``= logit - logsumexp``,
     rank ``= 1 +`` the logprobs strictly above, entropy ``= -sum(p log p)`` (0 where p is
     0), the top-k largest first with ties to the lower index, their logprobs the token's

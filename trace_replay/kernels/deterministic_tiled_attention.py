@@ -54,11 +54,17 @@ def _tiled_attention_kernel(
     out_ptr,  # [R, H, D], float, written
     scale,
     L,
-    stride_qr, stride_qh,
-    stride_kb, stride_kh, stride_kl,
-    stride_vb, stride_vh, stride_vl,
+    stride_qr,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_kl,
+    stride_vb,
+    stride_vh,
+    stride_vl,
     stride_valid,
-    stride_or, stride_oh,
+    stride_or,
+    stride_oh,
     G: tl.constexpr,  # query heads per kv head
     G_PAD: tl.constexpr,  # power of two >= G
     D: tl.constexpr,
@@ -81,8 +87,11 @@ def _tiled_attention_kernel(
     b = tl.load(cache_row_ptr + first, mask=count > 0, other=0)  # the tile's one cache row
     own = tl.load(slot_ptr + row, mask=live, other=-1)  # dead rows allow no key
     heads = kv_head * G + g
-    q = tl.load(q_ptr + row[:, None] * stride_qr + heads[:, None] * stride_qh + d[None, :],
-                mask=live[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    q = tl.load(
+        q_ptr + row[:, None] * stride_qr + heads[:, None] * stride_qh + d[None, :],
+        mask=live[:, None] & d_ok[None, :],
+        other=0.0,
+    ).to(tl.float32)
     m_i = tl.full((BLOCK_Q * G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_Q * G_PAD,), tl.float32)
     acc = tl.zeros((BLOCK_Q * G_PAD, D_PAD), tl.float32)
@@ -94,8 +103,9 @@ def _tiled_attention_kernel(
         t = start + offsets
         inside = t < L
         kv_mask = inside[:, None] & d_ok[None, :]
-        keys = tl.load(k_base + t[:, None] * stride_kl + d[None, :], mask=kv_mask,
-                       other=0.0).to(tl.float32)
+        keys = tl.load(k_base + t[:, None] * stride_kl + d[None, :], mask=kv_mask, other=0.0).to(
+            tl.float32
+        )
         scores = tl.dot(q, tl.trans(keys), input_precision="tf32x3") * scale
         ok = tl.load(valid_ptr + b * stride_valid + t, mask=inside, other=0) != 0
         allowed = (ok[None, :] & (t[None, :] <= own[:, None])) | (t[None, :] == own[:, None])
@@ -106,13 +116,17 @@ def _tiled_attention_kernel(
         alpha = tl.where(m_new == m_i, 1.0, tl.exp(m_i - shift))
         p = tl.where(allowed, tl.exp(scores - shift[:, None]), 0.0)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        values = tl.load(v_base + t[:, None] * stride_vl + d[None, :], mask=kv_mask,
-                         other=0.0).to(tl.float32)
+        values = tl.load(v_base + t[:, None] * stride_vl + d[None, :], mask=kv_mask, other=0.0).to(
+            tl.float32
+        )
         acc = acc * alpha[:, None] + tl.dot(p, values, input_precision="tf32x3")
         m_i = m_new
     out = acc / tl.where(live, l_i, 1.0)[:, None]
-    tl.store(out_ptr + row[:, None] * stride_or + heads[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=live[:, None] & d_ok[None, :])
+    tl.store(
+        out_ptr + row[:, None] * stride_or + heads[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=live[:, None] & d_ok[None, :],
+    )
 
 
 def tile_bounds(lengths: Sequence[int], block: int = BLOCK_Q) -> list[int]:
@@ -134,9 +148,16 @@ def tile_bounds(lengths: Sequence[int], block: int = BLOCK_Q) -> list[int]:
     return bounds
 
 
-def attention_tiles_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           valid: torch.Tensor, cache_row: torch.Tensor, slot: torch.Tensor,
-                           scale: float, tiles: torch.Tensor) -> torch.Tensor:
+def attention_tiles_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    valid: torch.Tensor,
+    cache_row: torch.Tensor,
+    slot: torch.Tensor,
+    scale: float,
+    tiles: torch.Tensor,
+) -> torch.Tensor:
     """Each query row's attention over its own cache row, a tile of rows per program.
 
     Takes :func:`~trace_replay.kernels.deterministic_attention.attention_rows_triton`'s
@@ -152,6 +173,19 @@ def attention_tiles_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q, out, valid, strides, shape = launch_args(q, k_cache, v_cache, valid)
     if q.shape[0]:
         _tiled_attention_kernel[(tiles.shape[0] - 1, k_cache.shape[1])](
-            q, k_cache, v_cache, valid, cache_row, slot, tiles, out, float(scale),
-            k_cache.shape[2], *strides, **shape, BLOCK_Q=BLOCK_Q, BLOCK_N=BLOCK_N)
+            q,
+            k_cache,
+            v_cache,
+            valid,
+            cache_row,
+            slot,
+            tiles,
+            out,
+            float(scale),
+            k_cache.shape[2],
+            *strides,
+            **shape,
+            BLOCK_Q=BLOCK_Q,
+            BLOCK_N=BLOCK_N,
+        )
     return out

@@ -38,8 +38,14 @@ def _force_logits_kernel(
 ):
     batch_idx = tl.program_id(0)
     active, step, trace_len, start = trace_position(
-        batch_idx, idx_mapping_ptr, trace_row_stride, trace_offsets_ptr, trace_len_ptr,
-        total_len_ptr, prompt_len_ptr, RAGGED,
+        batch_idx,
+        idx_mapping_ptr,
+        trace_row_stride,
+        trace_offsets_ptr,
+        trace_len_ptr,
+        total_len_ptr,
+        prompt_len_ptr,
+        RAGGED,
     )
     token = tl.load(trace_token_ids_ptr + start + step, mask=active, other=-1).to(tl.int64)
     in_vocab = active & (token >= 0) & (token < vocab)
@@ -102,13 +108,22 @@ def force_trace_logits(
     if num_reqs == 0:
         return
     if trace_token_ids.stride(-1) != 1 or logits.stride(-1) != 1:
-        raise ValueError("trace_token_ids and logits must have unit stride along their last dimension")
+        raise ValueError(
+            "trace_token_ids and logits must have unit stride along their last dimension"
+        )
     tensors = (
-        logits, idx_mapping, trace_token_ids, trace_len, total_len, prompt_len, trace_offsets
-    )  # fmt: skip
+        logits,
+        idx_mapping,
+        trace_token_ids,
+        trace_len,
+        total_len,
+        prompt_len,
+        trace_offsets,
+    )
     if not use_triton(*tensors):
-        force_trace_logits_reference(*tensors[:-1], trace_offsets=trace_offsets, value=value,
-                                     advance=advance)
+        force_trace_logits_reference(
+            *tensors[:-1], trace_offsets=trace_offsets, value=value, advance=advance
+        )
         return
     _force_logits_kernel[(num_reqs,)](
         logits,
@@ -123,7 +138,7 @@ def force_trace_logits(
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _rounded(value: float, dtype: torch.dtype) -> float:
     """``value`` as ``dtype`` holds it, rounded as torch rounds (the kernel's store would
     convert it its own way); cached: the launcher runs every decode step."""

@@ -37,8 +37,17 @@ import torch.nn.functional as F
 from trace_replay.kernels._triton import tl, triton, use_triton
 from trace_replay.kernels.grouped_members import members, tile_member
 
-__all__ = ["blocks", "fp32_linear", "fp32_linear_reference", "group_blocks", "launch",
-           "launch_group_partials", "launch_partials", "split_depth", "sum_partials"]
+__all__ = [
+    "blocks",
+    "fp32_linear",
+    "fp32_linear_reference",
+    "group_blocks",
+    "launch",
+    "launch_group_partials",
+    "launch_partials",
+    "split_depth",
+    "sum_partials",
+]
 
 # elements per program of the partial-sum kernel (an elementwise pass: any size works)
 _SUM_BLOCK = 1024
@@ -51,12 +60,18 @@ def _fp32_linear_kernel(
     x_ptr,  # [M, K] float32, last stride 1
     x_stride_m,
     weight_ptr,  # [N, K] float32, last stride 1 (of the first member, when MEMBERS > 1)
-    weight1_ptr, weight2_ptr,  # the second and third members' (read when MEMBERS > 1, > 2)
+    weight1_ptr,
+    weight2_ptr,  # the second and third members' (read when MEMBERS > 1, > 2)
     weight_stride_n,  # every member's
-    bias_ptr, bias1_ptr, bias2_ptr,  # [N_i] float32 each, or any pointer when not HAS_BIAS
+    bias_ptr,
+    bias1_ptr,
+    bias2_ptr,  # [N_i] float32 each, or any pointer when not HAS_BIAS
     out_ptr,  # [M, N] float32, contiguous, written; at SPLIT > 1 the [SPLIT, M, N] partials
-    rows, cols, depth,  # cols: of the whole output (all members side by side)
-    first1, first2,  # output columns where the second and third members start
+    rows,
+    cols,
+    depth,  # cols: of the whole output (all members side by side)
+    first1,
+    first2,  # output columns where the second and third members start
     k_per_split,  # a multiple of BLOCK_K (unused at SPLIT == 1)
     HAS_BIAS: tl.constexpr,
     MEMBERS: tl.constexpr,  # weights side by side in one output (see launch_group_partials)
@@ -74,8 +89,18 @@ def _fp32_linear_kernel(
     row_ok, col_ok = offs_m < rows, offs_n < cols
     # a tile lies inside one member (the launcher aligns members to BLOCK_N): its weight
     # rows are the tile's columns less the member's first column
-    w_base, b_base, first = tile_member(pid_n * BLOCK_N, weight_ptr, weight1_ptr, weight2_ptr,
-                                        bias_ptr, bias1_ptr, bias2_ptr, first1, first2, MEMBERS)
+    w_base, b_base, first = tile_member(
+        pid_n * BLOCK_N,
+        weight_ptr,
+        weight1_ptr,
+        weight2_ptr,
+        bias_ptr,
+        bias1_ptr,
+        bias2_ptr,
+        first1,
+        first2,
+        MEMBERS,
+    )
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * x_stride_m
     w_rows = w_base + (offs_n - first).to(tl.int64)[:, None] * weight_stride_n
     if SPLIT == 1:  # resolved at compile time: the one-pass kernel, all of K
@@ -94,8 +119,11 @@ def _fp32_linear_kernel(
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     if HAS_BIAS:  # the launcher sets it only at SPLIT == 1: the sum adds the bias otherwise
         acc += tl.load(b_base + (offs_n - first), mask=col_ok, other=0.0)[None, :]
-    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * cols + offs_n[None, :], acc,
-             mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(
+        out_ptr + offs_m.to(tl.int64)[:, None] * cols + offs_n[None, :],
+        acc,
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
 
 
 @triton.jit
@@ -103,7 +131,8 @@ def _sum_partials_kernel(
     partials_ptr,  # [SPLIT, size] float32, contiguous
     bias_ptr,  # [cols] float32, or any pointer when not HAS_BIAS
     out_ptr,  # [size] float32 (an [M, N] output, flattened), written
-    size, cols,
+    size,
+    cols,
     HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -122,8 +151,9 @@ def _sum_partials_kernel(
     tl.store(out_ptr + offs, acc, mask=ok)
 
 
-def fp32_linear(x: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp32_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for float32, on tensor cores with the 3xTF32 split.
 
     Runs the Triton kernel when :func:`~trace_replay.kernels._triton.use_triton` allows it (CUDA
@@ -169,8 +199,9 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor,
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def fp32_linear_reference(x: torch.Tensor, weight: torch.Tensor,
-                          bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp32_linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """Pure-torch :func:`fp32_linear`: ``F.linear`` (float32 multiplies on the CPU)."""
     return F.linear(x, weight, bias)
 
@@ -191,8 +222,9 @@ def sum_partials(partials: torch.Tensor, bias: torch.Tensor | None = None) -> to
 
 
 @torch.library.custom_op("trace_replay::fp32_linear_partials", mutates_args=())
-def _fp32_linear_partials_op(x: torch.Tensor, weight: torch.Tensor,
-                             bias: torch.Tensor | None) -> torch.Tensor:
+def _fp32_linear_partials_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     return launch_partials(x, weight, bias)
 
 
@@ -204,8 +236,9 @@ def _(x, weight, bias):
 
 
 @torch.library.custom_op("trace_replay::fp32_linear_group_partials", mutates_args=())
-def _fp32_linear_group_partials_op(x: torch.Tensor, weights: list[torch.Tensor],
-                                   biases: list[torch.Tensor], split: int) -> torch.Tensor:
+def _fp32_linear_group_partials_op(
+    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor], split: int
+) -> torch.Tensor:
     # biases: one per weight, or empty for none (what engines.linear_groups inserts)
     return launch_group_partials(x, weights, biases or None, split)
 
@@ -258,8 +291,13 @@ def split_depth(depth: int, block_k: int, split: int) -> tuple[int, int]:
     return -(-steps // per_split), per_split * block_k
 
 
-def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           config: tuple[int, ...] | None = None) -> torch.Tensor:
+def launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: tuple[int, ...] | None = None,
+) -> torch.Tensor:
     """Run the kernel on ``x`` ``[M, K]`` (no fallback); ``config`` overrides :func:`blocks`
     (``benchmarks/bench_fp32_linear.py --sweep``).
 
@@ -274,14 +312,26 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return partials[0]
     out = torch.empty((rows, cols), dtype=torch.float32, device=x.device)
     _sum_partials_kernel[(triton.cdiv(rows * cols, _SUM_BLOCK),)](
-        partials, bias if bias is not None else partials, out, rows * cols, cols,
-        HAS_BIAS=bias is not None, SPLIT=split, BLOCK=_SUM_BLOCK, num_warps=4,
+        partials,
+        bias if bias is not None else partials,
+        out,
+        rows * cols,
+        cols,
+        HAS_BIAS=bias is not None,
+        SPLIT=split,
+        BLOCK=_SUM_BLOCK,
+        num_warps=4,
     )
     return out
 
 
-def launch_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    *, config: tuple[int, ...] | None = None) -> torch.Tensor:
+def launch_partials(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: tuple[int, ...] | None = None,
+) -> torch.Tensor:
     """The kernel's ``[split, M, N]`` float32 output for ``x`` ``[M, K]``: at split 1 the
     product with the bias added, above 1 each range of K's partial product, without the
     bias (:func:`sum_partials` or the sum kernel adds it). ``config`` as for :func:`launch`.
@@ -292,8 +342,9 @@ def launch_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return _launch((weight,), None if bias is None else (bias,), x, config)
 
 
-def group_blocks(rows: int, cols: Sequence[int], depth: int,
-                 split: int) -> tuple[int, int, int, int, int, int] | None:
+def group_blocks(
+    rows: int, cols: Sequence[int], depth: int, split: int
+) -> tuple[int, int, int, int, int, int] | None:
     """Blocks for weights of ``cols`` output columns each, side by side in one launch at
     ``split``: :func:`blocks` of the whole output, its ``BLOCK_N`` narrowed (to 32, then
     16) until every member starts on a tile; None when none does (no grouping then)."""
@@ -305,9 +356,14 @@ def group_blocks(rows: int, cols: Sequence[int], depth: int,
     return None
 
 
-def launch_group_partials(x: torch.Tensor, weights: Sequence[torch.Tensor],
-                          biases: Sequence[torch.Tensor] | None, split: int, *,
-                          config: tuple[int, ...] | None = None) -> torch.Tensor:
+def launch_group_partials(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor] | None,
+    split: int,
+    *,
+    config: tuple[int, ...] | None = None,
+) -> torch.Tensor:
     """Two or three linear layers that read the same ``x`` in one launch (q/k/v, gate/up):
     ``[split, M, N_0 + N_1 (+ N_2)]``, each member's partials (or, at split 1, output with
     its bias) in its own columns, computed as :func:`launch_partials` computes them; the
@@ -322,11 +378,16 @@ def launch_group_partials(x: torch.Tensor, weights: Sequence[torch.Tensor],
     return _launch(tuple(weights), None if biases is None else tuple(biases), x, config)
 
 
-def _launch(weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor, ...] | None,
-            x: torch.Tensor, config: tuple[int, ...]) -> torch.Tensor:
+def _launch(
+    weights: tuple[torch.Tensor, ...],
+    biases: tuple[torch.Tensor, ...] | None,
+    x: torch.Tensor,
+    config: tuple[int, ...],
+) -> torch.Tensor:
     if len(config) not in (5, 6):
-        raise ValueError(f"config is (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, split]), "
-                         f"got {config}")
+        raise ValueError(
+            f"config is (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, split]), got {config}"
+        )
     rows, depth = x.shape
     block_m, block_n, block_k, warps, stages = config[:5]
     split, k_per_split = split_depth(depth, block_k, config[5] if len(config) == 6 else 1)
@@ -337,9 +398,23 @@ def _launch(weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor, ...] 
     partials = torch.empty((split, rows, group.cols), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(group.cols, block_n), triton.cdiv(rows, block_m), split)
     _fp32_linear_kernel[grid](
-        x, x.stride(0), *group.args, partials, rows, group.cols, depth, *group.firsts,
-        k_per_split, HAS_BIAS=biases is not None and split == 1, MEMBERS=len(weights),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, PRECISION="tf32x3",
-        num_warps=warps, num_stages=stages,
+        x,
+        x.stride(0),
+        *group.args,
+        partials,
+        rows,
+        group.cols,
+        depth,
+        *group.firsts,
+        k_per_split,
+        HAS_BIAS=biases is not None and split == 1,
+        MEMBERS=len(weights),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        SPLIT=split,
+        PRECISION="tf32x3",
+        num_warps=warps,
+        num_stages=stages,
     )
     return partials

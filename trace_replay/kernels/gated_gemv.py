@@ -24,8 +24,8 @@ agrees with it to the dtype's rounding, not bit for bit.
 import torch
 import torch.nn.functional as F
 
-from trace_replay.kernels._triton import tl, triton
 from trace_replay.kernels import gemv as _gemv
+from trace_replay.kernels._triton import tl, triton
 from trace_replay.kernels.gemv_input import norm_scale, row_step
 from trace_replay.kernels.rms_norm import Norm
 
@@ -40,13 +40,18 @@ _GELU_SCALE = 2 * (2 / torch.pi) ** 0.5
 def _gated_gemv_kernel(
     x_ptr,  # [M, K], last stride 1
     x_stride_m,
-    gate_ptr, up_ptr,  # [N, K] each, last stride 1
-    gate_stride_n, up_stride_n,
-    gate_bias_ptr, up_bias_ptr,  # [N] each, or any pointer when not HAS_BIAS
+    gate_ptr,
+    up_ptr,  # [N, K] each, last stride 1
+    gate_stride_n,
+    up_stride_n,
+    gate_bias_ptr,
+    up_bias_ptr,  # [N] each, or any pointer when not HAS_BIAS
     norm_ptr,  # [K], the weight of the RMSNorm applied to x first, or any pointer
     out_ptr,  # [M, N] contiguous, written
-    cols, depth,
-    eps, norm_offset,  # the RMSNorm's (read where NORMED)
+    cols,
+    depth,
+    eps,
+    norm_offset,  # the RMSNorm's (read where NORMED)
     HAS_BIAS: tl.constexpr,
     NORMED: tl.constexpr,
     GELU_TANH: tl.constexpr,  # else SiLU
@@ -94,8 +99,11 @@ def _gated_gemv_kernel(
         act = gate * tl.sigmoid(GELU_SCALE * (gate + 0.044715 * gate * gate * gate))
     else:
         act = gate * tl.sigmoid(gate)
-    tl.store(out_ptr + pid_m.to(tl.int64) * cols + offs_n,
-             (act * up).to(out_ptr.dtype.element_ty), mask=col_ok)
+    tl.store(
+        out_ptr + pid_m.to(tl.int64) * cols + offs_n,
+        (act * up).to(out_ptr.dtype.element_ty),
+        mask=col_ok,
+    )
 
 
 def runs(x: torch.Tensor, gate: torch.Tensor) -> bool:
@@ -104,9 +112,14 @@ def runs(x: torch.Tensor, gate: torch.Tensor) -> bool:
     return _gemv.runs(x, gate)
 
 
-def gated_gemv(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-               gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
-               act: str = "silu") -> torch.Tensor:
+def gated_gemv(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    gate_bias: torch.Tensor | None = None,
+    up_bias: torch.Tensor | None = None,
+    act: str = "silu",
+) -> torch.Tensor:
     """``act(F.linear(x, gate, gate_bias)) * F.linear(x, up, up_bias)``, by the kernel where
     :func:`runs` says so (one opaque operator inside ``torch.compile``:
     ``torch.ops.trace_replay.gated_gemv``).
@@ -130,14 +143,20 @@ def gated_gemv(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
     _check(gate, up, gate_bias, up_bias, act)
     if not runs(x, gate):
         return gated_gemv_reference(x, gate, up, gate_bias, up_bias, act)
-    out = torch.ops.trace_replay.gated_gemv(x.reshape(-1, x.shape[-1]), gate, up,
-                                            gate_bias, up_bias, act)
+    out = torch.ops.trace_replay.gated_gemv(
+        x.reshape(-1, x.shape[-1]), gate, up, gate_bias, up_bias, act
+    )
     return out.reshape(*x.shape[:-1], gate.shape[0])
 
 
-def gated_gemv_reference(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                         gate_bias: torch.Tensor | None = None,
-                         up_bias: torch.Tensor | None = None, act: str = "silu") -> torch.Tensor:
+def gated_gemv_reference(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    gate_bias: torch.Tensor | None = None,
+    up_bias: torch.Tensor | None = None,
+    act: str = "silu",
+) -> torch.Tensor:
     """Pure-torch :func:`gated_gemv`, in the operands' dtype as the model's code computes it."""
     _check(gate, up, gate_bias, up_bias, act)
     g = F.linear(x, gate, gate_bias)
@@ -166,10 +185,17 @@ def blocks(cols: int, depth: int, normed: bool = False) -> tuple[int, int, int]:
     return max(block_n // 2, 1), block_k, warps
 
 
-def launch(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-           gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
-           act: str = "silu", *, norm: Norm | None = None,
-           config: tuple[int, int, int] | None = None) -> torch.Tensor:
+def launch(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    gate_bias: torch.Tensor | None = None,
+    up_bias: torch.Tensor | None = None,
+    act: str = "silu",
+    *,
+    norm: Norm | None = None,
+    config: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
     """The kernel on ``x`` ``[M, K]`` (or on its RMSNorm, where ``norm`` is given: taken into
     the launch): ``[M, N]``. ``config`` overrides :func:`blocks`
     (``benchmarks/bench_gemv.py --sweep``)."""
@@ -184,19 +210,39 @@ def launch(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
     block_n, block_k, warps = config or blocks(cols, depth, norm is not None)
     out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
     _gated_gemv_kernel[(rows, triton.cdiv(cols, block_n))](
-        x, x.stride(0), gate, up, gate.stride(0), up.stride(0), *biases,
-        x if norm is None else norm.weight, out, cols, depth,
-        *(norm[1:] if norm else (0.0, 0.0)), HAS_BIAS=has_bias, NORMED=norm is not None,
-        GELU_TANH=act == "gelu_tanh", GELU_SCALE=_GELU_SCALE,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=depth % block_k == 0, num_warps=warps,
+        x,
+        x.stride(0),
+        gate,
+        up,
+        gate.stride(0),
+        up.stride(0),
+        *biases,
+        x if norm is None else norm.weight,
+        out,
+        cols,
+        depth,
+        *(norm[1:] if norm else (0.0, 0.0)),
+        HAS_BIAS=has_bias,
+        NORMED=norm is not None,
+        GELU_TANH=act == "gelu_tanh",
+        GELU_SCALE=_GELU_SCALE,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        EVEN_K=depth % block_k == 0,
+        num_warps=warps,
     )
     return out
 
 
 @torch.library.custom_op("trace_replay::gated_gemv", mutates_args=())
-def _gated_gemv_op(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                   gate_bias: torch.Tensor | None, up_bias: torch.Tensor | None,
-                   act: str) -> torch.Tensor:
+def _gated_gemv_op(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    gate_bias: torch.Tensor | None,
+    up_bias: torch.Tensor | None,
+    act: str,
+) -> torch.Tensor:
     return launch(x, gate, up, gate_bias, up_bias, act)
 
 
@@ -206,10 +252,17 @@ def _(x, gate, up, gate_bias, up_bias, act):
 
 
 @torch.library.custom_op("trace_replay::gated_gemv_normed", mutates_args=())
-def _gated_gemv_normed_op(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                          gate_bias: torch.Tensor | None, up_bias: torch.Tensor | None,
-                          act: str, norm_weight: torch.Tensor, eps: float,
-                          norm_offset: float) -> torch.Tensor:
+def _gated_gemv_normed_op(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    gate_bias: torch.Tensor | None,
+    up_bias: torch.Tensor | None,
+    act: str,
+    norm_weight: torch.Tensor,
+    eps: float,
+    norm_offset: float,
+) -> torch.Tensor:
     return launch(x, gate, up, gate_bias, up_bias, act, norm=Norm(norm_weight, eps, norm_offset))
 
 

@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 
 from trace_replay.kernels._triton import tl, triton, use_triton
-from trace_replay.kernels.grouped_members import members, tile_member
 from trace_replay.kernels.gemv_input import norm_scale, row_step
+from trace_replay.kernels.grouped_members import members, tile_member
 from trace_replay.kernels.rms_norm import Norm
 
 __all__ = ["MAX_ROWS", "blocks", "gemv", "gemv_reference", "launch", "runs"]
@@ -56,15 +56,22 @@ _DTYPES = (torch.bfloat16, torch.float16)
 def _gemv_kernel(
     x_ptr,  # [M, K], last stride 1
     x_stride_m,
-    weight_ptr, weight1_ptr, weight2_ptr,  # [N_i, K] each, last stride 1
+    weight_ptr,
+    weight1_ptr,
+    weight2_ptr,  # [N_i, K] each, last stride 1
     weight_stride_n,  # every member's
-    bias_ptr, bias1_ptr, bias2_ptr,  # [N_i] each, or any pointer when not HAS_BIAS
+    bias_ptr,
+    bias1_ptr,
+    bias2_ptr,  # [N_i] each, or any pointer when not HAS_BIAS
     residual_ptr,  # [M, N] contiguous, added to the output, or any pointer when not HAS_RESIDUAL
     norm_ptr,  # [K], the weight of the RMSNorm applied to x first, or any pointer
     out_ptr,  # [M, N] contiguous (N: all members side by side), written
-    cols, depth,
-    first1, first2,  # output columns where the second and third members start
-    eps, norm_offset,  # the RMSNorm's (read where NORMED)
+    cols,
+    depth,
+    first1,
+    first2,  # output columns where the second and third members start
+    eps,
+    norm_offset,  # the RMSNorm's (read where NORMED)
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     NORMED: tl.constexpr,
@@ -77,8 +84,18 @@ def _gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     col_ok = offs_n < cols
-    w_base, b_base, first = tile_member(pid_n * BLOCK_N, weight_ptr, weight1_ptr, weight2_ptr,
-                                        bias_ptr, bias1_ptr, bias2_ptr, first1, first2, MEMBERS)
+    w_base, b_base, first = tile_member(
+        pid_n * BLOCK_N,
+        weight_ptr,
+        weight1_ptr,
+        weight2_ptr,
+        bias_ptr,
+        bias1_ptr,
+        bias2_ptr,
+        first1,
+        first2,
+        MEMBERS,
+    )
     # columns past the end read the member's last row (in bounds, never stored): no mask
     rows_n = tl.minimum(offs_n, cols - 1) - first
     w_rows = w_base + rows_n.to(tl.int64)[:, None] * weight_stride_n
@@ -90,8 +107,12 @@ def _gemv_kernel(
         if EVEN_K:
             w = tl.load(w_rows + k[None, :], eviction_policy="evict_first")
         else:
-            w = tl.load(w_rows + k[None, :], mask=(k < depth)[None, :], other=0.0,
-                        eviction_policy="evict_first")
+            w = tl.load(
+                w_rows + k[None, :],
+                mask=(k < depth)[None, :],
+                other=0.0,
+                eviction_policy="evict_first",
+            )
         x, xg = row_step(x_row, norm_ptr, k, depth, norm_offset, EVEN_K, NORMED)
         if NORMED:
             squares += x * x
@@ -111,12 +132,15 @@ def runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`gemv` takes the kernel for these operands: few rows, half precision,
     the kernel runnable (:func:`~trace_replay.kernels._triton.use_triton`)."""
     rows = x.numel() // max(x.shape[-1], 1)
-    return (1 <= rows <= MAX_ROWS and x.dtype in _DTYPES and weight.dtype == x.dtype
-            and use_triton(x, weight))
+    return (
+        1 <= rows <= MAX_ROWS
+        and x.dtype in _DTYPES
+        and weight.dtype == x.dtype
+        and use_triton(x, weight)
+    )
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor,
-         bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, by the kernel where :func:`runs` says so.
 
     Inside ``torch.compile`` the kernel is one opaque operator
@@ -144,8 +168,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor,
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def gemv_reference(x: torch.Tensor, weight: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemv_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """Pure-torch :func:`gemv`: ``F.linear``."""
     return F.linear(x, weight, bias)
 
@@ -171,10 +196,15 @@ def blocks(cols: int, depth: int, normed: bool = False) -> tuple[int, int, int]:
     return 4, block_k, 2
 
 
-def launch(x: torch.Tensor, weights: Sequence[torch.Tensor],
-           biases: Sequence[torch.Tensor] | None = None, *,
-           residual: torch.Tensor | None = None, norm: Norm | None = None,
-           config: tuple[int, int, int] | None = None) -> torch.Tensor:
+def launch(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor] | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+    norm: Norm | None = None,
+    config: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
     """``x`` ``[M, K]`` (or its RMSNorm, where ``norm`` is given: taken into the launch) times
     one to three weights side by side: ``[M, N_0 (+ N_1 (+ N_2))]``, each member's product
     (plus its bias) in its own columns, plus ``residual`` (``[M, N]``) where given, before
@@ -186,8 +216,10 @@ def launch(x: torch.Tensor, weights: Sequence[torch.Tensor],
     group = members(x, weights, biases)
     if residual is not None:
         if residual.shape != (rows, group.cols) or residual.dtype != x.dtype:
-            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype}: expected "
-                             f"{(rows, group.cols)} {x.dtype}")
+            raise ValueError(
+                f"residual {tuple(residual.shape)} {residual.dtype}: expected "
+                f"{(rows, group.cols)} {x.dtype}"
+            )
         residual = residual.contiguous()
     if config is None:  # narrowed until every member starts on a tile of its own
         block_n, block_k, warps = blocks(group.cols, depth, norm is not None)
@@ -199,11 +231,24 @@ def launch(x: torch.Tensor, weights: Sequence[torch.Tensor],
             raise ValueError(f"BLOCK_N {block_n} does not divide the members' first columns")
     out = torch.empty((rows, group.cols), dtype=x.dtype, device=x.device)
     _gemv_kernel[(rows, triton.cdiv(group.cols, block_n))](
-        x, x.stride(0), *group.args, x if residual is None else residual,
-        x if norm is None else norm.weight, out, group.cols, depth, *group.firsts,
-        *(norm[1:] if norm else (0.0, 0.0)), HAS_BIAS=biases is not None,
-        HAS_RESIDUAL=residual is not None, NORMED=norm is not None, MEMBERS=len(weights),
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=depth % block_k == 0, num_warps=warps,
+        x,
+        x.stride(0),
+        *group.args,
+        x if residual is None else residual,
+        x if norm is None else norm.weight,
+        out,
+        group.cols,
+        depth,
+        *group.firsts,
+        *(norm[1:] if norm else (0.0, 0.0)),
+        HAS_BIAS=biases is not None,
+        HAS_RESIDUAL=residual is not None,
+        NORMED=norm is not None,
+        MEMBERS=len(weights),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        EVEN_K=depth % block_k == 0,
+        num_warps=warps,
     )
     return out
 
@@ -219,8 +264,9 @@ def _(x, weight, bias):
 
 
 @torch.library.custom_op("trace_replay::gemv_add", mutates_args=())
-def _gemv_add_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 residual: torch.Tensor) -> torch.Tensor:
+def _gemv_add_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor
+) -> torch.Tensor:
     return launch(x, [weight], None if bias is None else [bias], residual=residual)
 
 
@@ -230,8 +276,14 @@ def _(x, weight, bias, residual):
 
 
 @torch.library.custom_op("trace_replay::gemv_normed", mutates_args=())
-def _gemv_normed_op(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor],
-                    norm_weight: torch.Tensor, eps: float, norm_offset: float) -> torch.Tensor:
+def _gemv_normed_op(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor],
+    norm_weight: torch.Tensor,
+    eps: float,
+    norm_offset: float,
+) -> torch.Tensor:
     return launch(x, weights, biases or None, norm=Norm(norm_weight, eps, norm_offset))
 
 
@@ -241,8 +293,9 @@ def _(x, weights, biases, norm_weight, eps, norm_offset):
 
 
 @torch.library.custom_op("trace_replay::gemv_group", mutates_args=())
-def _gemv_group_op(x: torch.Tensor, weights: list[torch.Tensor],
-                   biases: list[torch.Tensor]) -> torch.Tensor:
+def _gemv_group_op(
+    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]
+) -> torch.Tensor:
     return launch(x, weights, biases or None)
 
 

@@ -29,8 +29,9 @@ class Members(NamedTuple):
     firsts: list[int]  # the kernel's first1, first2 (past the end for absent members)
 
 
-def members(x: torch.Tensor, weights: Sequence[torch.Tensor],
-            biases: Sequence[torch.Tensor] | None) -> Members:
+def members(
+    x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor] | None
+) -> Members:
     """The kernel arguments of ``weights`` (``[N_i, K]`` each) and ``biases`` (one per weight,
     or None) for a launch on ``x`` ``[M, K]``.
 
@@ -39,8 +40,10 @@ def members(x: torch.Tensor, weights: Sequence[torch.Tensor],
     the kernel before them); without biases every bias pointer is ``x`` (never read).
     """
     if not 1 <= len(weights) <= 3 or (biases is not None and len(biases) != len(weights)):
-        raise ValueError(f"{len(weights)} weights and {biases and len(biases)} biases: "
-                         "one to three weights, and a bias for each or for none")
+        raise ValueError(
+            f"{len(weights)} weights and {biases and len(biases)} biases: "
+            "one to three weights, and a bias for each or for none"
+        )
     if len(weights) == 1 and weights[0].stride(-1) == 1:  # any row stride
         row_stride = weights[0].stride(0)
     else:
@@ -48,8 +51,12 @@ def members(x: torch.Tensor, weights: Sequence[torch.Tensor],
     bias_ptrs = _three([b.contiguous() for b in biases]) if biases is not None else [x] * 3
     starts = list(itertools.accumulate(w.shape[0] for w in weights))
     cols = starts[-1]
-    return Members([*_three(weights), row_stride, *bias_ptrs], starts[:-1], cols,
-                   [*starts[:-1], cols, cols][:2])
+    return Members(
+        [*_three(weights), row_stride, *bias_ptrs],
+        starts[:-1],
+        cols,
+        [*starts[:-1], cols, cols][:2],
+    )
 
 
 def _three(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -59,9 +66,14 @@ def _three(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 @triton.jit
 def tile_member(
     tile_start,  # the tile's first output column
-    weight_ptr, weight1_ptr, weight2_ptr,
-    bias_ptr, bias1_ptr, bias2_ptr,
-    first1, first2,  # output columns where the second and third members start
+    weight_ptr,
+    weight1_ptr,
+    weight2_ptr,
+    bias_ptr,
+    bias1_ptr,
+    bias2_ptr,
+    first1,
+    first2,  # output columns where the second and third members start
     MEMBERS: tl.constexpr,
 ):
     """Return ``(weight, bias, first)``: the member's weight and bias pointers and its

@@ -38,7 +38,8 @@ def _rms_norm_kernel(
     weight_ptr,  # [K]
     out_ptr,  # [M, K] contiguous, written
     depth,
-    eps, offset,
+    eps,
+    offset,
     BLOCK: tl.constexpr,  # a power of two >= depth
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -47,8 +48,9 @@ def _rms_norm_kernel(
     x = tl.load(x_ptr + row * x_stride_m + k, mask=ok, other=0.0).to(tl.float32)
     g = tl.load(weight_ptr + k, mask=ok, other=0.0).to(tl.float32)
     scale = tl.rsqrt(tl.sum(x * x, axis=0) / depth + eps)
-    tl.store(out_ptr + row * depth + k, (x * scale * (g + offset)).to(out_ptr.dtype.element_ty),
-             mask=ok)
+    tl.store(
+        out_ptr + row * depth + k, (x * scale * (g + offset)).to(out_ptr.dtype.element_ty), mask=ok
+    )
 
 
 def rms_norm(x: torch.Tensor, norm: Norm) -> torch.Tensor:
@@ -69,15 +71,22 @@ def rms_norm_reference(x: torch.Tensor, norm: Norm) -> torch.Tensor:
 def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _rms_norm_kernel[(x.shape[0],)](x, x.stride(0), weight, out, x.shape[1], eps, offset,
-                                    BLOCK=triton.next_power_of_2(x.shape[1]),
-                                    num_warps=4)
+    _rms_norm_kernel[(x.shape[0],)](
+        x,
+        x.stride(0),
+        weight,
+        out,
+        x.shape[1],
+        eps,
+        offset,
+        BLOCK=triton.next_power_of_2(x.shape[1]),
+        num_warps=4,
+    )
     return out
 
 
 @torch.library.custom_op("trace_replay::rms_norm", mutates_args=())
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 offset: float) -> torch.Tensor:
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
     return _launch(x, weight, eps, offset)
 
 

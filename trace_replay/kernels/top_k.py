@@ -25,8 +25,15 @@ import torch
 
 from trace_replay.kernels._triton import tl, triton, use_triton
 
-__all__ = ["CHUNK", "GROUP", "NUM_WARPS", "MAX_TOP_K", "top_k_indices", "top_k_scores",
-           "top_k_indices_reference"]
+__all__ = [
+    "CHUNK",
+    "GROUP",
+    "NUM_WARPS",
+    "MAX_TOP_K",
+    "top_k_indices",
+    "top_k_scores",
+    "top_k_indices_reference",
+]
 
 MAX_TOP_K = 32
 # first pass: logits per chunk, chunks per program, warps (``benchmarks/bench_scoring.py``
@@ -41,8 +48,7 @@ _NONE = tl.constexpr(2**31 - 1)  # larger than any vocabulary index (a constexpr
 def _keys(values):
     """Float32 sort keys: NaN and -inf become the lowest finite float, so -inf marks "taken"
     (and "not there")."""
-    return tl.where((values != values) | (values == float("-inf")), -3.4028234663852886e38,
-                    values)
+    return tl.where((values != values) | (values == float("-inf")), -3.4028234663852886e38, values)
 
 
 @triton.jit
@@ -83,8 +89,7 @@ def _pick_kernel(
 ):
     row = tl.program_id(0)
     at = tl.arange(0, CHUNKS_P)
-    maxima = tl.load(chunk_max_ptr + row * chunks + at, mask=at < chunks,
-                     other=float("-inf"))
+    maxima = tl.load(chunk_max_ptr + row * chunks + at, mask=at < chunks, other=float("-inf"))
     slot = tl.arange(0, KP)
     picked = tl.full((KP,), _NONE, tl.int32)
     for i in range(K):  # the K chunks with the largest maxima, ties to the lower chunk
@@ -129,22 +134,46 @@ def _launch(logits, k, chunk, group, num_warps, token_ids=None, token_logprob=No
     chunks = triton.cdiv(vocab, chunk)
     chunk_max = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
     _chunk_max_kernel[(rows, triton.cdiv(chunks, group))](
-        logits, logits.stride(0), vocab, chunks, chunk_max, BLOCK=chunk, GROUP=group,
-        num_warps=num_warps)
+        logits,
+        logits.stride(0),
+        vocab,
+        chunks,
+        chunk_max,
+        BLOCK=chunk,
+        GROUP=group,
+        num_warps=num_warps,
+    )
     index = torch.empty((rows, k), dtype=torch.long, device=logits.device)
     scores = token_ids is not None
     top = torch.empty((rows, k), dtype=torch.float32, device=logits.device) if scores else index
     _pick_kernel[(rows,)](
-        logits, logits.stride(0), vocab, chunks, chunk_max, index,
-        token_ids if scores else index, token_logprob if scores else chunk_max, top,
-        K=k, KP=max(2, triton.next_power_of_2(k)),
-        CHUNKS_P=max(16, triton.next_power_of_2(chunks)), BLOCK=chunk, SCORES=scores,
-        num_warps=4)
+        logits,
+        logits.stride(0),
+        vocab,
+        chunks,
+        chunk_max,
+        index,
+        token_ids if scores else index,
+        token_logprob if scores else chunk_max,
+        top,
+        K=k,
+        KP=max(2, triton.next_power_of_2(k)),
+        CHUNKS_P=max(16, triton.next_power_of_2(chunks)),
+        BLOCK=chunk,
+        SCORES=scores,
+        num_warps=4,
+    )
     return index, top
 
 
-def top_k_indices(logits: torch.Tensor, k: int, *, chunk: int | None = None,
-                  group: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+def top_k_indices(
+    logits: torch.Tensor,
+    k: int,
+    *,
+    chunk: int | None = None,
+    group: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
     """``[rows, k]`` int64 indices of each row's ``k`` largest logits, largest first.
 
     Ties go to the lower index; NaN and -inf rank as the lowest finite float (below every
@@ -174,10 +203,16 @@ def top_k_indices(logits: torch.Tensor, k: int, *, chunk: int | None = None,
     return _launch(logits, k, chunk, group, num_warps)[0]
 
 
-def top_k_scores(logits: torch.Tensor, k: int, token_ids: torch.Tensor,
-                 token_logprob: torch.Tensor, *, chunk: int | None = None,
-                 group: int | None = None,
-                 num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k_scores(
+    logits: torch.Tensor,
+    k: int,
+    token_ids: torch.Tensor,
+    token_logprob: torch.Tensor,
+    *,
+    chunk: int | None = None,
+    group: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`top_k_indices` and the top tokens' logprobs, ``([rows, k] int64, [rows, k]
     float32)``.
 
@@ -199,8 +234,15 @@ def top_k_scores(logits: torch.Tensor, k: int, token_ids: torch.Tensor,
         ids = top_k_indices_reference(logits, k)
         token_logit = logits.gather(1, token_ids.long()[:, None]).float()
         return ids, token_logprob[:, None] + (logits.gather(1, ids).float() - token_logit)
-    return _launch(logits, k, chunk, group, num_warps, token_ids.contiguous(),
-                   token_logprob.float().contiguous())
+    return _launch(
+        logits,
+        k,
+        chunk,
+        group,
+        num_warps,
+        token_ids.contiguous(),
+        token_logprob.float().contiguous(),
+    )
 
 
 def _settings(chunk, group, num_warps):
@@ -208,13 +250,11 @@ def _settings(chunk, group, num_warps):
     group = GROUP if group is None else group
     if group < 1 or group & (group - 1):
         raise ValueError(f"group must be a power of two, got {group}")
-    return (CHUNK if chunk is None else chunk, group,
-            NUM_WARPS if num_warps is None else num_warps)
+    return (CHUNK if chunk is None else chunk, group, NUM_WARPS if num_warps is None else num_warps)
 
 
 def top_k_indices_reference(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Pure-torch :func:`top_k_indices`: a stable sort, so ties go to the lower index."""
     keys = logits.float()
-    keys = torch.where(keys.isnan() | (keys == float("-inf")), torch.finfo(torch.float32).min,
-                       keys)
+    keys = torch.where(keys.isnan() | (keys == float("-inf")), torch.finfo(torch.float32).min, keys)
     return keys.sort(dim=-1, descending=True, stable=True).indices[:, :k]

@@ -14,8 +14,13 @@ import torch
 
 from trace_replay.kernels._triton import tl, triton, use_triton
 
-__all__ = ["active_rows", "apply_trace_tokens", "apply_trace_tokens_reference", "position_args",
-           "trace_position"]
+__all__ = [
+    "active_rows",
+    "apply_trace_tokens",
+    "apply_trace_tokens_reference",
+    "position_args",
+    "trace_position",
+]
 
 
 @triton.jit
@@ -98,8 +103,14 @@ def _trace_tokens_kernel(
 ):
     batch_idx = tl.program_id(0)
     active, step, trace_len, start = trace_position(
-        batch_idx, idx_mapping_ptr, trace_row_stride, trace_offsets_ptr, trace_len_ptr,
-        total_len_ptr, prompt_len_ptr, RAGGED,
+        batch_idx,
+        idx_mapping_ptr,
+        trace_row_stride,
+        trace_offsets_ptr,
+        trace_len_ptr,
+        total_len_ptr,
+        prompt_len_ptr,
+        RAGGED,
     )
     if not active:
         return
@@ -161,8 +172,14 @@ def apply_trace_tokens(
     if trace_token_ids.stride(-1) != 1:
         raise ValueError("trace_token_ids must have unit stride along its last dimension")
     tensors = (
-        sampled, idx_mapping, trace_token_ids, trace_len, total_len, prompt_len, trace_offsets
-    )  # fmt: skip
+        sampled,
+        idx_mapping,
+        trace_token_ids,
+        trace_len,
+        total_len,
+        prompt_len,
+        trace_offsets,
+    )
     if not use_triton(*tensors):
         apply_trace_tokens_reference(*tensors[:-1], trace_offsets=trace_offsets)
         return

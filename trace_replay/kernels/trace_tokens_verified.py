@@ -37,8 +37,14 @@ def _verified_kernel(
 ):
     batch_idx = tl.program_id(0)
     active, step, trace_len, start = trace_position(
-        batch_idx, idx_mapping_ptr, trace_row_stride, trace_offsets_ptr, trace_len_ptr,
-        total_len_ptr, prompt_len_ptr, RAGGED,
+        batch_idx,
+        idx_mapping_ptr,
+        trace_row_stride,
+        trace_offsets_ptr,
+        trace_len_ptr,
+        total_len_ptr,
+        prompt_len_ptr,
+        RAGGED,
     )
     if not active:
         return
@@ -108,9 +114,17 @@ def apply_trace_tokens_to_verified(
     if trace_token_ids.stride(-1) != 1:
         raise ValueError("trace_token_ids must have unit stride along its last dimension")
     tensors = (
-        sampled, num_sampled, draft_sampled, cu_num_logits, idx_mapping,
-        trace_token_ids, trace_len, total_len, prompt_len, trace_offsets,
-    )  # fmt: skip
+        sampled,
+        num_sampled,
+        draft_sampled,
+        cu_num_logits,
+        idx_mapping,
+        trace_token_ids,
+        trace_len,
+        total_len,
+        prompt_len,
+        trace_offsets,
+    )
     if not use_triton(*tensors):
         apply_trace_tokens_to_verified_reference(*tensors[:-1], trace_offsets=trace_offsets)
         return

@@ -239,10 +239,17 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     aliases = {
-        "float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
-        "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-        "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-        "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "f32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+        "half": torch.float16,
+        "float64": torch.float64,
+        "fp64": torch.float64,
+        "double": torch.float64,
     }
     try:
         return aliases[str(dtype).lower()]
@@ -255,8 +262,10 @@ def load_tokenizer(model: str | os.PathLike | None = None):
     from transformers import AutoTokenizer
 
     if model is _NO_TOKENIZER:
-        raise ModelNotFoundError("this in-memory model was not loaded from a folder, so its "
-                                 "tokenizer is unknown: set engine.tokenizer = <tokenizer>")
+        raise ModelNotFoundError(
+            "this in-memory model was not loaded from a folder, so its "
+            "tokenizer is unknown: set engine.tokenizer = <tokenizer>"
+        )
     with offline():
         return AutoTokenizer.from_pretrained(str(hf_folder(model)))
 
@@ -312,8 +321,9 @@ def check_weight_files(folder: str | os.PathLike) -> None:
     for path in sorted(Path(folder).rglob("*.safetensors")):
         problem = _safetensors_problem(path)
         if problem:
-            raise DamagedModelError(f"model weight file {path} is damaged: {problem}; "
-                                    "copy or convert the model again")
+            raise DamagedModelError(
+                f"model weight file {path} is damaged: {problem}; copy or convert the model again"
+            )
 
 
 def _safetensors_problem(path: Path) -> str | None:
@@ -326,18 +336,25 @@ def _safetensors_problem(path: Path) -> str | None:
             return f"it holds {size} bytes, less than a header"
         length = int.from_bytes(head, "little")
         if length > size - 8:
-            return (f"its header claims {length:,} bytes but the file holds {size:,} "
-                    "(cut short, or not a safetensors file)")
+            return (
+                f"its header claims {length:,} bytes but the file holds {size:,} "
+                "(cut short, or not a safetensors file)"
+            )
         try:
             header = json.loads(f.read(length))
-            ends = [int(entry["data_offsets"][1]) for name, entry in header.items()
-                    if name != "__metadata__"]
+            ends = [
+                int(entry["data_offsets"][1])
+                for name, entry in header.items()
+                if name != "__metadata__"
+            ]
         except (ValueError, TypeError, KeyError, IndexError, AttributeError):
             return "its header is not a safetensors header (not JSON naming tensors)"
     held, needed = size - 8 - length, max(ends, default=0)
     if held < needed:
-        return (f"its tensors need {needed:,} bytes after the header but it holds "
-                f"{held:,}: the file was cut short")
+        return (
+            f"its tensors need {needed:,} bytes after the header but it holds "
+            f"{held:,}: the file was cut short"
+        )
     if held > needed:
         return f"{held - needed:,} bytes follow its last tensor"
     return None
@@ -346,17 +363,21 @@ def _safetensors_problem(path: Path) -> str | None:
 def _name_damaged_file(folder: Path, error: BaseException) -> None:
     """Raise :class:`DamagedModelError` naming the pickled weight file of ``folder`` that
     the safe loader (``torch.load(weights_only=True)``) refuses, if one does; else return."""
-    for path in sorted(p for p in Path(folder).rglob("*")
-                       if p.suffix in (".bin", ".pt", ".pth") and p.is_file()):
+    for path in sorted(
+        p for p in Path(folder).rglob("*") if p.suffix in (".bin", ".pt", ".pth") and p.is_file()
+    ):
         try:
             torch.load(path, map_location="meta", weights_only=True)
         except Exception as refused:  # noqa: BLE001 - any refusal names the file
-            reason = next((line.strip() for line in str(refused).splitlines()
-                           if "GLOBAL" in line), None) or str(refused).splitlines()[0]
+            reason = (
+                next((line.strip() for line in str(refused).splitlines() if "GLOBAL" in line), None)
+                or str(refused).splitlines()[0]
+            )
             raise DamagedModelError(
                 f"model weight file {path} cannot be loaded safely: {reason} (a pickle "
                 "that is cut short, or that runs code, is refused; convert the model to "
-                "safetensors from a trusted copy)") from error
+                "safetensors from a trusted copy)"
+            ) from error
 
 
 def model_for_engine(model, *, dtype=None, device=None):
@@ -382,11 +403,15 @@ def model_for_engine(model, *, dtype=None, device=None):
         return load_model(model, dtype=dtype, device=device), model_label(model), model
     weight = next(model.parameters())
     if dtype is not None and resolve_dtype(dtype) != weight.dtype:
-        raise ValueError(f"the model passed is {weight.dtype}, not {resolve_dtype(dtype)}: "
-                         "cast it first (model.to(dtype)) or pass a path")
+        raise ValueError(
+            f"the model passed is {weight.dtype}, not {resolve_dtype(dtype)}: "
+            "cast it first (model.to(dtype)) or pass a path"
+        )
     if device is not None and torch.device(device).type != weight.device.type:
-        raise ValueError(f"the model passed is on {weight.device}, not {device}: "
-                         "move it first (model.to(device)) or pass a path")
+        raise ValueError(
+            f"the model passed is on {weight.device}, not {device}: "
+            "move it first (model.to(device)) or pass a path"
+        )
     folder = getattr(getattr(model, "config", None), "name_or_path", None) or ""
     if Path(folder).name.startswith(f"{EMBEDDED_MODEL}-f32-"):
         return model.eval(), EMBEDDED_MODEL, None  # the converted folder of the embedded model

@@ -14,8 +14,13 @@ from matplotlib.image import AxesImage
 
 from trace_replay.analysis.metrics import run_labels
 
-BUCKET_COLORS = {"1-10": "#5fb85f", "11-100": "#f2d14b", "101-1000": "#e8615a",
-                 ">1000": "#9d6fd6", "bound": "#6fa8dc"}  # fmt: skip
+BUCKET_COLORS = {
+    "1-10": "#5fb85f",
+    "11-100": "#f2d14b",
+    "101-1000": "#e8615a",
+    ">1000": "#9d6fd6",
+    "bound": "#6fa8dc",
+}
 MARK = "#00c8ff"  # first divergence / tol marks, visible on light and dark cells
 _SIGNED = ("delta", "k1")  # heatmap columns drawn on a symmetric scale whatever their values
 _LABEL_FIELDS = ("engine", "dtype", "device")

@@ -16,8 +16,12 @@ from matplotlib.axes import Axes
 from trace_replay.analysis.routing import flip_matrix
 from trace_replay.plots._figures import MARK, finish, own_axes
 
-__all__ = ["plot_distribution_hist", "plot_distribution_strip", "plot_first_past",
-           "plot_routing_flips"]
+__all__ = [
+    "plot_distribution_hist",
+    "plot_distribution_strip",
+    "plot_first_past",
+    "plot_routing_flips",
+]
 
 _FLOOR = 1e-12  # log axes: a zero is drawn here
 
@@ -28,13 +32,16 @@ def _values(data: pd.DataFrame, metric: str) -> tuple[pd.Series, pd.Series | Non
     if metric in data.columns:
         return data[metric].astype(float), None, "exact"
     if f"{metric}_lower" not in data.columns:
-        raise ValueError(f"no {metric!r} column (exact) nor {metric}_lower (bounded) in the "
-                         "frame: pass a replay_pair or distribution_bounds frame")
+        raise ValueError(
+            f"no {metric!r} column (exact) nor {metric}_lower (bounded) in the "
+            "frame: pass a replay_pair or distribution_bounds frame"
+        )
     return data[f"{metric}_lower"].astype(float), data[f"{metric}_upper"].astype(float), "bounded"
 
 
-def plot_distribution_strip(data: pd.DataFrame, trace_id: str, *, metric: str = "kl_ab",
-                            ax: Axes | None = None) -> Axes:
+def plot_distribution_strip(
+    data: pd.DataFrame, trace_id: str, *, metric: str = "kl_ab", ax: Axes | None = None
+) -> Axes:
     """One trace's per-token divergence against its step, on a log axis, to stack under
     :func:`~trace_replay.plots.trace.plot_trace`'s logprob strip (same x: the step).
 
@@ -51,12 +58,18 @@ def plot_distribution_strip(data: pd.DataFrame, trace_id: str, *, metric: str = 
     ax = own_axes(ax, (8, 2.2))
     value, upper, form = _values(rows, metric)
     steps = rows["step"].to_numpy()
-    ax.plot(steps, value.clip(lower=_FLOOR), lw=1, color="C0",
-            label=f"{metric} ({'lower bound' if upper is not None else form})")
+    ax.plot(
+        steps,
+        value.clip(lower=_FLOOR),
+        lw=1,
+        color="C0",
+        label=f"{metric} ({'lower bound' if upper is not None else form})",
+    )
     if upper is not None:
         top = upper.replace(np.inf, np.nan).fillna(1.0).clip(lower=_FLOOR)
-        ax.fill_between(steps, value.clip(lower=_FLOOR), top, color="C0", alpha=0.2,
-                        step="mid", label="bounds")
+        ax.fill_between(
+            steps, value.clip(lower=_FLOOR), top, color="C0", alpha=0.2, step="mid", label="bounds"
+        )
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel(metric)
@@ -65,8 +78,9 @@ def plot_distribution_strip(data: pd.DataFrame, trace_id: str, *, metric: str = 
     return finish(ax)
 
 
-def plot_distribution_hist(data: pd.DataFrame, *, metric: str = "kl_ab",
-                           ax: Axes | None = None, bins: int = 40) -> Axes:
+def plot_distribution_hist(
+    data: pd.DataFrame, *, metric: str = "kl_ab", ax: Axes | None = None, bins: int = 40
+) -> Axes:
     """The metric over every token of the frame (a dataset): histogram of log10 values,
     zeros counted in the leftmost bin."""
     ax = own_axes(ax, (6, 3.5))
@@ -76,13 +90,15 @@ def plot_distribution_hist(data: pd.DataFrame, *, metric: str = "kl_ab",
     which = "lower bound" if upper is not None else form
     ax.set_xlabel(f"log10 {metric} ({which})")
     ax.set_ylabel("tokens")
-    ax.set_title(f"{metric} over {len(data)} tokens; mean {value.mean():.3g}, "
-                 f"p99 {value.quantile(0.99):.3g}")
+    ax.set_title(
+        f"{metric} over {len(data)} tokens; mean {value.mean():.3g}, p99 {value.quantile(0.99):.3g}"
+    )
     return finish(ax)
 
 
-def plot_first_past(data: pd.DataFrame, *, metric: str = "kl_ab", tol: float = 1e-3,
-                    ax: Axes | None = None) -> Axes:
+def plot_first_past(
+    data: pd.DataFrame, *, metric: str = "kl_ab", tol: float = 1e-3, ax: Axes | None = None
+) -> Axes:
     """Per trace, the first step whose metric exceeds ``tol`` (a bounded frame: whose lower
     bound does, so the step surely diverges); traces that never do are marked at their end."""
     ax = own_axes(ax, (6, 0.3 * data["trace_id"].nunique() + 1.5))
@@ -98,8 +114,9 @@ def plot_first_past(data: pd.DataFrame, *, metric: str = "kl_ab", tol: float = 1
     y = np.arange(len(order))
     ax.barh(y, np.nan_to_num(first, nan=0), color="C1", label=f"first step {metric} > {tol:g}")
     never = np.isnan(first)
-    ax.scatter(np.array(ends)[never], y[never], marker="|", color=MARK, s=80,
-               label="never (trace end)")
+    ax.scatter(
+        np.array(ends)[never], y[never], marker="|", color=MARK, s=80, label="never (trace end)"
+    )
     ax.set_yticks(y, order)
     ax.invert_yaxis()
     ax.set_xlabel("step")
@@ -108,18 +125,27 @@ def plot_first_past(data: pd.DataFrame, *, metric: str = "kl_ab", tol: float = 1
     return finish(ax)
 
 
-def plot_routing_flips(routing_a: pd.DataFrame, routing_b: pd.DataFrame, trace_id: str, *,
-                       ax: Axes | None = None) -> Axes:
+def plot_routing_flips(
+    routing_a: pd.DataFrame, routing_b: pd.DataFrame, trace_id: str, *, ax: Axes | None = None
+) -> Axes:
     """Layers by steps of one trace: dark where the two runs routed the token to different
     experts (:func:`~trace_replay.analysis.routing.flip_matrix`)."""
     matrix = flip_matrix(routing_a, routing_b, trace_id)
     ax = own_axes(ax, (8, 0.25 * len(matrix) + 1.5))
-    ax.imshow(matrix.to_numpy(), aspect="auto", cmap="Greys", vmin=0, vmax=1,
-              interpolation="nearest", origin="lower",
-              extent=(-0.5, matrix.shape[1] - 0.5, -0.5, matrix.shape[0] - 0.5))
+    ax.imshow(
+        matrix.to_numpy(),
+        aspect="auto",
+        cmap="Greys",
+        vmin=0,
+        vmax=1,
+        interpolation="nearest",
+        origin="lower",
+        extent=(-0.5, matrix.shape[1] - 0.5, -0.5, matrix.shape[0] - 0.5),
+    )
     ax.set_yticks(range(len(matrix)), matrix.index)
     ax.set_xlabel("step")
     ax.set_ylabel("layer")
-    ax.set_title(f"{trace_id}: routing flips ({int(matrix.to_numpy().sum())} of "
-                 f"{matrix.size} step x layer)")
+    ax.set_title(
+        f"{trace_id}: routing flips ({int(matrix.to_numpy().sum())} of {matrix.size} step x layer)"
+    )
     return finish(ax)

@@ -20,6 +20,9 @@ import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.colors import Normalize
 
+from trace_replay.analysis.metrics import NegativeEstimateWarning, summarize
+from trace_replay.analysis.mismatch import require_comparison
+from trace_replay.analysis.ranks import RANK_BUCKETS, exact_ranks, rank_bucket
 from trace_replay.plots._figures import (
     BUCKET_COLORS,
     MARK,
@@ -29,11 +32,8 @@ from trace_replay.plots._figures import (
     run_label,
     side_labels,
 )
-from trace_replay.wording import plural
-from trace_replay.analysis.metrics import NegativeEstimateWarning, summarize
-from trace_replay.analysis.mismatch import require_comparison
-from trace_replay.analysis.ranks import RANK_BUCKETS, exact_ranks, rank_bucket
 from trace_replay.plots.trace import plot_trace
+from trace_replay.wording import plural
 
 __all__ = [
     "BUCKET_COLORS",
@@ -52,8 +52,10 @@ def _is_comparison(df: pd.DataFrame) -> bool:
 
 def _check_hue(data: pd.DataFrame, hue: str | None) -> None:
     if hue is not None and hue not in data.columns:
-        raise ValueError(f"hue={hue!r} is not a column of data; valid hue columns: "
-                         f"{', '.join(map(str, data.columns))}")
+        raise ValueError(
+            f"hue={hue!r} is not a column of data; valid hue columns: "
+            f"{', '.join(map(str, data.columns))}"
+        )
 
 
 def _check_columns(data: pd.DataFrame, caller: str, *columns: str) -> None:
@@ -63,8 +65,10 @@ def _check_columns(data: pd.DataFrame, caller: str, *columns: str) -> None:
     if missing and not _is_comparison(data):
         require_comparison(data, caller)
     if missing:
-        raise ValueError(f"{caller}: {missing} not among the columns of data: "
-                         f"{', '.join(map(str, data.columns))}")
+        raise ValueError(
+            f"{caller}: {missing} not among the columns of data: "
+            f"{', '.join(map(str, data.columns))}"
+        )
 
 
 def _require_rows(data: pd.DataFrame, caller: str) -> None:
@@ -90,8 +94,9 @@ def _summary(data: pd.DataFrame, tol: float, hue: str | None = None) -> pd.DataF
         warnings.simplefilter("ignore", NegativeEstimateWarning)
         if hue is None:
             return summarize(data, tol=tol)
-        parts = [summarize(part, tol=tol).assign(**{hue: level})
-                 for level, part in _groups(data, hue)]
+        parts = [
+            summarize(part, tol=tol).assign(**{hue: level}) for level, part in _groups(data, hue)
+        ]
     return pd.concat(parts, ignore_index=True)
 
 
@@ -164,8 +169,9 @@ def plot_divergence_heatmap(
     grid = grid.reindex(index=order["trace_id"], columns=range(int(data["step"].max()) + 1))
     values = grid.to_numpy()
     norm, cmap, values = heatmap_norm(ax.figure, value, values, tol, norm)
-    image = ax.imshow(np.ma.masked_invalid(values), aspect="auto", interpolation="nearest",
-                      norm=norm, cmap=cmap)  # fmt: skip
+    image = ax.imshow(
+        np.ma.masked_invalid(values), aspect="auto", interpolation="nearest", norm=norm, cmap=cmap
+    )
     image.set_gid(f"trace_replay.heatmap:{value}")
     ax.set_facecolor("#dddddd")  # steps past a trace's end
     cbar = ax.figure.colorbar(image, ax=ax, extend="both", pad=0.01)
@@ -238,9 +244,15 @@ def plot_delta_hist(
     edges = np.linspace(-bound, bound, bins + 1)
     for i, (level, part) in enumerate(_groups(data, hue)):
         part_values = part[x].to_numpy(dtype="float64", na_value=np.nan)
-        ax.hist(part_values[np.isfinite(part_values)], bins=edges, log=True, color=f"C{i}",
-                histtype="bar" if hue is None else "step", lw=0 if hue is None else 1.2,
-                label=level)  # fmt: skip
+        ax.hist(
+            part_values[np.isfinite(part_values)],
+            bins=edges,
+            log=True,
+            color=f"C{i}",
+            histtype="bar" if hue is None else "step",
+            lw=0 if hue is None else 1.2,
+            label=level,
+        )
     ax.axvline(0, color="0.3", lw=0.8, ls="--")
     if hue is not None:
         ax.legend(title=hue, fontsize=7, loc="upper right")
@@ -376,8 +388,13 @@ def plot_first_divergence(
         name = "diverged by step" if level is None else level
         ax.step(x, y, where="post", color=f"C{i}", label=name)
         never = f"never diverged: {n - diverged.size}/{n} traces"
-        ax.axhline(y[-1], color=f"C{i}" if hue else "0.5", ls=":", lw=1,
-                   label=never if level is None else f"{level}: {never}")  # fmt: skip
+        ax.axhline(
+            y[-1],
+            color=f"C{i}" if hue else "0.5",
+            ls=":",
+            lw=1,
+            label=never if level is None else f"{level}: {never}",
+        )
     ax.set_ylim(0, 1.02)
     ax.set_xlabel("first divergence step")
     ax.set_ylabel("fraction of traces")
@@ -430,22 +447,34 @@ def plot_rank_buckets(
     hue = hue or by
     if _is_comparison(data):
         label_a, label_b = side_labels(data, labels)
-        sides = [(label_a, rank_bucket(data["rank_a"], exact_ranks(data, "_a"))),
-                 (label_b, rank_bucket(data["rank_b"], exact_ranks(data, "_b")))]
+        sides = [
+            (label_a, rank_bucket(data["rank_a"], exact_ranks(data, "_a"))),
+            (label_b, rank_bucket(data["rank_b"], exact_ranks(data, "_b"))),
+        ]
         groups = [(name, buckets) for name, buckets in sides if buckets.notna().any()]
     elif hue is None:
         groups = [(run_label(data.attrs) or "all", rank_bucket(data["rank"], exact_ranks(data)))]
     else:
-        groups = [(key, rank_bucket(part["rank"], exact_ranks(part)))
-                  for key, part in _groups(data, hue)]
+        groups = [
+            (key, rank_bucket(part["rank"], exact_ranks(part))) for key, part in _groups(data, hue)
+        ]
     ax = own_axes(ax, (max(4.0, 1.1 * len(groups) + 2.5), 4.0))
-    fractions = pd.DataFrame(
-        {name: buckets.value_counts(normalize=True) for name, buckets in groups}
-    ).reindex(list(RANK_BUCKETS)).fillna(0.0)
+    fractions = (
+        pd.DataFrame({name: buckets.value_counts(normalize=True) for name, buckets in groups})
+        .reindex(list(RANK_BUCKETS))
+        .fillna(0.0)
+    )
     bottom = np.zeros(fractions.shape[1])
     for bucket, row in fractions.iterrows():
-        ax.bar(fractions.columns, row.to_numpy(), bottom=bottom, color=BUCKET_COLORS[bucket],
-               label=bucket, edgecolor="white", linewidth=0.5)  # fmt: skip
+        ax.bar(
+            fractions.columns,
+            row.to_numpy(),
+            bottom=bottom,
+            color=BUCKET_COLORS[bucket],
+            label=bucket,
+            edgecolor="white",
+            linewidth=0.5,
+        )
         bottom += row.to_numpy()
     ax.set_ylim(0, 1.2)  # the band above 1 holds the legend, inside the Axes
     ax.set_yticks(np.linspace(0, 1, 6))

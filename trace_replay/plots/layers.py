@@ -17,9 +17,9 @@ from matplotlib import colormaps
 from matplotlib.axes import Axes
 from matplotlib.colors import LogNorm, Normalize
 
-from trace_replay.plots._figures import MARK, finish, own_axes
 from trace_replay.analysis.attribution import divergence_origin
 from trace_replay.analysis.capture import SITES
+from trace_replay.plots._figures import MARK, finish, own_axes
 
 __all__ = ["plot_layer_divergence", "plot_layer_profile", "plot_sweep"]
 
@@ -43,17 +43,29 @@ def _log_image(ax: Axes, values: np.ndarray, label: str, norm: Normalize | None)
         norm = LogNorm(low, max(high, low * 10))
     cmap = colormaps["magma_r"].with_extremes(under=_EQUAL, bad="white", over="black")
     shown = np.where(values == 0, norm.vmin / 10, values)  # zeros fall below the scale
-    image = ax.imshow(np.ma.masked_invalid(shown), aspect="auto", interpolation="nearest",
-                      origin="lower", norm=norm, cmap=cmap)
+    image = ax.imshow(
+        np.ma.masked_invalid(shown),
+        aspect="auto",
+        interpolation="nearest",
+        origin="lower",
+        norm=norm,
+        cmap=cmap,
+    )
     colorbar = ax.figure.colorbar(image, ax=ax, extend="min", pad=0.01)
     colorbar.set_label(f"{label}; grey = 0")
     return image
 
 
-def plot_layer_divergence(data: pd.DataFrame, *, trace_id: str | None = None,
-                          site: str | None = "residual", value: str = "max_abs_diff",
-                          tol: float | None = None, norm: Normalize | None = None,
-                          ax: Axes | None = None) -> Axes:
+def plot_layer_divergence(
+    data: pd.DataFrame,
+    *,
+    trace_id: str | None = None,
+    site: str | None = "residual",
+    value: str = "max_abs_diff",
+    tol: float | None = None,
+    norm: Normalize | None = None,
+    ax: Axes | None = None,
+) -> Axes:
     """Layer x step image of one trace's difference at one site, first divergence marked.
 
     Parameters
@@ -100,8 +112,9 @@ def plot_layer_divergence(data: pd.DataFrame, *, trace_id: str | None = None,
     shown = rows if site is None else rows[rows["site"] == site]
     if shown.empty:
         raise ValueError(f"site {site!r} was not captured (sites: {data.attrs.get('sites')})")
-    grid = shown.pivot_table(index="layer", columns="step", values=value, aggfunc="max",
-                             observed=True)
+    grid = shown.pivot_table(
+        index="layer", columns="step", values=value, aggfunc="max", observed=True
+    )
     origin = divergence_origin(rows, tol=tol, by="step").dropna(subset=["layer"])
     # a mark below the site's layers (e.g. embeddings, for the residual) gets a blank row
     marked = origin["layer"].to_numpy(dtype="int64")
@@ -116,20 +129,39 @@ def plot_layer_divergence(data: pd.DataFrame, *, trace_id: str | None = None,
     ticks = [v for v in layers if v % every == 0 or v in (layers[0], layers[-1])]
     ax.set_yticks(np.asarray(ticks) - layers[0], [str(v) for v in ticks])
     if len(origin):
-        ax.plot(origin["step"].to_numpy(), marked - layers[0],
-                "o", color=MARK, ms=4, label="first divergent layer")
+        ax.plot(
+            origin["step"].to_numpy(),
+            marked - layers[0],
+            "o",
+            color=MARK,
+            ms=4,
+            label="first divergent layer",
+        )
         ax.legend(loc="upper left", fontsize=7, framealpha=0.8)
     ax.set_xlabel("step")
     num_layers = data.attrs.get("num_layers")
-    ax.set_ylabel("layer" + (f" (-1 embeddings, {num_layers} final norm/logits)"
-                             if site is None and num_layers is not None else ""))
-    ax.set_title(f"{value} of {site or 'any site'} · {_pair_label(data.attrs)} · {trace_id}",
-                 fontsize=9)
+    ax.set_ylabel(
+        "layer"
+        + (
+            f" (-1 embeddings, {num_layers} final norm/logits)"
+            if site is None and num_layers is not None
+            else ""
+        )
+    )
+    ax.set_title(
+        f"{value} of {site or 'any site'} · {_pair_label(data.attrs)} · {trace_id}", fontsize=9
+    )
     return finish(ax)
 
 
-def plot_layer_profile(data: pd.DataFrame, *, y: str = "rel_l2", hue: str | None = "site",
-                       estimator: str = "median", ax: Axes | None = None) -> Axes:
+def plot_layer_profile(
+    data: pd.DataFrame,
+    *,
+    y: str = "rel_l2",
+    hue: str | None = "site",
+    estimator: str = "median",
+    ax: Axes | None = None,
+) -> Axes:
     """``y`` per layer, aggregated over traces and steps, one line per ``hue`` level.
 
     Parameters
@@ -184,9 +216,16 @@ def _linthresh(values: pd.Series) -> float:
     return float(positive.min()) if len(positive) else 1e-12
 
 
-def plot_sweep(data: pd.DataFrame, *, metric: str = "mean_abs_delta", x: str | None = None,
-               y: str | Sequence[str] | None = None, annotate: bool = True,
-               norm: Normalize | None = None, ax: Axes | None = None) -> Axes:
+def plot_sweep(
+    data: pd.DataFrame,
+    *,
+    metric: str = "mean_abs_delta",
+    x: str | None = None,
+    y: str | Sequence[str] | None = None,
+    annotate: bool = True,
+    norm: Normalize | None = None,
+    ax: Axes | None = None,
+) -> Axes:
     """The sweep as a matrix: one cell per configuration, coloured by ``metric``.
 
     Parameters
@@ -229,12 +268,16 @@ def plot_sweep(data: pd.DataFrame, *, metric: str = "mean_abs_delta", x: str | N
         raise ValueError(f"x must name a grid column, got {x!r}")
     y = [k for k in keys if k != x] if y is None else ([y] if isinstance(y, str) else list(y))
     cells = data.assign(_x=data[x].astype(str))
-    cells["_y"] = (cells[y].astype(str).apply(lambda r: ", ".join(f"{k}={v}" for k, v in
-                                                                  r.items()), axis=1)
-                   if y else metric)
+    cells["_y"] = (
+        cells[y].astype(str).apply(lambda r: ", ".join(f"{k}={v}" for k, v in r.items()), axis=1)
+        if y
+        else metric
+    )
     if cells.duplicated(["_x", "_y"]).any():
-        raise ValueError(f"several configurations share a cell of x={x!r}, y={y!r}: "
-                         "name every varying grid key in x or y")
+        raise ValueError(
+            f"several configurations share a cell of x={x!r}, y={y!r}: "
+            "name every varying grid key in x or y"
+        )
     grid = cells.pivot(index="_y", columns="_x", values=metric)
     grid = grid.reindex(index=pd.unique(cells["_y"]), columns=pd.unique(cells["_x"]))
     ax = own_axes(ax, (2.5 + 1.3 * grid.shape[1], 1.5 + 0.45 * grid.shape[0]))
@@ -248,7 +291,14 @@ def plot_sweep(data: pd.DataFrame, *, metric: str = "mean_abs_delta", x: str | N
         for (i, j), v in np.ndenumerate(values):
             text = "equal" if v == 0 else f"{v:.2g}"
             light = np.isfinite(v) and v > 0 and image.norm(v) > 0.6
-            ax.text(j, i, text, ha="center", va="center", fontsize=8,
-                    color="white" if light else "black")
+            ax.text(
+                j,
+                i,
+                text,
+                ha="center",
+                va="center",
+                fontsize=8,
+                color="white" if light else "black",
+            )
     ax.set_title(f"{metric} against the base run", fontsize=9)
     return finish(ax)

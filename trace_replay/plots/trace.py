@@ -9,9 +9,9 @@ import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.transforms import offset_copy
 
-from trace_replay.plots._figures import finish, own_axes, run_label, side_labels
 from trace_replay.analysis.metrics import compare
 from trace_replay.analysis.ranks import exact_ranks
+from trace_replay.plots._figures import finish, own_axes, run_label, side_labels
 from trace_replay.wording import visible_token
 
 __all__ = ["plot_trace"]
@@ -51,8 +51,12 @@ def _runs(steps: np.ndarray) -> list[tuple[float, float]]:
 def _thin_ticks(ax: Axes, steps: np.ndarray, tokens: list[str], max_labels: int) -> None:
     every = max(1, math.ceil(len(steps) / max(1, max_labels)))
     ax.set_xticks(steps[::every])
-    ax.set_xticklabels([visible_token(t)[:16] for t in tokens[::every]], rotation=90,
-                       fontsize=7, fontfamily="monospace")  # fmt: skip
+    ax.set_xticklabels(
+        [visible_token(t)[:16] for t in tokens[::every]],
+        rotation=90,
+        fontsize=7,
+        fontfamily="monospace",
+    )
 
 
 def _window(data: pd.DataFrame, window: tuple[int, int] | None) -> pd.DataFrame:
@@ -127,38 +131,71 @@ def plot_trace(
     rank_ax = ax.twinx()
     rank_ax.set_yscale("log")
     if hue is not None:
-        lines = [(str(level), part, "logprob", "rank", f"C{i}", "-")
-                 for i, (level, part) in enumerate(df.groupby(hue, sort=False))]  # fmt: skip
+        lines = [
+            (str(level), part, "logprob", "rank", f"C{i}", "-")
+            for i, (level, part) in enumerate(df.groupby(hue, sort=False))
+        ]
         shown = _window(df, window)
     elif cmp is None:
         lines = [("", df, "logprob", "rank", "C0", ".-")]
         shown = _window(df, window)
     else:
         label_a, label_b = side_labels(cmp, labels)
-        lines = [(label_a, cmp, "logprob_a", "rank_a", "C1", "-"),
-                 (label_b, cmp, "logprob_b", "rank_b", "C0", ".-")]  # fmt: skip
+        lines = [
+            (label_a, cmp, "logprob_a", "rank_a", "C1", "-"),
+            (label_b, cmp, "logprob_b", "rank_b", "C0", ".-"),
+        ]
         shown = _window(cmp, window)
     for name, part, logprob, rank, color, style in lines:
         part = _window(part, window)
         steps = part["step"].to_numpy()
         wide = cmp is not None and logprob == "logprob_a"  # side a under side b, both visible
-        ax.plot(steps, part[logprob], style, color=color, lw=3 if wide else 1, ms=4,
-                alpha=0.45 if wide else 1.0, label=f"logprob {name}".strip())  # fmt: skip
+        ax.plot(
+            steps,
+            part[logprob],
+            style,
+            color=color,
+            lw=3 if wide else 1,
+            ms=4,
+            alpha=0.45 if wide else 1.0,
+            label=f"logprob {name}".strip(),
+        )
         ranks = part[rank].astype("float64")
-        bound = ~exact_ranks(part, rank[len("rank"):]).to_numpy()
+        bound = ~exact_ranks(part, rank[len("rank") :]).to_numpy()
         if ranks[~bound].notna().any():
-            rank_ax.plot(steps[~bound], ranks[~bound], "x", color=color, ms=4, alpha=0.5,
-                         label=f"rank {name}".strip())  # fmt: skip
+            rank_ax.plot(
+                steps[~bound],
+                ranks[~bound],
+                "x",
+                color=color,
+                ms=4,
+                alpha=0.5,
+                label=f"rank {name}".strip(),
+            )
         if bound.any():  # a lower bound: the rank is this or below it (the axis runs down)
-            rank_ax.plot(steps[bound], ranks[bound], "v", color=color, ms=4, alpha=0.5,
-                         label=f"rank {name} (lower bound)".replace("  ", " "))  # fmt: skip
+            rank_ax.plot(
+                steps[bound],
+                ranks[bound],
+                "v",
+                color=color,
+                ms=4,
+                alpha=0.5,
+                label=f"rank {name} (lower bound)".replace("  ", " "),
+            )
     steps = np.unique(shown["step"].to_numpy())
     if cmp is not None:
         delta = shown["delta"].to_numpy(dtype="float64")
         spans = _runs(shown["step"].to_numpy()[(np.abs(delta) > tol) | ~np.isfinite(delta)])
         if spans:
-            ax.broken_barh(spans, (0, 1), facecolor=_SHADE, edgecolor="none", alpha=0.18,
-                           transform=ax.get_xaxis_transform(), label=f"|Δ| > {tol:g}")  # fmt: skip
+            ax.broken_barh(
+                spans,
+                (0, 1),
+                facecolor=_SHADE,
+                edgecolor="none",
+                alpha=0.18,
+                transform=ax.get_xaxis_transform(),
+                label=f"|Δ| > {tol:g}",
+            )
     rank_ax.set_ylim(bottom=max(rank_ax.get_ylim()[1], 10) * 1.5, top=0.7)
     rank_ax.set_ylabel("rank (log, 1 at top)")
     ax.set_ylabel("logprob (nats)")
@@ -177,8 +214,15 @@ def plot_trace(
     rank_handles, rank_names = rank_ax.get_legend_handles_labels()
     # outside the axes, right of the rank axis's labels: inside, it would hide lines
     beside = offset_copy(ax.transAxes, fig=ax.figure, x=_LEGEND_GAP_IN, units="inches")
-    ax.legend(handles + rank_handles, names + rank_names, fontsize=7, loc="upper left",
-              bbox_to_anchor=(1.0, 1.0), bbox_transform=beside, title=hue)  # fmt: skip
+    ax.legend(
+        handles + rank_handles,
+        names + rank_names,
+        fontsize=7,
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        bbox_transform=beside,
+        title=hue,
+    )
     ax.set_zorder(rank_ax.get_zorder() + 1)  # logprob lines and legend above the rank marks
     ax.patch.set_visible(False)
     ax.rank_ax = rank_ax

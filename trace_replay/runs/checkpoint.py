@@ -23,14 +23,28 @@ import numpy as np
 import pandas as pd
 
 from trace_replay._io import remove_stale_temporaries, write_atomic
-from trace_replay.runs.claims import Claims
 from trace_replay.engines.base import ReplayRequest
-from trace_replay.runs.parts import (PART_NAME, CorruptPart, not_saved, part_settings_key,
-                                     read_part, write_checked)
+from trace_replay.runs.claims import Claims
+from trace_replay.runs.parts import (
+    PART_NAME,
+    CorruptPart,
+    not_saved,
+    part_settings_key,
+    read_part,
+    write_checked,
+)
 from trace_replay.traces.trace import Trace
 
-__all__ = ["BATCH_SETTINGS", "ROW_FIELDS", "Checkpoint", "call_size", "deterministic_run",
-           "number_settings", "settings_key", "trace_digest"]
+__all__ = [
+    "BATCH_SETTINGS",
+    "ROW_FIELDS",
+    "Checkpoint",
+    "call_size",
+    "deterministic_run",
+    "number_settings",
+    "settings_key",
+    "trace_digest",
+]
 
 # settings that size the engine's batches: they change no number of a batch-invariant run
 BATCH_SETTINGS = ("batch_size",)
@@ -146,13 +160,19 @@ class Checkpoint:
     poll_s = 0.5  # how often a run waiting on other runs' claims looks again
     max_computations = 2  # a trace whose rows are lost again is an error, not a loop
 
-    def __init__(self, path: str | os.PathLike, settings: dict,
-                 requests: Sequence[ReplayRequest],
-                 traces: Mapping[str, Trace] | None = None, *,
-                 batch_size: int = 1,
-                 max_traces: int = 32, every_s: float = 10.0,
-                 vocab_size: int | None = None,
-                 verify: Callable[[list[str]], None] | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        settings: dict,
+        requests: Sequence[ReplayRequest],
+        traces: Mapping[str, Trace] | None = None,
+        *,
+        batch_size: int = 1,
+        max_traces: int = 32,
+        every_s: float = 10.0,
+        vocab_size: int | None = None,
+        verify: Callable[[list[str]], None] | None = None,
+    ) -> None:
         self.path = Path(path)
         if self.path.exists() and not self.path.is_dir():
             raise ValueError(f"checkpoint {self.path} exists and is not a folder")
@@ -244,7 +264,8 @@ class Checkpoint:
                 f"checkpoint {self.path}: trace {trace_id!r} was computed "
                 f"{self.max_computations} times and its rows were lost each time (last: "
                 f"{self._lost.get(digest, 'not written')}); stopped instead of computing it "
-                "again (the finished traces are kept)")
+                "again (the finished traces are kept)"
+            )
 
     def digest(self, request: ReplayRequest) -> str:
         """The ``trace_digest`` of one of this run's requests (what its part rows carry)."""
@@ -255,8 +276,12 @@ class Checkpoint:
         traces = frame["trace_id"].nunique()
         seconds = time.monotonic() - self._claimed_at
         self._buffer.append(frame)
-        self._group = call_size(seconds / max(traces, 1), batch_size=self.batch_size,
-                                every_s=self.every_s, most=self.max_traces)
+        self._group = call_size(
+            seconds / max(traces, 1),
+            batch_size=self.batch_size,
+            every_s=self.every_s,
+            most=self.max_traces,
+        )
         self._save_if_due()
 
     def refresh(self) -> None:
@@ -338,8 +363,11 @@ class Checkpoint:
         except OSError:
             return
         held = {r.trace_id for d, r in self._requests.items() if self._held[d]}
-        self._buffer = [kept for frame in self._buffer
-                        if not (kept := frame[~frame["trace_id"].isin(held)]).empty]
+        self._buffer = [
+            kept
+            for frame in self._buffer
+            if not (kept := frame[~frame["trace_id"].isin(held)]).empty
+        ]
 
     def _buffered(self) -> int:
         """Traces computed and not yet written (each frame holds whole traces)."""
@@ -354,17 +382,25 @@ class Checkpoint:
             self._drop_saved()
             self._save_if_due(force=True)
         except Exception as error:  # noqa: BLE001 - the error that stopped the run matters more
-            warnings.warn(f"checkpoint {self.path}: finished traces not saved ({error})",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"checkpoint {self.path}: finished traces not saved ({error})",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def _write(self, frame: pd.DataFrame) -> dict[str, list[str]]:
         """Write the traces of ``frame`` that pass a read's checks as a part; return what is
         wrong with the others (:func:`~trace_replay.runs.parts.check_rows`)."""
         frame = frame.assign(trace_digest=frame["trace_id"].map(self._digest_of))
         # what a read would refuse is never written, so no trace comes back to compute
-        part, failed = write_checked(self.path, frame, self.key, top_k=self.top_k,
-                                     requests=self._requests,
-                                     vocab_size=self.vocab_size)
+        part, failed = write_checked(
+            self.path,
+            frame,
+            self.key,
+            top_k=self.top_k,
+            requests=self._requests,
+            vocab_size=self.vocab_size,
+        )
         if part is None:
             return failed
         name = part.name
@@ -397,32 +433,50 @@ class Checkpoint:
     def _ignore(self, path: Path) -> None:
         """Warn once about a folder or file named like a part that is none of this version's
         (its name not :data:`~trace_replay.runs.parts.PART_NAME`); nothing is read from it."""
-        what = ("a folder" if path.is_dir() else "not a regular file" if not path.is_file()
-                else "not a part written by this version of trace_replay (a part's name is "
-                     "part-<20-digit time in ns>-<16 hex digits of its SHA-256>.parquet)")
-        warnings.warn(f"checkpoint {path} is named like a part but is {what}; ignored, "
-                      "nothing is read from it", RuntimeWarning, stacklevel=5)
+        what = (
+            "a folder"
+            if path.is_dir()
+            else "not a regular file"
+            if not path.is_file()
+            else "not a part written by this version of trace_replay (a part's name is "
+            "part-<20-digit time in ns>-<16 hex digits of its SHA-256>.parquet)"
+        )
+        warnings.warn(
+            f"checkpoint {path} is named like a part but is {what}; ignored, "
+            "nothing is read from it",
+            RuntimeWarning,
+            stacklevel=5,
+        )
         self._parts[path.name] = frozenset()
 
     def _discard(self, name: str, error: Exception) -> None:
         """Move a failed part aside; its traces count as unfinished. Call under the lock."""
-        warnings.warn(f"checkpoint part {self.path / name} is corrupt ({error}); moved to "
-                      f"{name}.corrupt, its traces are recomputed", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"checkpoint part {self.path / name} is corrupt ({error}); moved to "
+            f"{name}.corrupt, its traces are recomputed",
+            RuntimeWarning,
+            stacklevel=4,
+        )
         with_error = self.path / name
         if with_error.exists():
             os.replace(with_error, self.path / f"{name}.corrupt")
         digests = self._parts.pop(name, frozenset())
         self._held.subtract(digests)
         self._lost.update(dict.fromkeys(digests, f"part {name}: {error}"))
-        self._todo.update(dict.fromkeys(d for d in digests
-                                        if d in self._requests and not self._held[d]))
+        self._todo.update(
+            dict.fromkeys(d for d in digests if d in self._requests and not self._held[d])
+        )
 
     def _load(self, path: Path) -> pd.DataFrame:
         """A part's verified rows; its values are checked at its first read only (later
         reads verify its bytes against the SHA-256 in its name)."""
-        frame = read_part(path, top_k=self.top_k, requests=self._requests,
-                          vocab_size=self.vocab_size,
-                          check_values=path.name not in self._checked)
+        frame = read_part(
+            path,
+            top_k=self.top_k,
+            requests=self._requests,
+            vocab_size=self.vocab_size,
+            check_values=path.name not in self._checked,
+        )
         self._checked.add(path.name)
         return frame
 
@@ -439,23 +493,31 @@ class Checkpoint:
         try:
             stored = json.loads(file.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError, OSError) as error:
-            raise ValueError(f"checkpoint {file} is unreadable ({error}); use a new folder"
-                             ) from None
+            raise ValueError(
+                f"checkpoint {file} is unreadable ({error}); use a new folder"
+            ) from None
         if stored != settings:
-            changed = sorted(k for k in set(stored) | set(settings)
-                             if stored.get(k) != settings.get(k))
-            weights = ("; weights_digest is of the weights as they were when it was started, "
-                       "for vllm-server of the server's address and its scores of a fixed "
-                       "probe" if "weights_digest" in changed else "")
-            raise ValueError(f"checkpoint {self.path} was written with other settings "
-                             f"({', '.join(changed)}{weights}); use a new folder")
-
+            changed = sorted(
+                k for k in set(stored) | set(settings) if stored.get(k) != settings.get(k)
+            )
+            weights = (
+                "; weights_digest is of the weights as they were when it was started, "
+                "for vllm-server of the server's address and its scores of a fixed "
+                "probe"
+                if "weights_digest" in changed
+                else ""
+            )
+            raise ValueError(
+                f"checkpoint {self.path} was written with other settings "
+                f"({', '.join(changed)}{weights}); use a new folder"
+            )
 
     def _check_parts_settings(self) -> None:
         """With ``settings.json`` missing, refuse parts computed with other or unknown
         settings; warn when there are parts (all of this run's settings). Call under the lock."""
-        parts = [p for p in self.path.glob("part-*.parquet")
-                 if p.is_file() and PART_NAME.match(p.name)]
+        parts = [
+            p for p in self.path.glob("part-*.parquet") if p.is_file() and PART_NAME.match(p.name)
+        ]
         other = []
         for part in parts:
             try:
@@ -468,15 +530,22 @@ class Checkpoint:
                 f"checkpoint {self.path}: settings.json is missing, and its parts were computed "
                 f"with other settings or do not record theirs ({len(other)} of {len(parts)}: "
                 f"{other[0]}{', …' if len(other) > 1 else ''}); restore settings.json or use a "
-                "new folder")
+                "new folder"
+            )
         if parts:
-            warnings.warn(f"checkpoint {self.path}: settings.json was missing; written again "
-                          "from this run's settings, with which its parts were computed",
-                          RuntimeWarning, stacklevel=5)
+            warnings.warn(
+                f"checkpoint {self.path}: settings.json was missing; written again "
+                "from this run's settings, with which its parts were computed",
+                RuntimeWarning,
+                stacklevel=5,
+            )
 
 
 def _in_request_order(frame: pd.DataFrame, digests: list[str]) -> pd.DataFrame:
     frame = frame.drop_duplicates(subset=["trace_digest", "step"], keep="first")
     frame = frame.assign(_order=pd.Index(digests).get_indexer(frame["trace_digest"]))
-    return (frame.sort_values(["_order", "step"], kind="stable")
-            .drop(columns=["_order", "trace_digest"]).reset_index(drop=True))
+    return (
+        frame.sort_values(["_order", "step"], kind="stable")
+        .drop(columns=["_order", "trace_digest"])
+        .reset_index(drop=True)
+    )

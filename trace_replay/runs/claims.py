@@ -43,8 +43,10 @@ class Claims:
         self.owner = f"{HOST}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         self.mine: frozenset[str] = frozenset()
         # opening a FIFO named .lock would block forever; a file named claims cannot hold claims
-        for path, kind, right in ((folder / ".lock", "a regular file", os.path.isfile),
-                                  (self.folder, "a folder", os.path.isdir)):
+        for path, kind, right in (
+            (folder / ".lock", "a regular file", os.path.isfile),
+            (self.folder, "a folder", os.path.isdir),
+        ):
             if os.path.lexists(path) and not right(path):
                 raise ValueError(f"checkpoint {path} is not {kind}; use a new folder")
         self._lock = open(folder / ".lock", "a")  # noqa: SIM115 - held for the run's life

@@ -52,21 +52,29 @@ class RayCluster:
 
     def __post_init__(self) -> None:
         if self.address is not None and (not isinstance(self.address, str) or not self.address):
-            raise ValueError(f"cluster address must be a non-empty str or None, got "
-                             f"{self.address!r}")
-        if self.actors is not None and (isinstance(self.actors, bool)
-                                        or not isinstance(self.actors, int) or self.actors < 1):
+            raise ValueError(
+                f"cluster address must be a non-empty str or None, got {self.address!r}"
+            )
+        if self.actors is not None and (
+            isinstance(self.actors, bool) or not isinstance(self.actors, int) or self.actors < 1
+        ):
             raise ValueError(f"cluster actors must be an integer >= 1, got {self.actors!r}")
         for name, lowest in (("num_gpus", 0), ("num_cpus", 0)):
             value = getattr(self, name)
             if value is None and name == "num_gpus":
                 continue
-            if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not math.isfinite(value) or value < lowest):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value < lowest
+            ):
                 raise ValueError(f"cluster {name} must be a number >= {lowest}, got {value!r}")
         if self.num_cpus == 0 and not self.num_gpus:
-            raise ValueError("cluster num_cpus and num_gpus are both 0: an actor needs a CPU "
-                             "or a GPU to run its engine on")
+            raise ValueError(
+                "cluster num_cpus and num_gpus are both 0: an actor needs a CPU "
+                "or a GPU to run its engine on"
+            )
 
 
 @dataclass(frozen=True)
@@ -93,8 +101,10 @@ def import_ray() -> ModuleType:
     try:
         import ray
     except ImportError as error:
-        raise ImportError(f"cluster runs need Ray ({error}); install the extra, from a "
-                          "checkout of this package: pip install -e '.[ray]'") from None
+        raise ImportError(
+            f"cluster runs need Ray ({error}); install the extra, from a "
+            "checkout of this package: pip install -e '.[ray]'"
+        ) from None
     return ray
 
 
@@ -113,16 +123,20 @@ def connect(cluster: RayCluster, *, verbose: bool = False) -> Iterator[str]:
     ray = import_ray()
     if ray.is_initialized():
         if cluster.address is not None:
-            raise ValueError(f"this process is connected to a Ray cluster already, so cluster "
-                             f"address {cluster.address!r} cannot be joined; leave address "
-                             "None to use the connected one, or ray.shutdown() first")
+            raise ValueError(
+                f"this process is connected to a Ray cluster already, so cluster "
+                f"address {cluster.address!r} cannot be joined; leave address "
+                "None to use the connected one, or ray.shutdown() first"
+            )
         yield ray.get_runtime_context().gcs_address
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     local = cluster.address is None
-    options: dict[str, Any] = {"address": "local" if local else cluster.address,
-                               "log_to_driver": verbose,
-                               "logging_level": logging.INFO if verbose else logging.WARNING}
+    options: dict[str, Any] = {
+        "address": "local" if local else cluster.address,
+        "log_to_driver": verbose,
+        "logging_level": logging.INFO if verbose else logging.WARNING,
+    }
     if local:
         options["include_dashboard"] = False
     ray.init(**options)
@@ -151,8 +165,14 @@ def plan_actors(cluster: RayCluster, device: Any, resources: dict[str, float]) -
     need = {"GPU": gpus, "CPU": cluster.num_cpus}
     short = [f"{need[k]:g} {k}" for k in need if need[k] > have[k]]
     if short:
-        raise ValueError(f"one actor needs {' and '.join(short)}, but the Ray cluster has "
-                         f"{have['CPU']:g} CPU and {have['GPU']:g} GPU in all")
+        raise ValueError(
+            f"one actor needs {' and '.join(short)}, but the Ray cluster has "
+            f"{have['CPU']:g} CPU and {have['GPU']:g} GPU in all"
+        )
     fits = min(int(have[k] // need[k]) for k in need if need[k] > 0)
-    return ClusterPlan(actors=cluster.actors or fits, num_cpus=cluster.num_cpus,
-                       num_gpus=gpus, device="cpu" if gpus == 0 and device is None else device)
+    return ClusterPlan(
+        actors=cluster.actors or fits,
+        num_cpus=cluster.num_cpus,
+        num_gpus=gpus,
+        device="cpu" if gpus == 0 and device is None else device,
+    )

@@ -54,9 +54,15 @@ def engine_facts(options: Mapping[str, Any]) -> EngineFacts:
     """Build the engine as each actor will (``make_engine(**options)``), say what it is,
     and close it."""
     with make_engine(**options) as engine:
-        return EngineFacts(engine.name, engine.stats(), engine_identity(engine),
-                           engine.vocab_size, engine.max_model_len, engine.batch_size,
-                           engine.tokenizer)
+        return EngineFacts(
+            engine.name,
+            engine.stats(),
+            engine_identity(engine),
+            engine.vocab_size,
+            engine.max_model_len,
+            engine.batch_size,
+            engine.tokenizer,
+        )
 
 
 def pack(items: list[tuple[str, ReplayRequest, Any]]) -> bytes:
@@ -102,8 +108,15 @@ class ReplayActor:
         Seconds of compute after which finished traces are written.
     """
 
-    def __init__(self, options: Mapping[str, Any], folder: str, keyed: Mapping[str, Any], *,
-                 labelled: bool, every_s: float) -> None:
+    def __init__(
+        self,
+        options: Mapping[str, Any],
+        folder: str,
+        keyed: Mapping[str, Any],
+        *,
+        labelled: bool,
+        every_s: float,
+    ) -> None:
         self.folder, self.labelled, self.every_s = Path(folder), labelled, every_s
         self.instance = f"{HOST}:{uuid.uuid4().hex[:8]}"  # a restarted actor is a new one
         self.calls = 0
@@ -121,7 +134,8 @@ class ReplayActor:
             raise FileNotFoundError(
                 f"checkpoint {self.folder} is not visible on node {HOST}: a cluster run's "
                 "checkpoint folder must be on storage every node mounts at that path "
-                "(pass checkpoint= such a folder)")
+                "(pass checkpoint= such a folder)"
+            )
         self.engine = make_engine(**options)
         self.batch = max(self.engine.batch_size, 1)
         self.group = self.batch  # traces of the next engine call (call_size)
@@ -129,16 +143,19 @@ class ReplayActor:
         wanted = json.loads(json.dumps(dict(keyed), default=str))
         if mine != wanted:
             changed = sorted(k for k in set(mine) | set(wanted) if mine.get(k) != wanted.get(k))
-            raise ValueError(f"the engine of an actor on {HOST} has other settings than the "
-                             f"run's ({', '.join(changed)}): every actor of a cluster run must "
-                             "compute the same numbers; run it on nodes of one kind")
+            raise ValueError(
+                f"the engine of an actor on {HOST} has other settings than the "
+                f"run's ({', '.join(changed)}): every actor of a cluster run must "
+                "compute the same numbers; run it on nodes of one kind"
+            )
         self.key = settings_key(dict(keyed))
         self.decode = TokenDecoder(self.engine.tokenizer)
         self.limits = {"top_k": keyed.get("top_k"), "vocab_size": self.engine.vocab_size}
         # an engine whose weights can change under it (a server): read again before a part
         if isinstance(self.engine, MovingWeights) and self.engine.weights_can_change is True:
-            self.watch = WeightsWatch(self.engine, keyed.get("weights_digest"),
-                                      kept_in=f"checkpoint {self.folder}")
+            self.watch = WeightsWatch(
+                self.engine, keyed.get("weights_digest"), kept_in=f"checkpoint {self.folder}"
+            )
 
     def ready(self) -> str:
         """This actor's name (host and a random suffix), once its engine is built (or failed
@@ -167,16 +184,27 @@ class ReplayActor:
         try:
             start = 0
             while start < len(todo):
-                group = [request for _, request in todo[start:start + self.group]]
+                group = [request for _, request in todo[start : start + self.group]]
                 start += len(group)
                 began = time.monotonic()
-                buffer.append(run_checked(self.engine, group, traces, self.decode,
-                                          limits=self.limits, keep=buffer.append,
-                                          labelled=self.labelled))
+                buffer.append(
+                    run_checked(
+                        self.engine,
+                        group,
+                        traces,
+                        self.decode,
+                        limits=self.limits,
+                        keep=buffer.append,
+                        labelled=self.labelled,
+                    )
+                )
                 # the next call sized as a single-process run sizes its calls
-                self.group = call_size((time.monotonic() - began) / len(group),
-                                       batch_size=self.batch, every_s=self.every_s,
-                                       most=len(items))
+                self.group = call_size(
+                    (time.monotonic() - began) / len(group),
+                    batch_size=self.batch,
+                    every_s=self.every_s,
+                    most=len(items),
+                )
                 if time.monotonic() - last >= self.every_s:
                     self._save(buffer, digest_of, requests)
                     buffer, last = [], time.monotonic()
@@ -187,21 +215,28 @@ class ReplayActor:
         self.calls += 1
         return self._rows(items)
 
-    def _rows(self, items: list[tuple[str, ReplayRequest, Any]], *,
-              error: bytes = b"") -> dict[str, np.ndarray]:
+    def _rows(
+        self, items: list[tuple[str, ReplayRequest, Any]], *, error: bytes = b""
+    ) -> dict[str, np.ndarray]:
         """The summary of a batch: per trace, its tokens; this actor's stats so far; or an
         error, alone in one row."""
         rows = max(len(items), 1)
         stats = json.dumps(self.engine.stats(), default=str) if self.failure is None else "{}"
-        return {"trace_id": np.array([r.trace_id for _, r, _ in items] or [""], dtype=object),
-                "tokens": np.array([r.trace_len for _, r, _ in items] or [0], dtype=np.int64),
-                "instance": np.array([self.instance] * rows, dtype=object),
-                "calls": np.full(rows, self.calls, dtype=np.int64),
-                "stats": np.array([stats] * rows, dtype=object),
-                "error": np.array([error] * rows, dtype=object)}
+        return {
+            "trace_id": np.array([r.trace_id for _, r, _ in items] or [""], dtype=object),
+            "tokens": np.array([r.trace_len for _, r, _ in items] or [0], dtype=np.int64),
+            "instance": np.array([self.instance] * rows, dtype=object),
+            "calls": np.full(rows, self.calls, dtype=np.int64),
+            "stats": np.array([stats] * rows, dtype=object),
+            "error": np.array([error] * rows, dtype=object),
+        }
 
-    def _save(self, frames: list[pd.DataFrame], digest_of: Mapping[str, str],
-              requests: Mapping[str, ReplayRequest]) -> None:
+    def _save(
+        self,
+        frames: list[pd.DataFrame],
+        digest_of: Mapping[str, str],
+        requests: Mapping[str, ReplayRequest],
+    ) -> None:
         """Write ``frames`` as one part; refuse (after writing the others) impossible rows.
         Traces this actor already wrote are left out, so a save on the way out of an error
         raised after a part was written (a refused trace) writes its batch-mates once."""
@@ -218,22 +253,27 @@ class ReplayActor:
             except BaseException:
                 frames.clear()  # rows that failed verification are never written
                 raise
-        part, failed = write_checked(self.folder, frame, self.key, requests=requests,
-                                     **self.limits)
+        part, failed = write_checked(self.folder, frame, self.key, requests=requests, **self.limits)
         if part is not None:
             self._seen_parts.add(part.name)
-            self.written.update(
-                frame.loc[~frame["trace_id"].isin(failed), "trace_digest"].unique())
+            self.written.update(frame.loc[~frame["trace_id"].isin(failed), "trace_digest"].unique())
         if failed:
             raise not_saved(self.folder, failed)
 
-    def _save_quietly(self, frames: list[pd.DataFrame], digest_of: Mapping[str, str],
-                      requests: Mapping[str, ReplayRequest]) -> None:
+    def _save_quietly(
+        self,
+        frames: list[pd.DataFrame],
+        digest_of: Mapping[str, str],
+        requests: Mapping[str, ReplayRequest],
+    ) -> None:
         try:
             self._save(frames, digest_of, requests)
         except Exception as error:  # noqa: BLE001 - the error that stopped the batch matters more
-            warnings.warn(f"checkpoint {self.folder}: finished traces not saved ({error})",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"checkpoint {self.folder}: finished traces not saved ({error})",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def _look_for_parts(self) -> None:
         """Add the digests of parts not seen before to ``written`` (unverified: the driver's

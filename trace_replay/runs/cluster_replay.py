@@ -47,10 +47,20 @@ __all__ = ["replay_on_ray"]
 _SUMMED_STATS = ("forwards", "server_requests", "server_retries")
 
 
-def replay_on_ray(traceset: TraceSet, cluster: RayCluster, options: dict[str, Any], *,
-                  progress: bool, checkpoint: str | Path | None,
-                  shard: tuple[int, int] | None, truncate: bool, chunk_size: int | None,
-                  checkpoint_every: float, started: str, digest: str) -> pd.DataFrame:
+def replay_on_ray(
+    traceset: TraceSet,
+    cluster: RayCluster,
+    options: dict[str, Any],
+    *,
+    progress: bool,
+    checkpoint: str | Path | None,
+    shard: tuple[int, int] | None,
+    truncate: bool,
+    chunk_size: int | None,
+    checkpoint_every: float,
+    started: str,
+    digest: str,
+) -> pd.DataFrame:
     """Replay ``traceset`` (loaded, sharded) on ``cluster``; :func:`~trace_replay.runs.replay`'s
     frame, with ``attrs["cluster"]`` (address, actors and their resources, Ray's version).
 
@@ -61,8 +71,9 @@ def replay_on_ray(traceset: TraceSet, cluster: RayCluster, options: dict[str, An
     until tokens are counted.
     """
     ray = import_ray()
-    with tqdm(total=None, unit="tok", disable=not progress,
-              desc=f"replay[{options.get('name')} on ray]") as bar:
+    with tqdm(
+        total=None, unit="tok", disable=not progress, desc=f"replay[{options.get('name')} on ray]"
+    ) as bar:
         bar.set_postfix_str("connecting to Ray")
         with connect(cluster, verbose=options.get("verbose", False)) as address:
             plan = plan_actors(cluster, options.get("device"), ray.cluster_resources())
@@ -70,46 +81,98 @@ def replay_on_ray(traceset: TraceSet, cluster: RayCluster, options: dict[str, An
             bar.set_postfix_str("loading the engine once on the cluster (probe)")
             facts = _probe(ray, options, plan)
             traceset, requests, notes = prepare_run(
-                traceset, tokenizer=facts.tokenizer, vocab_size=facts.vocab_size,
-                max_model_len=facts.max_model_len, top_k=facts.keyed.get("top_k", 0),
-                truncate=truncate)
+                traceset,
+                tokenizer=facts.tokenizer,
+                vocab_size=facts.vocab_size,
+                max_model_len=facts.max_model_len,
+                top_k=facts.keyed.get("top_k", 0),
+                truncate=truncate,
+            )
             batch = max(facts.batch_size, 1)
             # whole engine batches, at most 4 per part, and work for every actor
             chunk = chunk_size or max(1, min(4 * batch, -(-len(requests) // plan.actors)))
             bar.set_description(f"replay[{facts.name} on ray ×{plan.actors}]")
             bar.reset(total=sum(r.trace_len for r in requests))
             with _folder(checkpoint) as folder:
-                result, resumed, stats = _run(ray, traceset, requests, facts, options, plan,
-                                              folder=folder, named=checkpoint is not None,
-                                              chunk=chunk, every_s=checkpoint_every, bar=bar)
+                result, resumed, stats = _run(
+                    ray,
+                    traceset,
+                    requests,
+                    facts,
+                    options,
+                    plan,
+                    folder=folder,
+                    named=checkpoint is not None,
+                    chunk=chunk,
+                    every_s=checkpoint_every,
+                    bar=bar,
+                )
     result = finish_frame(result, traceset, TokenDecoder(facts.tokenizer))
     # the keyed settings carry the weights' digest, as a single-process run's attrs do
-    result.attrs = run_attrs(facts.keyed, stats, traceset=traceset, requests=requests,
-                             num_tokens=len(result), vocab_size=facts.vocab_size,
-                             resumed=resumed, notes=notes, shard=shard, digest=digest,
-                             started=started)
-    result.attrs["cluster"] = {"kind": "ray", "address": address, "actors": plan.actors,
-                               "num_cpus": plan.num_cpus, "num_gpus": plan.num_gpus,
-                               "ray": ray.__version__}
+    result.attrs = run_attrs(
+        facts.keyed,
+        stats,
+        traceset=traceset,
+        requests=requests,
+        num_tokens=len(result),
+        vocab_size=facts.vocab_size,
+        resumed=resumed,
+        notes=notes,
+        shard=shard,
+        digest=digest,
+        started=started,
+    )
+    result.attrs["cluster"] = {
+        "kind": "ray",
+        "address": address,
+        "actors": plan.actors,
+        "num_cpus": plan.num_cpus,
+        "num_gpus": plan.num_gpus,
+        "ray": ray.__version__,
+    }
     return result
 
 
-def _run(ray: Any, traceset: TraceSet, requests: list[ReplayRequest], facts: EngineFacts,
-         options: dict[str, Any], plan: ClusterPlan, *, folder: Path, named: bool, chunk: int,
-         every_s: float, bar: tqdm) -> tuple[pd.DataFrame | None, int, dict[str, Any]]:
+def _run(
+    ray: Any,
+    traceset: TraceSet,
+    requests: list[ReplayRequest],
+    facts: EngineFacts,
+    options: dict[str, Any],
+    plan: ClusterPlan,
+    *,
+    folder: Path,
+    named: bool,
+    chunk: int,
+    every_s: float,
+    bar: tqdm,
+) -> tuple[pd.DataFrame | None, int, dict[str, Any]]:
     """The checkpoint loop of a single-process run, a pass over the actors where it calls
     the engine.
 
     Returns the rows, the traces served from the folder, and the actors' stats combined.
     """
     by_id = {t.id: t for t in traceset}
-    actor_args = {"options": options, "folder": str(folder), "keyed": facts.keyed,
-                  "labelled": any(t.trace_roles is not None for t in traceset),
-                  "every_s": every_s}
+    actor_args = {
+        "options": options,
+        "folder": str(folder),
+        "keyed": facts.keyed,
+        "labelled": any(t.trace_roles is not None for t in traceset),
+        "every_s": every_s,
+    }
     reports: dict[str, tuple[int, dict]] = {}  # actor instance -> (its calls, its stats)
-    with Checkpoint(folder, facts.keyed, requests, by_id, batch_size=facts.batch_size,
-                    max_traces=chunk, every_s=every_s) as store, \
-            _Actors(ray, plan, actor_args, bar) as actors:
+    with (
+        Checkpoint(
+            folder,
+            facts.keyed,
+            requests,
+            by_id,
+            batch_size=facts.batch_size,
+            max_traces=chunk,
+            every_s=every_s,
+        ) as store,
+        _Actors(ray, plan, actor_args, bar) as actors,
+    ):
         bar.update(store.resumed_tokens)
         if store.resumed and not bar.disable and named:
             bar.write(resuming_message(folder, store, len(requests)), file=sys.stderr)
@@ -125,8 +188,9 @@ def _run(ray: Any, traceset: TraceSet, requests: list[ReplayRequest], facts: Eng
             group = store.claim(most=len(requests))  # all of them: the actors write parts
             if group:
                 items = [(store.digest(r), r, by_id[r.trace_id]) for r in group]
-                actors.run([pack(items[i:i + chunk]) for i in range(0, len(items), chunk)],
-                           report=report)
+                actors.run(
+                    [pack(items[i : i + chunk]) for i in range(0, len(items), chunk)], report=report
+                )
                 store.refresh()
             elif not store.waiting():  # other runs hold claims on our traces: wait
                 result = store.read()  # None: a part failed verification, go on
@@ -158,8 +222,11 @@ class _Actors:
 
     def _start(self, count: int) -> None:
         remote = self.ray.remote(ReplayActor).options(
-            num_cpus=self.plan.num_cpus, num_gpus=self.plan.num_gpus, max_restarts=-1,
-            max_task_retries=-1)
+            num_cpus=self.plan.num_cpus,
+            num_gpus=self.plan.num_gpus,
+            max_restarts=-1,
+            max_task_retries=-1,
+        )
         self.actors = [remote.remote(**self.args) for _ in range(count)]
         self.loading = {actor.ready.remote(): actor for actor in self.actors}
         self._loaded()
@@ -168,10 +235,14 @@ class _Actors:
         waiting = len(self.loading)
         self.bar.set_postfix_str(
             f"{len(self.actors) - waiting}/{len(self.actors)} actors' engines loaded"
-            if waiting else "", refresh=True)
+            if waiting
+            else "",
+            refresh=True,
+        )
 
-    def run(self, parts: list[bytes], *,
-            report: Callable[[Mapping[str, np.ndarray]], None]) -> None:
+    def run(
+        self, parts: list[bytes], *, report: Callable[[Mapping[str, np.ndarray]], None]
+    ) -> None:
         """Score ``parts`` (packed, a part's traces each); ``report`` hears of each. The
         first error an actor returns is raised; the parts written before it stay."""
         if not self.actors:
@@ -203,8 +274,9 @@ def _probe(ray: Any, options: dict[str, Any], plan: ClusterPlan) -> EngineFacts:
     an error building it is raised here as it was raised there."""
     # its worker process exits after it (max_calls=1), so that the memory its engine held,
     # a GPU's included, is free before the actors start
-    remote = ray.remote(num_cpus=plan.num_cpus, num_gpus=plan.num_gpus,
-                        max_calls=1)(_facts_or_error)
+    remote = ray.remote(num_cpus=plan.num_cpus, num_gpus=plan.num_gpus, max_calls=1)(
+        _facts_or_error
+    )
     answer = ray.get(remote.remote(options))
     if isinstance(answer, BaseException):
         raise answer

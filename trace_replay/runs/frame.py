@@ -19,17 +19,38 @@ from trace_replay.engines.base import BatchFailed, Engine, ReplayRequest, TraceR
 from trace_replay.engines.validate import ImpossibleResult, check_results
 from trace_replay.traces.sets import Trace
 
-__all__ = ["COLUMNS", "REQUIRED", "TokenDecoder", "check_frame", "possible", "run_checked",
-           "to_frame", "tokens_digest"]
+__all__ = [
+    "COLUMNS",
+    "REQUIRED",
+    "TokenDecoder",
+    "check_frame",
+    "possible",
+    "run_checked",
+    "to_frame",
+    "tokens_digest",
+]
 
-COLUMNS = ["trace_id", "step", "position", "token_id", "token", "logprob", "rank",
-           "top_token_ids", "top_logprobs", "top_tokens", "entropy", "tail_logmass"]
+COLUMNS = [
+    "trace_id",
+    "step",
+    "position",
+    "token_id",
+    "token",
+    "logprob",
+    "rank",
+    "top_token_ids",
+    "top_logprobs",
+    "top_tokens",
+    "entropy",
+    "tail_logmass",
+]
 # what every reader of a replay frame needs (analysis, report, merge); the rest is optional
 REQUIRED = ("trace_id", "step", "token_id", "logprob", "rank")
 
 
-def tokens_digest(prompt_token_ids: Sequence[int] | None,
-                  trace_token_ids: Sequence[int]) -> str | None:
+def tokens_digest(
+    prompt_token_ids: Sequence[int] | None, trace_token_ids: Sequence[int]
+) -> str | None:
     """A trace's ``tokens_digest``: 16 hex digits of a SHA-256 of its prompt and trace token
     ids (``None`` without prompt ids). Two runs' rows of one trace id are compared only
     where it is equal (:mod:`trace_replay.analysis.same_traces`).
@@ -160,18 +181,23 @@ class TokenDecoder:
             if not full.startswith(before):  # no common text to cut: the lone decode stays
                 context, pending, done = pending[-1:], [], ""
                 continue
-            text = full[len(before):]
+            text = full[len(before) :]
             complete = text if at == len(run) - 1 else text.rstrip(_SPLIT)
             if complete.startswith(done):
-                texts[at] = complete[len(done):]
+                texts[at] = complete[len(done) :]
             done = complete
             if complete == text:  # a character boundary: go on from this token
                 context, pending, done = pending[-1:], [], ""
         return texts
 
 
-def to_frame(results: Sequence[TraceResult], traces: Mapping[str, Trace],
-             decode: TokenDecoder, *, labelled: bool | None = None) -> pd.DataFrame:
+def to_frame(
+    results: Sequence[TraceResult],
+    traces: Mapping[str, Trace],
+    decode: TokenDecoder,
+    *,
+    labelled: bool | None = None,
+) -> pd.DataFrame:
     """Build the replay frame for ``results``; ``ref_logprob`` is added when a trace has one.
 
     Rows are the results' steps in order, one per (trace, step). When any of ``traces`` is
@@ -195,8 +221,12 @@ def to_frame(results: Sequence[TraceResult], traces: Mapping[str, Trace],
         labelled = any(trace.trace_roles is not None for trace in traces.values())
     if not results:
         labels = ["turn", "role"] if labelled else []
-        return pd.DataFrame({c: pd.Series(dtype=object)
-                             for c in COLUMNS + ["ref_logprob"] + labels + ["tokens_digest"]})
+        return pd.DataFrame(
+            {
+                c: pd.Series(dtype=object)
+                for c in COLUMNS + ["ref_logprob"] + labels + ["tokens_digest"]
+            }
+        )
     steps = np.array([len(r.token_ids) for r in results], dtype=np.int64)
     starts = np.cumsum(steps) - steps
     step = np.arange(steps.sum(), dtype=np.int64) - np.repeat(starts, steps)
@@ -208,11 +238,12 @@ def to_frame(results: Sequence[TraceResult], traces: Mapping[str, Trace],
     for r in results:  # a list per row; ragged widths stay as they came (check_rows names them)
         top_token_ids += r.top_token_ids.astype(np.int64).tolist()
         top_logprobs += r.top_logprobs.astype(np.float64).tolist()
-        top_tokens += texts[at:at + r.top_token_ids.size].reshape(r.top_token_ids.shape).tolist()
+        top_tokens += texts[at : at + r.top_token_ids.size].reshape(r.top_token_ids.shape).tolist()
         at += r.top_token_ids.size
     columns = {
-        "trace_id": np.repeat(np.array([r.trace_id for r in results], dtype=object),
-                              steps).tolist(),
+        "trace_id": np.repeat(
+            np.array([r.trace_id for r in results], dtype=object), steps
+        ).tolist(),
         "step": step,
         "position": np.repeat(prompt_len, steps) + step,
         "token_id": token_ids,
@@ -224,18 +255,20 @@ def to_frame(results: Sequence[TraceResult], traces: Mapping[str, Trace],
         "top_tokens": top_tokens,
         "entropy": _joined(r.entropy for r in results).astype(np.float64),
         # NaN for an engine that records no tail (and in files written before it existed)
-        "tail_logmass": _per_step(results, steps, "tail_logmass", lambda r: r.tail_logmass,
-                                  fill=np.nan).astype(np.float64),
+        "tail_logmass": _per_step(
+            results, steps, "tail_logmass", lambda r: r.tail_logmass, fill=np.nan
+        ).astype(np.float64),
     }
     for name in dict.fromkeys(k for r in results for k in r.extra):
         columns[name] = _per_step(results, steps, name, lambda r, n=name: r.extra.get(n))
     columns["ref_logprob"] = _per_step(
-        results, steps, "ref_logprob",
-        lambda r: traces[r.trace_id].ref_logprobs, fill=np.nan).astype(np.float64)
+        results, steps, "ref_logprob", lambda r: traces[r.trace_id].ref_logprobs, fill=np.nan
+    ).astype(np.float64)
     if labelled:
-        columns["turn"] = pd.array(_per_step(results, steps, "turn",
-                                             lambda r: traces[r.trace_id].trace_turns),
-                                   dtype="Int64")
+        columns["turn"] = pd.array(
+            _per_step(results, steps, "turn", lambda r: traces[r.trace_id].trace_turns),
+            dtype="Int64",
+        )
         roles = _per_step(results, steps, "role", lambda r: traces[r.trace_id].trace_roles)
         # text when every row has a role, else objects with None (as a frame per trace gave)
         unlabelled = any(not traces[r.trace_id].trace_roles for r in results)
@@ -249,8 +282,13 @@ def _joined(arrays) -> np.ndarray:
     return np.concatenate([np.asarray(a).reshape(-1) for a in arrays])
 
 
-def _per_step(results: Sequence[TraceResult], steps: np.ndarray, name: str,
-              values: Callable[[TraceResult], Any], fill: Any = None) -> np.ndarray:
+def _per_step(
+    results: Sequence[TraceResult],
+    steps: np.ndarray,
+    name: str,
+    values: Callable[[TraceResult], Any],
+    fill: Any = None,
+) -> np.ndarray:
     """One column from each result's per-step ``values`` (cut to its steps; ``None``: all
     ``fill``)."""
     chunks = []
@@ -261,16 +299,18 @@ def _per_step(results: Sequence[TraceResult], steps: np.ndarray, name: str,
             continue
         got = np.asarray(got)[:count]
         if len(got) != count:
-            raise ValueError(f"trace {result.trace_id!r}: {name} has {len(got)} values for "
-                             f"its {count} steps")
+            raise ValueError(
+                f"trace {result.trace_id!r}: {name} has {len(got)} values for its {count} steps"
+            )
         chunks.append(got)
     if all(chunk.dtype != object for chunk in chunks):
         return np.concatenate(chunks)
     return np.concatenate([chunk.astype(object) for chunk in chunks])
 
 
-def possible(requests: Sequence[ReplayRequest], results: Sequence[TraceResult],
-             limits: Mapping[str, Any]) -> list[TraceResult]:
+def possible(
+    requests: Sequence[ReplayRequest], results: Sequence[TraceResult], limits: Mapping[str, Any]
+) -> list[TraceResult]:
     """Those of ``results`` (one per request, in order) that pass ``check_results``; none
     when their count is not the requests'."""
     if len(results) != len(requests):
@@ -285,11 +325,17 @@ def possible(requests: Sequence[ReplayRequest], results: Sequence[TraceResult],
     return kept
 
 
-def run_checked(engine: Engine, group: Sequence[ReplayRequest], traces: Mapping[str, Trace],
-                decode: TokenDecoder, *, limits: Mapping[str, Any],
-                on_tokens: Callable[[int], None] | None = None,
-                keep: Callable[[pd.DataFrame], None] | None = None,
-                labelled: bool | None = None) -> pd.DataFrame:
+def run_checked(
+    engine: Engine,
+    group: Sequence[ReplayRequest],
+    traces: Mapping[str, Trace],
+    decode: TokenDecoder,
+    *,
+    limits: Mapping[str, Any],
+    on_tokens: Callable[[int], None] | None = None,
+    keep: Callable[[pd.DataFrame], None] | None = None,
+    labelled: bool | None = None,
+) -> pd.DataFrame:
     """The checked rows of ``group``, scored by one ``engine.run`` call.
 
     Parameters
@@ -316,6 +362,7 @@ def run_checked(engine: Engine, group: Sequence[ReplayRequest], traces: Mapping[
     ImpossibleResult
         Naming the trace, step and field of the first impossible score.
     """
+
     def keep_possible(done: list[ReplayRequest], results: list) -> None:
         kept = possible(done, results, limits)
         if keep is not None and kept:

@@ -41,6 +41,7 @@ from typing import Any
 
 __all__ = ["KeptEngineWarning", "close_engines", "kept_engine"]
 
+
 class KeptEngineWarning(UserWarning):
     """``replay`` keeps an engine it started for later calls (said once per process)."""
 
@@ -59,8 +60,9 @@ _registered = False  # close_engines registered with atexit
 
 
 @contextmanager
-def kept_engine(name: str, model: Any = None, *, verbose: bool = False,
-                **config: Any) -> Iterator[Any]:
+def kept_engine(
+    name: str, model: Any = None, *, verbose: bool = False, **config: Any
+) -> Iterator[Any]:
     """The engine ``make_engine(name, model, verbose=verbose, **config)`` would build: the
     one kept from an earlier call with the same key, else a new one (kept when its key
     allows, see the module docstring).
@@ -132,8 +134,11 @@ def _key(name: str, model: Any, config: dict[str, Any]) -> tuple[tuple, str] | N
     try:
         folder = hf_folder(model).resolve()
         dtype, device = config.get("dtype"), config.get("device")
-        config = {**config, "dtype": None if dtype is None else str(resolve_dtype(dtype)),
-                  "device": None if device is None else str(torch.device(device))}
+        config = {
+            **config,
+            "dtype": None if dtype is None else str(resolve_dtype(dtype)),
+            "device": None if device is None else str(torch.device(device)),
+        }
         settings = json.dumps(config, sort_keys=True, default=repr)
     except Exception:  # noqa: BLE001 - make_engine names what is wrong with them
         return None
@@ -175,8 +180,11 @@ def _close(engine: Any) -> None:
     try:
         engine.close()
     except Exception as error:  # noqa: BLE001 - a failing close must not hide what went on
-        warnings.warn(f"closing the kept {engine.name} engine failed: "
-                      f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"closing the kept {engine.name} engine failed: {type(error).__name__}: {error}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _say_kept(name: str) -> None:
@@ -184,7 +192,11 @@ def _say_kept(name: str) -> None:
     if _said:
         return
     _said = True
-    warnings.warn(f"replay keeps the {name} engine it started for later replay(engine="
-                  f"{name!r}) calls with the same model and settings in this process, and "
-                  "closes it at exit; trace_replay.close_engines() releases it (and any other "
-                  "kept engine) now. Said once per process.", KeptEngineWarning, stacklevel=5)
+    warnings.warn(
+        f"replay keeps the {name} engine it started for later replay(engine="
+        f"{name!r}) calls with the same model and settings in this process, and "
+        "closes it at exit; trace_replay.close_engines() releases it (and any other "
+        "kept engine) now. Said once per process.",
+        KeptEngineWarning,
+        stacklevel=5,
+    )

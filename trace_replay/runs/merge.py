@@ -34,10 +34,26 @@ from trace_replay.runs.result_file import read_result
 __all__ = ["merge_results"]
 
 # what a part says about its own run rather than about the configuration
-_RUN_KEYS = {"num_traces", "num_tokens", "resumed_traces", "truncated", "shard", "source",
-             "versions", "started_at", "finished_at", "merged_from", "settings_keys",
-             "wall_s", "forwards", "acceptance_rate", "threads", "traces_digest", "complete",
-             "missing_shards"}
+_RUN_KEYS = {
+    "num_traces",
+    "num_tokens",
+    "resumed_traces",
+    "truncated",
+    "shard",
+    "source",
+    "versions",
+    "started_at",
+    "finished_at",
+    "merged_from",
+    "settings_keys",
+    "wall_s",
+    "forwards",
+    "acceptance_rate",
+    "threads",
+    "traces_digest",
+    "complete",
+    "missing_shards",
+}
 _SUMMED = ("num_traces", "resumed_traces", "forwards")
 # versions that do not change the numbers
 _IGNORED_VERSIONS = {"python", "trace-replay"}
@@ -48,22 +64,28 @@ def _settings_keys(attrs: dict) -> set[str]:
     return set(keys) if keys is not None else set(attrs) - _RUN_KEYS
 
 
-def _check_weights_known(frames: Sequence[pd.DataFrame], names: Sequence[str],
-                         allow_unknown: bool) -> None:
+def _check_weights_known(
+    frames: Sequence[pd.DataFrame], names: Sequence[str], allow_unknown: bool
+) -> None:
     """Refuse parts that record no weights digest (older results) beside other parts, unless
     ``allow_unknown``: then warn naming them. A part alone mixes nothing."""
     unknown = [name for name, f in zip(names, frames) if "weights_digest" not in f.attrs]
     if not unknown or len(frames) == 1:
         return
-    what = (f"{', '.join(unknown)} record{'s' if len(unknown) == 1 else ''} no weights_digest "
-            "(written before results recorded it)")
+    what = (
+        f"{', '.join(unknown)} record{'s' if len(unknown) == 1 else ''} no weights_digest "
+        "(written before results recorded it)"
+    )
     if not allow_unknown:
-        raise ValueError(f"cannot merge: {what}, so the weights behind its numbers cannot "
-                         "be checked against the other parts'; replay it again, or pass "
-                         "allow_unknown_weights=True (CLI --allow-unknown-weights) if you "
-                         "know every part scored the same weights")
-    warnings.warn(f"merge: {what}; merged on trust that every part scored the same weights",
-                  stacklevel=3)
+        raise ValueError(
+            f"cannot merge: {what}, so the weights behind its numbers cannot "
+            "be checked against the other parts'; replay it again, or pass "
+            "allow_unknown_weights=True (CLI --allow-unknown-weights) if you "
+            "know every part scored the same weights"
+        )
+    warnings.warn(
+        f"merge: {what}; merged on trust that every part scored the same weights", stacklevel=3
+    )
 
 
 def _check_same_run(frames: Sequence[pd.DataFrame], names: Sequence[str]) -> None:
@@ -72,19 +94,37 @@ def _check_same_run(frames: Sequence[pd.DataFrame], names: Sequence[str]) -> Non
     keys = set().union(*(_settings_keys(f.attrs) for f in frames))
     if all(deterministic_run(f.attrs) for f in frames):  # same numbers whatever the batch size
         keys -= set(BATCH_SETTINGS)
-    versions = [{k: v for k, v in (f.attrs.get("versions") or {}).items()
-                 if k not in _IGNORED_VERSIONS} for f in frames]
-    checks = [(key, [(f.attrs.get(key), name) for f, name in zip(frames, names)
-                     if key != "weights_digest" or key in f.attrs]) for key in sorted(keys)]
-    checks += [(f"{package} version", [(v.get(package), name) for v, name in zip(versions, names)])
-               for package in sorted(set().union(*versions))]
+    versions = [
+        {k: v for k, v in (f.attrs.get("versions") or {}).items() if k not in _IGNORED_VERSIONS}
+        for f in frames
+    ]
+    checks = [
+        (
+            key,
+            [
+                (f.attrs.get(key), name)
+                for f, name in zip(frames, names)
+                if key != "weights_digest" or key in f.attrs
+            ],
+        )
+        for key in sorted(keys)
+    ]
+    checks += [
+        (f"{package} version", [(v.get(package), name) for v, name in zip(versions, names)])
+        for package in sorted(set().union(*versions))
+    ]
     for what, seen in checks:
         if any(value != seen[0][0] for value, _ in seen):
             listed = "; ".join(f"{value!r} in {name}" for value, name in seen)
-            hint = (": the same model name scored with other weights (a model edited or "
-                    "retrained in place?)" if what == "weights_digest" else "")
-            raise ValueError(f"cannot merge results of different runs: {what} differs "
-                             f"({listed}){hint}")
+            hint = (
+                ": the same model name scored with other weights (a model edited or "
+                "retrained in place?)"
+                if what == "weights_digest"
+                else ""
+            )
+            raise ValueError(
+                f"cannot merge results of different runs: {what} differs ({listed}){hint}"
+            )
 
 
 def _check_same_traces(frames: Sequence[pd.DataFrame], names: Sequence[str]) -> None:
@@ -94,8 +134,7 @@ def _check_same_traces(frames: Sequence[pd.DataFrame], names: Sequence[str]) -> 
     values = [f.attrs.get(what) for f in frames]
     if any(value != values[0] for value in values):
         seen = "; ".join(f"{value!r} in {name}" for value, name in zip(values, names))
-        raise ValueError(f"cannot merge results of different trace sets: {what} differs "
-                         f"({seen})")
+        raise ValueError(f"cannot merge results of different trace sets: {what} differs ({seen})")
 
 
 def _shards(attrs: dict) -> list[tuple[int, int]]:
@@ -113,23 +152,28 @@ def _missing_shards(frames: Sequence[pd.DataFrame], names: Sequence[str]) -> lis
     if not all(shards):
         if len(frames) > 1:  # a whole run beside anything else repeats or mixes traces
             whole = [name for name, held in zip(names, shards) if not held]
-            raise ValueError(f"cannot merge: {', '.join(whole)} is a whole run (no shard), "
-                             f"not a shard of one: {', '.join(names)}")
+            raise ValueError(
+                f"cannot merge: {', '.join(whole)} is a whole run (no shard), "
+                f"not a shard of one: {', '.join(names)}"
+            )
         return []
     counts = sorted({count for held in shards for _, count in held})
     if len(counts) > 1:
-        raise ValueError(f"cannot merge shards of different splits (counts {counts}): "
-                         + ", ".join(names))
+        raise ValueError(
+            f"cannot merge shards of different splits (counts {counts}): " + ", ".join(names)
+        )
     for shard in {shard for held in shards for shard in held}:
         files = [name for name, held in zip(names, shards) for other in held if other == shard]
         if len(files) > 1:
-            raise ValueError(f"cannot merge: shard {shard[0]}/{shard[1]} is given twice "
-                             f"({', '.join(files)})")
+            raise ValueError(
+                f"cannot merge: shard {shard[0]}/{shard[1]} is given twice ({', '.join(files)})"
+            )
     return sorted(set(range(counts[0])) - {index for held in shards for index, _ in held})
 
 
-def _merged_attrs(frames: Sequence[pd.DataFrame], names: Sequence[str], merged: pd.DataFrame,
-                  missing: list[int]) -> dict[str, Any]:
+def _merged_attrs(
+    frames: Sequence[pd.DataFrame], names: Sequence[str], merged: pd.DataFrame, missing: list[int]
+) -> dict[str, Any]:
     attrs: dict[str, Any] = {}
     for key in dict.fromkeys(k for f in frames for k in f.attrs):
         values = [f.attrs.get(key) for f in frames]
@@ -154,8 +198,12 @@ def _merged_attrs(frames: Sequence[pd.DataFrame], names: Sequence[str], merged: 
     return attrs
 
 
-def merge_results(parts: Sequence[str | os.PathLike], *, allow_incomplete: bool = False,
-                  allow_unknown_weights: bool = False) -> pd.DataFrame:
+def merge_results(
+    parts: Sequence[str | os.PathLike],
+    *,
+    allow_incomplete: bool = False,
+    allow_unknown_weights: bool = False,
+) -> pd.DataFrame:
     """Concatenate the shard results of one run.
 
     Parameters
@@ -218,21 +266,28 @@ def merge_results(parts: Sequence[str | os.PathLike], *, allow_incomplete: bool 
     missing = _missing_shards(frames, names)
     if missing:
         count = _shards(frames[0].attrs)[0][1]
-        gap = (f"shard {', '.join(f'{i}/{count}' for i in missing)} missing (merging "
-               f"{count - len(missing)} of {count} shards)")
+        gap = (
+            f"shard {', '.join(f'{i}/{count}' for i in missing)} missing (merging "
+            f"{count - len(missing)} of {count} shards)"
+        )
         if not allow_incomplete:
-            raise ValueError(f"cannot merge an incomplete set: {gap}; add the missing shard "
-                             "or pass allow_incomplete=True (CLI --allow-incomplete) to mark "
-                             "the result incomplete")
-        warnings.warn(f"merge: {gap}; the result is marked incomplete (attrs['complete'] "
-                      "is False)", stacklevel=2)
+            raise ValueError(
+                f"cannot merge an incomplete set: {gap}; add the missing shard "
+                "or pass allow_incomplete=True (CLI --allow-incomplete) to mark "
+                "the result incomplete"
+            )
+        warnings.warn(
+            f"merge: {gap}; the result is marked incomplete (attrs['complete'] is False)",
+            stacklevel=2,
+        )
     merged = pd.concat(frames, ignore_index=True)
     owner = pd.Series([name for name, f in zip(names, frames) for _ in range(len(f))])
     dup = merged.duplicated(subset=["trace_id", "step"], keep=False)
     if dup.any():
         trace_id = merged.loc[dup, "trace_id"].iloc[0]
         files = sorted(set(owner[dup & (merged["trace_id"] == trace_id)]))
-        raise ValueError(f"cannot merge: trace {trace_id!r} is in more than one part "
-                         f"({', '.join(files)})")
+        raise ValueError(
+            f"cannot merge: trace {trace_id!r} is in more than one part ({', '.join(files)})"
+        )
     merged.attrs = _merged_attrs(frames, names, merged, missing)
     return merged

@@ -21,8 +21,17 @@ from trace_replay._io import write_atomic
 from trace_replay.engines.base import ReplayRequest
 from trace_replay.engines.validate import ImpossibleResult, impossible
 
-__all__ = ["PART_NAME", "CorruptPart", "check_rows", "describe", "not_saved",
-           "part_settings_key", "read_part", "write_checked", "write_part"]
+__all__ = [
+    "PART_NAME",
+    "CorruptPart",
+    "check_rows",
+    "describe",
+    "not_saved",
+    "part_settings_key",
+    "read_part",
+    "write_checked",
+    "write_part",
+]
 
 # written at time.time_ns() (ns), with the first 16 hex digits of its bytes' sha256
 PART_NAME = re.compile(r"^part-(?P<ns>\d{20})-(?P<sha>[0-9a-f]{16})\.parquet$")
@@ -45,7 +54,8 @@ def write_part(folder: Path, frame: pd.DataFrame, settings_key: str | None = Non
     table = pa.Table.from_pandas(frame, preserve_index=False)
     if settings_key is not None:
         table = table.replace_schema_metadata(
-            {**table.schema.metadata, _SETTINGS_KEY: settings_key.encode()})
+            {**table.schema.metadata, _SETTINGS_KEY: settings_key.encode()}
+        )
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, write_page_checksum=True)
     data = sink.getvalue().to_pybytes()
@@ -54,9 +64,15 @@ def write_part(folder: Path, frame: pd.DataFrame, settings_key: str | None = Non
     return path
 
 
-def write_checked(folder: Path, frame: pd.DataFrame, settings_key: str, *,
-                  top_k: int | None, requests: Mapping[str, ReplayRequest],
-                  vocab_size: int | None = None) -> tuple[Path | None, dict[str, list[str]]]:
+def write_checked(
+    folder: Path,
+    frame: pd.DataFrame,
+    settings_key: str,
+    *,
+    top_k: int | None,
+    requests: Mapping[str, ReplayRequest],
+    vocab_size: int | None = None,
+) -> tuple[Path | None, dict[str, list[str]]]:
     """Write the traces of ``frame`` (with ``trace_digest``) that pass a read's checks as
     a part, so that nothing a read would refuse is ever written.
 
@@ -75,8 +91,11 @@ def write_checked(folder: Path, frame: pd.DataFrame, settings_key: str, *,
 
 def not_saved(folder: Path, failed: Mapping[str, list[str]]) -> ImpossibleResult:
     """The error for traces :func:`write_checked` refused, naming the first ones."""
-    return ImpossibleResult(f"checkpoint {folder}: impossible results, not saved (the other "
-                            f"traces are): {describe(failed)}", trace_id=next(iter(failed)))
+    return ImpossibleResult(
+        f"checkpoint {folder}: impossible results, not saved (the other "
+        f"traces are): {describe(failed)}",
+        trace_id=next(iter(failed)),
+    )
 
 
 def part_settings_key(path: Path) -> str | None:
@@ -98,9 +117,14 @@ def part_settings_key(path: Path) -> str | None:
     return None if key is None else key.decode()
 
 
-def read_part(path: Path, *, top_k: int | None = None,
-              requests: Mapping[str, ReplayRequest] | None = None,
-              vocab_size: int | None = None, check_values: bool = True) -> pd.DataFrame:
+def read_part(
+    path: Path,
+    *,
+    top_k: int | None = None,
+    requests: Mapping[str, ReplayRequest] | None = None,
+    vocab_size: int | None = None,
+    check_values: bool = True,
+) -> pd.DataFrame:
     """A part's rows, once its SHA-256, page checksums and values are verified.
 
     Parameters
@@ -135,17 +159,22 @@ def read_part(path: Path, *, top_k: int | None = None,
         frame = pq.read_table(pa.BufferReader(data), page_checksum_verification=True).to_pandas()
     except (pa.ArrowException, OSError, ValueError) as error:
         raise CorruptPart(f"unreadable: {error}") from None
-    failed = check_values and check_rows(frame, top_k=top_k, requests=requests,
-                                         vocab_size=vocab_size)
+    failed = check_values and check_rows(
+        frame, top_k=top_k, requests=requests, vocab_size=vocab_size
+    )
     if failed:
         raise CorruptPart(describe(failed))
     return frame
 
 
-def check_rows(frame: pd.DataFrame, *, top_k: int | None = None,
-               requests: Mapping[str, ReplayRequest] | None = None,
-               vocab_size: int | None = None,
-               by: str = "trace_digest") -> dict[str, list[str]]:
+def check_rows(
+    frame: pd.DataFrame,
+    *,
+    top_k: int | None = None,
+    requests: Mapping[str, ReplayRequest] | None = None,
+    vocab_size: int | None = None,
+    by: str = "trace_digest",
+) -> dict[str, list[str]]:
     """What is wrong with each trace's rows: complete, plausible, and its request's tokens.
 
     Parameters
@@ -170,8 +199,18 @@ def check_rows(frame: pd.DataFrame, *, top_k: int | None = None,
     CorruptPart
         When a column is missing.
     """
-    need = {"trace_id", by, "step", "position", "token_id", "logprob", "rank",
-            "top_token_ids", "top_logprobs", "entropy"}
+    need = {
+        "trace_id",
+        by,
+        "step",
+        "position",
+        "token_id",
+        "logprob",
+        "rank",
+        "top_token_ids",
+        "top_logprobs",
+        "entropy",
+    }
     if not need <= set(frame.columns):
         raise CorruptPart(f"columns {sorted(need - set(frame.columns))} missing")
     if frame.empty:
@@ -181,10 +220,16 @@ def check_rows(frame: pd.DataFrame, *, top_k: int | None = None,
     step = frame["step"].to_numpy()
     offsets = (frame["position"] - frame["step"]).groupby(digests)
     problems = [  # (what is wrong, the rows showing it, the column whose value it shows)
-        ("steps are not 0, 1, 2… (a step is missing or repeated)",
-         frame.groupby(by).cumcount().to_numpy() != step, None),
-        ("positions are not prompt_len + step",
-         (offsets.transform("first") != frame["position"] - frame["step"]).to_numpy(), None),
+        (
+            "steps are not 0, 1, 2… (a step is missing or repeated)",
+            frame.groupby(by).cumcount().to_numpy() != step,
+            None,
+        ),
+        (
+            "positions are not prompt_len + step",
+            (offsets.transform("first") != frame["position"] - frame["step"]).to_numpy(),
+            None,
+        ),
         *_impossible_scores(frame, top_k, vocab_size),
         *_other_tokens(frame, requests or {}, by),
     ]
@@ -196,12 +241,14 @@ def check_rows(frame: pd.DataFrame, *, top_k: int | None = None,
                 value = np.asarray(frame.at[row, field]).tolist()
                 what = f"{field} {value} is impossible: {problem}"
             failed.setdefault(frame.at[row, "trace_id"], []).append(
-                f"step {frame.at[row, 'step']}: {what}")
+                f"step {frame.at[row, 'step']}: {what}"
+            )
     return failed
 
 
-def _other_tokens(frame: pd.DataFrame, requests: Mapping[str, ReplayRequest],
-                  by: str) -> list[tuple]:
+def _other_tokens(
+    frame: pd.DataFrame, requests: Mapping[str, ReplayRequest], by: str
+) -> list[tuple]:
     """Each trace's first row not at its request's prompt length or not its request's token
     (``frame`` sorted by ``by`` and step, so that a trace's rows are consecutive)."""
     moved, other = np.zeros(len(frame), bool), np.zeros(len(frame), bool)
@@ -222,12 +269,15 @@ def _other_tokens(frame: pd.DataFrame, requests: Mapping[str, ReplayRequest],
         moved[start] = positions[start] != request.prompt_len
         if len(differs) or len(got) != len(want):
             other[start + min(differs[0] if len(differs) else length, end - start - 1)] = True
-    return [("first position is not its prompt's length", moved, None),
-            ("tokens differ from its digest's", other, None)]
+    return [
+        ("first position is not its prompt's length", moved, None),
+        ("tokens differ from its digest's", other, None),
+    ]
 
 
-def _impossible_scores(frame: pd.DataFrame, top_k: int | None,
-                       vocab_size: int | None) -> list[tuple]:
+def _impossible_scores(
+    frame: pd.DataFrame, top_k: int | None, vocab_size: int | None
+) -> list[tuple]:
     """The rows whose top-k lists are not ``top_k`` long (``None``: all of one length), or
     whose scores an engine's result could not hold (:func:`~trace_replay.engines.validate.
     impossible`: the same rules)."""
@@ -238,15 +288,26 @@ def _impossible_scores(frame: pd.DataFrame, top_k: int | None,
     whole = width and not wrong.any()
     top = _matrix(cells[0], width, np.float64) if whole else np.zeros((len(frame), 0))
     top_ids = _matrix(cells[1], width, None) if whole else None
-    rules = impossible(frame["logprob"].to_numpy(), frame["rank"].to_numpy(), top,
-                       frame["entropy"].to_numpy(), vocab_size=vocab_size,
-                       token_ids=frame["token_id"].to_numpy(), top_token_ids=top_ids,
-                       # parts written before the tail was recorded have no column
-                       # (and against ragged top-k lists it cannot be checked)
-                       tail_logmass=(frame["tail_logmass"].to_numpy(dtype=np.float64)
-                                     if "tail_logmass" in frame and not wrong.any() else None))
-    return [("top-k lists of the wrong length", wrong, None),
-            *((rule, rows, field) for field, rule, rows in rules)]
+    rules = impossible(
+        frame["logprob"].to_numpy(),
+        frame["rank"].to_numpy(),
+        top,
+        frame["entropy"].to_numpy(),
+        vocab_size=vocab_size,
+        token_ids=frame["token_id"].to_numpy(),
+        top_token_ids=top_ids,
+        # parts written before the tail was recorded have no column
+        # (and against ragged top-k lists it cannot be checked)
+        tail_logmass=(
+            frame["tail_logmass"].to_numpy(dtype=np.float64)
+            if "tail_logmass" in frame and not wrong.any()
+            else None
+        ),
+    )
+    return [
+        ("top-k lists of the wrong length", wrong, None),
+        *((rule, rows, field) for field, rule, rows in rules),
+    ]
 
 
 def _matrix(cells: np.ndarray, width: int, dtype: type | None) -> np.ndarray:
@@ -260,7 +321,8 @@ def _matrix(cells: np.ndarray, width: int, dtype: type | None) -> np.ndarray:
 
 def describe(failed: Mapping[str, list[str]], most: int = 5) -> str:
     """``check_rows``'s failures as one line: the first ``most`` traces, then a count."""
-    named = [f"trace {trace_id!r}, {'; '.join(what)}"
-             for trace_id, what in list(failed.items())[:most]]
+    named = [
+        f"trace {trace_id!r}, {'; '.join(what)}" for trace_id, what in list(failed.items())[:most]
+    ]
     more = f"; and {len(failed) - most} more traces" if len(failed) > most else ""
     return "; ".join(named) + more

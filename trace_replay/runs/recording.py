@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from trace_replay.traces.chat import tokenize_chat_prompt
 from trace_replay.engines import make_engine
 from trace_replay.engines.base import check_engine
 from trace_replay.engines.capabilities import Generates, supports
 from trace_replay.engines.registry import engine_specs
+from trace_replay.traces.chat import tokenize_chat_prompt
 from trace_replay.traces.sets import Trace, TraceSet
 
 __all__ = ["record"]
@@ -21,22 +21,37 @@ def _prompt_records(prompts) -> list[dict]:
         if isinstance(prompt, str):
             records.append({"id": f"p{i}", "prompt": prompt})
         elif isinstance(prompt, Trace):
-            records.append({"id": prompt.id, "prompt": prompt.prompt,
-                            "prompt_token_ids": prompt.prompt_token_ids,
-                            "messages": prompt.messages, "tools": prompt.tools,
-                            "meta": dict(prompt.meta)})
+            records.append(
+                {
+                    "id": prompt.id,
+                    "prompt": prompt.prompt,
+                    "prompt_token_ids": prompt.prompt_token_ids,
+                    "messages": prompt.messages,
+                    "tools": prompt.tools,
+                    "meta": dict(prompt.meta),
+                }
+            )
         elif isinstance(prompt, dict):
             records.append({"id": str(prompt.get("id", f"p{i}")), **prompt})
         else:
-            raise TypeError(f"prompt {i}: expected str, dict or Trace, got "
-                            f"{type(prompt).__name__}")
+            raise TypeError(f"prompt {i}: expected str, dict or Trace, got {type(prompt).__name__}")
     return records
 
 
-def record(prompts: Iterable, model=None, *, engine="vllm", max_tokens: int,
-           temperature: float = 0.0, seed: int = 0, top_k: int = 5,
-           batch_size: int | None = None, engine_args: dict | None = None,
-           stop_at_eos: bool = True, verbose: bool = False) -> TraceSet:
+def record(
+    prompts: Iterable,
+    model=None,
+    *,
+    engine="vllm",
+    max_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    top_k: int = 5,
+    batch_size: int | None = None,
+    engine_args: dict | None = None,
+    stop_at_eos: bool = True,
+    verbose: bool = False,
+) -> TraceSet:
     """Generate one trace per prompt, keeping the engine's own logprobs as ``ref_logprobs``.
 
     Parameters
@@ -70,25 +85,45 @@ def record(prompts: Iterable, model=None, *, engine="vllm", max_tokens: int,
     """
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
-            or not 0 <= temperature < math.inf):  # NaN fails too
-        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got "
-                         f"{temperature!r}")
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not 0 <= temperature < math.inf
+    ):  # NaN fails too
+        raise ValueError(
+            f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}"
+        )
     owned = isinstance(engine, str)
     if owned:
         if engine not in generating_engines():
-            raise ValueError(f"record runs on an engine that generates "
-                             f"({', '.join(generating_engines())}), not {engine!r}")
-        engine = make_engine(engine, model, batch_size=batch_size, top_k=top_k,
-                             engine_args=engine_args, verbose=verbose)
+            raise ValueError(
+                f"record runs on an engine that generates "
+                f"({', '.join(generating_engines())}), not {engine!r}"
+            )
+        engine = make_engine(
+            engine,
+            model,
+            batch_size=batch_size,
+            top_k=top_k,
+            engine_args=engine_args,
+            verbose=verbose,
+        )
     else:
         check_engine(engine)
     if not supports(engine, Generates):
-        raise TypeError(f"engine {engine.name!r} cannot generate; record with an engine "
-                        f"that does ({', '.join(generating_engines())})")
+        raise TypeError(
+            f"engine {engine.name!r} cannot generate; record with an engine "
+            f"that does ({', '.join(generating_engines())})"
+        )
     try:
-        return _record(prompts, engine, max_tokens=max_tokens, temperature=temperature,
-                       seed=seed, stop_at_eos=stop_at_eos)
+        return _record(
+            prompts,
+            engine,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=seed,
+            stop_at_eos=stop_at_eos,
+        )
     finally:
         if owned:
             engine.close()
@@ -99,8 +134,9 @@ def generating_engines() -> list[str]:
     return [spec.name for spec in engine_specs() if spec.generates]
 
 
-def _record(prompts, engine, *, max_tokens: int, temperature: float, seed: int,
-            stop_at_eos: bool) -> TraceSet:
+def _record(
+    prompts, engine, *, max_tokens: int, temperature: float, seed: int, stop_at_eos: bool
+) -> TraceSet:
     tokenizer = engine.tokenizer
     records = _prompt_records(prompts)
     prompt_ids = []
@@ -112,21 +148,36 @@ def _record(prompts, engine, *, max_tokens: int, temperature: float, seed: int,
         elif isinstance(r.get("prompt"), str):
             ids = tokenizer.encode(r["prompt"], add_special_tokens=True)
         else:
-            raise ValueError(f"prompt {i} ({r['id']!r}): needs 'prompt' text, 'messages' or "
-                             "'prompt_token_ids'")
+            raise ValueError(
+                f"prompt {i} ({r['id']!r}): needs 'prompt' text, 'messages' or 'prompt_token_ids'"
+            )
         prompt_ids.append([int(t) for t in ids])
     eos = tokenizer.eos_token_id if stop_at_eos else None
-    generated = engine.generate(prompt_ids, max_tokens=max_tokens, temperature=temperature,
-                                seed=seed, eos_token_id=eos)
+    generated = engine.generate(
+        prompt_ids, max_tokens=max_tokens, temperature=temperature, seed=seed, eos_token_id=eos
+    )
     engine_settings = engine.settings()
-    settings = {"model": engine_settings["model"], "engine": engine.name,
-                "engine_path": engine_settings["engine_path"], "temperature": temperature,
-                "seed": seed, "max_tokens": max_tokens}
+    settings = {
+        "model": engine_settings["model"],
+        "engine": engine.name,
+        "engine_path": engine_settings["engine_path"],
+        "temperature": temperature,
+        "seed": seed,
+        "max_tokens": max_tokens,
+    }
     out = []
     for r, ids, (tokens, logprobs) in zip(records, prompt_ids, generated):
-        out.append(Trace(id=r["id"], prompt=r.get("prompt"), prompt_token_ids=tuple(ids),
-                         completion=tokenizer.decode(tokens), trace_token_ids=tuple(tokens),
-                         messages=r.get("messages"), tools=r.get("tools"),
-                         ref_logprobs=tuple(logprobs),
-                         meta={**(r.get("meta") or {}), "recorded_with": settings}))
+        out.append(
+            Trace(
+                id=r["id"],
+                prompt=r.get("prompt"),
+                prompt_token_ids=tuple(ids),
+                completion=tokenizer.decode(tokens),
+                trace_token_ids=tuple(tokens),
+                messages=r.get("messages"),
+                tools=r.get("tools"),
+                ref_logprobs=tuple(logprobs),
+                meta={**(r.get("meta") or {}), "recorded_with": settings},
+            )
+        )
     return TraceSet(out, source=f"record({settings['engine_path']})")

@@ -15,47 +15,77 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from trace_replay.wording import plural
-from trace_replay.runs.checkpoint import Checkpoint
-from trace_replay.runs.kept_engines import kept_engine
 from trace_replay.engines import ENGINES
 from trace_replay.engines.base import Engine, ReplayRequest, check_engine, engine_identity
 from trace_replay.engines.moving_weights import MovingWeights
+from trace_replay.runs.checkpoint import Checkpoint
 from trace_replay.runs.cluster import RayCluster, as_cluster
 from trace_replay.runs.frame import TokenDecoder, run_checked
-from trace_replay.runs.stages import ReplayOptions
-from trace_replay.runs.stages import (finish_frame, package_versions, prepare_requests,
-                                  prepare_run, resuming_message, run_attrs)
+from trace_replay.runs.kept_engines import kept_engine
+from trace_replay.runs.stages import (
+    ReplayOptions,
+    finish_frame,
+    package_versions,
+    prepare_requests,
+    prepare_run,
+    resuming_message,
+    run_attrs,
+)
 from trace_replay.runs.weights_watch import WeightsWatch
-from trace_replay.traces.trace import FIELDS
 from trace_replay.traces.sets import TraceError, TraceSet, load_traces
+from trace_replay.traces.trace import FIELDS
+from trace_replay.wording import plural
 
 # what load_traces reads: a path, a TraceSet, a DataFrame, a Dataset, or records
 TraceInput = str | os.PathLike | TraceSet | pd.DataFrame | Iterable[Mapping[str, Any]]
 # None (the embedded model), a local folder, a cached model name, or a loaded nn.Module
 ModelArg = str | os.PathLike | torch.nn.Module | None
 
-__all__ = ["ReplayOptions", "replay", "replay_with", "prepare_requests", "prepare_run",
-           "finish_frame", "run_attrs", "resuming_message", "package_versions"]
+__all__ = [
+    "ReplayOptions",
+    "replay",
+    "replay_with",
+    "prepare_requests",
+    "prepare_run",
+    "finish_frame",
+    "run_attrs",
+    "resuming_message",
+    "package_versions",
+]
 
 
 def _traces_digest(traces: TraceSet) -> str:
     """A digest of every field of every trace, whatever their order."""
-    each = sorted(hashlib.sha256(json.dumps([getattr(trace, name) for name in FIELDS],
-                                            sort_keys=True).encode()).digest()
-                  for trace in traces)
+    each = sorted(
+        hashlib.sha256(
+            json.dumps([getattr(trace, name) for name in FIELDS], sort_keys=True).encode()
+        ).digest()
+        for trace in traces
+    )
     return hashlib.sha256(b"".join(each)).hexdigest()[:32]
 
 
-def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine = "auto",
-           top_k: int = 5, dtype: str | torch.dtype | None = None,
-           device: str | torch.device | None = None, batch_size: int | None = None,
-           speculative: dict[str, Any] | None = None, engine_args: dict[str, Any] | None = None,
-           progress: bool = True, checkpoint: str | os.PathLike | None = None,
-           shard: tuple[int, int] | None = None, truncate: bool = False,
-           chunk_size: int | None = None, checkpoint_every: float = 10.0,
-           deterministic: bool = False, verbose: bool = False,
-           cluster: str | RayCluster | None = None) -> pd.DataFrame:
+def replay(
+    traces: TraceInput,
+    model: ModelArg = None,
+    *,
+    engine: str | Engine = "auto",
+    top_k: int = 5,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    batch_size: int | None = None,
+    speculative: dict[str, Any] | None = None,
+    engine_args: dict[str, Any] | None = None,
+    progress: bool = True,
+    checkpoint: str | os.PathLike | None = None,
+    shard: tuple[int, int] | None = None,
+    truncate: bool = False,
+    chunk_size: int | None = None,
+    checkpoint_every: float = 10.0,
+    deterministic: bool = False,
+    verbose: bool = False,
+    cluster: str | RayCluster | None = None,
+) -> pd.DataFrame:
     """Replay every trace through a model's decode path and score each trace token.
 
     At each decode step the engine computes its normal next-token distribution, the emitted
@@ -155,12 +185,25 @@ def replay(traces: TraceInput, model: ModelArg = None, *, engine: str | Engine =
     >>> df[["step", "token", "rank"]].values.tolist()
     [[0, ' Paris', 1], [1, '.', 1]]
     """
-    options = ReplayOptions(engine=engine, model=model, top_k=top_k, dtype=dtype, device=device,
-                            batch_size=batch_size, speculative=speculative,
-                            engine_args=engine_args, deterministic=deterministic,
-                            verbose=verbose, progress=progress, checkpoint=checkpoint,
-                            shard=shard, truncate=truncate, chunk_size=chunk_size,
-                            checkpoint_every=checkpoint_every, cluster=cluster)
+    options = ReplayOptions(
+        engine=engine,
+        model=model,
+        top_k=top_k,
+        dtype=dtype,
+        device=device,
+        batch_size=batch_size,
+        speculative=speculative,
+        engine_args=engine_args,
+        deterministic=deterministic,
+        verbose=verbose,
+        progress=progress,
+        checkpoint=checkpoint,
+        shard=shard,
+        truncate=truncate,
+        chunk_size=chunk_size,
+        checkpoint_every=checkpoint_every,
+        cluster=cluster,
+    )
     return replay_with(traces, options)
 
 
@@ -178,22 +221,30 @@ def replay_with(traces: TraceInput, options: ReplayOptions) -> pd.DataFrame:
     if shard is not None:
         total, traceset = len(traceset), traceset.shard(*shard)
         if not len(traceset):
-            warnings.warn(f"shard {shard[0]}/{shard[1]} holds none of the "
-                          f"{plural(total, 'trace')} of "
-                          f"{traceset.source}: its result is empty on purpose", stacklevel=3)
+            warnings.warn(
+                f"shard {shard[0]}/{shard[1]} holds none of the "
+                f"{plural(total, 'trace')} of "
+                f"{traceset.source}: its result is empty on purpose",
+                stacklevel=3,
+            )
     if cluster is not None:
         from trace_replay.runs.cluster_replay import replay_on_ray
 
-        return replay_on_ray(traceset, cluster, {"name": options.engine, "model": options.model,
-                                                 **options.engine_settings()},
-                             progress=options.progress, checkpoint=options.checkpoint,
-                             shard=shard, truncate=options.truncate,
-                             chunk_size=options.chunk_size,
-                             checkpoint_every=options.checkpoint_every, started=started,
-                             digest=digest)
+        return replay_on_ray(
+            traceset,
+            cluster,
+            {"name": options.engine, "model": options.model, **options.engine_settings()},
+            progress=options.progress,
+            checkpoint=options.checkpoint,
+            shard=shard,
+            truncate=options.truncate,
+            chunk_size=options.chunk_size,
+            checkpoint_every=options.checkpoint_every,
+            started=started,
+            digest=digest,
+        )
     if isinstance(options.engine, str):  # started once per process, reused by later calls
-        with kept_engine(options.engine, options.model,
-                         **options.engine_settings()) as engine_obj:
+        with kept_engine(options.engine, options.model, **options.engine_settings()) as engine_obj:
             return _replay(traceset, engine_obj, options, started=started, digest=digest)
     _check_engine_object(options)
     return _replay(traceset, options.engine, options, started=started, digest=digest)
@@ -205,28 +256,37 @@ def _check_engine_object(options: ReplayOptions) -> None:
     try:
         check_engine(engine)
     except TypeError as error:
-        raise TypeError(f"engine must be a name ({', '.join(ENGINES)}) or an Engine: "
-                        f"{error}") from None
+        raise TypeError(
+            f"engine must be a name ({', '.join(ENGINES)}) or an Engine: {error}"
+        ) from None
     given = options.engine_settings_given()
     if given:
         names = given[0] if len(given) == 1 else f"{', '.join(given[:-1])} and {given[-1]}"
         verb, them = ("configures", "it") if len(given) == 1 else ("configure", "them")
-        raise ValueError(f"{names} {verb} an engine; an engine object was passed, so give "
-                         f"{them} to make_engine instead")
+        raise ValueError(
+            f"{names} {verb} an engine; an engine object was passed, so give "
+            f"{them} to make_engine instead"
+        )
     if options.deterministic and not engine.settings().get("deterministic"):
-        raise ValueError("deterministic=True, but the engine passed was built without it; "
-                         "build it with make_engine(..., deterministic=True)")
+        raise ValueError(
+            "deterministic=True, but the engine passed was built without it; "
+            "build it with make_engine(..., deterministic=True)"
+        )
 
 
 def _cluster_run(cluster: Any, engine: Any, model: Any) -> RayCluster:
     """The cluster a run asks for; refused when its engine cannot be built on each actor."""
     cluster = as_cluster(cluster)
     if not isinstance(engine, str):
-        raise ValueError("a cluster run builds one engine per actor: pass engine as a name "
-                         f"({', '.join(ENGINES)}), not an engine object")
+        raise ValueError(
+            "a cluster run builds one engine per actor: pass engine as a name "
+            f"({', '.join(ENGINES)}), not an engine object"
+        )
     if isinstance(model, torch.nn.Module):
-        raise ValueError("a cluster run loads the model on each actor: pass model as a "
-                         "folder or model name every node can read, not a loaded module")
+        raise ValueError(
+            "a cluster run loads the model on each actor: pass model as a "
+            "folder or model name every node can read, not a loaded module"
+        )
     return cluster
 
 
@@ -234,10 +294,16 @@ class _Calls:
     """One replay's engine calls: each checked and made rows, the bar moved as tokens are
     scored (and caught up where an engine reported fewer)."""
 
-    def __init__(self, engine: Engine, by_id: dict, decode: TokenDecoder, limits: dict,
-                 bar: tqdm) -> None:
-        self.engine, self.by_id, self.decode, self.limits, self.bar = (engine, by_id, decode,
-                                                                       limits, bar)
+    def __init__(
+        self, engine: Engine, by_id: dict, decode: TokenDecoder, limits: dict, bar: tqdm
+    ) -> None:
+        self.engine, self.by_id, self.decode, self.limits, self.bar = (
+            engine,
+            by_id,
+            decode,
+            limits,
+            bar,
+        )
         self.counted = 0  # tokens shown so far (bar.n stays 0 when the bar is disabled)
 
     def advance(self, tokens: int) -> None:
@@ -247,25 +313,38 @@ class _Calls:
     def catch_up(self, target: int) -> None:
         self.advance(max(target - self.counted, 0))
 
-    def run(self, group: list[ReplayRequest],
-            keep: Callable[[pd.DataFrame], None] | None = None) -> pd.DataFrame:
+    def run(
+        self, group: list[ReplayRequest], keep: Callable[[pd.DataFrame], None] | None = None
+    ) -> pd.DataFrame:
         target = self.counted + sum(r.trace_len for r in group)
-        frame = run_checked(self.engine, group, self.by_id, self.decode, limits=self.limits,
-                            on_tokens=self.advance, keep=keep)
+        frame = run_checked(
+            self.engine,
+            group,
+            self.by_id,
+            self.decode,
+            limits=self.limits,
+            on_tokens=self.advance,
+            keep=keep,
+        )
         self.catch_up(target)
         return frame
 
 
-def _replay(traceset: TraceSet, engine: Engine, options: ReplayOptions, *, started: str,
-            digest: str) -> pd.DataFrame:
+def _replay(
+    traceset: TraceSet, engine: Engine, options: ReplayOptions, *, started: str, digest: str
+) -> pd.DataFrame:
     # with the weights' digest, read once: merge and checkpoints refuse other weights
     settings = engine_identity(engine)
     vocab_size = engine.vocab_size
     tokenizer = engine.tokenizer
     traceset, requests, cut_notes = prepare_run(
-        traceset, tokenizer=tokenizer, vocab_size=vocab_size,
-        max_model_len=engine.max_model_len, top_k=settings.get("top_k", 0),
-        truncate=options.truncate)
+        traceset,
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+        max_model_len=engine.max_model_len,
+        top_k=settings.get("top_k", 0),
+        truncate=options.truncate,
+    )
     decode = TokenDecoder(tokenizer)
     chunk = options.chunk_size or max(engine.batch_size, 1) * 4
     limits = {"top_k": settings.get("top_k"), "vocab_size": vocab_size}
@@ -273,51 +352,83 @@ def _replay(traceset: TraceSet, engine: Engine, options: ReplayOptions, *, start
     # are kept: after each engine call, or before each checkpoint part
     watch = None
     if isinstance(engine, MovingWeights) and engine.weights_can_change is True:
-        watch = WeightsWatch(engine, settings.get("weights_digest"),
-                             kept_in=options.checkpoint and f"checkpoint {options.checkpoint}")
-    with tqdm(total=sum(r.trace_len for r in requests), unit="tok",
-              disable=not options.progress, desc=f"replay[{engine.name}]") as bar:
+        watch = WeightsWatch(
+            engine,
+            settings.get("weights_digest"),
+            kept_in=options.checkpoint and f"checkpoint {options.checkpoint}",
+        )
+    with tqdm(
+        total=sum(r.trace_len for r in requests),
+        unit="tok",
+        disable=not options.progress,
+        desc=f"replay[{engine.name}]",
+    ) as bar:
         calls = _Calls(engine, {t.id: t for t in traceset}, decode, limits, bar)
         if options.checkpoint is None:
             result, resumed = _in_memory(calls, requests, chunk, watch), 0
         else:
-            result, resumed = _checkpointed(calls, requests, settings, options, chunk=chunk,
-                                            vocab_size=vocab_size, watch=watch)
+            result, resumed = _checkpointed(
+                calls, requests, settings, options, chunk=chunk, vocab_size=vocab_size, watch=watch
+            )
     result = finish_frame(result, traceset, decode)
-    result.attrs = run_attrs(settings, engine.stats(), traceset=traceset, requests=requests,
-                             num_tokens=len(result), vocab_size=vocab_size, resumed=resumed,
-                             notes=cut_notes, shard=options.shard, digest=digest,
-                             started=started)
+    result.attrs = run_attrs(
+        settings,
+        engine.stats(),
+        traceset=traceset,
+        requests=requests,
+        num_tokens=len(result),
+        vocab_size=vocab_size,
+        resumed=resumed,
+        notes=cut_notes,
+        shard=options.shard,
+        digest=digest,
+        started=started,
+    )
     return result
 
 
-def _in_memory(calls: _Calls, requests: list[ReplayRequest],
-               chunk: int, watch: WeightsWatch | None) -> pd.DataFrame | None:
+def _in_memory(
+    calls: _Calls, requests: list[ReplayRequest], chunk: int, watch: WeightsWatch | None
+) -> pd.DataFrame | None:
     """Without a checkpoint: ``chunk`` traces per engine call, every frame kept in memory."""
     frames = []
     for start in range(0, len(requests), chunk):
-        frames.append(calls.run(requests[start:start + chunk]))
+        frames.append(calls.run(requests[start : start + chunk]))
         if watch is not None:
-            watch.check([r.trace_id for r in requests[start:start + chunk]])
+            watch.check([r.trace_id for r in requests[start : start + chunk]])
     return pd.concat(frames, ignore_index=True) if frames else None
 
 
-def _checkpointed(calls: _Calls, requests: list[ReplayRequest], settings: dict[str, Any],
-                  options: ReplayOptions, *, chunk: int,
-                  vocab_size: int | None,
-                  watch: WeightsWatch | None) -> tuple[pd.DataFrame | None, int]:
+def _checkpointed(
+    calls: _Calls,
+    requests: list[ReplayRequest],
+    settings: dict[str, Any],
+    options: ReplayOptions,
+    *,
+    chunk: int,
+    vocab_size: int | None,
+    watch: WeightsWatch | None,
+) -> tuple[pd.DataFrame | None, int]:
     """With a checkpoint: traces claimed from the folder a part at a time, each part written
     as it finishes; the rows read back from the folder (runs sharing it included). Returns
     them and the traces served from the folder."""
     total = sum(r.trace_len for r in requests)
-    with Checkpoint(options.checkpoint, settings, requests, calls.by_id,
-                    batch_size=max(calls.engine.batch_size, 1), max_traces=chunk,
-                    every_s=options.checkpoint_every, vocab_size=vocab_size,
-                    verify=None if watch is None else watch.check) as store:
+    with Checkpoint(
+        options.checkpoint,
+        settings,
+        requests,
+        calls.by_id,
+        batch_size=max(calls.engine.batch_size, 1),
+        max_traces=chunk,
+        every_s=options.checkpoint_every,
+        vocab_size=vocab_size,
+        verify=None if watch is None else watch.check,
+    ) as store:
         calls.advance(store.resumed_tokens)
         if store.resumed and options.progress:
-            calls.bar.write(resuming_message(options.checkpoint, store, len(requests)),
-                            file=sys.stderr)
+            calls.bar.write(
+                resuming_message(options.checkpoint, store, len(requests)), file=sys.stderr
+            )
         result = None
         while result is None:
             group = store.claim()

@@ -26,10 +26,10 @@ import numpy as np
 import pandas as pd
 from pandas.api.types import is_bool_dtype, is_numeric_dtype
 
-from trace_replay.wording import plural
-from trace_replay.runs.frame import check_frame
 from trace_replay.engines.validate import impossible
+from trace_replay.runs.frame import check_frame
 from trace_replay.runs.parts import check_rows, describe
+from trace_replay.wording import plural
 
 __all__ = ["check_scores", "read_result"]
 
@@ -51,13 +51,19 @@ def check_scores(frame: pd.DataFrame, name: str) -> None:
     if frame.empty:
         return
     entropy = frame["entropy"] if "entropy" in frame else pd.Series(np.nan, index=frame.index)
-    for field, rule, rows in impossible(frame["logprob"].to_numpy(), frame["rank"].to_numpy(),
-                                        np.zeros((len(frame), 0)), entropy.to_numpy()):
+    for field, rule, rows in impossible(
+        frame["logprob"].to_numpy(),
+        frame["rank"].to_numpy(),
+        np.zeros((len(frame), 0)),
+        entropy.to_numpy(),
+    ):
         if rows.any():
             row = frame[rows].iloc[0]
             value, step = np.asarray(row[field]).tolist(), np.asarray(row["step"]).tolist()
-            raise ValueError(f"{name}: trace {row['trace_id']!r}, step {step}: {field} "
-                             f"{value!r} is impossible ({rule}): not a replay result")
+            raise ValueError(
+                f"{name}: trace {row['trace_id']!r}, step {step}: {field} "
+                f"{value!r} is impossible ({rule}): not a replay result"
+            )
 
 
 def read_result(path: str | os.PathLike, name: str) -> pd.DataFrame:
@@ -94,16 +100,20 @@ def read_result(path: str | os.PathLike, name: str) -> pd.DataFrame:
     check_frame(frame, f"{where} is not a replay result file: it")
     missing = [column for column in _ROW_COLUMNS if column not in frame.columns]
     if missing:
-        raise ValueError(f"{where} is not a replay result file: it lacks replay columns "
-                         f"{missing}")
+        raise ValueError(f"{where} is not a replay result file: it lacks replay columns {missing}")
     _check_numbers(frame, where)
     top_k, vocab_size = frame.attrs.get("top_k"), frame.attrs.get("vocab_size")
     # older results record no vocabulary size: the bounds it gives are not checked there
-    failed = check_rows(frame, top_k=top_k if _count(top_k) else None,
-                        vocab_size=vocab_size if _count(vocab_size) else None, by="trace_id")
+    failed = check_rows(
+        frame,
+        top_k=top_k if _count(top_k) else None,
+        vocab_size=vocab_size if _count(vocab_size) else None,
+        by="trace_id",
+    )
     if failed:
-        raise ValueError(f"{where}: {describe(failed)}: it is damaged or was edited, not a "
-                         "replay result")
+        raise ValueError(
+            f"{where}: {describe(failed)}: it is damaged or was edited, not a replay result"
+        )
     _check_counts(frame, where)
     return frame
 
@@ -118,8 +128,10 @@ def _check_numbers(frame: pd.DataFrame, name: str) -> None:
         return
     for column in ("logprob", "rank"):
         if not is_numeric_dtype(frame[column]) or is_bool_dtype(frame[column]):
-            raise ValueError(f"{name}: column {column!r} holds {frame[column].dtype} values, "
-                             "not numbers: not a replay result")
+            raise ValueError(
+                f"{name}: column {column!r} holds {frame[column].dtype} values, "
+                "not numbers: not a replay result"
+            )
 
 
 def _check_counts(frame: pd.DataFrame, where: str) -> None:
@@ -129,6 +141,8 @@ def _check_counts(frame: pd.DataFrame, where: str) -> None:
     for key, (count, unit) in held.items():
         recorded = frame.attrs.get(key)
         if isinstance(recorded, int) and not isinstance(recorded, bool) and count != recorded:
-            raise ValueError(f"{where} records {plural(recorded, unit)} ({key}) but holds "
-                             f"{plural(count, unit)}: it is damaged or was edited; replay "
-                             "it again")
+            raise ValueError(
+                f"{where} records {plural(recorded, unit)} ({key}) but holds "
+                f"{plural(count, unit)}: it is damaged or was edited; replay "
+                "it again"
+            )

@@ -65,9 +65,11 @@ class WeightsWatch:
             self.verified += len(trace_ids)
             return
         first, after = trace_ids[0], len(trace_ids) - 1
-        kept = (f"the {plural(self.verified, 'trace')} verified before it "
-                + (f"are in {self.kept_in}" if self.kept_in else "are not returned either "
-                   "(with checkpoint= they are kept)"))
+        kept = f"the {plural(self.verified, 'trace')} verified before it " + (
+            f"are in {self.kept_in}"
+            if self.kept_in
+            else "are not returned either (with checkpoint= they are kept)"
+        )
         raise WeightsChanged(
             f"the weights of engine {self.engine.name!r} changed during the run "
             f"(weights_digest {self.digest} at its start, {now} now; for vllm-server, the "
@@ -76,4 +78,6 @@ class WeightsWatch:
             + f" may hold the new weights' numbers and were not kept; {kept}. A server that "
             "loads new weights while serving (an RL rollout server) must keep one set of "
             "weights for a replay: pin them, or run one replay (and one checkpoint folder) "
-            "per weights version (docs/engines.md, vllm-server)", trace_id=first)
+            "per weights version (docs/engines.md, vllm-server)",
+            trace_id=first,
+        )

@@ -21,8 +21,14 @@ from typing import Any
 from trace_replay.traces.tokenization import common_prefix_length, encode
 from trace_replay.traces.trace import TEMPLATE_ROLE, Trace, TraceError
 
-__all__ = ["ChatTokens", "TEMPLATE_ROLE", "tokenize_chat", "tokenize_chat_prompt",
-           "tokenize_chat_trace"]
+__all__ = [
+    "ChatTokens",
+    "TEMPLATE_ROLE",
+    "tokenize_chat",
+    "tokenize_chat_prompt",
+    "tokenize_chat_trace",
+]
+
 
 @dataclass(frozen=True)
 class ChatTokens:
@@ -34,8 +40,9 @@ class ChatTokens:
     roles: list[str]  # per trace token: its message's role, or TEMPLATE_ROLE
 
 
-def tokenize_chat(tokenizer: Any, messages: list[dict], *, tools: list[dict] | None = None,
-                  turns: str = "last") -> ChatTokens:
+def tokenize_chat(
+    tokenizer: Any, messages: list[dict], *, tools: list[dict] | None = None, turns: str = "last"
+) -> ChatTokens:
     """Render ``messages`` with the chat template and cut out the assistant turns to replay.
 
     Parameters
@@ -70,7 +77,7 @@ def tokenize_chat(tokenizer: Any, messages: list[dict], *, tools: list[dict] | N
         raise TraceError("messages has no assistant turn to replay")
     last = assistant[-1]
     replayed = assistant if turns == "all" else [last]
-    render = _Renderer(tokenizer, messages[:last + 1], tools)
+    render = _Renderer(tokenizer, messages[: last + 1], tools)
     # (first character, turn, role) of each part of the trace, in text order
     parts: list[tuple[int, int, str]] = []
     for i in range(replayed[0], last + 1):
@@ -90,23 +97,24 @@ def tokenize_chat(tokenizer: Any, messages: list[dict], *, tools: list[dict] | N
         labels = [role] * (end - cut)
         if role == "assistant":
             stop = _end_of_turn(tokenizer, whole[cut:end])
-            labels[stop + 1:] = [TEMPLATE_ROLE] * (len(labels) - stop - 1)
+            labels[stop + 1 :] = [TEMPLATE_ROLE] * (len(labels) - stop - 1)
         trace_turns += [turn] * len(labels)
         trace_roles += labels
     # The trace ends with the last replayed turn's end-of-turn token.
-    length = 1 + max((i for i, role in enumerate(trace_roles) if role == "assistant"),
-                     default=-1)
+    length = 1 + max((i for i, role in enumerate(trace_roles) if role == "assistant"), default=-1)
     if length == 0:
         raise TraceError(f"assistant messages[{last}] renders to no tokens")
-    prompt = whole[:cuts[0]]
+    prompt = whole[: cuts[0]]
     if not prompt:
         raise TraceError("the chat template renders nothing before the first replayed turn")
-    return ChatTokens(prompt, whole[cuts[0]:cuts[0] + length], trace_turns[:length],
-                      trace_roles[:length])
+    return ChatTokens(
+        prompt, whole[cuts[0] : cuts[0] + length], trace_turns[:length], trace_roles[:length]
+    )
 
 
-def tokenize_chat_prompt(tokenizer: Any, messages: list[dict], *,
-                         tools: list[dict] | None = None) -> list[int]:
+def tokenize_chat_prompt(
+    tokenizer: Any, messages: list[dict], *, tools: list[dict] | None = None
+) -> list[int]:
     """Tokens of ``messages`` rendered with the generation prompt: what a chat request sends."""
     text = _Renderer(tokenizer, messages, tools).render(len(messages), generation=True)
     return encode(tokenizer, text, special=False)
@@ -121,18 +129,28 @@ def tokenize_chat_trace(trace: Trace, tokenizer: Any) -> Trace:
     trace token is labelled ``"assistant"`` of turn ``len(messages)``.
     """
     if trace.trace_token_ids is None:
-        chat = tokenize_chat(tokenizer, trace.messages, tools=trace.tools,
-                             turns=trace.turns or "last")
-        return replace(trace, prompt_token_ids=chat.prompt_token_ids,
-                       trace_token_ids=chat.trace_token_ids, trace_turns=chat.turns,
-                       trace_roles=chat.roles)
-    prompt_ids = trace.prompt_token_ids or tokenize_chat_prompt(tokenizer, trace.messages,
-                                                                tools=trace.tools)
+        chat = tokenize_chat(
+            tokenizer, trace.messages, tools=trace.tools, turns=trace.turns or "last"
+        )
+        return replace(
+            trace,
+            prompt_token_ids=chat.prompt_token_ids,
+            trace_token_ids=chat.trace_token_ids,
+            trace_turns=chat.turns,
+            trace_roles=chat.roles,
+        )
+    prompt_ids = trace.prompt_token_ids or tokenize_chat_prompt(
+        tokenizer, trace.messages, tools=trace.tools
+    )
     if trace.trace_roles is not None:
         return replace(trace, prompt_token_ids=prompt_ids)
     count = len(trace.trace_token_ids)
-    return replace(trace, prompt_token_ids=prompt_ids, trace_turns=(len(trace.messages),) * count,
-                   trace_roles=("assistant",) * count)
+    return replace(
+        trace,
+        prompt_token_ids=prompt_ids,
+        trace_turns=(len(trace.messages),) * count,
+        trace_roles=("assistant",) * count,
+    )
 
 
 class _Renderer:
@@ -140,8 +158,10 @@ class _Renderer:
 
     def __init__(self, tokenizer: Any, messages: list[dict], tools: list[dict] | None) -> None:
         if getattr(tokenizer, "chat_template", None) is None:
-            raise TraceError("the model's tokenizer has no chat template, so 'messages' cannot "
-                             "be rendered; give prompt/completion text or token ids instead")
+            raise TraceError(
+                "the model's tokenizer has no chat template, so 'messages' cannot "
+                "be rendered; give prompt/completion text or token ids instead"
+            )
         self.tokenizer = tokenizer
         self.messages = messages
         self.tools = tools
@@ -150,11 +170,15 @@ class _Renderer:
     def render(self, count: int, *, generation: bool) -> str:
         try:
             return self.tokenizer.apply_chat_template(
-                self.messages[:count], tools=self.tools, tokenize=False,
-                add_generation_prompt=generation)
+                self.messages[:count],
+                tools=self.tools,
+                tokenize=False,
+                add_generation_prompt=generation,
+            )
         except Exception as error:  # noqa: BLE001 - a template raises whatever it likes
-            raise TraceError(f"the chat template fails on messages[:{count}]: "
-                             f"{type(error).__name__}: {error}") from None
+            raise TraceError(
+                f"the chat template fails on messages[:{count}]: {type(error).__name__}: {error}"
+            ) from None
 
     def start(self, index: int, *, generation: bool = False) -> int:
         """Character where message ``index`` (its generated part, with ``generation``) starts."""
@@ -163,9 +187,11 @@ class _Renderer:
         prefix = self.render(index, generation=generation)
         if not self.whole.startswith(prefix):
             what = "with the generation prompt " if generation else ""
-            raise TraceError(f"the chat template renders messages[:{index}] {what}as text that "
-                             "does not start the whole conversation (it rewrites earlier turns), "
-                             f"so messages[{index}] cannot be split off")
+            raise TraceError(
+                f"the chat template renders messages[:{index}] {what}as text that "
+                "does not start the whole conversation (it rewrites earlier turns), "
+                f"so messages[{index}] cannot be split off"
+            )
         return len(prefix)
 
 

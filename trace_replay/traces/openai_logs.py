@@ -29,16 +29,25 @@ __all__ = ["import_openai", "openai_records"]
 
 _TOKEN_ID = re.compile(r"token_id:(\d+)")  # vLLM --return-tokens-as-token-ids
 # Chat request options that change the prompt in ways rendering `messages` would not repeat.
-_CHAT_OPTIONS = {"add_generation_prompt": True, "continue_final_message": False,
-                 "chat_template": None, "chat_template_kwargs": None, "add_special_tokens": False}
+_CHAT_OPTIONS = {
+    "add_generation_prompt": True,
+    "continue_final_message": False,
+    "chat_template": None,
+    "chat_template_kwargs": None,
+    "add_special_tokens": False,
+}
 
 
-def import_openai(rows: Iterable[tuple[str, Any]],
-                  tokenizer: Any = None) -> Iterable[tuple[str, Any]]:
+def import_openai(
+    rows: Iterable[tuple[str, Any]], tokenizer: Any = None
+) -> Iterable[tuple[str, Any]]:
     """Turn ``(location, log record)`` pairs into ``(location, trace record)`` pairs."""
     vocabulary = _Vocabulary(tokenizer)
-    return ((location, record) for location, raw in rows
-            for record in openai_records(raw, location, vocabulary))
+    return (
+        (location, record)
+        for location, raw in rows
+        for record in openai_records(raw, location, vocabulary)
+    )
 
 
 def openai_records(raw: Any, location: str, vocabulary: _Vocabulary) -> list[dict]:
@@ -58,10 +67,15 @@ def openai_records(raw: Any, location: str, vocabulary: _Vocabulary) -> list[dic
             record = _choice_record(choice, request, response, vocabulary)
         except TraceError as error:
             raise TraceError(error.problem, trace_id=trace_id, location=location) from None
-        meta = {"format": "openai", "response_id": response.get("id"),
-                "model": response.get("model"), "finish_reason": choice.get("finish_reason")}
-        records.append({"id": trace_id, **record,
-                        "meta": {k: v for k, v in meta.items() if v is not None}})
+        meta = {
+            "format": "openai",
+            "response_id": response.get("id"),
+            "model": response.get("model"),
+            "finish_reason": choice.get("finish_reason"),
+        }
+        records.append(
+            {"id": trace_id, **record, "meta": {k: v for k, v in meta.items() if v is not None}}
+        )
     return records
 
 
@@ -73,19 +87,23 @@ def _unwrap(raw: Any, location: str) -> tuple[Mapping, Mapping, str | None]:
         return {}, raw, None
     response = raw.get("response")
     if not isinstance(response, Mapping):
-        raise TraceError("expected an OpenAI response (with 'choices') or "
-                         '{"request": ..., "response": ...}', location=location)
+        raise TraceError(
+            'expected an OpenAI response (with \'choices\') or {"request": ..., "response": ...}',
+            location=location,
+        )
     response = response.get("body", response)  # batch-API output line
     request = raw.get("request") or {}
     request = request.get("body", request)  # batch-API input line
     if response.get("object") in ("chat.completion.chunk", "text_completion.chunk"):
-        raise TraceError("streamed chunks are not supported: log the whole response",
-                         location=location)
+        raise TraceError(
+            "streamed chunks are not supported: log the whole response", location=location
+        )
     return request, response, raw.get("custom_id") or raw.get("id")
 
 
-def _choice_record(choice: Mapping, request: Mapping, response: Mapping,
-                   vocabulary: _Vocabulary) -> dict:
+def _choice_record(
+    choice: Mapping, request: Mapping, response: Mapping, vocabulary: _Vocabulary
+) -> dict:
     logprobs = choice.get("logprobs")
     if not logprobs:
         raise TraceError("the choice has no logprobs (request them: logprobs=true/1)")
@@ -94,8 +112,9 @@ def _choice_record(choice: Mapping, request: Mapping, response: Mapping,
         entries = logprobs.get("content") or []
         texts = [entry.get("token") for entry in entries]
         values = [entry.get("logprob") for entry in entries]
-        keys = [bytes(entry["bytes"]) if entry.get("bytes") is not None else None
-                for entry in entries]
+        keys = [
+            bytes(entry["bytes"]) if entry.get("bytes") is not None else None for entry in entries
+        ]
     else:
         texts, values = logprobs.get("tokens") or [], logprobs.get("token_logprobs") or []
         keys = [None] * len(texts)
@@ -114,8 +133,7 @@ def _choice_record(choice: Mapping, request: Mapping, response: Mapping,
         raise TraceError(f"token_ids has {len(token_ids)} ids for {len(texts)} logged tokens")
     vocabulary.check_round_trip(token_ids, texts, keys)
     record = {"trace_token_ids": list(token_ids), "ref_logprobs": [float(v) for v in values]}
-    record.update(_chat_prompt(request, response) if chat
-                  else _completion_prompt(choice, request))
+    record.update(_chat_prompt(request, response) if chat else _completion_prompt(choice, request))
     return record
 
 
@@ -124,13 +142,18 @@ def _chat_prompt(request: Mapping, response: Mapping) -> dict:
         prompt = {"prompt_token_ids": response["prompt_token_ids"]}
         return {**prompt, **({"messages": request["messages"]} if request.get("messages") else {})}
     if not request.get("messages"):
-        raise TraceError("no prompt: log the request with the response, or request "
-                         "return_token_ids so the response carries prompt_token_ids")
-    changed = sorted(name for name, default in _CHAT_OPTIONS.items()
-                     if request.get(name, default) != default)
+        raise TraceError(
+            "no prompt: log the request with the response, or request "
+            "return_token_ids so the response carries prompt_token_ids"
+        )
+    changed = sorted(
+        name for name, default in _CHAT_OPTIONS.items() if request.get(name, default) != default
+    )
     if changed:
-        raise TraceError(f"the request sets {', '.join(changed)}, which rendering its messages "
-                         "would not repeat; request return_token_ids to log the prompt's ids")
+        raise TraceError(
+            f"the request sets {', '.join(changed)}, which rendering its messages "
+            "would not repeat; request return_token_ids to log the prompt's ids"
+        )
     prompt = {"messages": request["messages"]}
     return {**prompt, **({"tools": request["tools"]} if request.get("tools") else {})}
 
@@ -140,11 +163,15 @@ def _completion_prompt(choice: Mapping, request: Mapping) -> dict:
         return {"prompt_token_ids": choice["prompt_token_ids"]}
     prompt = request.get("prompt")
     if prompt is None:
-        raise TraceError("no prompt: log the request with the response, or request "
-                         "return_token_ids so the response carries prompt_token_ids")
+        raise TraceError(
+            "no prompt: log the request with the response, or request "
+            "return_token_ids so the response carries prompt_token_ids"
+        )
     if request.get("add_special_tokens") is False:
-        raise TraceError("the request sets add_special_tokens=false; request return_token_ids "
-                         "to log the prompt's ids")
+        raise TraceError(
+            "the request sets add_special_tokens=false; request return_token_ids "
+            "to log the prompt's ids"
+        )
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         # A batch of prompts: choice index = prompt index * n + sample index.
         prompt = prompt[choice.get("index", 0) // (request.get("n") or 1)]
@@ -166,8 +193,10 @@ class _Vocabulary:
         if all(placeholders):
             return [int(match.group(1)) for match in placeholders]
         if self.tokenizer is None:
-            raise TraceError("the log has token texts, not ids: pass tokenizer= (the server's "
-                             "model's) to map them, or log with return_token_ids")
+            raise TraceError(
+                "the log has token texts, not ids: pass tokenizer= (the server's "
+                "model's) to map them, or log with return_token_ids"
+            )
         ids = []
         for i, (text, key, match) in enumerate(zip(texts, keys, placeholders)):
             if match:
@@ -175,10 +204,15 @@ class _Vocabulary:
                 continue
             found = self._lookup().get(key, set())
             if len(found) != 1:
-                what = "is not in the vocabulary" if not found else (
-                    f"matches {len(found)} vocabulary entries")
-                raise TraceError(f"token {i} {text!r} {what}; log token ids instead "
-                                 "(vLLM: return_token_ids or --return-tokens-as-token-ids)")
+                what = (
+                    "is not in the vocabulary"
+                    if not found
+                    else (f"matches {len(found)} vocabulary entries")
+                )
+                raise TraceError(
+                    f"token {i} {text!r} {what}; log token ids instead "
+                    "(vLLM: return_token_ids or --return-tokens-as-token-ids)"
+                )
             ids.append(next(iter(found)))
         return ids
 
@@ -187,15 +221,19 @@ class _Vocabulary:
         if self.tokenizer is None or any(_TOKEN_ID.fullmatch(text) for text in texts):
             return
         logged = b"".join(keys).decode("utf-8", errors="replace")
-        decoded = self.tokenizer.decode(ids, skip_special_tokens=False,
-                                        clean_up_tokenization_spaces=False)
+        decoded = self.tokenizer.decode(
+            ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
         if decoded != logged:
-            at = next((i for i, (a, b) in enumerate(zip(logged, decoded)) if a != b),
-                      min(len(logged), len(decoded)))
+            at = next(
+                (i for i, (a, b) in enumerate(zip(logged, decoded)) if a != b),
+                min(len(logged), len(decoded)),
+            )
             raise TraceError(
                 "the logged tokens do not round-trip through the tokenizer (is it the server's "
-                f"model's?): from character {at} they read {logged[at:at + 30]!r}, "
-                f"their ids decode to {decoded[at:at + 30]!r}")
+                f"model's?): from character {at} they read {logged[at : at + 30]!r}, "
+                f"their ids decode to {decoded[at : at + 30]!r}"
+            )
 
     def _lookup(self) -> dict[bytes, set[int]]:
         if self._ids is None:
@@ -210,8 +248,9 @@ def _token_bytes(tokenizer: Any) -> Iterator[tuple[int, bytes]]:
     """(id, bytes) for every token: its decoded text's UTF-8 and, for byte-level BPE, the raw
     bytes (which differ for tokens holding part of a multi-byte character)."""
     token_ids = range(len(tokenizer))
-    texts = tokenizer.batch_decode([[i] for i in token_ids], skip_special_tokens=False,
-                                   clean_up_tokenization_spaces=False)
+    texts = tokenizer.batch_decode(
+        [[i] for i in token_ids], skip_special_tokens=False, clean_up_tokenization_spaces=False
+    )
     for token_id, text in zip(token_ids, texts):
         yield token_id, text.encode("utf-8")
     byte_of = _byte_level_alphabet(tokenizer)

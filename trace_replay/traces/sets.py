@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trace_replay._io import write_atomic
-from trace_replay.wording import plural
 from trace_replay.traces.chat import tokenize_chat_trace
 from trace_replay.traces.openai_logs import import_openai
+from trace_replay.traces.sources import open_text, parse_record, read_records
 from trace_replay.traces.tokenization import tokenize_text_trace
 from trace_replay.traces.trace import FIELDS, JSON_FIELDS, TURNS, Trace, TraceError
-from trace_replay.traces.sources import open_text, parse_record, read_records
+from trace_replay.wording import plural
 
 if TYPE_CHECKING:
     import pandas
@@ -119,8 +119,9 @@ class TraceSet(collections.abc.Sequence):
                 tokenize = tokenize_chat_trace if trace.is_chat else tokenize_text_trace
                 traces.append(tokenize(trace, tokenizer))
             except TraceError as error:
-                raise TraceError(error.problem, trace_id=trace.id,
-                                 location=self._locations[trace.id]) from None
+                raise TraceError(
+                    error.problem, trace_id=trace.id, location=self._locations[trace.id]
+                ) from None
         tokenized = self._derive(traces)
         tokenized.validate_vocab(len(tokenizer) if vocab_size is None else vocab_size)
         return tokenized
@@ -133,7 +134,8 @@ class TraceSet(collections.abc.Sequence):
                     if token_id >= vocab_size:
                         raise TraceError(
                             f"{name}[{i}] = {token_id} is out of vocab (vocab_size={vocab_size})",
-                            trace_id=trace.id, location=self._locations[trace.id],
+                            trace_id=trace.id,
+                            location=self._locations[trace.id],
                         )
 
     def shard(self, index: int, count: int) -> TraceSet:
@@ -161,6 +163,7 @@ class TraceSet(collections.abc.Sequence):
 
     def to_jsonl(self, path: str | os.PathLike) -> None:
         """Write one JSON record per line (gzip-compressed if ``path`` ends in ``.gz``)."""
+
         def write(temporary: Path) -> None:
             with open_text(temporary, "w", gzipped=str(path).lower().endswith(".gz")) as file:
                 for trace in self:
@@ -173,18 +176,33 @@ class TraceSet(collections.abc.Sequence):
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        schema = pa.schema([
-            ("id", pa.string()), ("prompt", pa.string()),
-            ("prompt_token_ids", pa.list_(pa.int64())), ("completion", pa.string()),
-            ("trace_token_ids", pa.list_(pa.int64())), ("ref_logprobs", pa.list_(pa.float64())),
-            ("meta", pa.string()), ("messages", pa.string()), ("tools", pa.string()),
-            ("turns", pa.string()), ("trace_turns", pa.list_(pa.int64())),
-            ("trace_roles", pa.list_(pa.string())),
-        ])
-        rows = [{**_record(trace),
-                 **{name: json.dumps(getattr(trace, name)) for name in JSON_FIELDS
-                    if getattr(trace, name) is not None}}
-                for trace in self]
+        schema = pa.schema(
+            [
+                ("id", pa.string()),
+                ("prompt", pa.string()),
+                ("prompt_token_ids", pa.list_(pa.int64())),
+                ("completion", pa.string()),
+                ("trace_token_ids", pa.list_(pa.int64())),
+                ("ref_logprobs", pa.list_(pa.float64())),
+                ("meta", pa.string()),
+                ("messages", pa.string()),
+                ("tools", pa.string()),
+                ("turns", pa.string()),
+                ("trace_turns", pa.list_(pa.int64())),
+                ("trace_roles", pa.list_(pa.string())),
+            ]
+        )
+        rows = [
+            {
+                **_record(trace),
+                **{
+                    name: json.dumps(getattr(trace, name))
+                    for name in JSON_FIELDS
+                    if getattr(trace, name) is not None
+                },
+            }
+            for trace in self
+        ]
         table = pa.Table.from_pylist(rows, schema=schema)
         write_atomic(path, lambda temporary: pq.write_table(table, temporary))
 
@@ -197,9 +215,14 @@ class TraceSet(collections.abc.Sequence):
 
         counts = ("n_prompt_tokens", "n_trace_tokens")
         rows = [
-            {**dict.fromkeys(FIELDS), **_record(trace),
-             **{count: None if getattr(trace, name) is None else len(getattr(trace, name))
-                for count, name in zip(counts, _ID_FIELDS)}}
+            {
+                **dict.fromkeys(FIELDS),
+                **_record(trace),
+                **{
+                    count: None if getattr(trace, name) is None else len(getattr(trace, name))
+                    for count, name in zip(counts, _ID_FIELDS)
+                },
+            }
             for trace in self
         ]
         frame = pd.DataFrame(rows, columns=[*FIELDS, *counts])
@@ -239,13 +262,19 @@ class TraceSet(collections.abc.Sequence):
         traces = []
         for trace in self:
             if trace.trace_token_ids is None:
-                raise TraceError("has no trace_token_ids to truncate: token counts depend on "
-                                 "the model, so tokenize first "
-                                 "(traces.tokenize(tokenizer).truncate(max_tokens))",
-                                 trace_id=trace.id, location=self._locations[trace.id])
+                raise TraceError(
+                    "has no trace_token_ids to truncate: token counts depend on "
+                    "the model, so tokenize first "
+                    "(traces.tokenize(tokenizer).truncate(max_tokens))",
+                    trace_id=trace.id,
+                    location=self._locations[trace.id],
+                )
             if len(trace.trace_token_ids) > max_tokens:
-                per_token = {name: getattr(trace, name)[:max_tokens] for name in _PER_TOKEN
-                             if getattr(trace, name) is not None}
+                per_token = {
+                    name: getattr(trace, name)[:max_tokens]
+                    for name in _PER_TOKEN
+                    if getattr(trace, name) is not None
+                }
                 trace = replace(trace, completion=None, **per_token)
             traces.append(trace)
         return self._derive(traces)
@@ -355,8 +384,11 @@ def _check_unique(traces: Iterable[Trace], locations: Iterable[str]) -> None:
     first_location: dict[str, str] = {}
     for trace, location in zip(traces, locations):
         if trace.id in first_location:
-            raise TraceError(f"duplicate id (first at {first_location[trace.id]})",
-                             trace_id=trace.id, location=location)
+            raise TraceError(
+                f"duplicate id (first at {first_location[trace.id]})",
+                trace_id=trace.id,
+                location=location,
+            )
         first_location[trace.id] = location
 
 
@@ -373,5 +405,8 @@ def _id_set(ids: str | Iterable[str]) -> set[str]:
 def _record(trace: Trace) -> dict[str, Any]:
     """The trace as a JSON-ready dict, without its missing fields."""
     values = {name: getattr(trace, name) for name in FIELDS}
-    return {name: list(value) if isinstance(value, tuple) else value
-            for name, value in values.items() if value is not None}
+    return {
+        name: list(value) if isinstance(value, tuple) else value
+        for name, value in values.items()
+        if value is not None
+    }

@@ -48,8 +48,9 @@ def read_records(source: Any) -> tuple[str, Iterable[tuple[str, Any]]]:
         kind = path.name.lower().removesuffix(".gz").rpartition(".")[2]
         readers = {"jsonl": _jsonl_rows, "json": _json_rows, "parquet": _parquet_rows}
         if kind not in readers:
-            raise TraceError("unknown trace file type (expected .jsonl, .json or .parquet)",
-                             location=str(path))
+            raise TraceError(
+                "unknown trace file type (expected .jsonl, .json or .parquet)", location=str(path)
+            )
         return str(path), readers[kind](path)
     name = f"<{type(source).__name__}>"
     if hasattr(source, "to_pandas"):
@@ -80,16 +81,19 @@ def parse_record(record: Any, location: str, *, reported: set[str] | None = None
     if isinstance(trace_id, numbers.Integral) and not isinstance(trace_id, bool):
         trace_id = str(int(trace_id))
     elif not isinstance(trace_id, str):
-        raise TraceError(f"id must be a str or int, got {type(trace_id).__name__} {trace_id!r}",
-                         location=location)
+        raise TraceError(
+            f"id must be a str or int, got {type(trace_id).__name__} {trace_id!r}",
+            location=location,
+        )
     fields = {name: record.get(name) for name in FIELDS if name != "id"}
     for name in JSON_FIELDS:
         if isinstance(fields[name], str):
             try:
                 fields[name] = json.loads(fields[name])
             except json.JSONDecodeError as error:
-                raise TraceError(f"{name} is not valid JSON: {error.msg}", trace_id=trace_id,
-                                 location=location) from None
+                raise TraceError(
+                    f"{name} is not valid JSON: {error.msg}", trace_id=trace_id, location=location
+                ) from None
     if fields["meta"] is None:
         fields["meta"] = {}
     try:
@@ -111,9 +115,12 @@ def _warn_unknown(record: Mapping, location: str, reported: set[str]) -> None:
         close = difflib.get_close_matches(name, FIELDS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         trace = f" trace {record['id']!r}:" if isinstance(record.get("id"), (str, int)) else ""
-        warnings.warn(f"{location}:{trace} unknown field {name!r} is ignored{hint}; known "
-                      f"fields: {', '.join(FIELDS)} (later records with it are not reported)",
-                      UnknownFieldWarning, stacklevel=5)  # load_traces's caller
+        warnings.warn(
+            f"{location}:{trace} unknown field {name!r} is ignored{hint}; known "
+            f"fields: {', '.join(FIELDS)} (later records with it are not reported)",
+            UnknownFieldWarning,
+            stacklevel=5,
+        )  # load_traces's caller
 
 
 def open_text(path: str | os.PathLike, mode: str, *, gzipped: bool) -> IO[str]:
@@ -134,8 +141,9 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                raise TraceError(f"malformed JSON: {error.msg} (column {error.colno})",
-                                 location=location) from None
+                raise TraceError(
+                    f"malformed JSON: {error.msg} (column {error.colno})", location=location
+                ) from None
             yield location, record
 
 
@@ -149,19 +157,27 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
     with file:
         try:
             for number, raw in enumerate(file, start=1):
-                yield number, _decode(raw.removeprefix(codecs.BOM_UTF8) if number == 1 else raw,
-                                      f"{path}:{number}")
+                yield (
+                    number,
+                    _decode(
+                        raw.removeprefix(codecs.BOM_UTF8) if number == 1 else raw,
+                        f"{path}:{number}",
+                    ),
+                )
         except (OSError, EOFError, zlib.error) as error:  # gzip.BadGzipFile is an OSError
-            raise TraceError(f"gzip data is damaged or truncated ({error})",
-                             location=f"{path}:{number + 1}") from None
+            raise TraceError(
+                f"gzip data is damaged or truncated ({error})", location=f"{path}:{number + 1}"
+            ) from None
 
 
 def _decode(raw: bytes, location: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise TraceError(f"not UTF-8 text: byte {raw[error.start]:#04x} at byte "
-                         f"{error.start + 1} of the line", location=location) from None
+        raise TraceError(
+            f"not UTF-8 text: byte {raw[error.start]:#04x} at byte {error.start + 1} of the line",
+            location=location,
+        ) from None
 
 
 def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
@@ -169,19 +185,22 @@ def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
         with (gzip.open if _gzipped(path) else open)(path, "rb") as file:
             data = file.read().removeprefix(codecs.BOM_UTF8)
     except (EOFError, zlib.error, gzip.BadGzipFile) as error:
-        raise TraceError(f"gzip data is damaged or truncated ({error})",
-                         location=str(path)) from None
+        raise TraceError(
+            f"gzip data is damaged or truncated ({error})", location=str(path)
+        ) from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
         line = data.count(b"\n", 0, error.start) + 1
-        raise TraceError(f"not UTF-8 text: byte {data[error.start]:#04x}",
-                         location=f"{path}:{line}") from None
+        raise TraceError(
+            f"not UTF-8 text: byte {data[error.start]:#04x}", location=f"{path}:{line}"
+        ) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as error:
-        raise TraceError(f"malformed JSON: {error.msg} (column {error.colno})",
-                         location=f"{path}:{error.lineno}") from None
+        raise TraceError(
+            f"malformed JSON: {error.msg} (column {error.colno})", location=f"{path}:{error.lineno}"
+        ) from None
     if isinstance(data, dict) and "traces" in data:
         data = data["traces"]
     if not isinstance(data, list):
@@ -207,6 +226,9 @@ def _frame_rows(name: str, frame: pandas.DataFrame) -> Iterator[tuple[str, Any]]
 
     for i, record in enumerate(frame.to_dict("records")):
         # Tabular sources mark a missing field with a null scalar (None, NaN, NA)
-        present = {key: value for key, value in record.items()
-                   if not (pd.api.types.is_scalar(value) and pd.isna(value))}
+        present = {
+            key: value
+            for key, value in record.items()
+            if not (pd.api.types.is_scalar(value) and pd.isna(value))
+        }
         yield f"{name} row {i}", present

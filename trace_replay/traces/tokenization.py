@@ -34,8 +34,13 @@ from typing import Any
 
 from trace_replay.traces.trace import Trace, TraceError
 
-__all__ = ["common_prefix_length", "encode", "refuse_special_text", "split_text",
-           "tokenize_text_trace"]
+__all__ = [
+    "common_prefix_length",
+    "encode",
+    "refuse_special_text",
+    "split_text",
+    "tokenize_text_trace",
+]
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -90,28 +95,36 @@ def split_text(tokenizer: Any, prompt: str, completion: str) -> tuple[list[int],
     alone = encode(tokenizer, prompt, special=True)
     cut = common_prefix_length(whole, alone)
     if cut == 0:
-        raise TraceError("tokenized together with the completion, no token lies wholly inside "
-                         "the prompt; give prompt_token_ids and trace_token_ids")
+        raise TraceError(
+            "tokenized together with the completion, no token lies wholly inside "
+            "the prompt; give prompt_token_ids and trace_token_ids"
+        )
     if cut == len(whole):
         raise TraceError("completion tokenizes to no tokens")
     tail = ""
     if cut < len(alone):
-        tail = tokenizer.decode(alone[cut:], skip_special_tokens=True,
-                                clean_up_tokenization_spaces=False)
+        tail = tokenizer.decode(
+            alone[cut:], skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
     return whole[:cut], whole[cut:], tail
 
 
 def refuse_special_text(tokenizer: Any, text: str, name: str) -> None:
     """Raise `TraceError` if ``text`` holds a special token's text (e.g. ``<|im_end|>``)."""
     specials = set(getattr(tokenizer, "all_special_tokens", ()))
-    specials |= {token.content for token in getattr(tokenizer, "added_tokens_decoder", {}).values()
-                 if getattr(token, "special", False)}
+    specials |= {
+        token.content
+        for token in getattr(tokenizer, "added_tokens_decoder", {}).values()
+        if getattr(token, "special", False)
+    }
     found = [(text.find(token), token) for token in specials if token and token in text]
     if found:
         at, token = min(found)
-        raise TraceError(f"{name} holds the special token text {token!r} at character {at}, "
-                         "which could mean the control token or plain text; give "
-                         "trace_token_ids to force control tokens")
+        raise TraceError(
+            f"{name} holds the special token text {token!r} at character {at}, "
+            "which could mean the control token or plain text; give "
+            "trace_token_ids to force control tokens"
+        )
 
 
 def tokenize_text_trace(trace: Trace, tokenizer: Any) -> Trace:

@@ -9,8 +9,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import NoReturn
 
-__all__ = ["FIELDS", "JSON_FIELDS", "TEMPLATE_ROLE", "TURNS", "VLLM_NEG_INF", "Trace",
-           "TraceError"]
+__all__ = ["FIELDS", "JSON_FIELDS", "TEMPLATE_ROLE", "TURNS", "VLLM_NEG_INF", "Trace", "TraceError"]
 
 TURNS = ("last", "all")  # which assistant turns of a chat trace are replayed
 TEMPLATE_ROLE = "template"  # tokens the chat template adds around an assistant turn
@@ -94,8 +93,7 @@ class Trace:
             self._fail("tools and turns apply to chat traces only (give 'messages')")
         if self.prompt is None and self.prompt_token_ids is None and self.messages is None:
             self._fail("missing prompt: give 'prompt' or 'prompt_token_ids'")
-        if (self.completion is None and self.trace_token_ids is None
-                and self.messages is None):
+        if self.completion is None and self.trace_token_ids is None and self.messages is None:
             self._fail("missing trace: give 'trace_token_ids' or 'completion'")
         if self.trace_token_ids is None and self.completion == "":
             self._fail("completion is empty")
@@ -135,8 +133,9 @@ class Trace:
             return values  # plain ints (as JSON gives), none negative: nothing to name
         for i, token_id in enumerate(values):
             if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral):
-                self._fail(f"{name}[{i}] = {token_id!r} is not an integer "
-                           f"({type(token_id).__name__})")
+                self._fail(
+                    f"{name}[{i}] = {token_id!r} is not an integer ({type(token_id).__name__})"
+                )
             if token_id < 0:
                 self._fail(f"{name}[{i}] = {token_id} is negative")
         return tuple(int(token_id) for token_id in values)
@@ -144,7 +143,8 @@ class Trace:
     def _logprobs(self) -> tuple[float, ...]:
         values = self._sequence("ref_logprobs", of="floats")
         if set(map(type, values)) <= {float, int} and all(  # plain numbers, all possible
-                VLLM_NEG_INF < value <= _LOGPROB_SLACK for value in values):  # (NaN is not)
+            VLLM_NEG_INF < value <= _LOGPROB_SLACK for value in values
+        ):  # (NaN is not)
             return tuple(float(value) for value in values)
         for i, value in enumerate(values):
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -152,14 +152,18 @@ class Trace:
             # NaN reads as "no reference" downstream; -inf (p = 0) cannot be a recorded
             # token's logprob (its producer emitted it) and would make every delta infinite
             if math.isnan(value):
-                self._fail(f"ref_logprobs[{i}] is NaN (leave out ref_logprobs when a trace "
-                           "has none)")
+                self._fail(
+                    f"ref_logprobs[{i}] is NaN (leave out ref_logprobs when a trace has none)"
+                )
             if value == -math.inf:
-                self._fail(f"ref_logprobs[{i}] = -inf is infinite; a recorded token's "
-                           "logprob is finite")
+                self._fail(
+                    f"ref_logprobs[{i}] = -inf is infinite; a recorded token's logprob is finite"
+                )
             if value <= VLLM_NEG_INF:
-                self._fail(f"ref_logprobs[{i}] = {value} is vLLM's stand-in for -inf; a "
-                           "recorded token's logprob is finite")
+                self._fail(
+                    f"ref_logprobs[{i}] = {value} is vLLM's stand-in for -inf; a "
+                    "recorded token's logprob is finite"
+                )
             if value > _LOGPROB_SLACK:
                 self._fail(f"ref_logprobs[{i}] = {value} is positive; a log-probability is <= 0")
         return tuple(float(value) for value in values)
@@ -167,21 +171,27 @@ class Trace:
     def _check_unicode(self) -> None:
         """Text must be valid Unicode: a lone surrogate (JSON ``"\\ud800"``) cannot be encoded."""
         texts = {"id": self.id, "prompt": self.prompt, "completion": self.completion}
-        texts |= {name: json.dumps(getattr(self, name), ensure_ascii=False)
-                  for name in ("messages", "tools", "meta") if getattr(self, name) is not None}
+        texts |= {
+            name: json.dumps(getattr(self, name), ensure_ascii=False)
+            for name in ("messages", "tools", "meta")
+            if getattr(self, name) is not None
+        }
         for name, text in texts.items():
             if text is None:
                 continue
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError as error:
-                self._fail(f"{name} holds a lone surrogate {text[error.start]!r} (character "
-                           f"{error.start}), which is not valid Unicode text")
+                self._fail(
+                    f"{name} holds a lone surrogate {text[error.start]!r} (character "
+                    f"{error.start}), which is not valid Unicode text"
+                )
 
     def _check_chat(self) -> None:
         # a recorded reply may keep its text beside its ids, which win (as for text traces)
-        if self.prompt is not None or (self.completion is not None and
-                                       self.trace_token_ids is None):
+        if self.prompt is not None or (
+            self.completion is not None and self.trace_token_ids is None
+        ):
             self._fail("give either 'messages' or 'prompt'/'completion' text, not both")
         if self.prompt_token_ids is not None and self.trace_token_ids is None:
             self._fail("a chat trace with prompt_token_ids needs trace_token_ids too")
@@ -212,8 +222,10 @@ class Trace:
     def _check_per_token(self) -> None:
         if None not in (self.ref_logprobs, self.trace_token_ids):
             if len(self.ref_logprobs) != len(self.trace_token_ids):
-                self._fail(f"ref_logprobs has {len(self.ref_logprobs)} values "
-                           f"for {len(self.trace_token_ids)} trace tokens")
+                self._fail(
+                    f"ref_logprobs has {len(self.ref_logprobs)} values "
+                    f"for {len(self.trace_token_ids)} trace tokens"
+                )
         if (self.trace_turns is None) != (self.trace_roles is None):
             self._fail("trace_turns and trace_roles come together")
         if self.trace_turns is None:
@@ -224,8 +236,9 @@ class Trace:
         roles = self._sequence("trace_roles", of="strs")
         for name, values in (("trace_turns", turns), ("trace_roles", roles)):
             if len(values) != len(self.trace_token_ids):
-                self._fail(f"{name} has {len(values)} values "
-                           f"for {len(self.trace_token_ids)} trace tokens")
+                self._fail(
+                    f"{name} has {len(values)} values for {len(self.trace_token_ids)} trace tokens"
+                )
         for i, turn in enumerate(turns):
             if isinstance(turn, bool) or not isinstance(turn, numbers.Integral) or turn < 0:
                 self._fail(f"trace_turns[{i}] = {turn!r} is not a message index")
@@ -240,19 +253,24 @@ class Trace:
         """Each labelled turn is a message or the reply to them (``len(messages)``), and each
         role is that turn's own, or the template's on an assistant turn."""
         if self.messages is None:
-            self._fail("trace_turns and trace_roles label the tokens of a chat trace: give "
-                       "its 'messages'")
+            self._fail(
+                "trace_turns and trace_roles label the tokens of a chat trace: give its 'messages'"
+            )
         reply = len(self.messages)
         for i, (turn, role) in enumerate(zip(self.trace_turns, self.trace_roles)):
             if turn > reply:
-                self._fail(f"trace_turns[{i}] = {turn} is no message: messages has {reply} "
-                           f"(0-{reply - 1}; {reply} is the reply to them)")
+                self._fail(
+                    f"trace_turns[{i}] = {turn} is no message: messages has {reply} "
+                    f"(0-{reply - 1}; {reply} is the reply to them)"
+                )
             own = "assistant" if turn == reply else self.messages[turn]["role"]
             if role != own and not (role == TEMPLATE_ROLE and own == "assistant"):
                 turn_is = "the reply" if turn == reply else f"messages[{turn}]"
                 also = " or 'template'" if own == "assistant" else ""
-                self._fail(f"trace_roles[{i}] = {role!r}, but trace_turns[{i}] = {turn} is "
-                           f"{turn_is}, role {own!r}: the label must be {own!r}{also}")
+                self._fail(
+                    f"trace_roles[{i}] = {role!r}, but trace_turns[{i}] = {turn} is "
+                    f"{turn_is}, role {own!r}: the label must be {own!r}{also}"
+                )
 
 
 FIELDS = tuple(f.name for f in fields(Trace))  # a record's keys, in order

@@ -36,12 +36,22 @@ from typing import Protocol
 import torch
 
 from trace_replay.engines.base import ReplayRequest
-from trace_replay.engines.replay_state import RequestState, TraceReplayState
 from trace_replay.engines.builtin.backends.base import Backend
 from trace_replay.engines.builtin.scoring import Steps, TokenScores, greedy_tokens, score_tokens
+from trace_replay.engines.replay_state import RequestState, TraceReplayState
 
-__all__ = ["Scorer", "Steps", "StepRunner", "ForcedSteps", "replay_forwards", "replay_steps",
-           "forced_step", "generate_steps", "SlotTable", "waves"]
+__all__ = [
+    "Scorer",
+    "Steps",
+    "StepRunner",
+    "ForcedSteps",
+    "replay_forwards",
+    "replay_steps",
+    "forced_step",
+    "generate_steps",
+    "SlotTable",
+    "waves",
+]
 
 # (logits [N, V], token_ids [N], top_k) -> scores; score_tokens, or a backend's own
 Scorer = Callable[[torch.Tensor, torch.Tensor, int], TokenScores]
@@ -54,7 +64,7 @@ def waves(requests: Sequence[ReplayRequest], size: int) -> Iterator[list[int]]:
     """
     order = sorted(range(len(requests)), key=lambda i: requests[i].trace_len)
     for start in range(0, len(order), size):
-        yield order[start:start + size]
+        yield order[start : start + size]
 
 
 class SlotTable:
@@ -107,8 +117,12 @@ class StepRunner(Protocol):
         another forward is needed."""
 
 
-def replay_forwards(backend: Backend, runner: StepRunner, logits: torch.Tensor,
-                    on_forward: Callable[[int], None] | None = None) -> int:
+def replay_forwards(
+    backend: Backend,
+    runner: StepRunner,
+    logits: torch.Tensor,
+    on_forward: Callable[[int], None] | None = None,
+) -> int:
     """The replay loop: ``runner`` steps on each forward's logits, ``backend`` runs the next.
 
     ``logits``: the prefill's ``[B, V]``; each ``backend.decode`` output ``[B, q, V]`` is
@@ -126,9 +140,15 @@ def replay_forwards(backend: Backend, runner: StepRunner, logits: torch.Tensor,
         forward += 1
 
 
-def forced_step(logits: torch.Tensor, slots: SlotTable, idx_mapping: torch.Tensor,
-                top_k: int, score: Scorer = score_tokens, *,
-                trace_token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, TokenScores]:
+def forced_step(
+    logits: torch.Tensor,
+    slots: SlotTable,
+    idx_mapping: torch.Tensor,
+    top_k: int,
+    score: Scorer = score_tokens,
+    *,
+    trace_token_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, TokenScores]:
     """Sample, force the trace token, score it on the unmodified logits, commit it.
 
     ``trace_token_ids``: see :meth:`~trace_replay.engines.replay_state.TraceReplayState.apply_trace`.
@@ -139,10 +159,19 @@ def forced_step(logits: torch.Tensor, slots: SlotTable, idx_mapping: torch.Tenso
     return sampled, score(logits, sampled, top_k)
 
 
-def replay_steps(backend: Backend, slots: SlotTable, idx_mapping: torch.Tensor,
-                 logits: torch.Tensor, num_steps: int, top_k: int, score: Scorer = score_tokens,
-                 on_step: Callable[[int], None] | None = None, *, cache: dict | None = None,
-                 graph: bool = False) -> tuple[Steps, torch.Tensor]:
+def replay_steps(
+    backend: Backend,
+    slots: SlotTable,
+    idx_mapping: torch.Tensor,
+    logits: torch.Tensor,
+    num_steps: int,
+    top_k: int,
+    score: Scorer = score_tokens,
+    on_step: Callable[[int], None] | None = None,
+    *,
+    cache: dict | None = None,
+    graph: bool = False,
+) -> tuple[Steps, torch.Tensor]:
     """Forced decoding for ``num_steps`` steps, one token per row per step.
 
     Returns the steps (views into :class:`ForcedSteps` buffers, valid until its next wave) and
@@ -170,8 +199,17 @@ class ForcedSteps:
     ``steps()`` gives the wave's steps as views, valid until the next ``start``.
     """
 
-    def __init__(self, slots: SlotTable, idx_mapping: torch.Tensor, top_k: int, score: Scorer,
-                 capacity: int, *, graph: bool, key: tuple) -> None:
+    def __init__(
+        self,
+        slots: SlotTable,
+        idx_mapping: torch.Tensor,
+        top_k: int,
+        score: Scorer,
+        capacity: int,
+        *,
+        graph: bool,
+        key: tuple,
+    ) -> None:
         self.slots, self.top_k, self.score = slots, top_k, score
         self.idx_mapping = idx_mapping.clone()
         self.capacity, self.graph, self.num_steps = capacity, graph, 0
@@ -209,16 +247,17 @@ class ForcedSteps:
         return forward + 1 < self.num_steps
 
     def steps(self) -> Steps:
-        return [(TokenScores(*(values[i] for values in self.scores)), self.sampled[i])
-                for i in range(self.num_steps)]
+        return [
+            (TokenScores(*(values[i] for values in self.scores)), self.sampled[i])
+            for i in range(self.num_steps)
+        ]
 
     def _first(self, logits: torch.Tensor) -> None:
         """Forward 0 scores the prefill's logits, another tensor than the decode's: once a
         capture exists they are copied into the memory it reads and it is launched (one copy
         of ``[B, V]`` instead of the step's launches); before that the step runs eagerly."""
         captured = self._logits
-        if (self._graph is None or captured.shape != logits.shape
-                or captured.dtype != logits.dtype):
+        if self._graph is None or captured.shape != logits.shape or captured.dtype != logits.dtype:
             self._step(logits)
             return
         captured.copy_(logits)
@@ -227,8 +266,10 @@ class ForcedSteps:
     def _launch(self, logits: torch.Tensor, forward: int) -> None:
         if self._graph is None or not _same_memory(logits, self._logits):
             if forward > 1:
-                raise RuntimeError("the backend's decode moved its logits within a wave; "
-                                   "captured forcing needs a static logits tensor")
+                raise RuntimeError(
+                    "the backend's decode moved its logits within a wave; "
+                    "captured forcing needs a static logits tensor"
+                )
             from trace_replay.engines.builtin.backends.captured_step import capture  # CUDA only
 
             state = (self.slots.req_states.total_len, self.cursor)
@@ -237,8 +278,14 @@ class ForcedSteps:
         self._graph.replay()
 
     def _step(self, logits: torch.Tensor) -> None:
-        sampled, scores = forced_step(logits, self.slots, self.idx_mapping, self.top_k,
-                                      self.score, trace_token_ids=self.trace_tokens)
+        sampled, scores = forced_step(
+            logits,
+            self.slots,
+            self.idx_mapping,
+            self.top_k,
+            self.score,
+            trace_token_ids=self.trace_tokens,
+        )
         if self.scores is None:  # shapes and dtypes from the scorer, before any capture
             self.scores = [value.new_zeros((self.capacity, *value.shape)) for value in scores]
         self.sampled.index_copy_(0, self.cursor, sampled[None])
@@ -249,8 +296,15 @@ class ForcedSteps:
         self.cursor += 1
 
 
-def _forced_steps(cache: dict | None, slots: SlotTable, idx_mapping: torch.Tensor, top_k: int,
-                  score: Scorer, num_steps: int, graph: bool) -> ForcedSteps:
+def _forced_steps(
+    cache: dict | None,
+    slots: SlotTable,
+    idx_mapping: torch.Tensor,
+    top_k: int,
+    score: Scorer,
+    num_steps: int,
+    graph: bool,
+) -> ForcedSteps:
     """The cached :class:`ForcedSteps`, started, if its key matches this wave's; else new ones."""
     capacity = max(16, 1 << (num_steps - 1).bit_length())  # waves of similar length share one
     key = _key(slots, len(idx_mapping), top_k, score, capacity, graph)
@@ -263,23 +317,39 @@ def _forced_steps(cache: dict | None, slots: SlotTable, idx_mapping: torch.Tenso
     return forced
 
 
-def _key(slots: SlotTable, rows: int, top_k: int, score: Scorer, capacity: int,
-         graph: bool) -> tuple:
+def _key(
+    slots: SlotTable, rows: int, top_k: int, score: Scorer, capacity: int, graph: bool
+) -> tuple:
     """What a capture depends on besides the logits: addresses it reads, host-side choices."""
     trace, requests = slots.trace_state, slots.req_states
     tensors = (requests.total_len, requests.prompt_len, trace.trace_offsets, trace.trace_len)
-    return (tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors),
-            rows, top_k, id(score), capacity, trace.has_traces, graph)
+    return (
+        tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors),
+        rows,
+        top_k,
+        id(score),
+        capacity,
+        trace.has_traces,
+        graph,
+    )
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.data_ptr(), a.shape, a.stride()) == (b.data_ptr(), b.shape, b.stride())
 
 
-def generate_steps(backend: Backend, slots: SlotTable, idx_mapping: torch.Tensor,
-                   logits: torch.Tensor, *, max_tokens: int, temperature: float,
-                   generator: torch.Generator, eos_token_id: int | None,
-                   score: Scorer = score_tokens) -> tuple[torch.Tensor, torch.Tensor]:
+def generate_steps(
+    backend: Backend,
+    slots: SlotTable,
+    idx_mapping: torch.Tensor,
+    logits: torch.Tensor,
+    *,
+    max_tokens: int,
+    temperature: float,
+    generator: torch.Generator,
+    eos_token_id: int | None,
+    score: Scorer = score_tokens,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Free generation (no trace): ``([B, T] token ids, [B, T] raw logprobs)``, T <= ``max_tokens``.
 
     Greedy at ``temperature == 0``, else sampling with ``generator``. Generation stops early

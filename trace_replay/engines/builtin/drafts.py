@@ -14,8 +14,10 @@ def parse_speculative(speculative: dict | None) -> tuple[str, int] | None:
     if speculative is None:
         return None
     if not isinstance(speculative, dict):
-        raise TypeError(f"speculative must be a dict like {{'method': 'trace', 'num_tokens': 4}}, "
-                        f"got {speculative!r}")
+        raise TypeError(
+            f"speculative must be a dict like {{'method': 'trace', 'num_tokens': 4}}, "
+            f"got {speculative!r}"
+        )
     unknown = set(speculative) - {"method", "num_tokens"}
     if unknown:
         raise ValueError(f"speculative: unknown keys {sorted(unknown)}")
@@ -28,8 +30,9 @@ def parse_speculative(speculative: dict | None) -> tuple[str, int] | None:
     return method, k
 
 
-def ngram_drafts(context: torch.Tensor, context_len: torch.Tensor, k: int,
-                 max_ngram: int = 3) -> torch.Tensor:
+def ngram_drafts(
+    context: torch.Tensor, context_len: torch.Tensor, k: int, max_ngram: int = 3
+) -> torch.Tensor:
     """Prompt-lookup drafts, vectorized over rows: no host synchronization.
 
     For each row, find the latest earlier occurrence of the row's last n tokens (n from

@@ -22,16 +22,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from trace_replay.engines.base import (Activations, EngineBase, EngineConfig, ReplayRequest,
-                                       TraceResult)
+from trace_replay.engines.base import (
+    Activations,
+    EngineBase,
+    EngineConfig,
+    ReplayRequest,
+    TraceResult,
+)
 from trace_replay.engines.builtin.backends.base import BackendOptions
 from trace_replay.engines.builtin.backends.factory import make_backend
-from trace_replay.engines.builtin.decode import generate_steps, replay_steps
+from trace_replay.engines.builtin.decode import SlotTable, generate_steps, replay_steps, waves
 from trace_replay.engines.builtin.drafts import parse_speculative
-from trace_replay.engines.builtin.decode import SlotTable, waves
-from trace_replay.engines.threads import engine_threads, intra_op_threads
-from trace_replay.engines.builtin.verify import verify_steps
 from trace_replay.engines.builtin.scoring import wave_results
+from trace_replay.engines.builtin.verify import verify_steps
+from trace_replay.engines.threads import engine_threads, intra_op_threads
 from trace_replay.models.load import model_for_engine
 
 __all__ = ["BACKENDS", "TorchEngine"]
@@ -72,24 +76,37 @@ class TorchEngine(EngineBase):
     # BatchHooks: set by a caller watching the forwards (layer attribution)
     on_batch: Callable[[Sequence[ReplayRequest]], None] | None = None
 
-    def __init__(self, config: EngineConfig | None = None, *, speculative: dict | None = None,
-                 backend: str = "auto", float32_matmul: str = "3xtf32",
-                 batch1_fusions: bool = True, deterministic_attention: str = "tiles") -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        speculative: dict | None = None,
+        backend: str = "auto",
+        float32_matmul: str = "3xtf32",
+        batch1_fusions: bool = True,
+        deterministic_attention: str = "tiles",
+    ) -> None:
         config = config or EngineConfig()
         if backend not in BACKENDS:
-            raise ValueError(f"unknown torch engine backend {backend!r}; choose one of "
-                             f"{', '.join(BACKENDS)}")
+            raise ValueError(
+                f"unknown torch engine backend {backend!r}; choose one of {', '.join(BACKENDS)}"
+            )
         if config.deterministic and backend != "auto":
-            raise ValueError(f"deterministic mode runs its own backend; backend={backend!r} "
-                             "cannot be combined with it")
+            raise ValueError(
+                f"deterministic mode runs its own backend; backend={backend!r} "
+                "cannot be combined with it"
+            )
         self.speculative = parse_speculative(speculative)
         # checked before the model loads, whichever backend runs
         options = BackendOptions(
             max_query_len=1 if self.speculative is None else self.speculative[1] + 1,
-            float32_matmul=float32_matmul, batch1_fusions=batch1_fusions,
-            deterministic_attention=deterministic_attention)
+            float32_matmul=float32_matmul,
+            batch1_fusions=batch1_fusions,
+            deterministic_attention=deterministic_attention,
+        )
         self.lm, self.model_label, self.tokenizer_source = model_for_engine(
-            config.model, dtype=config.dtype, device=config.device)
+            config.model, dtype=config.dtype, device=config.device
+        )
         weight = next(self.lm.parameters())
         self.torch_device, self.torch_dtype = weight.device, weight.dtype
         self.device = str(weight.device)
@@ -101,8 +118,9 @@ class TorchEngine(EngineBase):
         self.max_model_len = getattr(self.lm.config, "max_position_embeddings", None)
         pad = self.lm.config.pad_token_id
         self.pad_id = 0 if pad is None else int(pad)
-        self.backend = make_backend("deterministic" if self.deterministic else backend, self.lm,
-                                    self.pad_id, options)
+        self.backend = make_backend(
+            "deterministic" if self.deterministic else backend, self.lm, self.pad_id, options
+        )
         self.score = self.backend.score  # one object: a captured step keys on it
         self._backend_settings = self.backend.settings()  # fixed once built, kept after close
         self.slots = SlotTable(self.batch_size, weight.device)
@@ -126,8 +144,9 @@ class TorchEngine(EngineBase):
         if self.threads is not None:
             stats["threads"] = self.threads
         if self.speculative is not None:
-            stats["acceptance_rate"] = (self._accepted / self._drafted if self._drafted
-                                        else float("nan"))
+            stats["acceptance_rate"] = (
+                self._accepted / self._drafted if self._drafted else float("nan")
+            )
         return stats
 
     def close(self) -> None:
@@ -154,8 +173,9 @@ class TorchEngine(EngineBase):
         return decode_step_logits(self, requests)
 
     @torch.inference_mode()
-    def run(self, requests: Sequence[ReplayRequest], *,
-            on_tokens: Callable[[int], None] | None = None) -> list[TraceResult]:
+    def run(
+        self, requests: Sequence[ReplayRequest], *, on_tokens: Callable[[int], None] | None = None
+    ) -> list[TraceResult]:
         """Replay ``requests``; results come back in the order given."""
         results: dict[int, TraceResult] = {}
         with intra_op_threads(self.threads):
@@ -166,8 +186,9 @@ class TorchEngine(EngineBase):
                 progress.finish()
         return [results[i] for i in range(len(requests))]
 
-    def _run_wave(self, wave: Sequence[ReplayRequest],
-                  progress: _WaveProgress) -> list[TraceResult]:
+    def _run_wave(
+        self, wave: Sequence[ReplayRequest], progress: _WaveProgress
+    ) -> list[TraceResult]:
         if self.on_batch is not None:
             self.on_batch(wave)
         idx_mapping = self.slots.admit(wave)
@@ -175,26 +196,48 @@ class TorchEngine(EngineBase):
         logits = self.backend.prefill([r.prompt_token_ids for r in wave], longest)
         if self.speculative is None:
             # a backend whose decode returns one static logits tensor gets the steps captured
-            steps, counts = replay_steps(self.backend, self.slots, idx_mapping, logits,
-                                         longest, self.top_k, self.score, progress.forward(1),
-                                         cache=self._captured,
-                                         graph=self.backend.static_logits)
+            steps, counts = replay_steps(
+                self.backend,
+                self.slots,
+                idx_mapping,
+                logits,
+                longest,
+                self.top_k,
+                self.score,
+                progress.forward(1),
+                cache=self._captured,
+                graph=self.backend.static_logits,
+            )
         else:
             method, k = self.speculative
             # trace drafts are all accepted (k + 1 per forward); n-gram ones at least 1
-            verified = verify_steps(self.backend, self.slots, idx_mapping, logits, wave,
-                                    method=method, k=k, top_k=self.top_k, score=self.score,
-                                    on_forward=progress.forward(k + 1 if method == "trace"
-                                                                else 1))
+            verified = verify_steps(
+                self.backend,
+                self.slots,
+                idx_mapping,
+                logits,
+                wave,
+                method=method,
+                k=k,
+                top_k=self.top_k,
+                score=self.score,
+                on_forward=progress.forward(k + 1 if method == "trace" else 1),
+            )
             steps, counts = verified.steps, verified.counts
             self._drafted += verified.drafted
             self._accepted += verified.accepted
         return wave_results(wave, steps, counts)
 
     @torch.inference_mode()
-    def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int,
-                 temperature: float = 0.0, seed: int = 0,
-                 eos_token_id: int | None = None) -> list[tuple[list[int], list[float]]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_tokens: int,
+        temperature: float = 0.0,
+        seed: int = 0,
+        eos_token_id: int | None = None,
+    ) -> list[tuple[list[int], list[float]]]:
         """Free generation (no trace) for recording: ``(token_ids, raw logprobs)`` per prompt.
 
         Greedy at ``temperature == 0``, else seeded sampling; each logprob is the chosen
@@ -204,18 +247,29 @@ class TorchEngine(EngineBase):
         outputs = []
         with intra_op_threads(self.threads):
             for start in range(0, len(prompts), self.batch_size):
-                wave = [ReplayRequest(str(i), tuple(p), ()) for i, p in
-                        enumerate(prompts[start:start + self.batch_size])]
+                wave = [
+                    ReplayRequest(str(i), tuple(p), ())
+                    for i, p in enumerate(prompts[start : start + self.batch_size])
+                ]
                 idx_mapping = self.slots.admit(wave)
                 logits = self.backend.prefill([r.prompt_token_ids for r in wave], max_tokens)
                 tokens, logprobs = generate_steps(
-                    self.backend, self.slots, idx_mapping, logits, max_tokens=max_tokens,
-                    temperature=temperature, generator=generator, eos_token_id=eos_token_id,
-                    score=self.score)
-                for row_ids, row_lps in zip(tokens.cpu().tolist(),
-                                            logprobs.double().cpu().tolist()):
-                    end = (row_ids.index(eos_token_id) + 1 if eos_token_id in row_ids
-                           else len(row_ids))
+                    self.backend,
+                    self.slots,
+                    idx_mapping,
+                    logits,
+                    max_tokens=max_tokens,
+                    temperature=temperature,
+                    generator=generator,
+                    eos_token_id=eos_token_id,
+                    score=self.score,
+                )
+                for row_ids, row_lps in zip(
+                    tokens.cpu().tolist(), logprobs.double().cpu().tolist()
+                ):
+                    end = (
+                        row_ids.index(eos_token_id) + 1 if eos_token_id in row_ids else len(row_ids)
+                    )
                     outputs.append((row_ids[:end], row_lps[:end]))
         return outputs
 
@@ -227,8 +281,9 @@ class _WaveProgress:
     lower bound for n-gram verify, whose remainder :meth:`finish` reports.
     """
 
-    def __init__(self, wave: Sequence[ReplayRequest],
-                 on_tokens: Callable[[int], None] | None) -> None:
+    def __init__(
+        self, wave: Sequence[ReplayRequest], on_tokens: Callable[[int], None] | None
+    ) -> None:
         self.lengths = np.array([r.trace_len for r in wave])
         self.on_tokens = on_tokens
         self.reported = 0

@@ -23,11 +23,20 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from trace_replay.engines.base import (Activations, EngineBase, EngineConfig, ReplayRequest,
-                                       TraceResult)
-from trace_replay.engines.builtin.scoring import split_results
-from trace_replay.engines.builtin.scoring import TokenScores, collect_rows, scorer_for
+from trace_replay.engines.base import (
+    Activations,
+    EngineBase,
+    EngineConfig,
+    ReplayRequest,
+    TraceResult,
+)
 from trace_replay.engines.builtin.backends.base import BackendOptions
+from trace_replay.engines.builtin.scoring import (
+    TokenScores,
+    collect_rows,
+    scorer_for,
+    split_results,
+)
 from trace_replay.engines.threads import engine_threads, intra_op_threads
 from trace_replay.models.load import model_for_engine
 
@@ -53,12 +62,14 @@ class PrefillEngine(EngineBase):
     on_batch: Callable[[Sequence[ReplayRequest]], None] | None = None
     engine_path = "teacher-forced-prefill"
 
-    def __init__(self, config: EngineConfig | None = None, *,
-                 deterministic_attention: str = "tiles") -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, *, deterministic_attention: str = "tiles"
+    ) -> None:
         config = config or EngineConfig()
         options = BackendOptions(deterministic_attention=deterministic_attention)  # checked
         self.lm, self.model_label, self.tokenizer_source = model_for_engine(
-            config.model, dtype=config.dtype, device=config.device)
+            config.model, dtype=config.dtype, device=config.device
+        )
         weight = next(self.lm.parameters())
         self.torch_device = weight.device
         self.device = str(weight.device)
@@ -74,8 +85,9 @@ class PrefillEngine(EngineBase):
         if self.deterministic:
             from trace_replay.engines.builtin.backends.deterministic import DeterministicBackend
 
-            self.backend = DeterministicBackend(self.lm, cuda_graphs=False,
-                                            attention=options.deterministic_attention)
+            self.backend = DeterministicBackend(
+                self.lm, cuda_graphs=False, attention=options.deterministic_attention
+            )
             self.engine_path += "[deterministic]"
             self._backend_settings = self.backend.settings()
         self._forwards = 0
@@ -114,13 +126,14 @@ class PrefillEngine(EngineBase):
         return prefill_step_logits(self, requests)
 
     @torch.inference_mode()
-    def run(self, requests: Sequence[ReplayRequest], *,
-            on_tokens: Callable[[int], None] | None = None) -> list[TraceResult]:
+    def run(
+        self, requests: Sequence[ReplayRequest], *, on_tokens: Callable[[int], None] | None = None
+    ) -> list[TraceResult]:
         """Score ``requests``; results come back in the order given."""
         results = []
         with intra_op_threads(self.threads):
             for start in range(0, len(requests), self.batch_size):
-                batch = requests[start:start + self.batch_size]
+                batch = requests[start : start + self.batch_size]
                 results.extend(self._run_batch(batch))
                 if on_tokens is not None:
                     on_tokens(sum(r.trace_len for r in batch))
@@ -170,12 +183,18 @@ class PrefillEngine(EngineBase):
         # logits at position p predict the token at p + 1
         scored = [range(r.prompt_len - 1, r.prompt_len - 1 + r.trace_len) for r in batch]
         states = self.backend.teacher_forced_states(sequences, scored)
-        targets = torch.tensor([t for r in batch for t in r.trace_token_ids],
-                               device=self.torch_device)
+        targets = torch.tensor(
+            [t for r in batch for t in r.trace_token_ids], device=self.torch_device
+        )
         self._forwards += 1
         # whole scoring blocks per chunk: a partial one would be padded (same bits, more work)
-        scores = self._score_in_chunks(states, targets, self.backend.lm_head, self.backend.score,
-                                       multiple=self.backend.model.blocks.score)
+        scores = self._score_in_chunks(
+            states,
+            targets,
+            self.backend.lm_head,
+            self.backend.score,
+            multiple=self.backend.model.blocks.score,
+        )
         host = collect_rows(scores, targets)
         bounds = np.cumsum([0] + [r.trace_len for r in batch])
         return split_results(batch, host, [np.arange(a, b) for a, b in zip(bounds, bounds[1:])])
@@ -186,17 +205,22 @@ class PrefillEngine(EngineBase):
         rows = self.score_chunk_bytes // (self.vocab_size * _BYTES_PER_LOGIT)
         return max(multiple, rows // multiple * multiple)
 
-    def _score_in_chunks(self, states: torch.Tensor, targets: torch.Tensor,
-                         head: Callable[[torch.Tensor], torch.Tensor] | None,
-                         score: Callable[[torch.Tensor, torch.Tensor, int], TokenScores], *,
-                         multiple: int = 1) -> TokenScores:
+    def _score_in_chunks(
+        self,
+        states: torch.Tensor,
+        targets: torch.Tensor,
+        head: Callable[[torch.Tensor], torch.Tensor] | None,
+        score: Callable[[torch.Tensor, torch.Tensor, int], TokenScores],
+        *,
+        multiple: int = 1,
+    ) -> TokenScores:
         """``score`` of ``targets`` under ``head(states)`` (``states`` are logits already when
         ``head`` is None), one chunk of :meth:`_chunk_rows` positions at a time."""
         step = self._chunk_rows(multiple)
         chunks = []
         for a in range(0, len(targets), step):
-            logits = states[a:a + step] if head is None else head(states[a:a + step])
-            chunks.append(score(logits, targets[a:a + step], self.top_k))
+            logits = states[a : a + step] if head is None else head(states[a : a + step])
+            chunks.append(score(logits, targets[a : a + step], self.top_k))
         return TokenScores(*(torch.cat(parts) for parts in zip(*chunks)))
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -223,7 +247,10 @@ class PrefillEngine(EngineBase):
             split = self._head(body(input_ids=ids).last_hidden_state).float()
             separable = torch.allclose(own, split, rtol=1e-3, atol=1e-3)
         if not separable:
-            warnings.warn(f"prefill: {self.model_label} has no plain lm_head; scoring uses its "
-                          "full logits (memory grows with trace length)", RuntimeWarning,
-                          stacklevel=3)
+            warnings.warn(
+                f"prefill: {self.model_label} has no plain lm_head; scoring uses its "
+                "full logits (memory grows with trace length)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return separable

@@ -13,9 +13,20 @@ import torch
 from trace_replay.engines.base import ReplayRequest, TraceResult
 from trace_replay.engines.builtin.passes.compiling import compile_function
 
-__all__ = ["Steps", "TokenScores", "chunked_argmax", "collect_rows", "greedy_tokens",
-           "score_tokens", "score_with_top", "scorer_for", "split_results", "tail_logmass",
-           "top_from_logprob", "wave_results"]
+__all__ = [
+    "Steps",
+    "TokenScores",
+    "chunked_argmax",
+    "collect_rows",
+    "greedy_tokens",
+    "score_tokens",
+    "score_with_top",
+    "scorer_for",
+    "split_results",
+    "tail_logmass",
+    "top_from_logprob",
+    "wave_results",
+]
 
 
 # On CUDA, up to this many rows take the two-pass argmax of :func:`greedy_tokens`
@@ -83,8 +94,9 @@ def chunked_argmax(logits: torch.Tensor, chunks: int) -> torch.Tensor:
     return (best * width + within.gather(1, best)).squeeze(1)
 
 
-def score_with_top(logits: torch.Tensor, token_ids: torch.Tensor,
-                   top_ids: torch.Tensor) -> TokenScores:
+def score_with_top(
+    logits: torch.Tensor, token_ids: torch.Tensor, top_ids: torch.Tensor
+) -> TokenScores:
     """:func:`score_tokens` with the top-k indices ``top_ids`` ([N, k] int64) given."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     token_ids = token_ids.long()
@@ -92,9 +104,14 @@ def score_with_top(logits: torch.Tensor, token_ids: torch.Tensor,
     rank = (logprobs > logprob[:, None]).sum(dim=1) + 1
     # p * log p is 0 for p = 0 (log p = -inf gives NaN otherwise)
     entropy = -(logprobs.exp() * logprobs).nan_to_num(nan=0.0).sum(dim=1)
-    return TokenScores(logprob=logprob, rank=rank, top_token_ids=top_ids,
-                       top_logprobs=logprobs.gather(1, top_ids), entropy=entropy,
-                       tail_logmass=tail_logmass(logprobs, top_ids))
+    return TokenScores(
+        logprob=logprob,
+        rank=rank,
+        top_token_ids=top_ids,
+        top_logprobs=logprobs.gather(1, top_ids),
+        entropy=entropy,
+        tail_logmass=tail_logmass(logprobs, top_ids),
+    )
 
 
 def tail_logmass(logprobs: torch.Tensor, top_ids: torch.Tensor) -> torch.Tensor:
@@ -144,25 +161,28 @@ def scorer_for(device: torch.device | str, *, rows: str = "static"):
 
         # static rows: one graph per row count and dtype
         compiled = _quiet_compiles(
-            compile_function(score_with_top, dynamic=rows == "dynamic", fullgraph=True))
+            compile_function(score_with_top, dynamic=rows == "dynamic", fullgraph=True)
+        )
 
-        def score_cuda(logits: torch.Tensor, token_ids: torch.Tensor,
-                       top_k: int) -> TokenScores:
+        def score_cuda(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int) -> TokenScores:
             if not 0 < top_k <= min(MAX_TOP_K, logits.shape[1]) or logits.stride(1) != 1:
-                return top_from_logprob(compiled, logits, token_ids,
-                                        _top_ids(logits, token_ids, top_k))
+                return top_from_logprob(
+                    compiled, logits, token_ids, _top_ids(logits, token_ids, top_k)
+                )
             # the top-k kernel also writes the top logprobs, by top_from_logprob's rule
             scores = compiled(logits, token_ids, _top_ids(logits, token_ids, 0))
             ids, top = top_k_scores(logits, top_k, token_ids, scores.logprob)
-            return scores._replace(top_token_ids=ids, top_logprobs=top,
-                                   tail_logmass=tail_logmass(logits, ids))
+            return scores._replace(
+                top_token_ids=ids, top_logprobs=top, tail_logmass=tail_logmass(logits, ids)
+            )
 
         _CUDA_SCORERS[rows] = score_cuda
     return _CUDA_SCORERS[rows]
 
 
-def top_from_logprob(reductions, logits: torch.Tensor, token_ids: torch.Tensor,
-                     top_ids: torch.Tensor) -> TokenScores:
+def top_from_logprob(
+    reductions, logits: torch.Tensor, token_ids: torch.Tensor, top_ids: torch.Tensor
+) -> TokenScores:
     """Scores from ``reductions`` (:func:`score_with_top` or its compiled form) run without
     top-k, the top-k logprobs taken from the token's: ``logprob + (logit_top - logit_token)``.
 
@@ -176,8 +196,9 @@ def top_from_logprob(reductions, logits: torch.Tensor, token_ids: torch.Tensor,
         return scores
     token_logit = logits.gather(1, token_ids.long()[:, None]).float()
     top = scores.logprob[:, None] + (logits.gather(1, top_ids).float() - token_logit)
-    return scores._replace(top_token_ids=top_ids, top_logprobs=top,
-                           tail_logmass=tail_logmass(logits, top_ids))
+    return scores._replace(
+        top_token_ids=top_ids, top_logprobs=top, tail_logmass=tail_logmass(logits, top_ids)
+    )
 
 
 _CUDA_SCORERS: dict = {}  # rows -> the CUDA scorer
@@ -204,8 +225,7 @@ def _quiet_compiles(compiled):
     return run
 
 
-def _top_ids(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int,
-             pick=None) -> torch.Tensor:
+def _top_ids(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int, pick=None) -> torch.Tensor:
     """``[N, top_k]`` indices of the largest logits: ``pick(logits, k)``, else ``torch.topk``."""
     if top_k == 0:
         return token_ids.new_zeros((len(token_ids), 0), dtype=torch.long)
@@ -226,16 +246,25 @@ def collect_rows(scores: TokenScores, token_ids: torch.Tensor) -> dict[str, np.n
 
 
 # from device scores to per-trace host results
-def split_results(requests: Sequence[ReplayRequest], host: dict[str, np.ndarray],
-                  rows: Sequence[np.ndarray | slice]) -> list[TraceResult]:
+def split_results(
+    requests: Sequence[ReplayRequest],
+    host: dict[str, np.ndarray],
+    rows: Sequence[np.ndarray | slice],
+) -> list[TraceResult]:
     """One :class:`TraceResult` per request from host arrays, taking ``rows[i]`` for request i."""
-    return [TraceResult(trace_id=r.trace_id, prompt_len=r.prompt_len,
-                        **{name: values[take] for name, values in host.items()})
-            for r, take in zip(requests, rows)]
+    return [
+        TraceResult(
+            trace_id=r.trace_id,
+            prompt_len=r.prompt_len,
+            **{name: values[take] for name, values in host.items()},
+        )
+        for r, take in zip(requests, rows)
+    ]
 
 
-def wave_results(wave: Sequence[ReplayRequest], steps: Steps,
-                 counts: torch.Tensor) -> list[TraceResult]:
+def wave_results(
+    wave: Sequence[ReplayRequest], steps: Steps, counts: torch.Tensor
+) -> list[TraceResult]:
     """Results of a decoded wave; ``counts[f, b]`` tokens of row b were committed by forward f.
 
     Forward f scored ``width_f = len(tokens_f) // B`` positions per row, row-major; the first
@@ -243,17 +272,21 @@ def wave_results(wave: Sequence[ReplayRequest], steps: Steps,
     ``trace_len`` committed tokens (rows that finished early ran on with the batch).
     The host arrays are put in row order once, so each result holds views of them.
     """
-    host = collect_rows(TokenScores(*(torch.cat(parts) for parts in zip(*(s for s, _ in steps)))),
-                        torch.cat([tokens for _, tokens in steps]))
-    order, lengths = _committed_order(wave, [len(tokens) for _, tokens in steps],
-                                      counts.cpu().numpy())
+    host = collect_rows(
+        TokenScores(*(torch.cat(parts) for parts in zip(*(s for s, _ in steps)))),
+        torch.cat([tokens for _, tokens in steps]),
+    )
+    order, lengths = _committed_order(
+        wave, [len(tokens) for _, tokens in steps], counts.cpu().numpy()
+    )
     host = {name: values[order] for name, values in host.items()}
     ends = np.cumsum(lengths)
     return split_results(wave, host, [slice(end - n, end) for end, n in zip(ends, lengths)])
 
 
-def _committed_order(wave: Sequence[ReplayRequest], sizes: Sequence[int],
-                     counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _committed_order(
+    wave: Sequence[ReplayRequest], sizes: Sequence[int], counts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Flat indices of each row's kept tokens, row after row, and how many each row keeps.
 
     Forward f, row b committed the tokens at ``bounds[f] + b * width_f + [0, counts[f, b])``;

@@ -29,7 +29,7 @@ def decode_step_logits(engine, requests: Sequence[ReplayRequest]) -> Iterator[to
     longest = int(lengths.max())
     traces = torch.full((len(requests), longest), engine.pad_id, dtype=torch.long)
     for row, r in enumerate(requests):
-        traces[row, :r.trace_len] = torch.tensor(r.trace_token_ids)
+        traces[row, : r.trace_len] = torch.tensor(r.trace_token_ids)
     traces = traces.to(device)
     prompt_len = torch.tensor([r.prompt_len for r in requests], device=device)
     with torch.inference_mode(), intra_op_threads(engine.threads):
@@ -40,8 +40,7 @@ def decode_step_logits(engine, requests: Sequence[ReplayRequest]) -> Iterator[to
             return
         # rows whose trace ended run on with the batch (their logits are never yielded)
         with torch.inference_mode(), intra_op_threads(engine.threads):
-            logits = backend.decode(traces[:, step:step + 1],
-                                    (prompt_len + step)[:, None])[:, -1]
+            logits = backend.decode(traces[:, step : step + 1], (prompt_len + step)[:, None])[:, -1]
 
 
 def prefill_step_logits(engine, requests: Sequence[ReplayRequest]) -> Iterator[torch.Tensor]:
@@ -57,8 +56,10 @@ def prefill_step_logits(engine, requests: Sequence[ReplayRequest]) -> Iterator[t
     """
     _check_batch(engine, requests)
     if not engine.deterministic and not engine._split:
-        raise ValueError(f"prefill: {engine.model_label} has no plain lm_head; its step "
-                         "logits would need every position's logits at once")
+        raise ValueError(
+            f"prefill: {engine.model_label} has no plain lm_head; its step "
+            "logits would need every position's logits at once"
+        )
     device = engine.torch_device
     lengths = torch.tensor([r.trace_len for r in requests])
     # logits at position p predict the token at p + 1
@@ -74,10 +75,11 @@ def prefill_step_logits(engine, requests: Sequence[ReplayRequest]) -> Iterator[t
             input_ids = torch.zeros((len(requests), width), dtype=torch.long)
             mask = torch.zeros((len(requests), width), dtype=torch.long)
             for row, seq in enumerate(sequences):
-                input_ids[row, :len(seq)] = torch.tensor(seq)
-                mask[row, :len(seq)] = 1
-            states = engine.lm.base_model(input_ids=input_ids.to(device),
-                                          attention_mask=mask.to(device)).last_hidden_state
+                input_ids[row, : len(seq)] = torch.tensor(seq)
+                mask[row, : len(seq)] = 1
+            states = engine.lm.base_model(
+                input_ids=input_ids.to(device), attention_mask=mask.to(device)
+            ).last_hidden_state
             head = engine._head
         engine._forwards += 1
     prompt_len = torch.tensor([r.prompt_len for r in requests])
@@ -106,5 +108,6 @@ def _check_batch(engine, requests: Sequence[ReplayRequest]) -> None:
 
         raise EngineClosed(f"{engine.name} engine is closed")
     if not requests or len(requests) > engine.batch_size:
-        raise ValueError(f"step_logits takes 1 to batch_size={engine.batch_size} requests, "
-                         f"got {len(requests)}")
+        raise ValueError(
+            f"step_logits takes 1 to batch_size={engine.batch_size} requests, got {len(requests)}"
+        )

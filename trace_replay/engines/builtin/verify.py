@@ -18,9 +18,14 @@ import torch
 
 from trace_replay.engines.base import ReplayRequest
 from trace_replay.engines.builtin.backends.base import Backend
-from trace_replay.engines.builtin.decode import Scorer, Steps, forced_step, replay_forwards
+from trace_replay.engines.builtin.decode import (
+    Scorer,
+    SlotTable,
+    Steps,
+    forced_step,
+    replay_forwards,
+)
 from trace_replay.engines.builtin.drafts import ngram_drafts
-from trace_replay.engines.builtin.decode import SlotTable
 from trace_replay.engines.builtin.scoring import score_tokens
 
 __all__ = ["VerifyResult", "VerifySteps", "verify_steps"]
@@ -34,17 +39,27 @@ class VerifyResult:
     accepted: int
 
 
-def verify_steps(backend: Backend, slots: SlotTable, idx_mapping: torch.Tensor,
-                 logits: torch.Tensor, wave: Sequence[ReplayRequest], *, method: str, k: int,
-                 top_k: int, score: Scorer = score_tokens,
-                 on_forward: Callable[[int], None] | None = None) -> VerifyResult:
+def verify_steps(
+    backend: Backend,
+    slots: SlotTable,
+    idx_mapping: torch.Tensor,
+    logits: torch.Tensor,
+    wave: Sequence[ReplayRequest],
+    *,
+    method: str,
+    k: int,
+    top_k: int,
+    score: Scorer = score_tokens,
+    on_forward: Callable[[int], None] | None = None,
+) -> VerifyResult:
     """Replay ``wave`` verifying ``k`` drafts per forward; the first step is a plain one.
 
     ``logits``: the prefill's ``[B, V]``. ``on_forward(i)`` is called after forward ``i``
     (0: the plain step); host only.
     """
-    runner = VerifySteps(backend, slots, idx_mapping, wave, method=method, k=k, top_k=top_k,
-                         score=score)
+    runner = VerifySteps(
+        backend, slots, idx_mapping, wave, method=method, k=k, top_k=top_k, score=score
+    )
     replay_forwards(backend, runner, logits, on_forward)
     return runner.result()
 
@@ -58,15 +73,23 @@ class VerifySteps:
     ones are data-dependent: one host read per forward (not per token) says whether to go on.
     """
 
-    def __init__(self, backend: Backend, slots: SlotTable, idx_mapping: torch.Tensor,
-                 wave: Sequence[ReplayRequest], *, method: str, k: int, top_k: int,
-                 score: Scorer) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        slots: SlotTable,
+        idx_mapping: torch.Tensor,
+        wave: Sequence[ReplayRequest],
+        *,
+        method: str,
+        k: int,
+        top_k: int,
+        score: Scorer,
+    ) -> None:
         self.backend, self.slots, self.idx_mapping = backend, slots, idx_mapping
         self.wave, self.method, self.k, self.top_k, self.score = wave, method, k, top_k, score
         device = idx_mapping.device
         self.trace_len = torch.tensor([r.trace_len for r in wave], device=device)
-        self.cu_num_logits = (torch.arange(len(wave) + 1, device=device, dtype=torch.int32)
-                              * (k + 1))
+        self.cu_num_logits = torch.arange(len(wave) + 1, device=device, dtype=torch.int32) * (k + 1)
         self.offsets = torch.arange(k + 1, device=device)
         left = max(r.trace_len for r in wave) - 1
         # trace drafts are always accepted: every forward commits k + 1 tokens per row
@@ -90,12 +113,12 @@ class VerifySteps:
         return True
 
     def result(self) -> VerifyResult:
-        return VerifyResult(self.steps, torch.stack(self.counts), int(self.drafted),
-                            int(self.accepted))
+        return VerifyResult(
+            self.steps, torch.stack(self.counts), int(self.drafted), int(self.accepted)
+        )
 
     def _first(self, logits: torch.Tensor) -> torch.Tensor:
-        sampled, scores = forced_step(logits, self.slots, self.idx_mapping, self.top_k,
-                                      self.score)
+        sampled, scores = forced_step(logits, self.slots, self.idx_mapping, self.top_k, self.score)
         self.steps.append((scores, sampled))
         self.counts.append(torch.ones(len(self.wave), dtype=torch.int32, device=sampled.device))
         self.context = _context(self.wave, sampled)
@@ -119,20 +142,27 @@ class VerifySteps:
         num_sampled = torch.zeros(batch, dtype=torch.int32, device=logits.device)
         # the draft checked by logits row j is tokens.flatten()[j + 1]
         self.slots.trace_state.apply_trace_to_verified(
-            verified, num_sampled, self.tokens.flatten(), self.cu_num_logits, self.idx_mapping)
+            verified, num_sampled, self.tokens.flatten(), self.cu_num_logits, self.idx_mapping
+        )
         self.slots.advance(self.idx_mapping, num_sampled)
         keep = offsets[None, :] < num_sampled[:, None]
         self.backend.keep(keep)  # rejected drafts never attended again
-        self.steps.append((self.score(logits, verified.flatten(), self.top_k),
-                           verified.flatten()))
+        self.steps.append((self.score(logits, verified.flatten(), self.top_k), verified.flatten()))
         self.counts.append(num_sampled)
         active = self._done < self.trace_len
-        self.drafted = self.drafted + (
-            torch.minimum(self.trace_len - self._done - 1, torch.full_like(self._done, self.k))
-            .clamp(min=0) * active).sum()
+        self.drafted = (
+            self.drafted
+            + (
+                torch.minimum(
+                    self.trace_len - self._done - 1, torch.full_like(self._done, self.k)
+                ).clamp(min=0)
+                * active
+            ).sum()
+        )
         self.accepted = self.accepted + ((num_sampled.long() - 1).clamp(min=0) * active).sum()
-        self.context.scatter_(1, torch.where(keep, total_len[:, None] + offsets,
-                                             self.context.shape[1] - 1), verified)
+        self.context.scatter_(
+            1, torch.where(keep, total_len[:, None] + offsets, self.context.shape[1] - 1), verified
+        )
         return verified.gather(1, (num_sampled.long() - 1).clamp(min=0)[:, None]).squeeze(1)
 
 

@@ -41,18 +41,35 @@ from typing import Any
 import numpy as np
 import torch
 
-from trace_replay.engines.base import (BatchFailed, EngineBase, EngineConfig, ReplayRequest,
-                                       TraceResult)
-from trace_replay.engines.server.http_client import JsonClient, ServerError
-from trace_replay.engines.server.responses import (RANK_DEPTH, answer_bytes, completion_steps,
-                                                 emitted_ids, generate_steps, model_card)
-from trace_replay.engines.server.native import (NOT_OFFERED, TraceNotForced, engine_path,
-                                                how_to_start, native_refusal, trace_field)
-from trace_replay.engines.server.probe import PROBE_TEXT, Fingerprints, probe_requests
-from trace_replay.engines.validate import ImpossibleResult, check_results
-from trace_replay.models.load import EMBEDDED_MODEL, ModelNotFoundError, hf_folder
-from trace_replay.engines.vllm_contract import TRACE_KEY
+from trace_replay.engines.base import (
+    BatchFailed,
+    EngineBase,
+    EngineConfig,
+    ReplayRequest,
+    TraceResult,
+)
 from trace_replay.engines.distributions import tail_from_top
+from trace_replay.engines.server.http_client import JsonClient, ServerError
+from trace_replay.engines.server.native import (
+    NOT_OFFERED,
+    TraceNotForced,
+    engine_path,
+    how_to_start,
+    native_refusal,
+    trace_field,
+)
+from trace_replay.engines.server.probe import PROBE_TEXT, Fingerprints, probe_requests
+from trace_replay.engines.server.responses import (
+    RANK_DEPTH,
+    answer_bytes,
+    completion_steps,
+    emitted_ids,
+    generate_steps,
+    model_card,
+)
+from trace_replay.engines.validate import ImpossibleResult, check_results
+from trace_replay.engines.vllm_contract import TRACE_KEY
+from trace_replay.models.load import EMBEDDED_MODEL, ModelNotFoundError, hf_folder
 
 __all__ = ["APIS", "SERVER_OPTIONS", "ServerEngine"]
 
@@ -61,9 +78,18 @@ APIS = ("auto", "generate", "completions")
 SERVER_OPTIONS = ("base_url", "api", "api_key", "timeout_s", "max_retries")
 # sampling settings a server's generation_config could otherwise change; with forcing they
 # cannot change the emitted token, and raw logprobs are computed before any of them
-_NEUTRAL = {"temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
-            "frequency_penalty": 0.0, "presence_penalty": 0.0, "ignore_eos": True,
-            "stop": [], "stop_token_ids": [], "n": 1}
+_NEUTRAL = {
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "ignore_eos": True,
+    "stop": [],
+    "stop_token_ids": [],
+    "n": 1,
+}
 
 
 class ServerEngine(EngineBase):
@@ -94,36 +120,49 @@ class ServerEngine(EngineBase):
     weights_can_change = True  # a server may load other weights while it serves: MovingWeights
     _pool: ThreadPoolExecutor | None = None  # None until started, and once closed
 
-    def __init__(self, config: EngineConfig | None = None, *,
-                 engine_args: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, *, engine_args: dict[str, Any] | None = None
+    ) -> None:
         config = config or EngineConfig()
         options = dict(engine_args or {})
         unknown = sorted(set(options) - set(SERVER_OPTIONS))
         if unknown:
-            raise ValueError(f"engine 'vllm-server' does not take engine_args {unknown} "
-                             f"(it takes {', '.join(SERVER_OPTIONS)})")
+            raise ValueError(
+                f"engine 'vllm-server' does not take engine_args {unknown} "
+                f"(it takes {', '.join(SERVER_OPTIONS)})"
+            )
         if options.get("api", "auto") not in APIS:
             raise ValueError(f"api must be one of {', '.join(APIS)}, got {options['api']!r}")
         if not options.get("base_url"):
-            raise ValueError("engine 'vllm-server' needs the server's address: "
-                             "engine_args={'base_url': 'http://host:port/v1'}")
+            raise ValueError(
+                "engine 'vllm-server' needs the server's address: "
+                "engine_args={'base_url': 'http://host:port/v1'}"
+            )
         for setting in ("dtype", "device"):
             if getattr(config, setting) is not None:
-                raise ValueError(f"{setting} is the server's: set it where the server starts "
-                                 f"(vllm serve --{setting} …), not in the client")
+                raise ValueError(
+                    f"{setting} is the server's: set it where the server starts "
+                    f"(vllm serve --{setting} …), not in the client"
+                )
         if config.deterministic:
-            raise ValueError("deterministic is the server's: start it with "
-                             "VLLM_BATCH_INVARIANT=1 where vLLM supports it (NVIDIA, sm80+)")
+            raise ValueError(
+                "deterministic is the server's: start it with "
+                "VLLM_BATCH_INVARIANT=1 where vLLM supports it (NVIDIA, sm80+)"
+            )
         if isinstance(config.model, torch.nn.Module):
-            raise TypeError("engine 'vllm-server' runs the server's model: pass model= only "
-                            "to name its tokenizer (a folder or a cached name)")
+            raise TypeError(
+                "engine 'vllm-server' runs the server's model: pass model= only "
+                "to name its tokenizer (a folder or a cached name)"
+            )
         self.base_url = str(options["base_url"]).rstrip("/")
         self._fingerprints = Fingerprints(self.base_url)
         self.engine_path = "vllm-server-forcing"
-        self.client = JsonClient(self.base_url.removesuffix("/v1"),
-                                 api_key=options.get("api_key") or os.environ.get("VLLM_API_KEY"),
-                                 timeout_s=options.get("timeout_s", 600.0),
-                                 max_retries=options.get("max_retries", 5))
+        self.client = JsonClient(
+            self.base_url.removesuffix("/v1"),
+            api_key=options.get("api_key") or os.environ.get("VLLM_API_KEY"),
+            timeout_s=options.get("timeout_s", 600.0),
+            max_retries=options.get("max_retries", 5),
+        )
         card = self._model_card()
         self.served_model = card["id"]
         self.model_label = self.served_model
@@ -148,11 +187,22 @@ class ServerEngine(EngineBase):
     # --- the Engine protocol ------------------------------------------------------------------
 
     def settings(self) -> dict[str, Any]:
-        rank = "exact" if self.api == "generate" else (
-            f"exact where the server lists a token no more likely than the trace's among the "
-            f"{max(self.top_k, RANK_DEPTH)} asked for, else a lower bound (rank_exact is False)")
-        return {**super().settings(), "server_api": self.api, "vllm_version": self.vllm_version,
-                "logprobs_mode": "raw_logprobs", "rank": rank, "server_forcing": self.forcing}
+        rank = (
+            "exact"
+            if self.api == "generate"
+            else (
+                f"exact where the server lists a token no more likely than the trace's among the "
+                f"{max(self.top_k, RANK_DEPTH)} asked for, else a lower bound (rank_exact is False)"
+            )
+        )
+        return {
+            **super().settings(),
+            "server_api": self.api,
+            "vllm_version": self.vllm_version,
+            "logprobs_mode": "raw_logprobs",
+            "rank": rank,
+            "server_forcing": self.forcing,
+        }
 
     @property
     def vocab_size(self) -> int | None:
@@ -171,11 +221,15 @@ class ServerEngine(EngineBase):
         return self._fingerprints(self._score_probe())
 
     def stats(self) -> dict[str, Any]:
-        return {"server_url": self.base_url, "server_requests": self.client.requests,
-                "server_retries": self.client.retries}
+        return {
+            "server_url": self.base_url,
+            "server_requests": self.client.requests,
+            "server_retries": self.client.retries,
+        }
 
-    def run(self, requests: Sequence[ReplayRequest], *,
-            on_tokens: Callable[[int], None] | None = None) -> list[TraceResult]:
+    def run(
+        self, requests: Sequence[ReplayRequest], *, on_tokens: Callable[[int], None] | None = None
+    ) -> list[TraceResult]:
         """Replay ``requests`` with ``batch_size`` in flight; results in the order given.
 
         Each request is sent until it gets an answer, and each answer fills its own slot, so
@@ -216,20 +270,37 @@ class ServerEngine(EngineBase):
         most = answer_bytes(request.prompt_len, len(trace), alternatives)
         try:
             if self.api == "generate":
-                path, body = "/inference/v1/generate", {
-                    "model": self.served_model, "token_ids": list(request.prompt_token_ids),
-                    "output_mode": "tokens",
-                    "sampling_params": {**_NEUTRAL, "max_tokens": len(trace),
-                                        # the endpoint drops the k-th alternative when the
-                                        # token is outside the top k; k + 1 keeps the top k
-                                        "logprobs": alternatives, "detokenize": False,
-                                        **trace_field(trace, self.forcing)}}
+                path, body = (
+                    "/inference/v1/generate",
+                    {
+                        "model": self.served_model,
+                        "token_ids": list(request.prompt_token_ids),
+                        "output_mode": "tokens",
+                        "sampling_params": {
+                            **_NEUTRAL,
+                            "max_tokens": len(trace),
+                            # the endpoint drops the k-th alternative when the
+                            # token is outside the top k; k + 1 keeps the top k
+                            "logprobs": alternatives,
+                            "detokenize": False,
+                            **trace_field(trace, self.forcing),
+                        },
+                    },
+                )
             else:
-                path, body = "/v1/completions", {
-                    **_NEUTRAL, "model": self.served_model,
-                    "prompt": list(request.prompt_token_ids), "max_tokens": len(trace),
-                    "logprobs": alternatives, "return_token_ids": True,
-                    "return_tokens_as_token_ids": True, "vllm_xargs": {TRACE_KEY: trace}}
+                path, body = (
+                    "/v1/completions",
+                    {
+                        **_NEUTRAL,
+                        "model": self.served_model,
+                        "prompt": list(request.prompt_token_ids),
+                        "max_tokens": len(trace),
+                        "logprobs": alternatives,
+                        "return_token_ids": True,
+                        "return_tokens_as_token_ids": True,
+                        "vllm_xargs": {TRACE_KEY: trace},
+                    },
+                )
             answer = self.client.post(path, body, max_bytes=most)  # sized by what was asked
             choice = answer["choices"][0]
             emitted = emitted_ids(choice)
@@ -237,36 +308,62 @@ class ServerEngine(EngineBase):
             if self.api == "generate":
                 steps = generate_steps(choice["logprobs"]["content"], self.top_k, len(trace))
             else:
-                steps = completion_steps(choice["logprobs"], self.top_k, len(trace),
-                                         token_ids=emitted)
+                steps = completion_steps(
+                    choice["logprobs"], self.top_k, len(trace), token_ids=emitted
+                )
         except ImpossibleResult as error:  # a number no distribution gives, kept or not
-            raise ImpossibleResult(f"trace {request.trace_id!r}, {error}",
-                                   trace_id=request.trace_id, step=error.step,
-                                   field=error.field) from None
-        except (ServerError, AttributeError, KeyError, IndexError, OverflowError, TypeError,
-                ValueError) as error:
-            raise ServerError(f"trace {request.trace_id!r}: {type(error).__name__}: {error}",
-                              getattr(error, "status", None)) from None
+            raise ImpossibleResult(
+                f"trace {request.trace_id!r}, {error}",
+                trace_id=request.trace_id,
+                step=error.step,
+                field=error.field,
+            ) from None
+        except (
+            ServerError,
+            AttributeError,
+            KeyError,
+            IndexError,
+            OverflowError,
+            TypeError,
+            ValueError,
+        ) as error:
+            raise ServerError(
+                f"trace {request.trace_id!r}: {type(error).__name__}: {error}",
+                getattr(error, "status", None),
+            ) from None
         logprob, rank, top_ids, top_lps, exact = steps
         extra = {} if self.api == "generate" else {"rank_exact": exact}
-        return TraceResult(trace_id=request.trace_id, prompt_len=request.prompt_len,
-                           token_ids=np.asarray(emitted, dtype=np.int64), logprob=logprob,
-                           rank=rank, top_token_ids=top_ids, top_logprobs=top_lps,
-                           entropy=np.full(len(emitted), np.nan),
-                           tail_logmass=tail_from_top(top_lps), extra=extra)
+        return TraceResult(
+            trace_id=request.trace_id,
+            prompt_len=request.prompt_len,
+            token_ids=np.asarray(emitted, dtype=np.int64),
+            logprob=logprob,
+            rank=rank,
+            top_token_ids=top_ids,
+            top_logprobs=top_lps,
+            entropy=np.full(len(emitted), np.nan),
+            tail_logmass=tail_from_top(top_lps),
+            extra=extra,
+        )
 
     def _check_emitted(self, request: ReplayRequest, emitted: list[int]) -> None:
         trace = list(request.trace_token_ids)
         if emitted == trace:
             return
-        step = next((i for i, (a, b) in enumerate(zip(emitted, trace)) if a != b),
-                    min(len(emitted), len(trace)))
-        what = (f"token {emitted[step]} where the trace has {trace[step]}"
-                if step < min(len(emitted), len(trace)) else
-                f"{len(emitted)} tokens for a trace of {len(trace)}")
+        step = next(
+            (i for i, (a, b) in enumerate(zip(emitted, trace)) if a != b),
+            min(len(emitted), len(trace)),
+        )
+        what = (
+            f"token {emitted[step]} where the trace has {trace[step]}"
+            if step < min(len(emitted), len(trace))
+            else f"{len(emitted)} tokens for a trace of {len(trace)}"
+        )
         raise TraceNotForced(
             f"trace {request.trace_id!r}: the server at {self.base_url} emitted {what} "
-            f"(step {step}), so it does not force traces: {how_to_start()}", what)
+            f"(step {step}), so it does not force traces: {how_to_start()}",
+            what,
+        )
 
     # --- start-up -----------------------------------------------------------------------------
 
@@ -276,13 +373,17 @@ class ServerEngine(EngineBase):
         try:
             answer = self.client.get("/v1/models")
         except ServerError as error:
-            raise ServerError(f"cannot list the models of the server at {self.base_url} "
-                              f"(is it a vLLM server, with /v1 in base_url?): {error}") from None
+            raise ServerError(
+                f"cannot list the models of the server at {self.base_url} "
+                f"(is it a vLLM server, with /v1 in base_url?): {error}"
+            ) from None
         try:
             return model_card(answer)
         except ValueError as error:
-            raise ServerError(f"the server at {self.base_url} answered /v1/models with "
-                              f"{error} (is it a vLLM server?)") from None
+            raise ServerError(
+                f"the server at {self.base_url} answered /v1/models with "
+                f"{error} (is it a vLLM server?)"
+            ) from None
 
     def _server_version(self) -> str | None:
         try:
@@ -299,36 +400,45 @@ class ServerEngine(EngineBase):
             status = 200
         except ServerError as error:
             if error.status is None or error.status >= 500:  # no answer, or a broken server
-                raise ServerError(f"the server at {self.base_url} failed its start-up check "
-                                  f"(is /inference/v1/generate offered?): {error}",
-                                  error.status) from None
+                raise ServerError(
+                    f"the server at {self.base_url} failed its start-up check "
+                    f"(is /inference/v1/generate offered?): {error}",
+                    error.status,
+                ) from None
             status = error.status
         if status in (400, 422):
             return "generate"
         if api == "generate":
-            raise ServerError(f"the server at {self.base_url} does not offer "
-                              f"/inference/v1/generate (HTTP {status}): start it with "
-                              "--enable-scale-out, or use api='completions'")
+            raise ServerError(
+                f"the server at {self.base_url} does not offer "
+                f"/inference/v1/generate (HTTP {status}): start it with "
+                "--enable-scale-out, or use api='completions'"
+            )
         return "completions"
 
     def _check_tokenizer(self) -> None:
         """The server's tokenizer must encode text as the local one does."""
         try:
-            theirs = self.client.post("/tokenize", {"model": self.served_model,
-                                                    "prompt": PROBE_TEXT})["tokens"]
+            theirs = self.client.post(
+                "/tokenize", {"model": self.served_model, "prompt": PROBE_TEXT}
+            )["tokens"]
         except ServerError as error:
             if error.status == 404:
                 return  # no tokenize endpoint: nothing to compare with
             raise
         except (KeyError, TypeError) as error:
-            raise ServerError(f"the server at {self.base_url} answered /tokenize without a "
-                              f"list of tokens ({type(error).__name__}: {error})") from None
+            raise ServerError(
+                f"the server at {self.base_url} answered /tokenize without a "
+                f"list of tokens ({type(error).__name__}: {error})"
+            ) from None
         ours = list(self.tokenizer.encode(PROBE_TEXT))
         if theirs != ours:
             local = self.tokenizer_source or EMBEDDED_MODEL
-            raise ValueError(f"the server's model {self.served_model!r} tokenizes text unlike "
-                             f"the local tokenizer of {str(local)!r} ({theirs[:8]} vs "
-                             f"{ours[:8]}): pass model= naming the server's model")
+            raise ValueError(
+                f"the server's model {self.served_model!r} tokenizes text unlike "
+                f"the local tokenizer of {str(local)!r} ({theirs[:8]} vs "
+                f"{ours[:8]}): pass model= naming the server's model"
+            )
 
     def _score_probe(self) -> list[TraceResult]:
         """The server's scores of the probe, checked possible; a request that fails is a
@@ -337,9 +447,11 @@ class ServerEngine(EngineBase):
         try:  # one at a time: on an idle server each runs alone in its batch, the same bits
             results = [self.run([probe])[0] for probe in probes]
         except BatchFailed as failed:
-            raise ServerError(f"the server at {self.base_url} failed its check on the fixed "
-                              f"one-token probe traces: {failed.error}",
-                              getattr(failed.error, "status", None)) from None
+            raise ServerError(
+                f"the server at {self.base_url} failed its check on the fixed "
+                f"one-token probe traces: {failed.error}",
+                getattr(failed.error, "status", None),
+            ) from None
         check_results(probes, results, top_k=self.top_k, vocab_size=self.vocab_size)
         return results
 
@@ -348,12 +460,17 @@ class ServerEngine(EngineBase):
         requests, else the processor must; then the two forced tokens must not both be
         likely (raw logprobs)."""
         try:
-            refusal = (native_refusal(self.client, self.served_model,
-                                      probe_requests(self.tokenizer))
-                       if self.api == "generate" else NOT_OFFERED)
+            refusal = (
+                native_refusal(self.client, self.served_model, probe_requests(self.tokenizer))
+                if self.api == "generate"
+                else NOT_OFFERED
+            )
         except ServerError as error:
-            raise ServerError(f"the server at {self.base_url} failed its start-up check (a "
-                              f"native trace replay request): {error}", error.status) from None
+            raise ServerError(
+                f"the server at {self.base_url} failed its start-up check (a "
+                f"native trace replay request): {error}",
+                error.status,
+            ) from None
         self.forcing = "native" if refusal is None else "logits-processor"
         self.engine_path = engine_path(self.forcing, self.api)
         try:
@@ -361,14 +478,17 @@ class ServerEngine(EngineBase):
         except TraceNotForced as error:
             if refusal is None:  # native replay took the probe, then did not follow it
                 raise
-            raise ServerError(f"the server at {self.base_url} does not force traces (native "
-                              f"trace replay: {refusal}; the package's processor: "
-                              f"{error.what} for a one-token trace): {how_to_start()}") from None
+            raise ServerError(
+                f"the server at {self.base_url} does not force traces (native "
+                f"trace replay: {refusal}; the package's processor: "
+                f"{error.what} for a one-token trace): {how_to_start()}"
+            ) from None
         if all(r.logprob[0] > math.log(0.5) for r in results):
             raise RuntimeError(
                 f"the server at {self.base_url} reports logprobs after forcing "
                 "(two different forced tokens both came back with probability > 0.5): "
-                "start it with --logprobs-mode raw_logprobs")
+                "start it with --logprobs-mode raw_logprobs"
+            )
 
 
 def _config_vocab_size(source: Any) -> int | None:
@@ -393,9 +513,11 @@ def _tokenizer_source(model: Any, card: dict) -> Any:
         pass
     if card["id"] == EMBEDDED_MODEL or os.path.basename(root).startswith(f"{EMBEDDED_MODEL}-f32-"):
         return None
-    raise ModelNotFoundError(f"the server serves {card['id']!r} ({root}), which is not on this "
-                             "machine: pass model= (a local folder or cached name of the same "
-                             "model) for its tokenizer")
+    raise ModelNotFoundError(
+        f"the server serves {card['id']!r} ({root}), which is not on this "
+        "machine: pass model= (a local folder or cached name of the same "
+        "model) for its tokenizer"
+    )
 
 
 def _finished(future: Future) -> TraceResult | None:

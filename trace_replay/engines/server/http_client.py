@@ -81,19 +81,32 @@ class JsonClient:
         ``backoff_s`` or ``max_bytes``, before anything is sent.
     """
 
-    def __init__(self, root: str, *, api_key: str | None = None, timeout_s: float = 600.0,
-                 max_retries: int = 5, backoff_s: float = 0.5,
-                 max_bytes: int = MAX_ANSWER_BYTES) -> None:
+    def __init__(
+        self,
+        root: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        max_retries: int = 5,
+        backoff_s: float = 0.5,
+        max_bytes: int = MAX_ANSWER_BYTES,
+    ) -> None:
         if _has_credentials(root):  # said without repeating them: errors and logs are read
-            raise ValueError("the server's address holds credentials (user:password@host), "
-                             "which would travel in clear and be repeated in errors: give it "
-                             "without them, and the key as api_key (--engine-arg api_key=… or "
-                             "$VLLM_API_KEY; vllm serve --api-key)")
+            raise ValueError(
+                "the server's address holds credentials (user:password@host), "
+                "which would travel in clear and be repeated in errors: give it "
+                "without them, and the key as api_key (--engine-arg api_key=… or "
+                "$VLLM_API_KEY; vllm serve --api-key)"
+            )
         if not isinstance(root, str) or not root.lower().startswith(("http://", "https://")):
-            raise ValueError(f"the server's address must start with http:// or https://, "
-                             f"got {root!r}")
-        if (isinstance(max_retries, bool) or not isinstance(max_retries, numbers.Integral)
-                or max_retries < 0):
+            raise ValueError(
+                f"the server's address must start with http:// or https://, got {root!r}"
+            )
+        if (
+            isinstance(max_retries, bool)
+            or not isinstance(max_retries, numbers.Integral)
+            or max_retries < 0
+        ):
             raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
         _check_seconds("timeout_s", timeout_s, zero=False)
         _check_seconds("backoff_s", backoff_s, zero=True)
@@ -123,8 +136,9 @@ class JsonClient:
         limit = self.max_bytes if max_bytes is None else _check_bytes(max_bytes)
         url, hops, attempt = self.root + path, 0, 0
         while True:
-            request = urllib.request.Request(url, data=data, headers=self.headers,
-                                             method="GET" if data is None else "POST")
+            request = urllib.request.Request(
+                url, data=data, headers=self.headers, method="GET" if data is None else "POST"
+            )
             deadline = time.monotonic() + self.timeout_s
             watchdog = _Watchdog(deadline)
             try:
@@ -139,13 +153,20 @@ class JsonClient:
                 problem = f"HTTP {error.code}: {_error_message(error)}"
                 if not lost:
                     raise ServerError(f"{url} answered {problem}", error.code) from None
-            except (urllib.error.URLError, ConnectionError, TimeoutError,
-                    http.client.HTTPException) as error:
+            except (
+                urllib.error.URLError,
+                ConnectionError,
+                TimeoutError,
+                http.client.HTTPException,
+            ) as error:
                 reason = getattr(error, "reason", error)
                 problem = f"{type(error).__name__}: {reason}"
                 if isinstance(reason, TimeoutError) or watchdog.fired:
-                    problem = (f"TimeoutError: {reason}" if isinstance(reason, TimeoutError)
-                               else "TimeoutError: cut off at the deadline")
+                    problem = (
+                        f"TimeoutError: {reason}"
+                        if isinstance(reason, TimeoutError)
+                        else "TimeoutError: cut off at the deadline"
+                    )
                     problem += f" (timeout_s={self.timeout_s} for the whole answer)"
             else:
                 with self._lock:
@@ -153,41 +174,51 @@ class JsonClient:
                 try:
                     return json.loads(payload)
                 except (json.JSONDecodeError, UnicodeDecodeError):
-                    raise ServerError(f"{url} answered with something other than JSON: "
-                                      f"{payload[:200]!r}") from None
+                    raise ServerError(
+                        f"{url} answered with something other than JSON: {payload[:200]!r}"
+                    ) from None
             finally:
                 watchdog.cancel()
             if attempt == self.max_retries:
                 break
             with self._lock:
                 self.retries += 1
-            time.sleep(min(self.backoff_s * 2 ** attempt, _MAX_BACKOFF_S))
+            time.sleep(min(self.backoff_s * 2**attempt, _MAX_BACKOFF_S))
             attempt += 1
         attempts = self.max_retries + 1
-        raise ServerError(f"no answer from {url} after {attempts} attempt"
-                          f"{'s' if attempts > 1 else ''} (last: {problem})")
+        raise ServerError(
+            f"no answer from {url} after {attempts} attempt"
+            f"{'s' if attempts > 1 else ''} (last: {problem})"
+        )
 
-
-    def _redirect(self, url: str, error: urllib.error.HTTPError, data: bytes | None,
-                  hops: int) -> str:
+    def _redirect(
+        self, url: str, error: urllib.error.HTTPError, data: bytes | None, hops: int
+    ) -> str:
         """Where the redirect ``error`` (an answer to ``url``) leads, when it may be followed:
         to this server's origin, within :data:`MAX_REDIRECTS`, a POST only by 307/308
         (the others would drop its body); else a ServerError naming both addresses."""
         error.close()
         target = urllib.parse.urljoin(url, error.headers["Location"].strip())
         if _origin(target) != _origin(self.root):
-            raise ServerError(f"{url} redirected (HTTP {error.code}) to {target}, on another "
-                              f"server than {self.root}: refused, so that the API key and "
-                              "the traces go only to the server named (set base_url to the "
-                              "server that answers)", error.code)
+            raise ServerError(
+                f"{url} redirected (HTTP {error.code}) to {target}, on another "
+                f"server than {self.root}: refused, so that the API key and "
+                "the traces go only to the server named (set base_url to the "
+                "server that answers)",
+                error.code,
+            )
         if hops >= MAX_REDIRECTS:
-            raise ServerError(f"{url} redirected (HTTP {error.code}) to {target} after "
-                              f"{MAX_REDIRECTS} redirects already: refused (a loop?)",
-                              error.code)
+            raise ServerError(
+                f"{url} redirected (HTTP {error.code}) to {target} after "
+                f"{MAX_REDIRECTS} redirects already: refused (a loop?)",
+                error.code,
+            )
         if data is not None and error.code not in _KEEP_BODY:
-            raise ServerError(f"{url} answered a POST with HTTP {error.code} to {target}, "
-                              "which would drop its body: refused (only 307 and 308 keep it)",
-                              error.code)
+            raise ServerError(
+                f"{url} answered a POST with HTTP {error.code} to {target}, "
+                "which would drop its body: refused (only 307 and 308 keep it)",
+                error.code,
+            )
         return target
 
 
@@ -221,13 +252,18 @@ def _check_bytes(value: Any) -> int:
 def _check_seconds(name: str, value: Any, *, zero: bool) -> None:
     """Raise a `ValueError` unless ``value`` is a number of seconds a timer can wait."""
     number = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if number and math.isfinite(value) and (value > 0 or zero and value == 0) \
-            and value <= threading.TIMEOUT_MAX:
+    if (
+        number
+        and math.isfinite(value)
+        and (value > 0 or zero and value == 0)
+        and value <= threading.TIMEOUT_MAX
+    ):
         return
     too_long = number and math.isfinite(value) and value > threading.TIMEOUT_MAX
     most = f" (at most {threading.TIMEOUT_MAX:.0f})" if too_long else ""
-    raise ValueError(f"{name} must be a finite number of seconds {'>=' if zero else '>'} 0, "
-                     f"got {value!r}{most}")
+    raise ValueError(
+        f"{name} must be a finite number of seconds {'>=' if zero else '>'} 0, got {value!r}{most}"
+    )
 
 
 class _Watchdog:
@@ -305,17 +341,19 @@ class _WatchedHTTPS(_Watched, http.client.HTTPSConnection):
     pass
 
 
-def _read_until(response: http.client.HTTPResponse, deadline: float, limit: int,
-                url: str) -> bytes:
+def _read_until(response: http.client.HTTPResponse, deadline: float, limit: int, url: str) -> bytes:
     """The whole body of ``response``, or :class:`TimeoutError` once ``deadline`` passes, or
     a :class:`ServerError` naming ``url`` once it says or shows it is over ``limit`` bytes.
 
     Each read waits at most the time left (the socket's timeout is set to it), so a server
     trickling its answer cannot stretch an attempt past its deadline.
     """
+
     def too_large(size: str) -> ServerError:
-        return ServerError(f"{url} answered {size}more than the {limit:,} bytes an answer to "
-                           "this request may take: refused without reading the rest")
+        return ServerError(
+            f"{url} answered {size}more than the {limit:,} bytes an answer to "
+            "this request may take: refused without reading the rest"
+        )
 
     declared = response.headers.get("Content-Length", "")
     if declared.strip().isdigit() and int(declared) > limit:

@@ -41,15 +41,23 @@ from trace_replay.engines.server.http_client import JsonClient, ServerError
 from trace_replay.engines.server.responses import emitted_ids
 from trace_replay.engines.vllm_contract import FORCING_PROCESSOR, TRACE_KEY
 
-__all__ = ["FORCING", "GENERATE", "NATIVE_FIELD", "NOT_OFFERED", "TraceNotForced",
-           "engine_path", "how_to_start", "native_refusal", "trace_field"]
+__all__ = [
+    "FORCING",
+    "GENERATE",
+    "NATIVE_FIELD",
+    "NOT_OFFERED",
+    "TraceNotForced",
+    "engine_path",
+    "how_to_start",
+    "native_refusal",
+    "trace_field",
+]
 
 GENERATE = "/inference/v1/generate"
 NATIVE_FIELD = "trace_decode_token_ids"  # SamplingParams' field (vLLM >= 0.29)
 # how a server forces traces, in the order the start-up check tries them
 FORCING = ("native", "logits-processor")
-NOT_OFFERED = (f"needs {GENERATE}, which the server does not offer (vllm serve "
-               "--enable-scale-out)")
+NOT_OFFERED = f"needs {GENERATE}, which the server does not offer (vllm serve --enable-scale-out)"
 START_NATIVE = "--enable-trace-replay --enable-scale-out"
 START_PROCESSOR = f"--logits-processors {FORCING_PROCESSOR} --logprobs-mode raw_logprobs"
 
@@ -78,13 +86,14 @@ def engine_path(forcing: str, api: str) -> str:
 
 def how_to_start() -> str:
     """The ``vllm serve`` options that make a server force traces, either way."""
-    return (f"start it with {START_NATIVE} (vLLM >= 0.29 on a GPU: native trace replay, "
-            f"nothing of this package on the server), or with {START_PROCESSOR} (the "
-            "package's processor, importable by the server: trace-replay serve starts that)")
+    return (
+        f"start it with {START_NATIVE} (vLLM >= 0.29 on a GPU: native trace replay, "
+        f"nothing of this package on the server), or with {START_PROCESSOR} (the "
+        "package's processor, importable by the server: trace-replay serve starts that)"
+    )
 
 
-def native_refusal(client: JsonClient, model: str,
-                   probes: Sequence[ReplayRequest]) -> str | None:
+def native_refusal(client: JsonClient, model: str, probes: Sequence[ReplayRequest]) -> str | None:
     """Why the server does not replay ``probes`` natively; ``None`` when it does.
 
     Each probe (a one-token trace; two of different tokens) is sent as a generate request
@@ -99,11 +108,19 @@ def native_refusal(client: JsonClient, model: str,
     """
     for probe in probes:
         trace = list(probe.trace_token_ids)
-        body = {"model": model, "token_ids": list(probe.prompt_token_ids),
-                "output_mode": "tokens",
-                "sampling_params": {"max_tokens": len(trace), "temperature": 0.0, "n": 1,
-                                    "ignore_eos": True, "detokenize": False,
-                                    NATIVE_FIELD: trace}}
+        body = {
+            "model": model,
+            "token_ids": list(probe.prompt_token_ids),
+            "output_mode": "tokens",
+            "sampling_params": {
+                "max_tokens": len(trace),
+                "temperature": 0.0,
+                "n": 1,
+                "ignore_eos": True,
+                "detokenize": False,
+                NATIVE_FIELD: trace,
+            },
+        }
         try:
             answer = client.post(GENERATE, body)
         except ServerError as error:
@@ -113,9 +130,13 @@ def native_refusal(client: JsonClient, model: str,
         try:
             emitted = emitted_ids(answer["choices"][0])
         except (AttributeError, IndexError, KeyError, TypeError, ValueError) as error:
-            raise ServerError(f"{client.root}{GENERATE} answered a native trace replay "
-                              f"request unreadably ({type(error).__name__}: {error})") from None
+            raise ServerError(
+                f"{client.root}{GENERATE} answered a native trace replay "
+                f"request unreadably ({type(error).__name__}: {error})"
+            ) from None
         if emitted != trace:
-            return (f"{emitted} came back for the one-token trace {trace} ({NATIVE_FIELD} "
-                    "ignored: vLLM before 0.29?)")
+            return (
+                f"{emitted} came back for the one-token trace {trace} ({NATIVE_FIELD} "
+                "ignored: vLLM before 0.29?)"
+            )
     return None

@@ -35,8 +35,14 @@ import numpy as np
 
 from trace_replay.engines.base import ReplayRequest, TraceResult
 
-__all__ = ["FINGERPRINT_DECIMALS", "PROBE_TEXT", "STEADY_NATS", "Fingerprints", "fingerprint",
-           "probe_requests"]
+__all__ = [
+    "FINGERPRINT_DECIMALS",
+    "PROBE_TEXT",
+    "STEADY_NATS",
+    "Fingerprints",
+    "fingerprint",
+    "probe_requests",
+]
 
 PROBE_TEXT = "Replay checks the tokenizer: déjà vu, 3.14 ✓\n    return x"
 FINGERPRINT_DECIMALS = 2  # 0.01 nats: far above float32 noise, far below another model's
@@ -47,18 +53,23 @@ def probe_requests(tokenizer: Any) -> list[ReplayRequest]:
     """The probe: the first two distinct tokens of :data:`PROBE_TEXT`, each a one-token trace
     after the text's first four tokens."""
     ids = list(tokenizer.encode(PROBE_TEXT))
-    return [ReplayRequest(f"<server check {t}>", tuple(ids[:4]), (t,))
-            for t in list(dict.fromkeys(ids))[:2]]
+    return [
+        ReplayRequest(f"<server check {t}>", tuple(ids[:4]), (t,))
+        for t in list(dict.fromkeys(ids))[:2]
+    ]
 
 
 def fingerprint(base_url: str, results: Sequence[TraceResult]) -> str:
     """A digest of ``base_url`` and the probe's scores (``results``, checked possible): each
     trace's token, logprob and top-k logprobs, rounded to :data:`FINGERPRINT_DECIMALS`."""
+
     def rounded(value: float) -> float | str:
         return str(value) if math.isinf(value) else round(float(value), FINGERPRINT_DECIMALS) + 0.0
 
-    scores = [[int(r.token_ids[0]), rounded(r.logprob[0]), [rounded(v) for v in r.top_logprobs[0]]]
-              for r in results]
+    scores = [
+        [int(r.token_ids[0]), rounded(r.logprob[0]), [rounded(v) for v in r.top_logprobs[0]]]
+        for r in results
+    ]
     text = json.dumps({"base_url": base_url, "probe": scores}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
@@ -88,9 +99,14 @@ class Fingerprints:
 
 def _scores(results: Sequence[TraceResult]) -> np.ndarray:
     """The numbers :func:`fingerprint` digests, in one flat array."""
-    return np.concatenate([np.concatenate([[r.token_ids[0], r.logprob[0]],
-                                           np.asarray(r.top_logprobs[0], dtype=np.float64)])
-                           for r in results]).astype(np.float64)
+    return np.concatenate(
+        [
+            np.concatenate(
+                [[r.token_ids[0], r.logprob[0]], np.asarray(r.top_logprobs[0], dtype=np.float64)]
+            )
+            for r in results
+        ]
+    ).astype(np.float64)
 
 
 def _within(a: np.ndarray, b: np.ndarray, nats: float) -> bool:

@@ -18,8 +18,14 @@ import numpy as np
 from trace_replay.engines.validate import LOGPROB_RULE, ImpossibleResult, not_logprobs
 from trace_replay.traces.trace import VLLM_NEG_INF
 
-__all__ = ["RANK_DEPTH", "answer_bytes", "completion_steps", "emitted_ids", "generate_steps",
-           "model_card"]
+__all__ = [
+    "RANK_DEPTH",
+    "answer_bytes",
+    "completion_steps",
+    "emitted_ids",
+    "generate_steps",
+    "model_card",
+]
 
 RANK_DEPTH = 20  # alternatives asked of /v1/completions to count ranks in (vLLM's max_logprobs)
 # what one answer may take: a fixed part, the prompt's ids echoed, and per trace token its
@@ -59,8 +65,9 @@ def model_card(answer: object) -> dict:
     if not isinstance(card.get("id"), str) or not card["id"]:
         raise ValueError(f"data[0].id {_shown(card.get('id'))}, not a model name")
     length = card.get("max_model_len")
-    if length is not None and (isinstance(length, bool) or not isinstance(length, int)
-                               or length < 1):
+    if length is not None and (
+        isinstance(length, bool) or not isinstance(length, int) or length < 1
+    ):
         raise ValueError(f"data[0].max_model_len {_shown(length)}, not an integer >= 1")
     if card.get("root") is not None and not isinstance(card["root"], str):
         raise ValueError(f"data[0].root {_shown(card['root'])}, not a path or name")
@@ -82,8 +89,10 @@ def emitted_ids(choice: dict) -> list[int]:
         return [int(t.removeprefix("token_id:")) for t in tokens]
     except ValueError:
         text = next(t for t in tokens if not t.removeprefix("token_id:").lstrip("-").isdigit())
-        raise ValueError(f"logprobs.tokens holds text ({text!r}), not token_id:N: the server "
-                         "ignored return_tokens_as_token_ids") from None
+        raise ValueError(
+            f"logprobs.tokens holds text ({text!r}), not token_id:N: the server "
+            "ignored return_tokens_as_token_ids"
+        ) from None
 
 
 def _logprob(value: float) -> float:
@@ -96,16 +105,24 @@ def _possible(value: float, step: int, what: str, field: str) -> float:
     """``value``, a logprob of step ``step``; an ImpossibleResult naming ``what`` it is
     when no logprob can be it (NaN, positive)."""
     if not_logprobs(value):
-        raise ImpossibleResult(f"step {step}: the server answered {what} = {value!r}, which is "
-                               f"impossible: {LOGPROB_RULE}", trace_id=None, step=step,
-                               field=field)
+        raise ImpossibleResult(
+            f"step {step}: the server answered {what} = {value!r}, which is "
+            f"impossible: {LOGPROB_RULE}",
+            trace_id=None,
+            step=step,
+            field=field,
+        )
     return value
 
 
 def _rank(value: object, step: int) -> int:
     """A server's rank as an int; a fraction, NaN or non-number is an error naming the step."""
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not math.isfinite(value) or value != int(value)):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value != int(value)
+    ):
         raise ValueError(f"step {step}: rank {value!r} is not an integer")
     return int(value)
 
@@ -115,8 +132,10 @@ def _listed(values: list, name: str, steps: int | None) -> list:
     if not isinstance(values, list):
         raise ValueError(f"{name} is {type(values).__name__}, not a list")
     if steps is not None and len(values) != steps:
-        raise ValueError(f"{name} lists {len(values)} step{'s' * (len(values) != 1)} where "
-                         f"{steps} were expected (one per trace token)")
+        raise ValueError(
+            f"{name} lists {len(values)} step{'s' * (len(values) != 1)} where "
+            f"{steps} were expected (one per trace token)"
+        )
     return values
 
 
@@ -132,16 +151,28 @@ def generate_steps(content: list[dict], top_k: int, steps: int | None = None) ->
     for step, entry in enumerate(content):
         logprob[step] = _possible(_logprob(entry["logprob"]), step, "logprob", "logprob")
         rank[step] = _rank(entry["rank"], step)
-        ordered = sorted((_rank(alt["rank"], step), alt["token_id"], _possible(
-            _logprob(alt["logprob"]), step, f"alternative {alt['token_id']!r} logprob",
-            "top_logprobs")) for alt in entry["top_logprobs"] if alt.get("rank") is not None)
+        ordered = sorted(
+            (
+                _rank(alt["rank"], step),
+                alt["token_id"],
+                _possible(
+                    _logprob(alt["logprob"]),
+                    step,
+                    f"alternative {alt['token_id']!r} logprob",
+                    "top_logprobs",
+                ),
+            )
+            for alt in entry["top_logprobs"]
+            if alt.get("rank") is not None
+        )
         for j, (_, token_id, value) in enumerate(ordered[:top_k]):
             top_ids[step, j], top_lps[step, j] = token_id, value
     return logprob, rank, top_ids, top_lps, np.ones(steps, dtype=bool)
 
 
-def completion_steps(logprobs: dict, top_k: int, steps: int | None = None, *,
-                     token_ids: Sequence[int]) -> Steps:
+def completion_steps(
+    logprobs: dict, top_k: int, steps: int | None = None, *, token_ids: Sequence[int]
+) -> Steps:
     """Per-step arrays from /v1/completions logprobs (``token_id:N`` keys, no ranks).
 
     Each step's map holds the server's ``n`` best alternatives (``n`` as asked, or fewer from a
@@ -165,17 +196,23 @@ def completion_steps(logprobs: dict, top_k: int, steps: int | None = None, *,
     top_lps = np.full((steps, top_k), np.nan)
     for step, alternatives in enumerate(logprobs["top_logprobs"]):
         _possible(logprob[step], step, "logprob", "logprob")
-        listed = sorted((-_possible(_logprob(v), step, f"alternative {key!r} logprob",
-                                    "top_logprobs"), int(key.removeprefix("token_id:")))
-                        for key, v in alternatives.items())
+        listed = sorted(
+            (
+                -_possible(_logprob(v), step, f"alternative {key!r} logprob", "top_logprobs"),
+                int(key.removeprefix("token_id:")),
+            )
+            for key, v in alternatives.items()
+        )
         others = [(neg, token) for neg, token in listed if token != token_ids[step]]
         greater = sum(-neg > logprob[step] for neg, _ in others)
         rank[step], exact[step] = 1 + greater, greater < len(others)
         known = listed if exact[step] else others  # the best tokens, in order
         if len(known) < max(top_k, 1):
-            raise ValueError(f"step {step}: the server listed {len(others)} alternatives to the "
-                             f"emitted token, too few to rank it among the top {max(top_k, 1)} "
-                             "(is it started with --max-logprobs 20?)")
+            raise ValueError(
+                f"step {step}: the server listed {len(others)} alternatives to the "
+                f"emitted token, too few to rank it among the top {max(top_k, 1)} "
+                "(is it started with --max-logprobs 20?)"
+            )
         for j, (neg, token_id) in enumerate(known[:top_k]):
             top_ids[step, j], top_lps[step, j] = token_id, -neg
     return logprob, rank, top_ids, top_lps, exact

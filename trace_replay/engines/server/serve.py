@@ -35,30 +35,69 @@ from pathlib import Path
 from trace_replay.engines.server.http_client import JsonClient, ServerError
 from trace_replay.engines.vllm_contract import FORCING_PROCESSOR, MULTICAST_OFF, TRACE_KEY
 
-__all__ = ["FORCING_PROCESSOR", "HIDDEN", "MULTICAST_OFF", "SECRET_OPTIONS", "TRACE_KEY",
-           "llm_options", "serve_args", "serve_command", "serve_environment", "server_ranks",
-           "shown_command", "start_server", "stop_server", "vllm_serve", "wait_for_server"]
+__all__ = [
+    "FORCING_PROCESSOR",
+    "HIDDEN",
+    "MULTICAST_OFF",
+    "SECRET_OPTIONS",
+    "TRACE_KEY",
+    "llm_options",
+    "serve_args",
+    "serve_command",
+    "serve_environment",
+    "server_ranks",
+    "shown_command",
+    "start_server",
+    "stop_server",
+    "vllm_serve",
+    "wait_for_server",
+]
 
 _CPU_ARGS = ("--enforce-eager", "--gpu-memory-utilization", "0.3")  # as engine="vllm" on CPU
 _ENTRY = "vllm.entrypoints.launchers.api_server.entry"  # what `vllm serve` runs, as a module
 # vllm serve's parallelism options, long and short spellings
-_RANK_OPTIONS = (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp"),
-                 ("--data-parallel-size", "-dp"))
+_RANK_OPTIONS = (
+    ("--tensor-parallel-size", "-tp"),
+    ("--pipeline-parallel-size", "-pp"),
+    ("--data-parallel-size", "-dp"),
+)
 
 
-def serve_args(served_model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
-               cpu: bool = False) -> list[str]:
+def serve_args(
+    served_model_name: str, *, host: str = "127.0.0.1", port: int = 8000, cpu: bool = False
+) -> list[str]:
     """The ``vllm serve`` options of a replay server (everything but the model folder)."""
-    args = ["--served-model-name", served_model_name, "--dtype", "float32",
-            "--logits-processors", FORCING_PROCESSOR, "--logprobs-mode", "raw_logprobs",
-            "--enable-scale-out", "--no-enable-prefix-caching", "--seed", "0",
-            "--max-logprobs", "20", "--host", host, "--port", str(port)]
+    args = [
+        "--served-model-name",
+        served_model_name,
+        "--dtype",
+        "float32",
+        "--logits-processors",
+        FORCING_PROCESSOR,
+        "--logprobs-mode",
+        "raw_logprobs",
+        "--enable-scale-out",
+        "--no-enable-prefix-caching",
+        "--seed",
+        "0",
+        "--max-logprobs",
+        "20",
+        "--host",
+        host,
+        "--port",
+        str(port),
+    ]
     return args + list(_CPU_ARGS) if cpu else args
 
 
-def serve_command(model: str | os.PathLike | None = None, *, host: str = "127.0.0.1",
-                  port: int = 8000, extra_args: Sequence[str] = (),
-                  cpu: bool | None = None) -> list[str]:
+def serve_command(
+    model: str | os.PathLike | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    extra_args: Sequence[str] = (),
+    cpu: bool | None = None,
+) -> list[str]:
     """The exact command (argv) that starts a replay server for ``model``.
 
     Parameters
@@ -166,8 +205,9 @@ def _size(option: str, value: str) -> int:
     return int(value)
 
 
-def serve_environment(command: Sequence[str],
-                      environ: dict[str, str] | None = None) -> dict[str, str]:
+def serve_environment(
+    command: Sequence[str], environ: dict[str, str] | None = None
+) -> dict[str, str]:
     """The environment to run ``command`` in: ``environ`` (default ``os.environ``), plus,
     when its server runs more than one rank, each of :data:`MULTICAST_OFF` not set there."""
     env = dict(os.environ if environ is None else environ)
@@ -185,13 +225,24 @@ def start_server(command: Sequence[str], log_path: str | os.PathLike) -> subproc
     """
     env = serve_environment(command)
     with open(log_path, "wb") as log:
-        return subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        return subprocess.Popen(
+            list(command),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
+        )
 
 
-def wait_for_server(base_url: str, process: subprocess.Popen | None = None, *,
-                    timeout_s: float = 600.0, log_path: str | os.PathLike | None = None,
-                    api_key: str | None = None) -> None:
+def wait_for_server(
+    base_url: str,
+    process: subprocess.Popen | None = None,
+    *,
+    timeout_s: float = 600.0,
+    log_path: str | os.PathLike | None = None,
+    api_key: str | None = None,
+) -> None:
     """Return once ``base_url`` lists its models; raise if ``process`` exits or time runs out.
 
     It asks through the client every server call goes through
@@ -205,8 +256,10 @@ def wait_for_server(base_url: str, process: subprocess.Popen | None = None, *,
     problem = "nothing tried"
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
-            raise RuntimeError(f"the server exited with status {process.returncode} before "
-                               f"answering at {base_url}{_log_tail(log_path)}")
+            raise RuntimeError(
+                f"the server exited with status {process.returncode} before "
+                f"answering at {base_url}{_log_tail(log_path)}"
+            )
         try:
             answer = client.get("/models")
             if isinstance(answer, dict) and answer.get("data"):
@@ -215,8 +268,10 @@ def wait_for_server(base_url: str, process: subprocess.Popen | None = None, *,
         except ServerError as error:
             problem = str(error)  # not listening yet, or not ready
         time.sleep(1.0)
-    raise TimeoutError(f"no server answered at {base_url} within {timeout_s:.0f} s (last: "
-                       f"{problem}){_log_tail(log_path)}")
+    raise TimeoutError(
+        f"no server answered at {base_url} within {timeout_s:.0f} s (last: "
+        f"{problem}){_log_tail(log_path)}"
+    )
 
 
 def stop_server(process: subprocess.Popen, *, grace_s: float = 30.0) -> None:

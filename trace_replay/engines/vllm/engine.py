@@ -58,27 +58,50 @@ from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 
 from trace_replay.engines.base import EngineBase, EngineConfig, ReplayRequest, TraceResult
-from trace_replay.engines.vllm.inprocess import (QuietLogs, engine_core_mode, hosted_startup,
-                                            multicast_off)
-from trace_replay.engines.threads import engine_threads, intra_op_threads
-from trace_replay.engines.vllm.forcing import (
-    FORCED_LOGIT, WORKER_EXTENSION, ForcingWorkerExtension, TraceForcingProcessor, model_runner,
-    read_lengths_only)
-from trace_replay.engines.vllm.deterministic import deterministic_unavailable, deterministic_env
-from trace_replay.models.load import (check_weight_files, folder_digest, hf_folder, model_label,
-                                      resolve_dtype)
-from trace_replay.engines.vllm_contract import TRACE_KEY
 from trace_replay.engines.distributions import tail_from_top
+from trace_replay.engines.threads import engine_threads, intra_op_threads
+from trace_replay.engines.vllm.deterministic import deterministic_env, deterministic_unavailable
+from trace_replay.engines.vllm.forcing import (
+    FORCED_LOGIT,
+    WORKER_EXTENSION,
+    ForcingWorkerExtension,
+    TraceForcingProcessor,
+    model_runner,
+    read_lengths_only,
+)
+from trace_replay.engines.vllm.inprocess import (
+    QuietLogs,
+    engine_core_mode,
+    hosted_startup,
+    multicast_off,
+)
+from trace_replay.engines.vllm_contract import TRACE_KEY
+from trace_replay.models.load import (
+    check_weight_files,
+    folder_digest,
+    hf_folder,
+    model_label,
+    resolve_dtype,
+)
 from trace_replay.traces.trace import TraceError
 
-__all__ = ["FORCED_LOGIT", "PARALLEL_OPTIONS", "VLLMEngine", "TraceForcingProcessor",
-           "ForcingWorkerExtension", "WORKER_EXTENSION", "parallel_sizes", "read_lengths_only",
-           "supports_native_trace_replay"]
+__all__ = [
+    "FORCED_LOGIT",
+    "PARALLEL_OPTIONS",
+    "VLLMEngine",
+    "TraceForcingProcessor",
+    "ForcingWorkerExtension",
+    "WORKER_EXTENSION",
+    "parallel_sizes",
+    "read_lengths_only",
+    "supports_native_trace_replay",
+]
 
 
 def _has_param(name: str) -> bool:
-    return name in inspect.signature(SamplingParams.__init__).parameters or \
-        name in getattr(SamplingParams, "__struct_fields__", ())
+    return name in inspect.signature(SamplingParams.__init__).parameters or name in getattr(
+        SamplingParams, "__struct_fields__", ()
+    )
 
 
 # vLLM deep-copies every request's SamplingParams unless told not to (older releases cannot)
@@ -100,8 +123,10 @@ def native_unavailable(native: bool | None) -> str | None:
     if not supports_native_trace_replay():
         import vllm
 
-        return (f"vLLM {vllm.__version__} has no SamplingParams.trace_decode_token_ids "
-                "(native trace replay needs vLLM >= 0.29 with Model Runner V2)")
+        return (
+            f"vLLM {vllm.__version__} has no SamplingParams.trace_decode_token_ids "
+            "(native trace replay needs vLLM >= 0.29 with Model Runner V2)"
+        )
     if native is None and not torch.cuda.is_available():
         return "no CUDA device: native trace replay needs Model Runner V2, which vLLM runs on GPUs"
     return None
@@ -128,8 +153,7 @@ def parallel_sizes(args: dict, cuda_devices: int | None) -> dict[str, int]:
     for option in PARALLEL_OPTIONS:
         value = args.get(option, 1)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"engine_args[{option!r}] must be a positive integer, "
-                             f"got {value!r}")
+            raise ValueError(f"engine_args[{option!r}] must be a positive integer, got {value!r}")
         sizes[option] = value
     ranks = sizes["tensor_parallel_size"] * sizes["pipeline_parallel_size"]
     if cuda_devices is not None and ranks > cuda_devices:
@@ -138,7 +162,8 @@ def parallel_sizes(args: dict, cuda_devices: int | None) -> dict[str, int]:
             f"tensor_parallel_size {sizes['tensor_parallel_size']} x pipeline_parallel_size "
             f"{sizes['pipeline_parallel_size']} needs {ranks} CUDA devices, one per rank, but "
             f"{cuda_devices} {'is' if cuda_devices == 1 else 'are'} visible"
-            + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""))
+            + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
+        )
     if cuda_devices is None and ranks > 1 and os.environ.get(_CPU_BIND, "auto") == "auto":
         from vllm.utils.cpu_resource_utils import get_visible_memory_node
 
@@ -149,7 +174,8 @@ def parallel_sizes(args: dict, cuda_devices: int | None) -> dict[str, int]:
                 f"{sizes['pipeline_parallel_size']} on vLLM's CPU build binds each of the {ranks} "
                 f"ranks to a NUMA node of its own, and {nodes} {'is' if nodes == 1 else 'are'} "
                 f"visible: set {_CPU_BIND} to one CPU list per rank, e.g. "
-                f"{'|'.join(str(i) for i in range(ranks))!r}")
+                f"{'|'.join(str(i) for i in range(ranks))!r}"
+            )
     return sizes
 
 
@@ -157,9 +183,15 @@ def parallel_sizes(args: dict, cuda_devices: int | None) -> dict[str, int]:
 _BLOCK = 16
 
 
-def kv_cache_bytes(folder: str | os.PathLike, dtype: torch.dtype, max_num_seqs: int,
-                   max_model_len: int | None, *, tensor_parallel_size: int = 1,
-                   pipeline_parallel_size: int = 1) -> int:
+def kv_cache_bytes(
+    folder: str | os.PathLike,
+    dtype: torch.dtype,
+    max_num_seqs: int,
+    max_model_len: int | None,
+    *,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+) -> int:
     """KV cache bytes one rank holds for ``max_num_seqs`` requests of ``max_model_len``
     tokens each.
 
@@ -186,8 +218,13 @@ def _cpu_kv_cache_bytes(args: dict, dtype: torch.dtype, sizes: dict[str, int]) -
     default there is 30% of memory, whatever the work: a second engine in the same process
     then finds too little left)."""
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    work = kv_cache_bytes(args["model"], dtype, args.get("max_num_seqs", _CPU_MAX_NUM_SEQS),
-                          args.get("max_model_len"), **sizes)
+    work = kv_cache_bytes(
+        args["model"],
+        dtype,
+        args.get("max_num_seqs", _CPU_MAX_NUM_SEQS),
+        args.get("max_model_len"),
+        **sizes,
+    )
     return min(work, int(0.3 * memory) // math.prod(sizes.values()))
 
 
@@ -252,8 +289,13 @@ class _Logprobs:
             listed = filled & (token_ids[at] == emitted[:, None])
             place = np.take_along_axis(ranks[at], listed.argmax(axis=1)[:, None], axis=1)[:, 0]
             rank = np.where(listed.any(axis=1), place, rank)
-        return (emitted, logprobs[first], rank,
-                np.where(filled, token_ids[at], 0), np.where(filled, logprobs[at], np.nan))
+        return (
+            emitted,
+            logprobs[first],
+            rank,
+            np.where(filled, token_ids[at], 0),
+            np.where(filled, logprobs[at], np.nan),
+        )
 
 
 class _StepProgress:
@@ -314,21 +356,36 @@ class VLLMEngine(EngineBase):
     """
 
     name = "vllm"
-    def __init__(self, config: EngineConfig | None = None, *, engine_args: dict | None = None,
-                 native: bool | None = None, verbose: bool = False) -> None:
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        engine_args: dict | None = None,
+        native: bool | None = None,
+        verbose: bool = False,
+    ) -> None:
         config = config or EngineConfig()
         if isinstance(config.model, torch.nn.Module):
-            raise TypeError("the vllm engine loads its model itself: pass a folder or a "
-                            "model name, not a loaded module")
+            raise TypeError(
+                "the vllm engine loads its model itself: pass a folder or a "
+                "model name, not a loaded module"
+            )
         self.model_label = model_label(config.model)
         self.tokenizer_source = config.model
         self.top_k = config.top_k
         self.dtype = str(resolve_dtype(config.dtype)).replace("torch.", "")
         self.folder = hf_folder(config.model)
         check_weight_files(self.folder)  # a cut file is named here, not deep in vLLM's load
-        args = {"model": str(self.folder), "dtype": self.dtype, "seed": 0,
-                "max_logprobs": max(config.top_k, 20), "logprobs_mode": "raw_logprobs",
-                "enable_prefix_caching": False, "use_tqdm_on_load": verbose}
+        args = {
+            "model": str(self.folder),
+            "dtype": self.dtype,
+            "seed": 0,
+            "max_logprobs": max(config.top_k, 20),
+            "logprobs_mode": "raw_logprobs",
+            "enable_prefix_caching": False,
+            "use_tqdm_on_load": verbose,
+        }
         if config.batch_size:
             args["max_num_seqs"] = config.batch_size
         args.update(engine_args or {})
@@ -341,10 +398,12 @@ class VLLMEngine(EngineBase):
             # start at the last prompt token, which a prefix hit always recomputes
             args["enable_prefix_caching"] = True
         if self.returns_routing and not cuda:
-            raise ValueError("engine_args enable_return_routed_experts needs vLLM's Model "
-                             "Runner V2, which runs on GPUs only: the CPU build refuses it at "
-                             "start-up. Record routing on the CPU with the prefill engine "
-                             "(trace_replay.analysis.routing.record_routing)")
+            raise ValueError(
+                "engine_args enable_return_routed_experts needs vLLM's Model "
+                "Runner V2, which runs on GPUs only: the CPU build refuses it at "
+                "start-up. Record routing on the CPU with the prefill engine "
+                "(trace_replay.analysis.routing.record_routing)"
+            )
         self.routed: dict[str, np.ndarray] = {}  # trace id -> [T, layers, top-k] experts
         if cuda and self.dtype == "float32":
             # vLLM's default float32 backend on CUDA (TRITON_ATTN) multiplies in TF32 (Triton's
@@ -357,38 +416,52 @@ class VLLMEngine(EngineBase):
             args.setdefault("enforce_eager", True)
             if "kv_cache_memory_bytes" not in args and "gpu_memory_utilization" not in args:
                 args["kv_cache_memory_bytes"] = _cpu_kv_cache_bytes(
-                    args, resolve_dtype(config.dtype), self.parallel)
+                    args, resolve_dtype(config.dtype), self.parallel
+                )
         self.llm_args = dict(args)  # what vllm.LLM is given (besides the path's own)
         self.deterministic = config.deterministic
-        self.deterministic_note = (deterministic_unavailable(config.device)
-                                     if self.deterministic else None)
+        self.deterministic_note = (
+            deterministic_unavailable(config.device) if self.deterministic else None
+        )
         self.deterministic_active = self.deterministic and self.deterministic_note is None
         if self.deterministic_note:
-            warnings.warn(f"deterministic=True: {self.deterministic_note}; this vLLM run is "
-                          "NOT batch-invariant (use engine='torch' or 'prefill' for that)",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"deterministic=True: {self.deterministic_note}; this vLLM run is "
+                "NOT batch-invariant (use engine='torch' or 'prefill' for that)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         self._logs = QuietLogs(verbose)
         self.engine_core = engine_core_mode()
         self._request_ids = itertools.count()
         started = time.monotonic()
-        print(f"trace_replay: starting vLLM on {self.model_label} (loading and warming up the "
-              "model takes a while; make_engine once and reuse the engine)", file=sys.stderr,
-              flush=True)
+        print(
+            f"trace_replay: starting vLLM on {self.model_label} (loading and warming up the "
+            "model takes a while; make_engine once and reuse the engine)",
+            file=sys.stderr,
+            flush=True,
+        )
         try:
             # VLLM_BATCH_INVARIANT is read as LLM(...) starts; worker processes (ranks > 1)
             # and an engine core of its own outlive start-up with its environment
             workers = ranks > 1 or self.engine_core != "in-process"
-            with deterministic_env(self.deterministic_active), multicast_off(cuda and ranks > 1), \
-                    hosted_startup(verbose, workers=workers):
+            with (
+                deterministic_env(self.deterministic_active),
+                multicast_off(cuda and ranks > 1),
+                hosted_startup(verbose, workers=workers),
+            ):
                 # an earlier engine's start-up cached the environment this one reads
                 getattr(vllm_envs, "disable_envs_cache", lambda: None)()
                 self._start(args, native)
         except BaseException:
             self._logs.restore()
             raise
-        print(f"trace_replay: vLLM ready in {time.monotonic() - started:.0f} s "
-              f"({self.engine_path}, model runner {self.model_runner})", file=sys.stderr,
-              flush=True)
+        print(
+            f"trace_replay: vLLM ready in {time.monotonic() - started:.0f} s "
+            f"({self.engine_path}, model runner {self.model_runner})",
+            file=sys.stderr,
+            flush=True,
+        )
         config = self.llm.llm_engine.model_config
         self.max_model_len = config.max_model_len
         # what vLLM runs: engine_args' method, or one the checkpoint declares (None: unquantized)
@@ -396,8 +469,11 @@ class VLLMEngine(EngineBase):
         self.batch_size = self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         # in-process on CPU with one rank, vLLM's forward runs on this process's threads
-        self.threads = (engine_threads() if self.device == "cpu" and ranks == 1
-                        and self.engine_core == "in-process" else None)
+        self.threads = (
+            engine_threads()
+            if self.device == "cpu" and ranks == 1 and self.engine_core == "in-process"
+            else None
+        )
 
     def stats(self) -> dict:
         return {"threads": self.threads} if self.threads is not None else {}
@@ -441,19 +517,26 @@ class VLLMEngine(EngineBase):
     def settings(self) -> dict:
         import vllm
 
-        settings = {**super().settings(), "vllm_version": vllm.__version__,
-                    "logprobs_mode": "raw_logprobs", "engine_core": self.engine_core,
-                    **self.parallel}
+        settings = {
+            **super().settings(),
+            "vllm_version": vllm.__version__,
+            "logprobs_mode": "raw_logprobs",
+            "engine_core": self.engine_core,
+            **self.parallel,
+        }
         settings["model_runner"] = self.model_runner
-        settings["attention_backend"] = str(self.llm_args.get("attention_backend") or "vllm default")
+        settings["attention_backend"] = str(
+            self.llm_args.get("attention_backend") or "vllm default"
+        )
         settings["quantization"] = self.quantization
         if self.native_error:
             settings["native_unavailable"] = self.native_error
         if self.engine_path == "vllm-logits-processor-forcing":
             # whether vLLM still completes output-token lists each step (read_lengths_only);
             # Model Runner V2 never builds them
-            settings["output_tokens_to_processors"] = (self.model_runner == "v1"
-                                                       and not self.lengths_only)
+            settings["output_tokens_to_processors"] = (
+                self.model_runner == "v1" and not self.lengths_only
+            )
         if self.deterministic:
             settings["deterministic_active"] = self.deterministic_active
             if self.deterministic_note:
@@ -475,18 +558,30 @@ class VLLMEngine(EngineBase):
         # FINAL_ONLY: one output per request, when it is done (see _generate).
         # _NO_COPY: these params are built for this one request and never reused, so vLLM's
         # defensive deep copy (of the whole trace, per request) is not needed
-        common = dict(temperature=0.0, max_tokens=len(trace),
-                      logprobs=self.top_k, ignore_eos=True, stop=[], stop_token_ids=[],
-                      detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY, **_NO_COPY,
-                      **_FLAT)
+        common = dict(
+            temperature=0.0,
+            max_tokens=len(trace),
+            logprobs=self.top_k,
+            ignore_eos=True,
+            stop=[],
+            stop_token_ids=[],
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            **_NO_COPY,
+            **_FLAT,
+        )
         if self.returns_routing:  # rows from the last prompt token: row s routes step s
             common["routed_experts_prompt_start"] = request.prompt_len - 1
         if self.engine_path == "vllm-native-trace-replay":
             return SamplingParams(**common, trace_decode_token_ids=trace)
         return SamplingParams(**common, extra_args={TRACE_KEY: trace})
 
-    def _generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
-                  on_tokens: Callable[[int], None] | None) -> list[tuple[list[int], _Logprobs]]:
+    def _generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+        on_tokens: Callable[[int], None] | None,
+    ) -> list[tuple[list[int], _Logprobs]]:
         """Step the engine until every prompt is done: ``(token ids, logprobs)`` per prompt.
 
         Requests give vLLM's ``FINAL_ONLY`` output (one per request, when it finishes): a
@@ -522,8 +617,9 @@ class VLLMEngine(EngineBase):
             raise
         return outputs
 
-    def run(self, requests: Sequence[ReplayRequest], *,
-            on_tokens: Callable[[int], None] | None = None) -> list[TraceResult]:
+    def run(
+        self, requests: Sequence[ReplayRequest], *, on_tokens: Callable[[int], None] | None = None
+    ) -> list[TraceResult]:
         """Replay ``requests`` in one batch; results in the order given.
 
         A request whose prompt and trace exceed ``max_model_len`` is refused, naming its
@@ -531,40 +627,67 @@ class VLLMEngine(EngineBase):
         """
         for r in requests:
             if r.prompt_len + r.trace_len > self.max_model_len:
-                raise TraceError(f"prompt ({r.prompt_len}) + trace ({r.trace_len}) tokens "
-                                 f"exceed the engine's max_model_len {self.max_model_len}",
-                                 trace_id=r.trace_id)
-        outputs = self._generate([r.prompt_token_ids for r in requests],
-                                 [self._params(r) for r in requests], on_tokens)
+                raise TraceError(
+                    f"prompt ({r.prompt_len}) + trace ({r.trace_len}) tokens "
+                    f"exceed the engine's max_model_len {self.max_model_len}",
+                    trace_id=r.trace_id,
+                )
+        outputs = self._generate(
+            [r.prompt_token_ids for r in requests], [self._params(r) for r in requests], on_tokens
+        )
         return [self._result(r, *out) for r, out in zip(requests, outputs)]
 
-    def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int,
-                 temperature: float = 0.0, seed: int = 0,
-                 eos_token_id: int | None = None) -> list[tuple[list[int], list[float]]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_tokens: int,
+        temperature: float = 0.0,
+        seed: int = 0,
+        eos_token_id: int | None = None,
+    ) -> list[tuple[list[int], list[float]]]:
         """Free generation for recording: ``(token_ids, raw logprobs)`` per prompt."""
-        params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
-                                logprobs=0, detokenize=False,
-                                output_kind=RequestOutputKind.FINAL_ONLY, **_FLAT)
+        params = SamplingParams(
+            temperature=temperature,
+            seed=seed,
+            max_tokens=max_tokens,
+            logprobs=0,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            **_FLAT,
+        )
         outputs = self._generate(prompts, [params] * len(prompts), None)
         return [(ids, logprobs.arrays(0)[1].tolist()) for ids, logprobs in outputs]
 
-    def _result(self, request: ReplayRequest, emitted: list[int],
-                logprobs: _Logprobs) -> TraceResult:
+    def _result(
+        self, request: ReplayRequest, emitted: list[int], logprobs: _Logprobs
+    ) -> TraceResult:
         if emitted != list(request.trace_token_ids):
-            first = next((i for i, (a, b) in enumerate(zip(emitted, request.trace_token_ids))
-                          if a != b), min(len(emitted), request.trace_len))
+            first = next(
+                (i for i, (a, b) in enumerate(zip(emitted, request.trace_token_ids)) if a != b),
+                min(len(emitted), request.trace_len),
+            )
             raise RuntimeError(
                 f"trace {request.trace_id!r}: vLLM ({self.engine_path}) emitted {len(emitted)} tokens "
-                f"that leave the trace at step {first}; replay cannot be trusted")
+                f"that leave the trace at step {first}; replay cannot be trusted"
+            )
         token_ids, logprob, rank, top_ids, top_lps = logprobs.arrays(self.top_k)
         if self.returns_routing:
             if logprobs.routed is None:
-                raise RuntimeError(f"trace {request.trace_id!r}: vLLM returned no routed "
-                                   "experts (is the model a mixture of experts?)")
-            self.routed[request.trace_id] = np.asarray(logprobs.routed)[:request.trace_len]
-        return TraceResult(trace_id=request.trace_id, prompt_len=request.prompt_len,
-                           token_ids=token_ids, logprob=logprob, rank=rank,
-                           top_token_ids=top_ids, top_logprobs=top_lps,
-                           entropy=np.full(request.trace_len, np.nan),
-                           # raw logprobs: the unmodified distribution's top-k
-                           tail_logmass=tail_from_top(top_lps))
+                raise RuntimeError(
+                    f"trace {request.trace_id!r}: vLLM returned no routed "
+                    "experts (is the model a mixture of experts?)"
+                )
+            self.routed[request.trace_id] = np.asarray(logprobs.routed)[: request.trace_len]
+        return TraceResult(
+            trace_id=request.trace_id,
+            prompt_len=request.prompt_len,
+            token_ids=token_ids,
+            logprob=logprob,
+            rank=rank,
+            top_token_ids=top_ids,
+            top_logprobs=top_lps,
+            entropy=np.full(request.trace_len, np.nan),
+            # raw logprobs: the unmodified distribution's top-k
+            tail_logmass=tail_from_top(top_lps),
+        )

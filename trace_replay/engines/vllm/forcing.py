@@ -23,11 +23,19 @@ from vllm.v1.worker.gpu.sample.logits_processor.interface import (
     LogitsProcessor as V2LogitsProcessor,
 )
 
-from trace_replay.engines.vllm_contract import TRACE_KEY
 from trace_replay.engines.replay_state import RequestState, TraceReplayState
+from trace_replay.engines.vllm_contract import TRACE_KEY
 
-__all__ = ["FORCED_LOGIT", "ForcingWorkerExtension", "TraceForcingProcessor", "V1TraceForcing",
-           "V2TraceForcing", "WORKER_EXTENSION", "model_runner", "read_lengths_only"]
+__all__ = [
+    "FORCED_LOGIT",
+    "ForcingWorkerExtension",
+    "TraceForcingProcessor",
+    "V1TraceForcing",
+    "V2TraceForcing",
+    "WORKER_EXTENSION",
+    "model_runner",
+    "read_lengths_only",
+]
 
 # what a forced token's logit becomes (see V1TraceForcing)
 FORCED_LOGIT = 1e30
@@ -193,8 +201,7 @@ class V1TraceForcing(V1LogitsProcessor):
         # one launch: each traced row's trace-token logit becomes FORCED_LOGIT (no pass over
         # the vocabulary), and every row moves a step (the token sampled now is committed
         # before the next call)
-        self.trace_state.force_logits(logits, self._rows[:rows], value=FORCED_LOGIT,
-                                      advance=True)
+        self.trace_state.force_logits(logits, self._rows[:rows], value=FORCED_LOGIT, advance=True)
         return logits
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
@@ -242,8 +249,10 @@ class V2TraceForcing(V2LogitsProcessor):
 
     def __init__(self, vllm_config, req_states) -> None:
         if getattr(vllm_config, "speculative_config", None) is not None:
-            raise ValueError("trace forcing on Model Runner V2 does not support speculative "
-                             "decoding; use VLLM_USE_V2_MODEL_RUNNER=0")
+            raise ValueError(
+                "trace forcing on Model Runner V2 does not support speculative "
+                "decoding; use VLLM_USE_V2_MODEL_RUNNER=0"
+            )
         self.trace_state = TraceReplayState(_RunnerLengths(req_states))
 
     @classmethod

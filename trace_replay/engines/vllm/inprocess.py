@@ -51,8 +51,15 @@ import torch
 from trace_replay.engines.vllm_contract import MULTICAST_OFF
 from trace_replay.models.load import offline
 
-__all__ = ["IN_PROCESS_ENV", "MULTICAST_OFF", "QuietLogs", "engine_core_mode", "hosted_startup",
-           "multicast_off", "quiet_startup"]
+__all__ = [
+    "IN_PROCESS_ENV",
+    "MULTICAST_OFF",
+    "QuietLogs",
+    "engine_core_mode",
+    "hosted_startup",
+    "multicast_off",
+    "quiet_startup",
+]
 
 IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 _LOGGER = "vllm"
@@ -117,8 +124,7 @@ def quiet_startup(verbose: bool, *, hold_stderr: bool = True) -> Iterator[None]:
         return
     logs = QuietLogs(verbose)
     try:
-        with warnings.catch_warnings(), \
-                _held_stderr() if hold_stderr else contextlib.nullcontext():
+        with warnings.catch_warnings(), _held_stderr() if hold_stderr else contextlib.nullcontext():
             warnings.simplefilter("ignore")
             yield
     finally:

@@ -16,11 +16,18 @@ from typing import Any, Protocol
 
 import torch
 
-from trace_replay.engines.base import (Activations, missing_members, protocol_members)
+from trace_replay.engines.base import Activations, missing_members, protocol_members
 from trace_replay.engines.builtin.scoring import TokenScores
 
-__all__ = ["BACKEND_MEMBERS", "DETERMINISTIC_ATTENTION", "FLOAT32_MATMUL", "Backend",
-           "BackendOptions", "check_backend", "check_float32_matmul"]
+__all__ = [
+    "BACKEND_MEMBERS",
+    "DETERMINISTIC_ATTENTION",
+    "FLOAT32_MATMUL",
+    "Backend",
+    "BackendOptions",
+    "check_backend",
+    "check_float32_matmul",
+]
 
 FLOAT32_MATMUL = ("3xtf32", "ieee")
 DETERMINISTIC_ATTENTION = ("tiles", "rows")
@@ -59,8 +66,7 @@ class Backend(Protocol):
 
     def keep(self, keep: torch.Tensor) -> None: ...
 
-    def score(self, logits: torch.Tensor, token_ids: torch.Tensor,
-              top_k: int) -> TokenScores: ...
+    def score(self, logits: torch.Tensor, token_ids: torch.Tensor, top_k: int) -> TokenScores: ...
 
     def settings(self) -> dict[str, Any]: ...
 
@@ -75,9 +81,11 @@ def check_backend(backend: Any) -> None:
     """Raise TypeError naming the :class:`Backend` members ``backend`` lacks (none: it is one)."""
     missing = missing_members(backend, BACKEND_MEMBERS)
     if missing:
-        raise TypeError(f"{type(backend).__name__} is not a built-in engine backend: it lacks "
-                        f"{', '.join(missing)} (see trace_replay.engines.builtin.backends."
-                        "base.Backend)")
+        raise TypeError(
+            f"{type(backend).__name__} is not a built-in engine backend: it lacks "
+            f"{', '.join(missing)} (see trace_replay.engines.builtin.backends."
+            "base.Backend)"
+        )
 
 
 def check_float32_matmul(value: str) -> None:
@@ -99,5 +107,7 @@ class BackendOptions:
     def __post_init__(self) -> None:
         check_float32_matmul(self.float32_matmul)
         if self.deterministic_attention not in DETERMINISTIC_ATTENTION:
-            raise ValueError(f"deterministic_attention={self.deterministic_attention!r}; "
-                             f"choose one of {', '.join(DETERMINISTIC_ATTENTION)}")
+            raise ValueError(
+                f"deterministic_attention={self.deterministic_attention!r}; "
+                f"choose one of {', '.join(DETERMINISTIC_ATTENTION)}"
+            )

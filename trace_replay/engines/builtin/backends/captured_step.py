@@ -41,9 +41,15 @@ class StepGraph(NamedTuple):
         return self.logits
 
 
-def capture_step(step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], rows: int, q: int,
-                 state: Sequence[torch.Tensor], *, pad_id: int = 0,
-                 pool=None) -> StepGraph:
+def capture_step(
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    rows: int,
+    q: int,
+    state: Sequence[torch.Tensor],
+    *,
+    pad_id: int = 0,
+    pool=None,
+) -> StepGraph:
     """Capture ``step`` for ``rows`` rows of ``q`` tokens.
 
     ``step`` must be capturable (no host reads, fixed shapes). ``state`` lists the tensors
@@ -57,8 +63,9 @@ def capture_step(step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], row
     return StepGraph(graph, tokens, positions, logits)
 
 
-def capture(fn: Callable[[], object], state: Sequence[torch.Tensor], *,
-            pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+def capture(
+    fn: Callable[[], object], state: Sequence[torch.Tensor], *, pool=None
+) -> tuple[torch.cuda.CUDAGraph, object]:
     """Warm ``fn`` up on a side stream, then capture one call; returns (graph, its output).
 
     ``state`` lists the tensors a call advances: the warm-up runs change them for real, so

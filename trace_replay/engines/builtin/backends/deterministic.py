@@ -54,9 +54,15 @@ class DeterministicBackend:
     # return new tensors
     static_logits = False
 
-    def __init__(self, lm, *, max_query_len: int = 1,
-                 cuda_graphs: bool | None = None, triton: bool | None = None,
-                 attention: str = "tiles") -> None:
+    def __init__(
+        self,
+        lm,
+        *,
+        max_query_len: int = 1,
+        cuda_graphs: bool | None = None,
+        triton: bool | None = None,
+        attention: str = "tiles",
+    ) -> None:
         self.model = DeterministicLlama(lm, triton=triton, attention=attention)
         self.device = self.model.device
         self.max_query_len = max_query_len
@@ -93,8 +99,9 @@ class DeterministicBackend:
         return self.model.lm_head(hidden[last])
 
     @torch.inference_mode()
-    def teacher_forced(self, sequences: Sequence[Sequence[int]],
-                       scored: Sequence[range]) -> torch.Tensor:
+    def teacher_forced(
+        self, sequences: Sequence[Sequence[int]], scored: Sequence[range]
+    ) -> torch.Tensor:
         """Logits ``[sum(len(s) for s in scored), V]`` at the ``scored`` positions.
 
         ``sequences[i]`` is fed whole (prompt and trace but its last token); position ``p``
@@ -103,8 +110,9 @@ class DeterministicBackend:
         return self.lm_head(self.teacher_forced_states(sequences, scored))
 
     @torch.inference_mode()
-    def teacher_forced_states(self, sequences: Sequence[Sequence[int]],
-                              scored: Sequence[range]) -> torch.Tensor:
+    def teacher_forced_states(
+        self, sequences: Sequence[Sequence[int]], scored: Sequence[range]
+    ) -> torch.Tensor:
         """:meth:`teacher_forced` before the head: final hidden states ``[N, hidden]``.
 
         :meth:`lm_head` of any slice of them gives the bits of the same rows of
@@ -127,8 +135,10 @@ class DeterministicBackend:
         """Feed ``tokens`` ``[B, q]`` at ``positions`` ``[B, q]``; return ``[B, q, V]`` logits."""
         batch, q = tokens.shape
         if q > self.max_query_len:
-            raise ValueError(f"decode of {q} tokens per row; the cache was sized for "
-                             f"max_query_len={self.max_query_len}")
+            raise ValueError(
+                f"decode of {q} tokens per row; the cache was sized for "
+                f"max_query_len={self.max_query_len}"
+            )
         self.forwards += 1
         # an observer (layer attribution) sees Python calls: a graph launch would skip it
         if not self.cuda_graphs or self.model.observer is not None:
@@ -160,11 +170,13 @@ class DeterministicBackend:
     def _forward_sequences(self, ids: Sequence[Sequence[int]]) -> torch.Tensor:
         """Rows for whole sequences: row ``b``'s token ``i`` at slot and position ``i``."""
         tokens = torch.tensor([t for seq in ids for t in seq], device=self.device)
-        cache_row = torch.cat([torch.full((len(s),), b, dtype=torch.long)
-                               for b, s in enumerate(ids)]).to(self.device)
+        cache_row = torch.cat(
+            [torch.full((len(s),), b, dtype=torch.long) for b, s in enumerate(ids)]
+        ).to(self.device)
         slot = torch.cat([torch.arange(len(s)) for s in ids]).to(self.device)
-        return self.model.forward(self.cache, tokens, cache_row, slot, slot,
-                                  runs=[len(s) for s in ids])
+        return self.model.forward(
+            self.cache, tokens, cache_row, slot, slot, runs=[len(s) for s in ids]
+        )
 
     def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``[B * q, V]`` logits; marks the new slots valid and advances the cursor. Capturable."""
@@ -172,8 +184,9 @@ class DeterministicBackend:
         slot = (self.cursor[:batch, None] + self._arange[:q]).clamp(max=self.shape[1] - 1)
         cache_row = self._arange[:batch, None].expand(batch, q)
         self.cache.valid[:batch].scatter_(1, slot, True)
-        hidden = self.model.forward(self.cache, tokens.flatten(), cache_row.flatten(),
-                                    slot.flatten(), positions.flatten())
+        hidden = self.model.forward(
+            self.cache, tokens.flatten(), cache_row.flatten(), slot.flatten(), positions.flatten()
+        )
         self.cursor[:batch] += q
         return self.model.lm_head(hidden)[: batch * q]
 
@@ -195,8 +208,9 @@ class DeterministicBackend:
     def _capture(self, q: int) -> StepGraph:
         # warm-up compiles the kernels; the keys it wrote sit at the cursor, where the
         # next decode writes anyway
-        self._graphs[q] = capture_step(self._decode_step, self.shape[0], q,
-                                       (self.cursor, self.cache.valid), pool=self._pool)
+        self._graphs[q] = capture_step(
+            self._decode_step, self.shape[0], q, (self.cursor, self.cache.valid), pool=self._pool
+        )
         return self._graphs[q]
 
 

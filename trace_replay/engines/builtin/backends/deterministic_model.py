@@ -19,29 +19,59 @@ from typing import Protocol
 import torch
 
 from trace_replay.engines.builtin.backends.base import DETERMINISTIC_ATTENTION
-from trace_replay.kernels._triton import HAS_TRITON
 from trace_replay.engines.builtin.backends.deterministic_ops import (
-    RowBlocks, probe_linear, score_rows, silu_mul, tail_rows)
+    RowBlocks,
+    probe_linear,
+    score_rows,
+    silu_mul,
+    tail_rows,
+)
 from trace_replay.engines.builtin.scoring import TokenScores
+from trace_replay.kernels._triton import HAS_TRITON
 from trace_replay.kernels.deterministic_attention import (
-    BLOCK_N, attention_rows_reference, attention_rows_triton)
+    BLOCK_N,
+    attention_rows_reference,
+    attention_rows_triton,
+)
 from trace_replay.kernels.deterministic_epilogues import (
-    residual_norm_triton, rotary_cache_triton, silu_mul_triton, sum_parts)
+    residual_norm_triton,
+    rotary_cache_triton,
+    silu_mul_triton,
+    sum_parts,
+)
 from trace_replay.kernels.deterministic_linear import (
-    group_config_3xtf32, linear_parts_3xtf32, linear_rows_3xtf32, linear_rows_reference,
-    linear_rows_triton)
-from trace_replay.kernels.deterministic_rms_norm import rms_norm_rows_reference, rms_norm_rows_triton
+    group_config_3xtf32,
+    linear_parts_3xtf32,
+    linear_rows_3xtf32,
+    linear_rows_reference,
+    linear_rows_triton,
+)
+from trace_replay.kernels.deterministic_rms_norm import (
+    rms_norm_rows_reference,
+    rms_norm_rows_triton,
+)
 from trace_replay.kernels.deterministic_score import score_rows_triton
 from trace_replay.kernels.deterministic_score import supports as triton_scores
 from trace_replay.kernels.deterministic_tiled_attention import (
-    BLOCK_Q, attention_tiles_triton, tile_bounds)
+    BLOCK_Q,
+    attention_tiles_triton,
+    tile_bounds,
+)
 
 __all__ = ["DeterministicLlama", "KVCache", "RowObserver", "unsupported_reason"]
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
-_LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-          "input_layernorm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
-          "mlp.down_proj")
+_LAYER = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "input_layernorm",
+    "post_attention_layernorm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 def unsupported_reason(lm) -> str | None:
@@ -69,7 +99,6 @@ def unsupported_reason(lm) -> str | None:
     return None
 
 
-
 class RowObserver(Protocol):
     """Sees the rows of every :meth:`DeterministicLlama.forward` (layer attribution's hook).
 
@@ -91,8 +120,16 @@ class KVCache:
     Row ``rows`` (the last) is scratch: padding rows write and read there, nobody else.
     """
 
-    def __init__(self, layers: int, rows: int, kv_heads: int, slots: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        layers: int,
+        rows: int,
+        kv_heads: int,
+        slots: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         shape = (layers, rows + 1, kv_heads, slots, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -130,8 +167,9 @@ class DeterministicLlama:
         launches (RESULTS, Deterministic mode).
     """
 
-    def __init__(self, lm, *, triton: bool | None = None, linear: str | None = None,
-                 attention: str = "tiles") -> None:
+    def __init__(
+        self, lm, *, triton: bool | None = None, linear: str | None = None, attention: str = "tiles"
+    ) -> None:
         reason = unsupported_reason(lm)
         if reason is not None:
             raise ValueError(f"deterministic mode does not support {type(lm).__name__}: {reason}")
@@ -142,30 +180,34 @@ class DeterministicLlama:
         self.triton = (HAS_TRITON and on_cuda) if triton is None else triton
         self.blocks = RowBlocks.for_device(self.device)
         if attention not in DETERMINISTIC_ATTENTION:
-            raise ValueError(f"attention={attention!r}; choose one of "
-                             f"{', '.join(DETERMINISTIC_ATTENTION)}")
+            raise ValueError(
+                f"attention={attention!r}; choose one of {', '.join(DETERMINISTIC_ATTENTION)}"
+            )
         self.attention = attention
         if linear is None:
-            linear = ("3xtf32" if self.triton and on_cuda and self.dtype == torch.float32
-                      else "blocks")
+            linear = (
+                "3xtf32" if self.triton and on_cuda and self.dtype == torch.float32 else "blocks"
+            )
         if linear not in ("3xtf32", "blocks"):
             raise ValueError(f"linear={linear!r}; choose '3xtf32' or 'blocks'")
         if linear == "3xtf32" and (not self.triton or self.dtype != torch.float32):
-            raise ValueError("linear='3xtf32' needs a float32 model and the Triton kernels "
-                             f"(got {self.dtype}, triton={self.triton})")
+            raise ValueError(
+                "linear='3xtf32' needs a float32 model and the Triton kernels "
+                f"(got {self.dtype}, triton={self.triton})"
+            )
         self.linear_kind = linear  # "3xtf32", "blocks" or, below, "triton"
         if linear == "blocks":
             linears = [m.weight for m in lm.modules() if isinstance(m, torch.nn.Linear)]
             try:
-                self.blocks = replace(self.blocks,
-                                      linear=probe_linear(linears, self.blocks.linear))
+                self.blocks = replace(self.blocks, linear=probe_linear(linears, self.blocks.linear))
             except RuntimeError:
                 if not self.triton:
                     raise
                 self.linear_kind = "triton"  # the Triton GEMM is row-invariant by construction
         # rows of a forward are padded to this once (CUDA: GEMM blocks need no copies)
-        self.row_multiple = (min(self.blocks.linear) if on_cuda and self.linear_kind == "blocks"
-                             else 1)
+        self.row_multiple = (
+            min(self.blocks.linear) if on_cuda and self.linear_kind == "blocks" else 1
+        )
         config = lm.config
         attn = self.model.layers[0].self_attn
         self.num_layers = len(self.model.layers)
@@ -173,39 +215,62 @@ class DeterministicLlama:
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
         # each layer's projections as the fused path launches them: members side by side
         self._projections = [
-            {"qkv": (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
-             "o": (layer.self_attn.o_proj,), "gate_up": (layer.mlp.gate_proj, layer.mlp.up_proj),
-             "down": (layer.mlp.down_proj,)} for layer in self.model.layers]
-        self._grouped = [{which: len(group) == 1 or group_config_3xtf32(
-            [m.weight.shape[0] for m in group], group[0].weight.shape[1]) is not None
-            for which, group in layer.items()} for layer in self._projections]
-        self._biases = [{which: _joint_bias(group) for which, group in layer.items()}
-                        for layer in self._projections]
+            {
+                "qkv": (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                "o": (layer.self_attn.o_proj,),
+                "gate_up": (layer.mlp.gate_proj, layer.mlp.up_proj),
+                "down": (layer.mlp.down_proj,),
+            }
+            for layer in self.model.layers
+        ]
+        self._grouped = [
+            {
+                which: len(group) == 1
+                or group_config_3xtf32([m.weight.shape[0] for m in group], group[0].weight.shape[1])
+                is not None
+                for which, group in layer.items()
+            }
+            for layer in self._projections
+        ]
+        self._biases = [
+            {which: _joint_bias(group) for which, group in layer.items()}
+            for layer in self._projections
+        ]
         self._cos = self._sin = None
         self.observer: RowObserver | None = None  # see RowObserver; None costs nothing
 
     def describe(self) -> dict:
         """The arithmetic choices, for ``settings()`` (results depend on them)."""
         torch_rows = "torch, {} rows per call".format
-        linear = {"3xtf32": "triton 3xtf32, one configuration per weight shape",
-                  "triton": "triton"}.get(self.linear_kind)
-        return {"linear": linear or torch_rows(list(self.blocks.linear)),
-                "norm": "triton" if self.triton else torch_rows(self.blocks.rowwise),
-                "attention": (("triton" if self.attention == "rows"
-                               else f"triton, tiles of {BLOCK_Q} queries")
-                              if self.triton else torch_rows(self.blocks.attention)),
-                "key_block": BLOCK_N,
-                "score": ("triton (top_k <= 32; above, {})".format(torch_rows(self.blocks.score))
-                          if self.triton else torch_rows(self.blocks.score)),
-                "row_multiple": self.row_multiple}
+        linear = {
+            "3xtf32": "triton 3xtf32, one configuration per weight shape",
+            "triton": "triton",
+        }.get(self.linear_kind)
+        return {
+            "linear": linear or torch_rows(list(self.blocks.linear)),
+            "norm": "triton" if self.triton else torch_rows(self.blocks.rowwise),
+            "attention": (
+                ("triton" if self.attention == "rows" else f"triton, tiles of {BLOCK_Q} queries")
+                if self.triton
+                else torch_rows(self.blocks.attention)
+            ),
+            "key_block": BLOCK_N,
+            "score": (
+                f"triton (top_k <= 32; above, {torch_rows(self.blocks.score)})"
+                if self.triton
+                else torch_rows(self.blocks.score)
+            ),
+            "row_multiple": self.row_multiple,
+        }
 
     def new_cache(self, rows: int, slots: int) -> KVCache:
         """A cache of ``rows`` rows (plus scratch) and ``slots`` slots (a multiple of the key
         block); the rotary table grows to cover it (a position is at most its slot)."""
         if self._cos is None or self._cos.shape[0] < slots:
             self._cos, self._sin = self._rotary_table(slots)
-        return KVCache(self.num_layers, rows, self.num_kv_heads, slots, self.head_dim,
-                       self.dtype, self.device)
+        return KVCache(
+            self.num_layers, rows, self.num_kv_heads, slots, self.head_dim, self.dtype, self.device
+        )
 
     def score(self, logits: torch.Tensor, token_ids: torch.Tensor, top_k: int) -> TokenScores:
         """Row-invariant scoring: one Triton program per row
@@ -216,16 +281,23 @@ class DeterministicLlama:
         steps and prefill chunks score a row alike."""
         if self.triton and triton_scores(logits, top_k):
             scores = score_rows_triton(logits, token_ids, top_k)
-            return TokenScores(*scores, tail_logmass=tail_rows(logits, scores[2],
-                                                               self.blocks.score))
+            return TokenScores(
+                *scores, tail_logmass=tail_rows(logits, scores[2], self.blocks.score)
+            )
         return score_rows(logits, token_ids, top_k, self.blocks.score)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._linear(hidden, self.lm.lm_head)
 
-    def forward(self, cache: KVCache, tokens: torch.Tensor, cache_row: torch.Tensor,
-                slot: torch.Tensor, positions: torch.Tensor,
-                runs: list[int] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        cache: KVCache,
+        tokens: torch.Tensor,
+        cache_row: torch.Tensor,
+        slot: torch.Tensor,
+        positions: torch.Tensor,
+        runs: list[int] | None = None,
+    ) -> torch.Tensor:
         """Hidden states after the final norm, ``[R + padding, hidden]``; writes K/V first.
 
         All rows' keys of a layer are in the cache before any row of that layer attends, so
@@ -239,14 +311,18 @@ class DeterministicLlama:
             raise ValueError(f"runs cover {sum(runs)} rows; the forward has {tokens.shape[0]}")
         pad = -tokens.shape[0] % self.row_multiple
         if pad:
-            tokens, slot, positions = (torch.cat([t, t.new_zeros(pad)])
-                                       for t in (tokens, slot, positions))
+            tokens, slot, positions = (
+                torch.cat([t, t.new_zeros(pad)]) for t in (tokens, slot, positions)
+            )
             cache_row = torch.cat([cache_row, cache_row.new_full((pad,), cache.scratch)])
         rows = tokens.shape[0]
         tiles = None
         if self.triton and self.attention == "tiles":
-            tiles = (torch.arange(rows + 1, device=self.device) if runs is None else
-                     torch.tensor(tile_bounds([*runs, *[1] * pad]), device=self.device))
+            tiles = (
+                torch.arange(rows + 1, device=self.device)
+                if runs is None
+                else torch.tensor(tile_bounds([*runs, *[1] * pad]), device=self.device)
+            )
         see = self.observer
         if see is not None:
             see.begin(cache_row, positions)
@@ -268,10 +344,20 @@ class DeterministicLlama:
         h = self._norm(x, layers[0].input_layernorm)
         for i, layer in enumerate(layers):
             parts, bias = self._parts(h, i, "qkv")
-            q = rotary_cache_triton(parts, bias, self._cos, self._sin, positions, cache.k[i],
-                                    cache.v[i], cache_row, slot, self.num_heads, dtype)
-            out = self._attention(q, cache.k[i], cache.v[i], cache.valid, cache_row, slot,
-                                  tiles)
+            q = rotary_cache_triton(
+                parts,
+                bias,
+                self._cos,
+                self._sin,
+                positions,
+                cache.k[i],
+                cache.v[i],
+                cache_row,
+                slot,
+                self.num_heads,
+                dtype,
+            )
+            out = self._attention(q, cache.k[i], cache.v[i], cache.valid, cache_row, slot, tiles)
             if see is not None:
                 see.site(i, "input_norm", h)
             parts, bias = self._parts(out.view(rows, -1), i, "o")
@@ -301,37 +387,39 @@ class DeterministicLlama:
             v = self._linear(h, attn.v_proj).view(rows, kv_heads, dim)
             cache.k[i][cache_row, :, slot] = k
             cache.v[i][cache_row, :, slot] = v
-            out = self._attention(q, cache.k[i], cache.v[i], cache.valid, cache_row, slot,
-                                  tiles)
+            out = self._attention(q, cache.k[i], cache.v[i], cache.valid, cache_row, slot, tiles)
             attended = self._linear(out.view(rows, heads * dim), attn.o_proj)
             if see is not None:
                 see.site(i, "input_norm", h)
                 see.site(i, "attention", attended)
             x = x + attended
             h = self._norm(x, layer.post_attention_layernorm)
-            mixed = self._linear(silu_mul(self._linear(h, mlp.gate_proj),
-                                          self._linear(h, mlp.up_proj)), mlp.down_proj)
+            mixed = self._linear(
+                silu_mul(self._linear(h, mlp.gate_proj), self._linear(h, mlp.up_proj)),
+                mlp.down_proj,
+            )
             x = x + mixed
             if see is not None:
                 see.site(i, "mlp", mixed)
                 see.site(i, "residual", x)
         return self._norm(x, self.model.norm)
 
-    def _parts(self, x: torch.Tensor, layer: int,
-               which: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _parts(
+        self, x: torch.Tensor, layer: int, which: str
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(parts, bias)`` of a layer's projection ``which`` (``"qkv"``, ``"o"``,
         ``"gate_up"``, ``"down"``) of ``x``, members side by side: the 3xTF32 GEMM's
         unsummed partials and the members' bias (None without one) for the epilogue kernel
         to add; else each member's output, bias included, as one ``S = 1`` part."""
         modules = self._projections[layer][which]
         if self.linear_kind == "3xtf32" and self._grouped[layer][which]:
-            return (linear_parts_3xtf32(x, [m.weight for m in modules]),
-                    self._biases[layer][which])
+            return (linear_parts_3xtf32(x, [m.weight for m in modules]), self._biases[layer][which])
         outs = [self._linear(x, m) for m in modules]
         return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))[None], None
 
-    def _residual_norm(self, parts: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
-                       norm: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    def _residual_norm(
+        self, parts: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, norm: torch.nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
         return residual_norm_triton(parts, bias, x, norm.weight, eps)
 
@@ -350,17 +438,25 @@ class DeterministicLlama:
             out = linear_rows_reference(x, module.weight, self.blocks.linear)
         return out if module.bias is None else out + module.bias
 
-    def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   valid: torch.Tensor, cache_row: torch.Tensor, slot: torch.Tensor,
-                   tiles: torch.Tensor | None) -> torch.Tensor:
+    def _attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        valid: torch.Tensor,
+        cache_row: torch.Tensor,
+        slot: torch.Tensor,
+        tiles: torch.Tensor | None,
+    ) -> torch.Tensor:
         if tiles is not None:
-            return attention_tiles_triton(q, k_cache, v_cache, valid, cache_row, slot,
-                                          self.scaling, tiles)
+            return attention_tiles_triton(
+                q, k_cache, v_cache, valid, cache_row, slot, self.scaling, tiles
+            )
         if self.triton:
-            return attention_rows_triton(q, k_cache, v_cache, valid, cache_row, slot,
-                                         self.scaling)
-        return attention_rows_reference(q, k_cache, v_cache, valid, cache_row, slot,
-                                        self.scaling, self.blocks.attention)
+            return attention_rows_triton(q, k_cache, v_cache, valid, cache_row, slot, self.scaling)
+        return attention_rows_reference(
+            q, k_cache, v_cache, valid, cache_row, slot, self.scaling, self.blocks.attention
+        )
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[R, 1, D]`` looked up in the table (positions never exceed slots)."""
@@ -381,8 +477,9 @@ def _joint_bias(modules) -> torch.Tensor | None:
     """The members' biases side by side (zeros for a member without one), or None."""
     if all(m.bias is None for m in modules):
         return None
-    return torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.weight.shape[0])
-                      for m in modules]).detach()
+    return torch.cat(
+        [m.bias if m.bias is not None else m.weight.new_zeros(m.weight.shape[0]) for m in modules]
+    ).detach()
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -390,5 +487,3 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
-
-

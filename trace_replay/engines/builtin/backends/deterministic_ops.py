@@ -66,8 +66,9 @@ class RowBlocks:
         return RowBlocks(linear=LINEAR_MENU, rowwise=8, attention=8, score=8)
 
 
-def _row_bits(weight: torch.Tensor, row: torch.Tensor, size: int,
-              generator: torch.Generator) -> bytes | None:
+def _row_bits(
+    weight: torch.Tensor, row: torch.Tensor, size: int, generator: torch.Generator
+) -> bytes | None:
     """The bits ``row`` gets in a block of ``size`` rows, or None if they move with its place.
 
     The row is placed first, in the middle and last, with random neighbours each time.
@@ -110,9 +111,11 @@ def probe_linear(weights: Sequence[torch.Tensor], menu: Sequence[int]) -> tuple[
             if None not in bits:
                 groups.setdefault(bits, []).append(size)
     if not groups:
-        raise RuntimeError("deterministic mode: this machine's GEMM gives a row different bits "
-                           "at different positions of a fixed-shape block; batch invariance "
-                           "cannot be guaranteed here")
+        raise RuntimeError(
+            "deterministic mode: this machine's GEMM gives a row different bits "
+            "at different positions of a fixed-shape block; batch invariance "
+            "cannot be guaranteed here"
+        )
     best = max(groups.values(), key=lambda g: (g[0] <= 256, len(g), g[0]))
     return tuple(best)
 
@@ -122,8 +125,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return gate / (1 + torch.exp(-gate)) * up
 
 
-def score_rows(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int,
-               rows: int) -> TokenScores:
+def score_rows(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int, rows: int) -> TokenScores:
     """:func:`~trace_replay.engines.builtin.scoring.score_tokens` made row-invariant.
 
     The same quantities (log-softmax in float32, rank = 1 + strictly greater, top-k,
@@ -138,8 +140,8 @@ def score_rows(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int,
         token_ids = torch.cat([token_ids, token_ids.new_zeros(pad)])
     parts = []
     for start in range(0, count + pad, rows):
-        block = logits[start:start + rows].float()
-        ids = token_ids[start:start + rows]
+        block = logits[start : start + rows].float()
+        ids = token_ids[start : start + rows]
         logprobs = torch.log_softmax(block, dim=-1)
         logprob = logprobs.gather(1, ids[:, None]).squeeze(1)
         rank = (logprobs > logprob[:, None]).sum(dim=1) + 1
@@ -162,6 +164,9 @@ def tail_rows(logits: torch.Tensor, top_ids: torch.Tensor, rows: int) -> torch.T
     if pad:
         logits = torch.cat([logits, logits.new_zeros((pad, logits.shape[1]))])
         top_ids = torch.cat([top_ids, top_ids.new_zeros((pad, top_ids.shape[1]))])
-    return torch.cat([tail_logmass(logits[a:a + rows], top_ids[a:a + rows])
-                      for a in range(0, count + pad, rows)])[:count]
-
+    return torch.cat(
+        [
+            tail_logmass(logits[a : a + rows], top_ids[a : a + rows])
+            for a in range(0, count + pad, rows)
+        ]
+    )[:count]

@@ -18,8 +18,9 @@ __all__ = ["KINDS", "make_backend"]
 KINDS = ("auto", "hf", "static", "deterministic")
 
 
-def make_backend(kind: str, lm: torch.nn.Module, pad_id: int,
-                 options: BackendOptions = BackendOptions()) -> Backend:
+def make_backend(
+    kind: str, lm: torch.nn.Module, pad_id: int, options: BackendOptions = BackendOptions()
+) -> Backend:
     """The backend ``kind`` (one of :data:`KINDS`) over ``lm``, checked.
 
     Parameters
@@ -48,13 +49,18 @@ def make_backend(kind: str, lm: torch.nn.Module, pad_id: int,
     elif kind == "static":
         from trace_replay.engines.builtin.backends.static import StaticCacheBackend
 
-        backend = StaticCacheBackend(lm, pad_id, max_query_len=options.max_query_len,
-                                     float32_matmul=options.float32_matmul,
-                                     batch1_fusions=options.batch1_fusions)
+        backend = StaticCacheBackend(
+            lm,
+            pad_id,
+            max_query_len=options.max_query_len,
+            float32_matmul=options.float32_matmul,
+            batch1_fusions=options.batch1_fusions,
+        )
     else:
         from trace_replay.engines.builtin.backends.deterministic import DeterministicBackend
 
-        backend = DeterministicBackend(lm, max_query_len=options.max_query_len,
-                                   attention=options.deterministic_attention)
+        backend = DeterministicBackend(
+            lm, max_query_len=options.max_query_len, attention=options.deterministic_attention
+        )
     check_backend(backend)
     return backend

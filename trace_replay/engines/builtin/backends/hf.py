@@ -39,12 +39,13 @@ class HFBackend:
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = 1
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
-        out = self.lm(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                      use_cache=True)
+        out = self.lm(
+            input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True
+        )
         self.forwards += 1
         self._cache, self._mask = out.past_key_values, mask
         return out.logits[:, -1]
@@ -52,15 +53,20 @@ class HFBackend:
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Feed ``tokens`` ``[B, q]`` at ``positions`` ``[B, q]``; return ``[B, q, V]`` logits."""
         self._mask = torch.cat([self._mask, self._mask.new_ones(tokens.shape)], dim=1)
-        out = self.lm(input_ids=tokens, attention_mask=self._mask, position_ids=positions,
-                      past_key_values=self._cache, use_cache=True)
+        out = self.lm(
+            input_ids=tokens,
+            attention_mask=self._mask,
+            position_ids=positions,
+            past_key_values=self._cache,
+            use_cache=True,
+        )
         self.forwards += 1
         self._cache = out.past_key_values
         return out.logits
 
     def keep(self, keep: torch.Tensor) -> None:
         """``keep`` ``[B, q]`` bool: which tokens of the last ``decode`` stay in context."""
-        self._mask[:, -keep.shape[1]:] = keep.to(self._mask.dtype)
+        self._mask[:, -keep.shape[1] :] = keep.to(self._mask.dtype)
 
     def settings(self) -> dict:
         """Nothing to add: the model's own forward, no choice of the backend's."""

@@ -19,8 +19,11 @@ __all__ = ["PackedLinears", "packed_linears_available"]
 
 def packed_linears_available(dtype: torch.dtype) -> bool:
     """Whether this torch can pack ``dtype`` weights for oneDNN (float32 with mkldnn)."""
-    return (dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return (
+        dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
 
 
 class PackedLinears:
@@ -38,11 +41,15 @@ class PackedLinears:
         # id(weight) -> (weight, its version when packed, packed copy)
         self._packed: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         entry = self._packed.get(id(weight))
         if entry is None or entry[1] != weight._version:
-            entry = (weight, weight._version,
-                     torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+            entry = (
+                weight,
+                weight._version,
+                torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None),
+            )
             self._packed[id(weight)] = entry
         return torch.ops.mkldnn._linear_pointwise(x, entry[2], bias, "none", [], "")

@@ -37,9 +37,11 @@ import torch
 
 from trace_replay.engines.base import Activations
 from trace_replay.engines.builtin.backends.base import check_float32_matmul
-from trace_replay.engines.builtin.backends.packed_linear import (PackedLinears,
-                                                                packed_linears_available)
 from trace_replay.engines.builtin.backends.captured_step import StepGraph, capture, capture_step
+from trace_replay.engines.builtin.backends.packed_linear import (
+    PackedLinears,
+    packed_linears_available,
+)
 from trace_replay.engines.builtin.backends.static_cache import StaticKVCache, register_attention
 from trace_replay.engines.builtin.backends.static_view import layer_forward, model_view
 from trace_replay.engines.builtin.passes.compiling import compile_function, layer_passes
@@ -142,9 +144,16 @@ class StaticCacheBackend:
         (default: yes). Other dtypes and the CPU ignore it.
     """
 
-    def __init__(self, lm, pad_id: int, *, max_query_len: int = 1,
-                 cuda_graphs: bool | None = None, float32_matmul: str = "3xtf32",
-                 batch1_fusions: bool = True) -> None:
+    def __init__(
+        self,
+        lm,
+        pad_id: int,
+        *,
+        max_query_len: int = 1,
+        cuda_graphs: bool | None = None,
+        float32_matmul: str = "3xtf32",
+        batch1_fusions: bool = True,
+    ) -> None:
         if not supports(lm):
             raise ValueError(f"{type(lm).__name__} is not a model the static backend supports")
         param = next(lm.parameters())
@@ -158,8 +167,11 @@ class StaticCacheBackend:
         self.pad_id = pad_id
         self.max_query_len = max_query_len
         # the 3xTF32 linears are the kernel's on CUDA only (the CPU reference is F.linear)
-        self.tensor_cores = (float32_matmul == "3xtf32" and self.dtype == torch.float32
-                             and self.device.type == "cuda")
+        self.tensor_cores = (
+            float32_matmul == "3xtf32"
+            and self.dtype == torch.float32
+            and self.device.type == "cuda"
+        )
         # the linears' product in the view: 3xTF32, the one-row GEMV (half precision on
         # CUDA; more rows go on to cuBLAS), or None: the model's own nn.Linear
         self.product = None
@@ -170,9 +182,11 @@ class StaticCacheBackend:
         elif self.device.type == "cpu" and packed_linears_available(self.dtype):
             self.product = PackedLinears()
         self.batch1_fusions = batch1_fusions
-        self.name = ("static+compiled" if self.cuda_graphs else "static") + (
-            "+3xtf32" if self.tensor_cores else "") + (
-            "+onednn" if isinstance(self.product, PackedLinears) else "")
+        self.name = (
+            ("static+compiled" if self.cuda_graphs else "static")
+            + ("+3xtf32" if self.tensor_cores else "")
+            + ("+onednn" if isinstance(self.product, PackedLinears) else "")
+        )
         self.score = scorer_for(self.device)
         self.forwards = 0
         self.compile_seconds = 0.0
@@ -199,9 +213,11 @@ class StaticCacheBackend:
 
     def activations(self) -> Activations:
         """None to give: the compiled, graph-captured steps call no module."""
-        raise NotImplementedError("the static backend's compiled, graph-captured steps run "
-                                  "no Python forward hooks; build the engine with "
-                                  "backend='hf'")
+        raise NotImplementedError(
+            "the static backend's compiled, graph-captured steps run "
+            "no Python forward hooks; build the engine with "
+            "backend='hf'"
+        )
 
     @property
     def shape(self) -> tuple[int, int] | None:
@@ -228,8 +244,8 @@ class StaticCacheBackend:
         tokens = torch.full((rows, width), self.pad_id, dtype=torch.long)
         present = torch.zeros((rows, width), dtype=torch.bool)
         for row, prompt in enumerate(prompts):
-            tokens[row, width - len(prompt):] = torch.tensor(prompt)
-            present[row, width - len(prompt):] = True
+            tokens[row, width - len(prompt) :] = torch.tensor(prompt)
+            present[row, width - len(prompt) :] = True
         tokens, present = tokens.to(self.device), present.to(self.device)
         positions = (present.long().cumsum(1) - 1).clamp(min=0)
         if not self.cuda_graphs:
@@ -251,8 +267,10 @@ class StaticCacheBackend:
         """Feed ``tokens`` ``[B, q]`` at ``positions`` ``[B, q]``; return ``[B, q, V]`` logits."""
         batch, q = tokens.shape
         if q > self.max_query_len:
-            raise ValueError(f"decode of {q} tokens per row; the cache was sized for "
-                             f"max_query_len={self.max_query_len}")
+            raise ValueError(
+                f"decode of {q} tokens per row; the cache was sized for "
+                f"max_query_len={self.max_query_len}"
+            )
         self.forwards += 1
         if not self.cuda_graphs:
             rows = self.cache.shape[0]
@@ -279,17 +297,31 @@ class StaticCacheBackend:
         self.cache = None  # free before allocating the new one
         config = self.lm.config
         attn = self.lm.model.layers[0].self_attn
-        head_dim = (getattr(attn, "head_dim", None)
-                    or config.hidden_size // config.num_attention_heads)
-        self.cache = StaticKVCache(len(self.lm.model.layers), batch, config.num_key_value_heads,
-                                   length, head_dim, self.dtype, self.device)
+        head_dim = (
+            getattr(attn, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        self.cache = StaticKVCache(
+            len(self.lm.model.layers),
+            batch,
+            config.num_key_value_heads,
+            length,
+            head_dim,
+            self.dtype,
+            self.device,
+        )
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         # prefill graphs apart: a decode graph must never write where a prefill's
         # output, still to be read, lives (and the other way round)
         self._prefill_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, *,
-                 present: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+    def _forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        present: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor:
         """Logits ``[rows, q or logits_to_keep, V]`` of a forward over all cache rows.
 
         ``present`` (prefill) marks left padding, which stays out of context. Capturable
@@ -300,9 +332,14 @@ class StaticCacheBackend:
         if present is not None:
             cache.valid[:, : present.shape[1]] = present
         masks = {kind: cache.mask(positions, window) for kind, window in self.windows.items()}
-        out = self.view(input_ids=tokens, position_ids=positions,
-                        attention_mask=masks.get("", masks), past_key_values=cache,
-                        use_cache=True, logits_to_keep=logits_to_keep)
+        out = self.view(
+            input_ids=tokens,
+            position_ids=positions,
+            attention_mask=masks.get("", masks),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        )
         cache.finish()
         return out.logits
 
@@ -329,8 +366,13 @@ class StaticCacheBackend:
         cache = self.cache
         with self._compiled():  # the warm-up inside compiles the layers
             self._graphs[q] = graph = capture_step(
-                self._forward, cache.shape[0], q, (cache.cursor, cache.valid, cache.slot_pos),
-                pad_id=self.pad_id, pool=self._pool)
+                self._forward,
+                cache.shape[0],
+                q,
+                (cache.cursor, cache.valid, cache.slot_pos),
+                pad_id=self.pad_id,
+                pool=self._pool,
+            )
         return graph
 
 
@@ -346,8 +388,9 @@ def _capture_prefill_of(backend: StaticCacheBackend, width: int) -> _PrefillGrap
         cache.reset()
         return backend._forward(tokens, positions, present=present, logits_to_keep=1)
 
-    graph, logits = capture(prefill, (cache.cursor, cache.valid, cache.slot_pos),
-                            pool=backend._prefill_pool)
+    graph, logits = capture(
+        prefill, (cache.cursor, cache.valid, cache.slot_pos), pool=backend._prefill_pool
+    )
     return _PrefillGraph(graph, tokens, positions, present, logits)
 
 
@@ -360,8 +403,9 @@ class _PrefillGraph(NamedTuple):
     present: torch.Tensor
     logits: torch.Tensor
 
-    def launch(self, tokens: torch.Tensor, positions: torch.Tensor,
-               present: torch.Tensor) -> torch.Tensor:
+    def launch(
+        self, tokens: torch.Tensor, positions: torch.Tensor, present: torch.Tensor
+    ) -> torch.Tensor:
         self.tokens.copy_(tokens)
         self.positions.copy_(positions)
         self.present.copy_(present)
@@ -377,8 +421,9 @@ def _compile_layer(fusions: bool):
     A declared per-process cache: dynamo keeps graphs per code object and backend, so a
     compile per backend would compile every shape again (start-up of each engine).
     """
-    return compile_function(layer_forward, fullgraph=True, dynamic=False,
-                            options=layer_passes(fusions))
+    return compile_function(
+        layer_forward, fullgraph=True, dynamic=False, options=layer_passes(fusions)
+    )
 
 
 def _bucket(length: int) -> int:

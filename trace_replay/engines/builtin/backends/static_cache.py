@@ -20,8 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from trace_replay.kernels.cache_attention import (MAX_QUERY_ROWS, cache_attention,
-                                                  cache_attention_reference, grouped_mask)
+from trace_replay.kernels.cache_attention import (
+    MAX_QUERY_ROWS,
+    cache_attention,
+    cache_attention_reference,
+    grouped_mask,
+)
 
 __all__ = ["ATTENTION", "LayerCache", "StaticKVCache", "grouped_attention", "register_attention"]
 
@@ -35,10 +39,17 @@ def register_attention() -> None:
     AttentionInterface.register(ATTENTION, grouped_attention)
 
 
-def grouped_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor, scaling: float | None = None,
-                      dropout: float = 0.0, softcap: float | None = None,
-                      **kwargs) -> tuple[torch.Tensor, None]:
+def grouped_attention(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """Attention of ``query [B, H, q, D]`` over the cache ``key, value [B, H_kv, L, D]``.
 
     The ``H / H_kv`` query heads that share a kv head are stacked as ``g * q`` query rows of
@@ -61,8 +72,14 @@ def grouped_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     if softcap is None:
         scale = dim**-0.5 if scaling is None else scaling
         if query.is_cuda and groups * q <= MAX_QUERY_ROWS:
-            out = cache_attention(query, key, value, attention_mask, scale,
-                                  precision=getattr(module, "float32_dots", "ieee"))
+            out = cache_attention(
+                query,
+                key,
+                value,
+                attention_mask,
+                scale,
+                precision=getattr(module, "float32_dots", "ieee"),
+            )
         else:
             out = cache_attention_reference(query, key, value, attention_mask, scale)
     else:
@@ -77,12 +94,14 @@ def grouped_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
 class LayerCache:
     """One layer's view of :class:`StaticKVCache`: what an attention module's ``update`` sees."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
-                 slots: torch.Tensor) -> None:
+    def __init__(
+        self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor
+    ) -> None:
         self.keys, self.values, self.rows, self.slots = keys, values, rows, slots
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
-               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``[B, H_kv, q, D]`` at each row's slots; return the whole layer cache."""
         self.keys[self.rows, :, self.slots] = key_states.transpose(1, 2)
         self.values[self.rows, :, self.slots] = value_states.transpose(1, 2)
@@ -99,8 +118,16 @@ class StaticKVCache:
     the last one, which the caller's sizing keeps unused.
     """
 
-    def __init__(self, num_layers: int, rows: int, kv_heads: int, length: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        rows: int,
+        kv_heads: int,
+        length: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         shape = (rows, kv_heads, length, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

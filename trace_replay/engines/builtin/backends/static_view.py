@@ -27,8 +27,15 @@ from trace_replay.engines.builtin.backends.static_cache import ATTENTION
 from trace_replay.engines.builtin.passes import batch1_fusions
 from trace_replay.kernels.gemv import gemv
 
-__all__ = ["KernelLinear", "LayerRunner", "kernel_layer", "kernel_modules", "layer_forward",
-           "model_view", "shallow"]
+__all__ = [
+    "KernelLinear",
+    "LayerRunner",
+    "kernel_layer",
+    "kernel_modules",
+    "layer_forward",
+    "model_view",
+    "shallow",
+]
 
 
 def shallow(module: torch.nn.Module) -> torch.nn.Module:
@@ -62,8 +69,11 @@ def kernel_modules(module: torch.nn.Module, product) -> torch.nn.Module:
     :class:`KernelLinear` of ``product`` (copies along the way; the model is untouched)."""
     if isinstance(module, torch.nn.Linear):
         return KernelLinear(module, product)
-    children = {name: kernel_modules(child, product) for name, child in module._modules.items()
-                if child is not None}
+    children = {
+        name: kernel_modules(child, product)
+        for name, child in module._modules.items()
+        if child is not None
+    }
     if all(children[name] is module._modules[name] for name in children):
         clone = module
     else:

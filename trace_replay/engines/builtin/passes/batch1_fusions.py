@@ -29,15 +29,33 @@ from trace_replay.kernels.rms_norm import Norm, rms_norm
 __all__ = ["GatedMLP", "KernelRMSNorm", "fuse_layer", "gated_activation", "passes"]
 
 # MLP classes whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``
-GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "GemmaMLP", "Gemma2MLP",
-              "Gemma3MLP")
+GATED_MLPS = (
+    "LlamaMLP",
+    "MistralMLP",
+    "Qwen2MLP",
+    "Qwen3MLP",
+    "GemmaMLP",
+    "Gemma2MLP",
+    "Gemma3MLP",
+)
 # RMSNorm classes, by what their weight is offset by (Gemma's scale is ``1 + weight``)
-RMS_NORMS = {"LlamaRMSNorm": 0.0, "MistralRMSNorm": 0.0, "Qwen2RMSNorm": 0.0,
-             "Qwen3RMSNorm": 0.0, "GemmaRMSNorm": 1.0, "Gemma2RMSNorm": 1.0,
-             "Gemma3RMSNorm": 1.0}
+RMS_NORMS = {
+    "LlamaRMSNorm": 0.0,
+    "MistralRMSNorm": 0.0,
+    "Qwen2RMSNorm": 0.0,
+    "Qwen3RMSNorm": 0.0,
+    "GemmaRMSNorm": 1.0,
+    "Gemma2RMSNorm": 1.0,
+    "Gemma3RMSNorm": 1.0,
+}
 # activation classes (transformers' and torch's) by the kernel's name for their function
-_ACTIVATIONS = {"SiLUActivation": "silu", "SiLU": "silu", "GELUTanh": "gelu_tanh",
-                "PytorchGELUTanh": "gelu_tanh", "NewGELUActivation": "gelu_tanh"}
+_ACTIVATIONS = {
+    "SiLUActivation": "silu",
+    "SiLU": "silu",
+    "GELUTanh": "gelu_tanh",
+    "PytorchGELUTanh": "gelu_tanh",
+    "NewGELUActivation": "gelu_tanh",
+}
 
 
 class GatedMLP(torch.nn.Module):

@@ -14,12 +14,17 @@ import torch
 __all__ = ["VIEWS", "arguments"]
 
 # the reshapes a pass looks through
-VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
-         torch.ops.aten.reshape.default)
+VIEWS = (
+    torch.ops.aten.view.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.reshape.default,
+)
 
 
 def arguments(node: torch.fx.Node, *names: str) -> tuple:
     """The call's arguments ``names`` (its schema's first ones, in order), positional or
     keyword; None for one it leaves out."""
-    return tuple(node.args[i] if i < len(node.args) else node.kwargs.get(name)
-                 for i, name in enumerate(names))
+    return tuple(
+        node.args[i] if i < len(node.args) else node.kwargs.get(name)
+        for i, name in enumerate(names)
+    )

@@ -69,10 +69,12 @@ class _Kind(NamedTuple):
 
 
 _KINDS = {
-    torch.ops.trace_replay.fp32_linear_partials.default:
-        _Kind(torch.ops.trace_replay.fp32_linear_group_partials.default, split=True),
-    torch.ops.trace_replay.gemv.default:
-        _Kind(torch.ops.trace_replay.gemv_group.default, split=False),
+    torch.ops.trace_replay.fp32_linear_partials.default: _Kind(
+        torch.ops.trace_replay.fp32_linear_group_partials.default, split=True
+    ),
+    torch.ops.trace_replay.gemv.default: _Kind(
+        torch.ops.trace_replay.gemv_group.default, split=False
+    ),
 }
 
 
@@ -96,7 +98,7 @@ class GroupLinears(CustomGraphPass):
         for (target, _, _, _, no_bias, key), members in candidates.items():
             x = arguments(members[0], "x")[0]
             for start in range(0, len(members) - 1, _MOST):
-                chunk = members[start:start + _MOST]
+                chunk = members[start : start + _MOST]
                 if len(chunk) > 1:
                     _group(graph, order, _KINDS[target], x, chunk, key, no_bias)
 
@@ -114,8 +116,15 @@ def _source(x: torch.fx.Node) -> tuple:
     return x, tuple(val.shape), tuple(val.stride())
 
 
-def _group(graph: torch.fx.Graph, order: dict, kind: _Kind, x: torch.fx.Node, members: list,
-           key: tuple, no_bias: bool) -> None:
+def _group(
+    graph: torch.fx.Graph,
+    order: dict,
+    kind: _Kind,
+    x: torch.fx.Node,
+    members: list,
+    key: tuple,
+    no_bias: bool,
+) -> None:
     _, weights, biases = zip(*(arguments(node, "x", "weight", "bias") for node in members))
     weights, biases = list(weights), [] if no_bias else list(biases)
     first = members[0]
@@ -128,13 +137,20 @@ def _group(graph: torch.fx.Graph, order: dict, kind: _Kind, x: torch.fx.Node, me
         group = graph.call_function(kind.group, kind.call(x, weights, biases, key))
     fake_mode = x.meta["val"].fake_mode
     with fake_mode:
-        group.meta["val"] = kind.group(*kind.call(x.meta["val"], [w.meta["val"] for w in weights],
-                                                  [b.meta["val"] for b in biases], key))
+        group.meta["val"] = kind.group(
+            *kind.call(
+                x.meta["val"],
+                [w.meta["val"] for w in weights],
+                [b.meta["val"] for b in biases],
+                key,
+            )
+        )
     start = 0
     for node, width in zip(members, cols):
         with graph.inserting_before(node):
-            part = graph.call_function(torch.ops.aten.slice.Tensor,
-                                       (group, kind.dim, start, start + width))
+            part = graph.call_function(
+                torch.ops.aten.slice.Tensor, (group, kind.dim, start, start + width)
+            )
         with fake_mode:
             part.meta["val"] = group.meta["val"].narrow(kind.dim, start, width)
         node.replace_all_uses_with(part)

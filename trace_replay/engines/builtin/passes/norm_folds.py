@@ -48,8 +48,11 @@ def _from_gated(node: torch.fx.Node, x, norm: tuple) -> tuple:
 
 
 # the GEMV operators a norm folds into, each with its rewrite: (normed operator, arguments)
-_FOLDS = {_ops.gemv.default: _from_gemv, _ops.gemv_group.default: _from_group,
-          _ops.gated_gemv.default: _from_gated}
+_FOLDS = {
+    _ops.gemv.default: _from_gemv,
+    _ops.gemv_group.default: _from_group,
+    _ops.gated_gemv.default: _from_gated,
+}
 
 
 class FoldNorms(CustomGraphPass):
@@ -64,8 +67,9 @@ class FoldNorms(CustomGraphPass):
                     _fold(graph, node, uses)
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__, _gemv.__file__, _gated_gemv.__file__,
-                                   _rms_norm.__file__))
+        return get_hash_for_files(
+            (__file__, _gemv.__file__, _gated_gemv.__file__, _rms_norm.__file__)
+        )
 
 
 def _uses(norm: torch.fx.Node) -> list[torch.fx.Node] | None:
@@ -78,9 +82,12 @@ def _uses(norm: torch.fx.Node) -> list[torch.fx.Node] | None:
         for user in node.users:
             if user.target in VIEWS:
                 frontier.append(user)
-            elif (user.target in _FOLDS and arguments(user, "x")[0] is node
-                  and node.meta["val"].shape == shape
-                  and not any(a is node for a in list(user.args[1:]) + list(user.kwargs.values()))):
+            elif (
+                user.target in _FOLDS
+                and arguments(user, "x")[0] is node
+                and node.meta["val"].shape == shape
+                and not any(a is node for a in list(user.args[1:]) + list(user.kwargs.values()))
+            ):
                 found.append(user)
             else:
                 return None

@@ -64,8 +64,11 @@ def _foldable(add: torch.fx.Node, gemv: torch.fx.Node, other) -> bool:
     if not isinstance(other, torch.fx.Node) or "val" not in other.meta:
         return False
     out, product, residual = add.meta["val"], gemv.meta["val"], other.meta["val"]
-    return (residual.shape == out.shape and out.numel() == product.numel()
-            and residual.dtype == out.dtype == product.dtype)
+    return (
+        residual.shape == out.shape
+        and out.numel() == product.numel()
+        and residual.dtype == out.dtype == product.dtype
+    )
 
 
 def _fold(graph: torch.fx.Graph, add: torch.fx.Node, chain: list, other: torch.fx.Node) -> None:
@@ -74,17 +77,21 @@ def _fold(graph: torch.fx.Graph, add: torch.fx.Node, chain: list, other: torch.f
     product = gemv.meta["val"]
     fake_mode = product.fake_mode
     with graph.inserting_before(add):
-        residual = graph.call_function(torch.ops.aten.reshape.default,
-                                       (other, list(product.shape)))
-        fused = graph.call_function(torch.ops.trace_replay.gemv_add.default,
-                                    (x, weight, bias, residual))
-        out = graph.call_function(torch.ops.aten.reshape.default,
-                                  (fused, list(add.meta["val"].shape)))
+        residual = graph.call_function(torch.ops.aten.reshape.default, (other, list(product.shape)))
+        fused = graph.call_function(
+            torch.ops.trace_replay.gemv_add.default, (x, weight, bias, residual)
+        )
+        out = graph.call_function(
+            torch.ops.aten.reshape.default, (fused, list(add.meta["val"].shape))
+        )
     with fake_mode:
         residual.meta["val"] = other.meta["val"].reshape(product.shape)
         fused.meta["val"] = torch.ops.trace_replay.gemv_add.default(
-            x.meta["val"], weight.meta["val"], None if bias is None else bias.meta["val"],
-            residual.meta["val"])
+            x.meta["val"],
+            weight.meta["val"],
+            None if bias is None else bias.meta["val"],
+            residual.meta["val"],
+        )
         out.meta["val"] = fused.meta["val"].reshape(add.meta["val"].shape)
     add.replace_all_uses_with(out)
     graph.erase_node(add)
