@@ -42,13 +42,13 @@ big)
   ;;
 tests)
   # the GPU paths: captured steps (both backends, forced steps), CUDA scoring and top-k, the kernels
-  timeout 400 python3 -m pytest -v -p no:cacheprovider -m gpu tests/engines/test_captured_step.py \
-    tests/engines/test_decode.py tests/engines/test_static_backend.py tests/engines/test_scoring.py tests/kernels/test_kernels.py tests/engines/test_replay_state.py \
-    tests/engines/test_prefill.py -k "${TESTS:-.}" 2>&1 | grep -E "PASS|FAIL|Error|error|passed|failed" | tee "$out/gpu_tests.txt"
+  timeout 400 python3 -m pytest -v -p no:cacheprovider -m gpu tests/engines/builtin/backends/test_captured_step.py \
+    tests/engines/builtin/test_decode.py tests/engines/builtin/backends/test_static_backend.py tests/engines/builtin/test_scoring.py tests/kernels/test_kernels.py tests/engines/test_replay_state.py \
+    tests/engines/builtin/test_prefill.py -k "${TESTS:-.}" 2>&1 | grep -E "PASS|FAIL|Error|error|passed|failed" | tee "$out/gpu_tests.txt"
   # the kernels' and the state's CUDA cases are not gpu-marked (a device parameter instead)
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_top_k.py tests/kernels/test_kernels.py tests/engines/test_replay_state.py tests/kernels/test_cache_attention.py tests/kernels/test_fp32_linear.py tests/engines/test_linear_groups.py \
-    tests/kernels/test_gemv.py tests/kernels/test_gated_gemv.py tests/engines/test_residual_adds.py tests/engines/test_norm_folds.py \
-    tests/engines/test_deterministic_ops.py tests/kernels/test_deterministic_kernels.py -k cuda 2>&1 | tail -5 | tee -a "$out/gpu_tests.txt"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_top_k.py tests/kernels/test_kernels.py tests/engines/test_replay_state.py tests/kernels/test_cache_attention.py tests/kernels/test_fp32_linear.py tests/engines/builtin/passes/test_linear_groups.py \
+    tests/kernels/test_gemv.py tests/kernels/test_gated_gemv.py tests/engines/builtin/passes/test_residual_adds.py tests/engines/builtin/passes/test_norm_folds.py \
+    tests/engines/builtin/backends/test_deterministic_ops.py tests/kernels/test_deterministic_kernels.py -k cuda 2>&1 | tail -5 | tee -a "$out/gpu_tests.txt"
   # deterministic mode's CUDA kernels (their device is the module's, not a parameter) and its
   # bitwise promises end to end with the CUDA arithmetic
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_deterministic_kernels.py \

@@ -195,6 +195,29 @@ def _too_deep(source: str, most: int) -> list[str]:
 _DEEP_FOR_NOW = {"runs/cluster_replay.py: _run"}
 
 
+TESTS = Path(__file__).resolve().parent
+# test folders that mirror no package folder: the GPU suite and the browser test's notebook
+OWN_TEST_FOLDERS = {"gpu", "browser"}
+
+
+def folders(root: Path) -> set[str]:
+    """Subfolders of ``root`` that hold Python files, relative to it."""
+    return {
+        str(p.parent.relative_to(root))
+        for p in root.rglob("*.py")
+        if "__pycache__" not in p.parts and p.parent != root
+    }
+
+
+def test_tests_mirror_the_package_folder_for_folder():
+    """Every package folder with modules has its test folder, and every test folder (but the GPU
+    suite and the browser's) names a package folder: tests/engines/vllm for engines/vllm."""
+    package, tests = folders(PACKAGE), folders(TESTS)
+    own = {t for t in tests if t.split("/")[0] in OWN_TEST_FOLDERS}
+    assert sorted(package - tests) == [], "package folders without a test folder"
+    assert sorted(tests - own - package) == [], "test folders that mirror no package folder"
+
+
 def test_no_function_in_runs_nests_deeper_than_three_blocks():
     """runs/ reads top to bottom: no function nests its blocks (if, for, while, with, try,
     def) more than three deep (issue 56: replay's loop nested five deep with two closures)."""

@@ -12,7 +12,7 @@ import pytest
 from trace_replay import datasets
 from trace_replay.traces.sets import load_traces
 
-README = Path(__file__).resolve().parents[1] / "data" / "README.md"
+README = Path(__file__).resolve().parents[2] / "data" / "README.md"
 # (dataset, source) -> (rows, id prefix, max trace tokens), as stated in data/README.md
 FILES = {
     ("humaneval", "human"): (24, "he-human/", 128),
