@@ -193,3 +193,19 @@ def test_chunked_argmax_is_argmax(device, dtype):
     assert torch.equal(greedy_tokens(logits), want)
     wide = torch.randn(3, 128256, generator=gen).to(device, dtype)  # Llama-3's vocabulary
     assert torch.equal(greedy_tokens(wide), wide.argmax(dim=-1))
+
+
+def test_fused_tail_matches_tail_logmass_even_below_float32_range():
+    """score_tokens' tail (the entropy pass's exp, top-k zeroed, summed) is tail_logmass's
+    within float32 rounding, rows whose rest mass is subnormal in float32 included (they
+    fall back to logsumexp, so ~1e-43 is not recorded as mass 0)."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 5000, generator=gen) * 4
+    logits[2] = 0.0
+    logits[2, 7] = 110.0  # rest ~ 5e3 * exp(-110): far below float32's smallest normal
+    logits[4, :3] = 200.0  # a top-3 holding all the mass but ~1e-84
+    tokens = torch.tensor([0, 1, 7, 3, 0, 5])
+    got = score_tokens(logits, tokens, 3).tail_logmass
+    want = tail_logmass(torch.log_softmax(logits, dim=-1), logits.topk(3, dim=-1).indices)
+    torch.testing.assert_close(got, want, atol=4e-6, rtol=1e-6)
+    assert torch.isfinite(got).all() and got[2] < -100 and got[4] < -180
