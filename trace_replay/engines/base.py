@@ -13,9 +13,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from typing import Self  # 3.11; read by the type checker only
 
 from trace_replay.engines.capabilities import (
     Activations,
@@ -264,7 +267,7 @@ class EngineBase(ABC):
         """Release what the engine holds; a closed engine cannot run again
         (:class:`EngineClosed`)."""
 
-    def __enter__(self) -> EngineBase:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

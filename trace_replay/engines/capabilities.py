@@ -89,8 +89,9 @@ class BatchHooks(Protocol):
 
 
 def protocol_members(protocol: type, dunders: Sequence[str] = ()) -> tuple[str, ...]:
-    """Every member ``protocol`` declares, sorted: its annotated attributes and its public
-    methods, with the special methods named in ``dunders``."""
+    """Every member ``protocol`` declares, sorted: its annotated attributes, its properties
+    (read-only attributes) and its public methods, with the special methods named in
+    ``dunders``."""
     return tuple(
         sorted(
             {
@@ -98,7 +99,9 @@ def protocol_members(protocol: type, dunders: Sequence[str] = ()) -> tuple[str, 
                 *(
                     name
                     for name, value in vars(protocol).items()
-                    if inspect.isfunction(value) and (not name.startswith("_") or name in dunders)
+                    if isinstance(value, property)
+                    or inspect.isfunction(value)
+                    and (not name.startswith("_") or name in dunders)
                 ),
             }
         )

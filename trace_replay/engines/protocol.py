@@ -13,9 +13,12 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from typing import Self  # 3.11; read by the type checker only
 
 __all__ = ["BatchFailed", "Engine", "ReplayRequest", "TraceResult", "missing_members"]
 
@@ -90,7 +93,11 @@ class Engine(Protocol):
     deterministic: bool  # batch-invariant arithmetic was asked for
     selected_by: str | None  # how make_engine("auto", ...) chose this engine, else None
     tokenizer: Any  # the model's; text traces are tokenized with it
-    vocab_size: int | None  # logits per step, the bound of ``rank`` (None: unknown)
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Logits per step, the bound of ``rank`` (None: unknown); read-only, so an engine
+        may derive it from its model."""
 
     def settings(self) -> dict[str, Any]: ...
 
@@ -104,7 +111,7 @@ class Engine(Protocol):
 
     def close(self) -> None: ...
 
-    def __enter__(self) -> Engine: ...
+    def __enter__(self) -> Self: ...
 
     def __exit__(self, *exc_info: object) -> None: ...
 
