@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import sys
 
+import numpy as np
 import pytest
 
 widgets = pytest.importorskip("ipywidgets", reason="explorer tests need ipywidgets")
@@ -136,3 +137,127 @@ def test_a_lower_bound_rank_reads_as_a_bound(replay_df):
     ex.step_slider.value = 5
     assert "rank &gt;20" in ex.topk_html.value or "rank >20" in ex.topk_html.value
     assert "rank 21<" not in ex.topk_html.value
+
+
+# --- full distributions and MoE routing, from a real paired replay of a tiny random MoE ---
+
+MOE_TRACES = [
+    {"id": "a", "prompt": "The capital of France is", "completion": " Paris, a city"},
+    {"id": "b", "prompt": "One, two,", "completion": " three, four, five"},
+]
+
+
+@pytest.fixture(scope="module")
+def moe_runs(make_tiny_lm, tokenizer):
+    """A tiny random Qwen3-MoE over the embedded vocabulary and a copy whose layer-1 router
+    favours expert 5, each in the prefill engine: their paired replay (exact), their
+    replays (for bounds) and their routing records."""
+    import copy
+
+    import torch
+
+    import trace_replay as tr
+    from trace_replay.analysis.distributions import replay_pair
+    from trace_replay.analysis.routing import record_routing
+    from trace_replay.engines.routing import find_routers
+
+    model = make_tiny_lm(
+        "Qwen3MoeConfig",
+        vocab_size=49152,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        initializer_range=0.05,
+    )
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for router in find_routers(model).values():  # transformers starts them at zero
+            router.weight.copy_(torch.randn(router.weight.shape, generator=gen) * 0.5)
+        planted = copy.deepcopy(model)
+        find_routers(planted)[1].weight[5] += 3.0 * torch.sign(
+            torch.randn(planted.config.hidden_size, generator=gen)
+        )
+    engines = [tr.make_engine("prefill", model=m) for m in (model, planted)]
+    try:
+        for engine in engines:
+            engine.tokenizer = tokenizer
+        pair = replay_pair(MOE_TRACES, *engines, labels=("rollout", "trainer"))
+        (df_a, ra), (df_b, rb) = (record_routing(MOE_TRACES, e) for e in engines)
+    finally:
+        for engine in engines:
+            engine.close()
+    return pair, df_a, df_b, ra, rb
+
+
+def strip_axes(explorer):
+    """The figure's axes with a title (the rank twin has none), top to bottom."""
+    return [ax for ax in explorer.figure.axes if ax.get_title()]
+
+
+def test_a_paired_frame_shows_its_kl_strip_under_the_logprob_strip(moe_runs):
+    """Exploring a replay_pair frame draws, under the trace's logprob strip and over the same
+    steps, its per-token KL(a||b), the selected step marked on both; the step's exact
+    divergences are listed under the top-k tables."""
+    pair = moe_runs[0]
+    ex = explore(pair)
+    ex.trace_dropdown.value = "b"
+    ex.step_slider.value = 2
+    logprob_ax, kl_ax = strip_axes(ex)
+    rows = pair[pair["trace_id"] == "b"].sort_values("step")
+    (line,) = [ln for ln in kl_ax.get_lines() if ln.get_label().startswith("kl_ab")]
+    assert list(line.get_xdata()) == rows["step"].tolist()
+    np.testing.assert_allclose(line.get_ydata(), rows["kl_ab"].clip(lower=1e-12))
+    assert (rows["kl_ab"] > 0).all()  # the planted router moves every distribution
+    assert kl_ax.get_xlim() == logprob_ax.get_xlim()
+    assert selected_step_line(ex) == 2
+    marks = [ln for ln in kl_ax.get_lines() if ln.get_label() == "selected step"]
+    assert marks[0].get_xdata()[0] == 2
+    kl = float(rows.loc[rows["step"] == 2, "kl_ab"].iloc[0])
+    assert f"kl_ab {kl:.3g}" in ex.topk_html.value and "(exact)" in ex.topk_html.value
+
+
+def test_the_metric_control_redraws_the_strip(moe_runs):
+    """Choosing another divergence redraws the strip with that metric's values."""
+    pair = moe_runs[0]
+    ex = explore(pair)
+    ex.metric.value = "tv"
+    strip = strip_axes(ex)[1]
+    assert strip.get_ylabel() == "tv"
+    rows = pair[pair["trace_id"] == ex.trace_id].sort_values("step")
+    (line,) = [ln for ln in strip.get_lines() if ln.get_label().startswith("tv")]
+    np.testing.assert_allclose(line.get_ydata(), rows["tv"].clip(lower=1e-12))
+
+
+def test_bounds_and_routing_flips_are_shown_beside_a_comparison(moe_runs):
+    """A comparison with a bounds frame and the two routing records: the divergence strip
+    draws the band between the bounds, and the routing panel is the trace's layers x steps
+    flip matrix, the selected step's flipped layers listed."""
+    from trace_replay.analysis.distribution_bounds import distribution_bounds
+    from trace_replay.analysis.routing import flip_matrix
+
+    _, df_a, df_b, ra, rb = moe_runs
+    ex = explore(
+        compare(df_a, df_b), distributions=distribution_bounds(df_a, df_b), routing=(ra, rb)
+    )
+    ex.trace_dropdown.value = "a"
+    matrix = flip_matrix(ra, rb, "a")
+    step = int(matrix.columns[matrix.any(axis=0).to_numpy()][0])  # a step that flips
+    ex.step_slider.value = step
+    logprob_ax, band_ax, routing_ax = strip_axes(ex)
+    assert band_ax.collections, "no band between the bounds"
+    assert "bounded" in band_ax.get_title() and "bounded" in ex.topk_html.value
+    (image,) = routing_ax.get_images()
+    np.testing.assert_array_equal(image.get_array(), matrix.to_numpy())
+    assert not matrix.loc[0].any() and matrix.loc[1].any()  # planted in layer 1 only
+    layers = [int(x) for x in matrix.index[matrix[step].to_numpy()]]
+    assert f"layers {layers}" in ex.topk_html.value
+    assert routing_ax.get_xlim() == logprob_ax.get_xlim()
+
+
+def test_a_frame_without_divergences_is_refused_as_distributions(replay_pair):
+    """distributions must hold kl_ab (exact) or kl_ab_lower (bounded): else a clear error."""
+    a, b = replay_pair
+    with pytest.raises(ValueError, match="kl_ab"):
+        explore(compare(a, b), distributions=compare(a, b))

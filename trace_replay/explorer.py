@@ -1,5 +1,9 @@
 """Interactive notebook explorer of a replay or comparison frame (ipywidgets).
 
+With full-distribution divergences (a :func:`~trace_replay.replay_pair` or
+:func:`~trace_replay.distribution_bounds` frame) the logprob strip gets the per-token
+divergence strip under it, on the same steps; with two MoE routing records
+(:func:`~trace_replay.analysis.routing.record_routing`), the layers x steps routing flips.
 ipywidgets is imported inside :func:`explore` only, so ``import trace_replay.explorer``
 works without the notebook extra.
 """
@@ -11,7 +15,8 @@ import html
 import numpy as np
 import pandas as pd
 
-from trace_replay.analysis.metrics import summarize, trace_summary
+from trace_replay.analysis.distributions import METRICS
+from trace_replay.analysis.metrics import compare, summarize, trace_summary
 from trace_replay.analysis.ranks import rank_label
 from trace_replay.html.tokens import render_tokens
 from trace_replay.wording import visible_token
@@ -62,14 +67,33 @@ class Explorer:
     The design contract: every view is a pure function of (trace, step), recomputed by
     :meth:`refresh`; widget observers only call it. Attribute names are stable for tests and
     notebooks: ``trace_dropdown, sort_by, divergent_only, step_slider, tokens_html,
-    plot_output, topk_html``; ``widget`` is the top-level VBox and ``figure`` the persistent
-    matplotlib figure shown in ``plot_output``.
+    plot_output, topk_html``, and ``metric`` (the divergence drawn, with distributions);
+    ``widget`` is the top-level VBox and ``figure`` the persistent matplotlib figure shown in
+    ``plot_output``, its axes the logprob strip, then the divergence strip, then the
+    routing flips (those present).
     """
 
-    def __init__(self, df: pd.DataFrame, widgets, *, tol: float = 1e-3) -> None:
+    def __init__(
+        self,
+        df: pd.DataFrame,
+        widgets,
+        *,
+        tol: float = 1e-3,
+        distributions: pd.DataFrame | None = None,
+        routing: tuple[pd.DataFrame, pd.DataFrame] | None = None,
+    ) -> None:
         from matplotlib.figure import Figure
 
-        self.df, self.tol = df, tol
+        if distributions is None and _divergence_form(df) is not None:
+            df, distributions = _comparison_of(df), df
+        if distributions is not None and _divergence_form(distributions) is None:
+            raise ValueError(
+                "distributions has no kl_ab (exact) nor kl_ab_lower (bounded) column: "
+                "pass a replay_pair or distribution_bounds frame"
+            )
+        if routing is not None and len(routing) != 2:
+            raise ValueError("routing takes the two sides' record_routing frames: (a, b)")
+        self.df, self.tol, self.distributions, self.routing = df, tol, distributions, routing
         self._traces = {}  # trace_id -> its rows, sorted by step, carrying df.attrs
         for trace_id, part in df.groupby("trace_id", sort=False):
             part = part.sort_values("step")
@@ -85,7 +109,8 @@ class Explorer:
             self.first_off = summary.set_index("trace_id")["first_off_top1_step"]
             self.color_by = "rank"
         self.summary = summary
-        self.figure = Figure(figsize=(10, 3.6), layout="constrained")
+        extra = (distributions is not None) + (routing is not None)
+        self.figure = Figure(figsize=(10, 3.6 + 2.2 * extra), layout="constrained")
 
         self.trace_dropdown = widgets.Dropdown(description="trace")
         self.sort_by = widgets.Dropdown(
@@ -102,9 +127,12 @@ class Explorer:
         self.topk_html.add_class("tr-topk")
         self.step_slider.add_class("tr-step")
         self.trace_dropdown.add_class("tr-trace")
+        self.metric = widgets.Dropdown(options=list(METRICS), value="kl_ab", description="metric")
+        self.metric.add_class("tr-metric")
+        controls = [self.trace_dropdown, self.sort_by, self.divergent_only]
         self.widget = widgets.VBox(
             [
-                widgets.HBox([self.trace_dropdown, self.sort_by, self.divergent_only]),
+                widgets.HBox(controls + ([self.metric] if distributions is not None else [])),
                 self.step_slider,
                 self.tokens_html,
                 self.plot_output,
@@ -118,6 +146,7 @@ class Explorer:
         self.step_slider.observe(lambda _: self.refresh(), names="value")
         self.sort_by.observe(lambda _: self._update_options(), names="value")
         self.divergent_only.observe(lambda _: self._update_options(), names="value")
+        self.metric.observe(lambda _: self.refresh(), names="value")
 
     def _ipython_display_(self) -> None:
         from IPython.display import display
@@ -197,7 +226,41 @@ class Explorer:
             tables += f"<div>Δ logprob {float(row['delta']):+.4g}</div>"
         else:
             tables = _topk_table(row, "", "replay")
-        self.topk_html.value = f'{_TABLE_CSS}<div style="display:flex">{tables}</div>'
+        notes = self._step_notes(trace_id, step)
+        self.topk_html.value = f'{_TABLE_CSS}<div style="display:flex">{tables}</div>{notes}'
+
+    def _step_notes(self, trace_id: str, step: int) -> str:
+        """The step's divergences and routed-differently layers, as HTML lines."""
+        lines = []
+        if self.distributions is not None:
+            dist = self.distributions
+            rows = dist[(dist["trace_id"] == trace_id) & (dist["step"] == step)]
+            if len(rows):
+                row = rows.iloc[0]
+                parts = [
+                    f"{name} {float(row[name]):.3g}"
+                    if name in row
+                    else f"{name} in [{float(row[f'{name}_lower']):.3g}, "
+                    f"{float(row[f'{name}_upper']):.3g}]"
+                    for name in METRICS
+                ]
+                form = _divergence_form(dist)
+                lines.append(f"full distributions ({form}): " + " · ".join(parts))
+        if self.routing is not None:
+            flips = self._flips(trace_id)
+            if flips is not None and step in flips.columns:
+                layers = [int(layer) for layer in flips.index[flips[step].to_numpy()]]
+                lines.append(f"routing flips at this step: layers {layers or 'none'}")
+        return "".join(f'<div class="tr-step-notes">{html.escape(x)}</div>' for x in lines)
+
+    def _flips(self, trace_id: str) -> pd.DataFrame | None:
+        """Layers x steps flips of ``trace_id`` (None when either record lacks the trace)."""
+        from trace_replay.analysis.routing import flip_matrix
+
+        a, b = self.routing
+        if not ((a["trace_id"] == trace_id).any() and (b["trace_id"] == trace_id).any()):
+            return None
+        return flip_matrix(a, b, trace_id)
 
     def _draw(self, trace: pd.DataFrame, trace_id: str, step: int) -> None:
         import io
@@ -205,6 +268,10 @@ class Explorer:
         from IPython import get_ipython
         from IPython.display import Image, display
 
+        from trace_replay.plots.distributions import (
+            plot_distribution_strip,
+            plot_routing_flips,
+        )
         from trace_replay.plots.frames import plot_trace
 
         steps = trace["step"]
@@ -212,9 +279,29 @@ class Explorer:
         if steps.max() - steps.min() + 1 > 2 * _WINDOW:
             window = (step - _WINDOW // 2, step + _WINDOW // 2)
         self.figure.clear()
-        ax = self.figure.add_subplot()
+        count = 1 + (self.distributions is not None) + (self.routing is not None)
+        axes = list(
+            self.figure.subplots(count, 1, squeeze=False, height_ratios=[2] + [1] * (count - 1))[
+                :, 0
+            ]
+        )
+        ax = axes[0]
         plot_trace(trace, trace_id, ax=ax, window=window, tol=self.tol)
-        ax.axvline(step, color="#d62728", lw=1.5, label="selected step")
+        below = iter(axes[1:])
+        if self.distributions is not None:
+            plot_distribution_strip(
+                self.distributions, trace_id, metric=self.metric.value, ax=next(below)
+            )
+        if self.routing is not None:
+            routed = next(below)
+            if self._flips(trace_id) is None:
+                routed.text(0.5, 0.5, f"no routing recorded for {trace_id}", ha="center")
+            else:
+                plot_routing_flips(*self.routing, trace_id, ax=routed)
+        for other in axes[1:]:  # the same steps under the logprob strip
+            other.set_xlim(ax.get_xlim())
+        for each in axes:
+            each.axvline(step, color="#d62728", lw=1.5, label="selected step")
         if get_ipython() is None:  # no frontend to show it; the figure itself is up to date
             return
         # a bare Figure has a PNG form only once pyplot's inline backend is active
@@ -225,17 +312,32 @@ class Explorer:
             display(Image(data=png.getvalue(), format="png"))
 
 
-def explore(df_or_cmp: pd.DataFrame, *, tol: float = 1e-3) -> Explorer:
+def explore(
+    df_or_cmp: pd.DataFrame,
+    *,
+    tol: float = 1e-3,
+    distributions: pd.DataFrame | None = None,
+    routing: tuple[pd.DataFrame, pd.DataFrame] | None = None,
+) -> Explorer:
     """Notebook explorer of a replay frame or a comparison frame.
 
     Parameters
     ----------
     df_or_cmp : DataFrame
-        A replay frame (tokens coloured by rank, "divergent" = has a rank > 1 step) or the
+        A replay frame (tokens coloured by rank, "divergent" = has a rank > 1 step), the
         output of :func:`~trace_replay.compare` (coloured by Δ, "divergent" = has a first
-        divergence at ``tol``).
+        divergence at ``tol``), or a :func:`~trace_replay.replay_pair` or
+        :func:`~trace_replay.distribution_bounds` frame (explored as the comparison of its
+        two logprob columns, with its divergences).
     tol : float
         Divergence threshold on ``abs_delta``.
+    distributions : DataFrame, optional
+        Full-distribution divergences of the same traces (a ``replay_pair`` or
+        ``distribution_bounds`` frame): a per-token strip of ``metric`` (bounded: its band)
+        under the logprob strip, and the step's values under the top-k tables.
+    routing : (DataFrame, DataFrame), optional
+        The two sides' :func:`~trace_replay.analysis.routing.record_routing` frames: the
+        trace's layers x steps routing flips, and the step's flipped layers.
 
     Returns
     -------
@@ -263,4 +365,23 @@ def explore(df_or_cmp: pd.DataFrame, *, tol: float = 1e-3) -> Explorer:
         raise ImportError(
             "explore() needs ipywidgets: pip install 'trace-replay[notebook]'"
         ) from err
-    return Explorer(df_or_cmp, widgets, tol=tol)
+    return Explorer(df_or_cmp, widgets, tol=tol, distributions=distributions, routing=routing)
+
+
+def _divergence_form(frame: pd.DataFrame) -> str | None:
+    """``"exact"`` or ``"bounded"`` for a frame of per-token divergences, else None."""
+    if "kl_ab" in frame.columns:
+        return "exact"
+    return "bounded" if "kl_ab_lower" in frame.columns else None
+
+
+def _comparison_of(pair: pd.DataFrame) -> pd.DataFrame:
+    """The comparison of a divergence frame's two logprob columns (ranks unknown: NA)."""
+    key = pair[["trace_id", "step", "token_id"]]
+    unknown = pd.array([pd.NA] * len(pair), dtype="Int64")
+    sides = []
+    for side in ("a", "b"):
+        frame = key.assign(logprob=pair[f"logprob_{side}"].to_numpy(), rank=unknown)
+        frame.attrs = dict(pair.attrs.get(f"attrs_{side}", {}))
+        sides.append(frame)
+    return compare(*sides, labels=pair.attrs.get("labels"))
