@@ -624,6 +624,24 @@ def test_completion_that_tokenizes_to_nothing_is_an_error():
         load_traces([{"id": "e", "prompt": "p", "completion": "c"}], tokenizer=EmptyTokenizer())
 
 
+def test_tokenize_keeps_a_tokenized_record_and_labels_a_tokenized_chat():
+    """A record with both id lists comes back as the same record (the tokenizer only bounds
+    its ids); a chat record with both still gets its turn and role labels."""
+
+    class LengthOnly:  # no encode: nothing may be tokenized
+        def __len__(self):
+            return 100
+
+    ids = {"prompt_token_ids": [1, 2], "trace_token_ids": [7, 8]}
+    chat = {"id": "c", "messages": [{"role": "user", "content": "hi"}], **ids}
+    traces = load_traces([{"id": "t", **ids}, chat])
+    tokenized = traces.tokenize(LengthOnly())
+    assert tokenized[0] is traces[0]
+    assert tokenized[1].trace_roles == ("assistant",) * 2 and tokenized[1].trace_turns == (1, 1)
+    with pytest.raises(TraceError, match=r"^<list> row 0: trace 't': trace_token_ids\[1\] = 8 "):
+        traces.tokenize(LengthOnly(), vocab_size=8)
+
+
 # --- truncate ----------------------------------------------------------------------------
 
 

@@ -115,6 +115,9 @@ class TraceSet(collections.abc.Sequence):
         """
         traces = []
         for trace in self:
+            if trace.is_tokenized and not trace.is_chat:  # nothing to fill in
+                traces.append(trace)
+                continue
             try:
                 tokenize = tokenize_chat_trace if trace.is_chat else tokenize_text_trace
                 traces.append(tokenize(trace, tokenizer))
