@@ -87,6 +87,20 @@ def test_folder_digest_follows_the_weight_files(tmp_path):
     assert folder_digest(tmp_path) != before
 
 
+def test_a_file_digest_is_read_again_when_the_file_changes(tmp_path):
+    """The embedded GGUF's digest (which names its converted folder) is kept only while the
+    file keeps its size and modification time: a file rewritten in place gets its new
+    content's digest."""
+    import hashlib
+
+    gguf = tmp_path / "model.gguf"
+    for content, mtime_ns in ((b"a" * 64, 10**18), (b"b" * 64, 2 * 10**18)):
+        gguf.write_bytes(content)
+        os.utime(gguf, ns=(mtime_ns, mtime_ns))
+        assert models._file_digest(gguf) == hashlib.sha256(content).hexdigest()[:12]
+        assert models._file_digest(gguf) == hashlib.sha256(content).hexdigest()[:12]
+
+
 def test_loads_leave_the_environment_as_it_was(monkeypatch):
     """Loading the embedded model and its tokenizer is offline inside and leaves the
     environment, huggingface_hub's offline flag and transformers' progress bars as they
