@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -20,7 +21,21 @@ from trace_replay.kernels.force_logits import force_trace_logits
 from trace_replay.kernels.trace_tokens import apply_trace_tokens, apply_trace_tokens_reference
 from trace_replay.kernels.trace_tokens_verified import apply_trace_tokens_to_verified
 
-__all__ = ["RequestState", "TraceReplayState"]
+__all__ = ["RequestState", "SlotLengths", "TraceReplayState"]
+
+
+class SlotLengths(Protocol):
+    """What :class:`TraceReplayState` reads of its slots' lengths: a :class:`RequestState`,
+    or a view of an engine's own (vLLM Model Runner V2's, read at each use)."""
+
+    max_num_reqs: int
+    device: torch.device
+
+    @property
+    def prompt_len(self) -> torch.Tensor: ...
+
+    @property
+    def total_len(self) -> torch.Tensor: ...
 
 
 class RequestState:
@@ -87,7 +102,7 @@ class TraceReplayState:
     [11]
     """
 
-    def __init__(self, req_states: RequestState, *, min_capacity: int = 256) -> None:
+    def __init__(self, req_states: SlotLengths, *, min_capacity: int = 256) -> None:
         self.req_states = req_states
         self.device = req_states.device
         self.min_capacity = min_capacity
@@ -163,8 +178,9 @@ class TraceReplayState:
             self._num_traced -= self._host_len[req_idx] > 0
             self._host_len[req_idx] = 0
         new_traces = [t for t in staged.values() if t is not None]
-        lens = [0 if t is None else t.numel() for t in staged.values()]
-        lens = torch.tensor(lens, dtype=torch.int64)
+        lens = torch.tensor(
+            [0 if t is None else t.numel() for t in staged.values()], dtype=torch.int64
+        )
         num_new = int(lens.sum())
         # compact once holes outnumber live tokens: the buffer stays at least half live
         compact = self._num_used - self._num_held > self._num_held

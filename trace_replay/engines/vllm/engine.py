@@ -49,12 +49,14 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import torch
 from vllm import LLM, SamplingParams
 from vllm import envs as vllm_envs
 from vllm.inputs import TokensPrompt
+from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind
 
 from trace_replay.engines.base import EngineBase, EngineConfig, ReplayRequest, TraceResult
@@ -105,10 +107,10 @@ def _has_param(name: str) -> bool:
 
 
 # vLLM deep-copies every request's SamplingParams unless told not to (older releases cannot)
-_NO_COPY = {"skip_clone": True} if _has_param("skip_clone") else {}
+_NO_COPY: dict[str, Any] = {"skip_clone": True} if _has_param("skip_clone") else {}
 # logprobs as a few flat lists per request instead of a dict and a Logprob object per entry
 # (older releases cannot; _Logprobs reads both forms alike)
-_FLAT = {"flat_logprobs": True} if _has_param("flat_logprobs") else {}
+_FLAT: dict[str, Any] = {"flat_logprobs": True} if _has_param("flat_logprobs") else {}
 
 
 def supports_native_trace_replay() -> bool:
@@ -462,10 +464,11 @@ class VLLMEngine(EngineBase):
             file=sys.stderr,
             flush=True,
         )
-        config = self.llm.llm_engine.model_config
-        self.max_model_len = config.max_model_len
+        assert self.llm is not None  # _start made it
+        model_config = self.llm.llm_engine.model_config
+        self.max_model_len = model_config.max_model_len
         # what vLLM runs: engine_args' method, or one the checkpoint declares (None: unquantized)
-        self.quantization = str(config.quantization or "none")
+        self.quantization = str(model_config.quantization or "none")
         self.batch_size = self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         # in-process on CPU with one rank, vLLM's forward runs on this process's threads
@@ -558,7 +561,7 @@ class VLLMEngine(EngineBase):
         # FINAL_ONLY: one output per request, when it is done (see _generate).
         # _NO_COPY: these params are built for this one request and never reused, so vLLM's
         # defensive deep copy (of the whole trace, per request) is not needed
-        common = dict(
+        common: dict[str, Any] = dict(
             temperature=0.0,
             max_tokens=len(trace),
             logprobs=self.top_k,
@@ -589,6 +592,7 @@ class VLLMEngine(EngineBase):
         256 is more host time than the rest of a step's output (measured, RESULTS). Progress
         in between is :class:`_StepProgress`'s count.
         """
+        assert self.llm is not None, "a closed engine runs nothing (EngineClosed first)"
         engine = self.llm.llm_engine
         slots = {}
         for index, (prompt, param) in enumerate(zip(prompts, params)):
@@ -596,12 +600,13 @@ class VLLMEngine(EngineBase):
             engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)), param)
             slots[request_id] = index
         outputs: list = [None] * len(prompts)
-        progress = _StepProgress([p.max_tokens for p in params]) if on_tokens else None
+        progress = _StepProgress([p.max_tokens or 0 for p in params]) if on_tokens else None
         try:
             with intra_op_threads(self.threads):
                 while engine.has_unfinished_requests():
                     finished = []
                     for out in engine.step():
+                        out = cast(RequestOutput, out)  # a generating model's outputs
                         index = slots[out.request_id]
                         completion = out.outputs[0]
                         logprobs = _Logprobs()
@@ -609,7 +614,7 @@ class VLLMEngine(EngineBase):
                         logprobs.routed = getattr(completion, "routed_experts", None)
                         outputs[index] = (list(completion.token_ids), logprobs)
                         finished.append((index, len(completion.token_ids)))
-                    if progress is not None and (new := progress.step(finished)):
+                    if on_tokens and progress is not None and (new := progress.step(finished)):
                         on_tokens(new)
         except BaseException:
             # an interrupted run must not leave its requests to the next one
@@ -626,7 +631,7 @@ class VLLMEngine(EngineBase):
         trace, before any is started (vLLM would silently cut a native trace).
         """
         for r in requests:
-            if r.prompt_len + r.trace_len > self.max_model_len:
+            if self.max_model_len is not None and r.prompt_len + r.trace_len > self.max_model_len:
                 raise TraceError(
                     f"prompt ({r.prompt_len}) + trace ({r.trace_len}) tokens "
                     f"exceed the engine's max_model_len {self.max_model_len}",

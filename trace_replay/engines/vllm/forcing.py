@@ -272,7 +272,9 @@ class V2TraceForcing(V2LogitsProcessor):
         return logits
 
 
-class TraceForcingProcessor(V1LogitsProcessor, V2LogitsProcessor):
+# the two runners' bases declare apply() differently; no instance of this class is made
+# (__new__ returns one runner's processor), so the clash is never called through
+class TraceForcingProcessor(V1LogitsProcessor, V2LogitsProcessor):  # type: ignore[misc]
     """The forcing processor as vLLM is given it (``logits_processors=[...]``, ``vllm serve
     --logits-processors``), for either model runner.
 
