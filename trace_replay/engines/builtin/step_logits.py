@@ -4,8 +4,9 @@
 Decode (:func:`decode_step_logits`) runs the engine's own backend, ``prefill`` then one
 ``decode`` per step with the trace token fed, so the logits are those its ``run`` scores
 (the batch is the one given, not re-cut into waves by length). Teacher forcing
-(:func:`prefill_step_logits`) runs the body once per batch and the head on one step's rows
-at a time. Either way at most one step's ``[n, V]`` logits exist at once.
+(:func:`prefill_step_logits`) runs the body once per batch and the head on as many steps'
+rows at a time as its own scoring chunk holds (``score_chunk_bytes``), yielding them step by
+step. Either way the logits held never grow with the traces' length.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ def decode_step_logits(engine, requests: Sequence[ReplayRequest]) -> Iterator[to
 def prefill_step_logits(engine, requests: Sequence[ReplayRequest]) -> Iterator[torch.Tensor]:
     """Step ``s``'s logits for the requests with ``trace_len > s``, in order, from a
     :class:`~trace_replay.engines.builtin.prefill.PrefillEngine`: one teacher-forced body
-    forward for the batch, then its head on one step's rows at a time.
+    forward for the batch, then its head on blocks of consecutive steps whose rows fit the
+    engine's scoring chunk (:func:`_step_blocks`), each block's logits yielded a step at a
+    time (views of it).
 
     Raises
     ------
@@ -83,15 +86,38 @@ def prefill_step_logits(engine, requests: Sequence[ReplayRequest]) -> Iterator[t
             head = engine._head
         engine._forwards += 1
     prompt_len = torch.tensor([r.prompt_len for r in requests])
-    for step in range(int(lengths.max())):
-        rows = torch.nonzero(lengths > step).squeeze(1)
+    live = [torch.nonzero(lengths > step).squeeze(1) for step in range(int(lengths.max()))]
+    for block in _step_blocks([len(rows) for rows in live], engine._chunk_rows()):
+        rows = torch.cat([live[step] for step in block])
+        steps = torch.cat([torch.full_like(live[step], step) for step in block])
         with torch.inference_mode(), intra_op_threads(engine.threads):
             if engine.deterministic:
-                hidden = states[(starts[rows] + step).to(device)]
+                hidden = states[(starts[rows] + steps).to(device)]
             else:
-                hidden = states[rows.to(device), (prompt_len[rows] - 1 + step).to(device)]
+                hidden = states[rows.to(device), (prompt_len[rows] - 1 + steps).to(device)]
             logits = head(hidden)
-        yield logits
+        yield from logits.split([len(live[step]) for step in block])
+
+
+def _step_blocks(sizes: Sequence[int], budget: int) -> list[range]:
+    """Consecutive steps grouped so that each group's rows (``sizes[step]``) stay within
+    ``budget`` (a step larger than it alone): the head reads its weights once per group
+    instead of once per step (a ``[n, d] x [d, V]`` product for a few rows is bound by
+    reading the ``[d, V]`` weights).
+
+    Examples
+    --------
+    >>> _step_blocks([4, 4, 4, 3, 2], 8)
+    [range(0, 2), range(2, 4), range(4, 5)]
+    """
+    blocks, start, rows = [], 0, 0
+    for step, size in enumerate(sizes):
+        if rows and rows + size > budget:
+            blocks.append(range(start, step))
+            start, rows = step, 0
+        rows += size
+    blocks.append(range(start, len(sizes)))
+    return blocks
 
 
 def _live(logits: torch.Tensor, lengths: torch.Tensor, step: int) -> torch.Tensor:
