@@ -144,14 +144,16 @@ class EngineBase(ABC):
     name: str = "engine"
     model_label: str
     engine_path: str
-    dtype: str
-    device: str
+    dtype: str | None  # None: not known here (a server does not report its own)
+    device: str | None
     batch_size: int
     top_k: int
     deterministic: bool = False
     max_model_len: int | None = None
     selected_by: str | None = None  # set by make_engine("auto", ...): how the choice was made
-    lm: torch.nn.Module | None = None  # the model in this process (None: elsewhere, closed)
+    # the model in this process (None: elsewhere, closed): a transformers model, or any
+    # torch.nn.Module with its get_output_embeddings(), read duck-typed (hence Any)
+    lm: Any = None
     tokenizer_source: Any = None  # what models.load_tokenizer reads (None: the embedded model)
     _tokenizer: Any = None
     _weights_seen: tuple[bytes, str] | None = None  # (glance, digest): see weights_digest

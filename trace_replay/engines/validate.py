@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from trace_replay.engines.base import ReplayRequest, TraceResult
 
@@ -79,7 +80,7 @@ class ImpossibleResult(RuntimeError):
         )
 
 
-def not_logprobs(values: np.ndarray, slack: np.ndarray | float = ROUNDING) -> np.ndarray:
+def not_logprobs(values: ArrayLike, slack: np.ndarray | float = ROUNDING) -> np.ndarray:
     """Where ``values`` cannot be logprobs: NaN, or above 0 by more than ``slack`` (by
     default :data:`ROUNDING`, the slack of a logprob near 0); ``-inf`` is probability 0."""
     values = np.asarray(values, dtype=np.float64)
@@ -355,7 +356,7 @@ def _tails(results: Sequence[TraceResult]) -> np.ndarray | None:
 def _check_scores(result: TraceResult, vocab_size: int | None) -> None:
     """Raise at the first rule of :func:`impossible` that a step of ``result`` breaks."""
     rules = _rules(result, vocab_size)
-    values = {
+    values: dict[str, np.ndarray | None] = {
         "logprob": result.logprob,
         "rank": result.rank,
         "top_logprobs": result.top_logprobs,
@@ -366,7 +367,9 @@ def _check_scores(result: TraceResult, vocab_size: int | None) -> None:
     for field, rule, rows in rules:
         if rows.any():
             step = int(np.argmax(rows))
-            shown = f"{field} = {_show(values[field][step])}"
+            value = values[field]
+            assert value is not None  # a field not recorded breaks no rule
+            shown = f"{field} = {_show(value[step])}"
             if field == "rank":  # a rank is possible or not beside its logprob (and top-k)
                 shown += f" with logprob {_show(result.logprob[step])}"
                 if "top-k" in rule:

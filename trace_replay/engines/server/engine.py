@@ -242,7 +242,9 @@ class ServerEngine(EngineBase):
         :class:`~trace_replay.engines.base.BatchFailed` once the requests in flight have
         finished, with their results.
         """
-        futures = [self._pool.submit(self._replay_one, r) for r in requests]
+        pool = self._pool
+        assert pool is not None, "a closed engine runs nothing (EngineClosed first)"
+        futures = [pool.submit(self._replay_one, r) for r in requests]
         try:
             for future in as_completed(futures):
                 if on_tokens is not None:

@@ -81,6 +81,16 @@ class JsonClient:
         ``backoff_s`` or ``max_bytes``, before anything is sent.
     """
 
+    root: str
+    headers: dict[str, str]
+    timeout_s: float
+    max_retries: int
+    backoff_s: float
+    max_bytes: int
+    requests: int
+    retries: int
+    _lock: threading.Lock
+
     def __init__(
         self,
         root: str,
@@ -321,7 +331,7 @@ class _Unfollowed(urllib.request.HTTPRedirectHandler):
     http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302
 
 
-class _Watched:
+class _Watched(http.client.HTTPConnection):
     """A connection whose socket its watchdog shuts at the attempt's deadline."""
 
     def __init__(self, *args: Any, watchdog: _Watchdog, **kwargs: Any) -> None:
@@ -359,7 +369,8 @@ def _read_until(response: http.client.HTTPResponse, deadline: float, limit: int,
     if declared.strip().isdigit() and int(declared) > limit:
         raise too_large(f"{int(declared):,} bytes (its Content-Length), ")
     sock = getattr(getattr(response.fp, "raw", None), "_sock", None)  # the answer's socket
-    chunks, size = [], 0
+    chunks: list[bytes] = []
+    size = 0
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
