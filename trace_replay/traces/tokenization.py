@@ -128,14 +128,13 @@ def refuse_special_text(tokenizer: Any, text: str, name: str) -> None:
 
 
 def tokenize_text_trace(trace: Trace, tokenizer: Any) -> Trace:
-    """``trace`` (prompt/completion, not chat) with its missing token ids filled in.
+    """``trace`` (prompt/completion, not chat) with its missing token ids filled in
+    (`TraceSet.tokenize` hands over only traces that miss some).
 
     Both texts: `split_text`, recording a moved boundary in ``meta["prompt_tail_in_trace"]``.
     One text beside given ids: a prompt is encoded with the tokenizer's special tokens (e.g.
     BOS), a completion without them, each alone.
     """
-    if trace.is_tokenized:
-        return trace
     if trace.trace_token_ids is None:
         refuse_special_text(tokenizer, trace.completion, "completion")
     if trace.prompt_token_ids is None and trace.trace_token_ids is None:
