@@ -104,7 +104,7 @@ _KINDS = {
 }
 
 
-def write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
+def write_atomic(path: str | os.PathLike, write: Callable[[Path], object]) -> None:
     """Call ``write(temporary)`` on a file beside ``path``, then rename it onto ``path``.
 
     ``path`` is checked by :func:`write_target` first: a symlink is written through (the

@@ -87,8 +87,8 @@ def trace_digest(key: str, request: ReplayRequest, trace: Trace | None = None) -
         digest.update(len(values).to_bytes(8, "little"))
         digest.update(np.asarray(values, dtype="<i8").tobytes())
     for name in ROW_FIELDS:  # one JSON line each; floats as repr, so exact
-        values = getattr(trace, name, None)
-        digest.update(json.dumps(None if values is None else list(values)).encode() + b"\n")
+        row = getattr(trace, name, None)
+        digest.update(json.dumps(None if row is None else list(row)).encode() + b"\n")
     return digest.hexdigest()[:32]
 
 
@@ -308,7 +308,8 @@ class Checkpoint:
         self._save_if_due(force=True)
         if not self._requests:
             return pd.DataFrame()
-        frames, served = [], set()
+        frames: list[pd.DataFrame] = []
+        served: set[str] = set()
         for name in sorted(self._parts):
             wanted = self._parts[name] & (self._requests.keys() - served)
             if not wanted:

@@ -18,13 +18,14 @@ import os
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TextIO
 
 from trace_replay._io import HOST
 
 try:
     import fcntl
 except ImportError:  # pragma: no cover - Windows
-    fcntl = None
+    fcntl = None  # type: ignore[assignment]  # checked for None before each use
 
 __all__ = ["Claims"]
 
@@ -50,7 +51,7 @@ class Claims:
             if os.path.lexists(path) and not right(path):
                 raise ValueError(f"checkpoint {path} is not {kind}; use a new folder")
         self._lock = open(folder / ".lock", "a")  # noqa: SIM115 - held for the run's life
-        self._own = None
+        self._own: TextIO | None = None
         with self.locked():
             self.folder.mkdir(exist_ok=True)
             # created under the folder lock: no other run can see it before it is locked
@@ -97,6 +98,7 @@ class Claims:
     def set(self, digests: Iterable[str]) -> None:
         """Make ``digests`` this run's claims. Call under :meth:`locked`."""
         self.mine = frozenset(digests)
+        assert self._own is not None, "claims set after close"
         self._own.seek(0)
         self._own.truncate()
         self._own.write("".join(f"{digest}\n" for digest in sorted(self.mine)))

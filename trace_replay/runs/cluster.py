@@ -141,7 +141,7 @@ def connect(cluster: RayCluster, *, verbose: bool = False) -> Iterator[str]:
         options["include_dashboard"] = False
     ray.init(**options)
     try:
-        yield "local" if local else cluster.address
+        yield "local" if cluster.address is None else cluster.address
     finally:
         ray.shutdown()
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import os
 import pickle
 import shutil
 import sys
@@ -53,7 +54,7 @@ def replay_on_ray(
     options: dict[str, Any],
     *,
     progress: bool,
-    checkpoint: str | Path | None,
+    checkpoint: str | os.PathLike | None,
     shard: tuple[int, int] | None,
     truncate: bool,
     chunk_size: int | None,
@@ -304,7 +305,7 @@ def _combined(stats: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _folder(checkpoint: str | Path | None) -> Iterator[Path]:
+def _folder(checkpoint: str | os.PathLike | None) -> Iterator[Path]:
     """The run's checkpoint folder: the one given, else a temporary one removed after."""
     if checkpoint is not None:
         yield Path(checkpoint)

@@ -81,6 +81,7 @@ def kept_engine(
         with make_engine(name, model, verbose=verbose, **config) as engine:
             yield engine
         return
+    assert key is not None  # only a keyed engine is kept
     try:
         if entry.engine is None:
             entry.engine = make_engine(name, model, verbose=verbose, **config)

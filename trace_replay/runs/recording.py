@@ -16,7 +16,7 @@ __all__ = ["record"]
 
 
 def _prompt_records(prompts) -> list[dict]:
-    records = []
+    records: list[dict[str, object]] = []
     for i, prompt in enumerate(prompts if not isinstance(prompts, (str, dict)) else [prompts]):
         if isinstance(prompt, str):
             records.append({"id": f"p{i}", "prompt": prompt})

@@ -9,7 +9,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypeAlias
 
 import pandas as pd
 import torch
@@ -37,9 +37,9 @@ from trace_replay.traces.trace import FIELDS
 from trace_replay.wording import plural
 
 # what load_traces reads: a path, a TraceSet, a DataFrame, a Dataset, or records
-TraceInput = str | os.PathLike | TraceSet | pd.DataFrame | Iterable[Mapping[str, Any]]
+TraceInput: TypeAlias = str | os.PathLike | TraceSet | pd.DataFrame | Iterable[Mapping[str, Any]]
 # None (the embedded model), a local folder, a cached model name, or a loaded nn.Module
-ModelArg = str | os.PathLike | torch.nn.Module | None
+ModelArg: TypeAlias = str | os.PathLike | torch.nn.Module | None
 
 __all__ = [
     "ReplayOptions",
@@ -355,7 +355,7 @@ def _replay(
         watch = WeightsWatch(
             engine,
             settings.get("weights_digest"),
-            kept_in=options.checkpoint and f"checkpoint {options.checkpoint}",
+            kept_in=f"checkpoint {options.checkpoint}" if options.checkpoint else None,
         )
     with tqdm(
         total=sum(r.trace_len for r in requests),
@@ -412,6 +412,7 @@ def _checkpointed(
     """With a checkpoint: traces claimed from the folder a part at a time, each part written
     as it finishes; the rows read back from the folder (runs sharing it included). Returns
     them and the traces served from the folder."""
+    assert options.checkpoint is not None  # the caller's choice of this path
     total = sum(r.trace_len for r in requests)
     with Checkpoint(
         options.checkpoint,

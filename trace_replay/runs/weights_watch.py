@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from trace_replay.wording import plural
+
+if TYPE_CHECKING:
+    from trace_replay.engines.protocol import Engine
 
 __all__ = ["WeightsChanged", "WeightsWatch"]
 
@@ -50,7 +54,7 @@ class WeightsWatch:
         Where verified rows go, for the error (a checkpoint folder; ``None``: the result).
     """
 
-    def __init__(self, engine: object, digest: str | None, *, kept_in: str | None = None) -> None:
+    def __init__(self, engine: Engine, digest: str | None, *, kept_in: str | None = None) -> None:
         self.engine, self.digest, self.kept_in = engine, digest, kept_in
         self.verified = 0  # traces computed with the run's weights, as far as seen
 
