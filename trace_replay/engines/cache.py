@@ -89,6 +89,7 @@ class ModelCache:
         device: str | torch.device | None = None,
     ) -> torch.nn.Module:
         """The model ``model`` in ``dtype`` on ``device``, loaded or cast at most once."""
+        key: tuple[str, int | str | None, torch.dtype, torch.device]  # kind, identity, want
         if isinstance(model, torch.nn.Module):
             weight = next(model.parameters())
             want = (

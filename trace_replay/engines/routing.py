@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
+from trace_replay.engines.capabilities import BatchHooks
+
 if TYPE_CHECKING:
     import torch
 
@@ -32,11 +34,12 @@ LAYOUTS = ("teacher-forced", "decode")
 
 
 @runtime_checkable
-class RoutingSource(Protocol):
+class RoutingSource(BatchHooks, Protocol):
     """An engine whose forwards run a transformers model's own modules in this process
     (``activations().model``), calling ``on_batch`` before each batch, laid out as
     ``routing_layout`` (one of :data:`LAYOUTS`)."""
 
+    name: str
     routing_layout: str
 
     def activations(self): ...

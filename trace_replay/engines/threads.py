@@ -24,7 +24,10 @@ __all__ = ["available_cpus", "engine_threads", "intra_op_threads"]
 
 def available_cpus() -> int:
     """CPUs this process may run on: its affinity mask, capped by a cgroup CPU quota."""
-    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    # os.cpu_count() is None where it cannot tell
+    count = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
     try:
         quota, period = open("/sys/fs/cgroup/cpu.max").read().split()
         if quota != "max":
