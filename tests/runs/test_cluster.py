@@ -18,6 +18,7 @@ TRACES = [{"id": "a", "prompt": "The capital of France is", "completion": " Pari
     "options, problem",
     [
         ({"address": ""}, "address must be a non-empty str"),
+        ({"address": "ray://10.0.0.1:10001"}, "is Ray Client.*ray job submit"),
         ({"actors": 0}, "actors must be an integer >= 1"),
         ({"actors": True}, "actors must be an integer >= 1"),
         ({"num_gpus": -1}, "num_gpus must be a number >= 0"),

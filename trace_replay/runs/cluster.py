@@ -32,8 +32,9 @@ class RayCluster:
         ``None``: the cluster this process is connected to (``ray.init`` called before),
         else a new local one, started for the run and shut down after it. ``"auto"``: the
         cluster ``RAY_ADDRESS`` names, else the last one ``ray start`` started on this
-        machine. Otherwise a head's address, ``"10.0.0.1:6379"`` or
-        ``"ray://10.0.0.1:10001"`` (Ray Client).
+        machine. Otherwise a head's address, ``"10.0.0.1:6379"``. Ray Client
+        (``"ray://..."``) is refused: submit the run as a Ray job instead
+        (docs/cluster.md says why).
     actors
         Engines, one per Ray actor (``None``: as many as the cluster's GPUs, or CPUs,
         hold at the per-actor resources below).
@@ -54,6 +55,15 @@ class RayCluster:
         if self.address is not None and (not isinstance(self.address, str) or not self.address):
             raise ValueError(
                 f"cluster address must be a non-empty str or None, got {self.address!r}"
+            )
+        if self.address is not None and self.address.startswith("ray://"):
+            raise ValueError(
+                f"cluster address {self.address!r} is Ray Client, which cluster runs "
+                "refuse: Ray Client ends the run when the driver's connection drops for "
+                "30 s, and its per-client server did not start reliably against a "
+                "Ray 2.60 head (docs/cluster.md). Run the driver on the cluster instead: "
+                "ray job submit --address http://HEAD_IP:8265 -- trace-replay replay "
+                "... --ray auto"
             )
         if self.actors is not None and (
             isinstance(self.actors, bool) or not isinstance(self.actors, int) or self.actors < 1
