@@ -410,6 +410,43 @@ def make_tiny_lm():
     return _tiny_lm
 
 
+def _save_byte_tokenizer(folder) -> None:
+    """A byte-level tokenizer (256 ids, no merges) saved in ``folder``: text traces tokenize
+    without the embedded model's files (which a GPU machine does not have)."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(folder)
+
+
+def _save_random_llama(folder, *, byte_tokenizer: bool = False, **overrides) -> str:
+    """``_tiny_lm``'s seeded random Llama with ``overrides`` (bos 1, eos 2, pad 0) saved to
+    ``folder`` as an engine loads a model from a path, and with ``byte_tokenizer`` a
+    byte-level tokenizer beside it; returns the folder as a str."""
+    config = {"bos_token_id": 1, "eos_token_id": 2, **overrides}
+    _tiny_lm("LlamaConfig", **config).save_pretrained(folder)
+    if byte_tokenizer:
+        _save_byte_tokenizer(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def save_random_llama():
+    """Factory ``save_random_llama(folder, *, byte_tokenizer=False, **config_overrides)``:
+    a random Llama folder for engines that load from a path (vLLM, servers, Ray actors)."""
+    return _save_random_llama
+
+
+@pytest.fixture(scope="session")
+def save_byte_tokenizer():
+    """Factory ``save_byte_tokenizer(folder)``: a byte-level tokenizer (256 ids) saved there."""
+    return _save_byte_tokenizer
+
+
 @pytest.fixture(scope="session")
 def tiny_llama() -> torch.nn.Module:
     """The tiny random Llama, built once per session (no download)."""

@@ -25,33 +25,9 @@ from trace_replay.runs.replay import replay  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def model_folder(tmp_path_factory):
+def model_folder(save_smol_llama):
     """A random 4-layer Llama of SmolLM2-135M's widths, with a byte-level tokenizer."""
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    folder = tmp_path_factory.mktemp("model")
-    config = transformers.LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=4,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        max_position_embeddings=2048,
-        initializer_range=0.3,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(folder)
-    return str(folder)
+    return save_smol_llama("model", byte_tokenizer=True)
 
 
 @pytest.fixture(scope="module")

@@ -26,25 +26,6 @@ from trace_replay.engines.base import ReplayRequest  # noqa: E402
 COLUMNS = ("logprob", "rank", "top_token_ids", "top_logprobs", "entropy")
 
 
-def random_llama(dtype: torch.dtype):
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=4,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        max_position_embeddings=2048,
-        initializer_range=0.3,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).to(device="cuda", dtype=dtype).eval()
-
-
 def requests(count: int = 20) -> list[ReplayRequest]:
     """Prompts of 3-40 tokens, traces of 1-70 (some cross a 32-key block, one a 64-row tile)."""
     rng = np.random.default_rng(0)
@@ -79,13 +60,13 @@ def same_bits(a, b) -> None:
     ],
     ids=["fp32", "bf16", "fp32-tiled", "bf16-tiled"],
 )
-def runs(request):
+def runs(request, make_tiny_lm, smol_widths):
     """Deterministic decode replay at batch 16 and at batch 5 with the traces reversed,
     and teacher-forced prefill at batch 3; the arithmetic each engine reports. "tiled":
     the tiled attention kernel (``deterministic_attention="tiles"``, the default), which must
     keep every promise."""
     dtype, attention = request.param
-    lm = random_llama(dtype)
+    lm = make_tiny_lm("LlamaConfig", **smol_widths).to(device="cuda", dtype=dtype)
     reqs = requests()
     options = {"deterministic": True, "deterministic_attention": attention}
     big = make_engine("torch", lm, batch_size=16, **options)

@@ -24,9 +24,9 @@ TRACES = [
 
 
 @pytest.fixture(scope="module")
-def moe_folder(tmp_path_factory, byte_tokenizer):
+def moe_folder(tmp_path_factory, save_byte_tokenizer):
     """A random 4-layer Qwen3-MoE (head_dim 64, 8 experts, top-2) saved with the embedded
-    byte-level tokenizer (tests/gpu/conftest.py), float32."""
+    byte-level tokenizer (tests/conftest.py), float32."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from trace_replay.engines.routing import find_routers
@@ -53,7 +53,7 @@ def moe_folder(tmp_path_factory, byte_tokenizer):
         torch.nn.init.normal_(router.weight, std=0.5)
     folder = tmp_path_factory.mktemp("tiny-qwen3-moe")
     model.save_pretrained(folder)
-    byte_tokenizer(folder)
+    save_byte_tokenizer(folder)
     return folder
 
 

@@ -34,29 +34,8 @@ STEPS = 48
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=4,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        max_position_embeddings=2048,
-        initializer_range=0.3,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=EOS,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    lm = transformers.AutoModelForCausalLM.from_config(config)
-    path = tmp_path_factory.mktemp("random-llama")
-    lm.save_pretrained(path)
-    return str(path)
+def folder(save_smol_llama):
+    return save_smol_llama("random-llama", eos_token_id=EOS)
 
 
 def _engine(folder, dtype, **options):

@@ -51,29 +51,8 @@ ENGINE_ARGS = {
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory, byte_tokenizer):
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=4,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        max_position_embeddings=2048,
-        initializer_range=0.3,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("random-llama-served")
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    byte_tokenizer(path)
-    return str(path)
+def folder(save_smol_llama):
+    return save_smol_llama("random-llama-served", byte_tokenizer=True)
 
 
 @pytest.fixture(scope="module")

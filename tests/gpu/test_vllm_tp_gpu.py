@@ -30,28 +30,11 @@ STEPS = 48
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=2048,
-        initializer_range=0.3,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
+def folder(save_smol_llama):
+    """8 query heads and a hidden size of 512: head counts TP=2 divides."""
+    return save_smol_llama(
+        "random-llama-tp", hidden_size=512, num_attention_heads=8, num_key_value_heads=2
     )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("random-llama-tp")
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    return str(path)
 
 
 def _engine(folder, tp, native):
