@@ -48,7 +48,9 @@ def test_model_sites_names_a_missing_layout():
 def test_captured_logits_score_every_step_once(lm, requests, engine_name, batch_size):
     """The logits captured at (trace, step) give that step's logprob, for every step exactly
     once: waves, padding, prompt positions and finished rows are mapped or left out."""
-    engine = make_engine(engine_name, lm, batch_size=batch_size)
+    # the torch engine's hf backend: the static one (CPU default) gives no activations
+    options = {"backend": "hf"} if engine_name == "torch" else {}
+    engine = make_engine(engine_name, lm, batch_size=batch_size, **options)
     logits_site = model_sites(lm)[-1]
     seen: dict[tuple[int, int], torch.Tensor] = {}
 

@@ -57,7 +57,9 @@ class TorchEngine(EngineBase):
         The forward pass: ``"hf"`` (the transformers model with a growing cache, any
         architecture), ``"static"`` (the model's own forward over a static KV cache,
         compiled CUDA graphs on GPU; Llama, Mistral, Qwen2/3, Gemma families) or
-        ``"auto"`` (static on CUDA when the model is supported, else hf). With
+        ``"auto"`` (static where the model is supported, on CUDA and for a float32 model
+        on the CPU, else hf:
+        :func:`~trace_replay.engines.builtin.backends.factory.auto_kind`). With
         ``config.deterministic`` only ``"auto"``: the batch-invariant backend (Llama-family).
     float32_matmul
         ``"3xtf32"`` (default) or ``"ieee"``: how the static backend multiplies a float32
@@ -155,7 +157,8 @@ class TorchEngine(EngineBase):
 
     def activations(self) -> Activations:
         """The backend's: ``lm``'s own modules (hf), the row-wise model's rows
-        (deterministic); the static backend's compiled steps call no module."""
+        (deterministic); the static backend's view of the model gives none (layer
+        attribution builds ``backend="hf"``)."""
         return self.backend.activations()
 
     @property

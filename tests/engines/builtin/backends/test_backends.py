@@ -3,6 +3,7 @@ class lacking a member is refused by name, and make_backend builds each kind it 
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ from trace_replay.engines import make_engine
 from trace_replay.engines.base import Activations
 from trace_replay.engines.builtin.backends.base import BACKEND_MEMBERS, check_backend
 from trace_replay.engines.builtin.backends.factory import KINDS, make_backend
+from trace_replay.engines.builtin.backends.packed_linear import packed_linears_available
 
 
 @pytest.mark.parametrize("kind", [k for k in KINDS if k != "auto"])
@@ -63,9 +65,13 @@ def test_a_backend_lacking_members_is_refused_naming_them():
         check_backend(_NoKeep())
 
 
-def test_auto_is_hf_off_cuda(tiny_llama):
-    """On CPU "auto" builds the hf backend (the static one is for CUDA)."""
-    assert make_backend("auto", tiny_llama, 0).name == "hf"
+def test_auto_on_the_cpu_is_static_for_float32_only(tiny_llama):
+    """On the CPU "auto" builds the static backend for a float32 Llama where torch packs
+    float32 linears for oneDNN, and hf for the same model in bfloat16."""
+    fast = "static+onednn" if packed_linears_available(torch.float32) else "hf"
+    assert make_backend("auto", tiny_llama, 0).name == fast
+    half = copy.deepcopy(tiny_llama).to(torch.bfloat16)
+    assert make_backend("auto", half, 0).name == "hf"
 
 
 def test_an_unknown_kind_is_refused():
@@ -110,8 +116,8 @@ _NOT_ON_THE_CPU_PATH = (
 )
 
 
-def test_the_cpu_engine_imports_no_static_backend():
-    """A torch engine on CPU (hf backend) imports neither the static backend nor the
+def test_the_hf_engine_imports_no_static_backend():
+    """A torch engine on its hf backend imports neither the static backend nor the
     deterministic one, nor their compiler passes and kernels: their module bodies are not on
     its path."""
     code = (
@@ -120,7 +126,7 @@ def test_the_cpu_engine_imports_no_static_backend():
         "config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,"
         " num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)\n"
         "lm = transformers.AutoModelForCausalLM.from_config(config).eval()\n"
-        "assert make_engine('torch', lm, device='cpu').backend.name == 'hf'\n"
+        "assert make_engine('torch', lm, device='cpu', backend='hf').backend.name == 'hf'\n"
         "print(sorted(m for m in sys.modules if m.startswith('trace_replay.')))\n"
     )
     out = subprocess.run(

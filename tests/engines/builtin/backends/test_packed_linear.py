@@ -8,6 +8,7 @@ import torch
 
 from trace_replay.engines.builtin.backends.packed_linear import (
     PackedLinears,
+    packed_copy_fits,
     packed_linears_available,
 )
 
@@ -40,3 +41,14 @@ def test_weights_edited_in_place_are_packed_again():
     with torch.no_grad():
         weight.mul_(-2.0)
     torch.testing.assert_close(product(x, weight), x @ weight.T, atol=1e-4, rtol=0)
+
+
+def test_the_packed_copy_fits_in_half_the_available_memory(tiny_llama):
+    """The copy of a model's linear weights (tied ones once) must take at most half the
+    memory available: the machine's now for a tiny model, and not a byte more in the
+    boundary cases."""
+    weights = {m.weight for m in tiny_llama.modules() if isinstance(m, torch.nn.Linear)}
+    size = sum(w.numel() * w.element_size() for w in weights)
+    assert packed_copy_fits(tiny_llama)
+    assert packed_copy_fits(tiny_llama, available=2 * size)
+    assert not packed_copy_fits(tiny_llama, available=2 * size - 2)

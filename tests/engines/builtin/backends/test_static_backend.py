@@ -216,11 +216,13 @@ def test_smaller_wave_reuses_cache(tiny_model):
 
 
 def test_backend_choice(tiny_model):
-    """``auto`` is hf on CPU; ``static`` runs without graphs on CPU, a float32 model's linears
-    through oneDNN where torch has it; unknown names raise."""
+    """``auto`` on CPU is static for a float32 model where torch packs its linears for
+    oneDNN; ``static`` runs without graphs on CPU, a float32 model's linears through oneDNN
+    where torch has it; unknown names raise."""
     lm = tiny_model("llama")
-    assert make_engine("torch", lm, backend="auto").backend.name == "hf"
     packed = "+onednn" if packed_linears_available(torch.float32) else ""
+    auto = "static+onednn" if packed else "hf"
+    assert make_engine("torch", lm, backend="auto").backend.name == auto
     assert make_engine("torch", lm, backend="static").backend.name == "static" + packed
     with pytest.raises(ValueError, match="backend"):
         make_engine("torch", lm, backend="bogus")

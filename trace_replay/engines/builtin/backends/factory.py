@@ -1,6 +1,6 @@
 """``make_backend``: the built-in engine's forward pass, built by kind.
 
-The backends' modules are imported only when one of their kind is built, so the CPU path
+The backends' modules are imported only when one of their kind is built, so an hf engine
 never imports the static backend's compiler passes and kernels. This module imports the
 backends and :mod:`~trace_replay.engines.builtin.backends.base`; they import neither it nor
 each other through it (no circle).
@@ -11,11 +11,30 @@ from __future__ import annotations
 import torch
 
 from trace_replay.engines.builtin.backends.base import Backend, BackendOptions, check_backend
+from trace_replay.engines.builtin.backends.packed_linear import packed_linears_available
 
-__all__ = ["KINDS", "make_backend"]
+__all__ = ["KINDS", "auto_kind", "make_backend"]
 
-# what make_backend builds: "auto" is static on CUDA where the model is supported, else hf
+# what make_backend builds; "auto" is :func:`auto_kind`'s choice
 KINDS = ("auto", "hf", "static", "deterministic")
+
+
+def auto_kind(lm: torch.nn.Module) -> str:
+    """What ``"auto"`` builds for ``lm``: ``"static"`` where the static backend supports the
+    model and runs faster than hf (CUDA, any dtype; the CPU, float32 with oneDNN-packed
+    linears), else ``"hf"``.
+
+    On the CPU a bfloat16 or float16 model stays on hf: torch has no packed half-precision
+    linears here and the static backend's speed at those dtypes on the CPU was not measured.
+    """
+    param = next(lm.parameters())
+    if param.device.type == "cpu" and not packed_linears_available(param.dtype):
+        return "hf"
+    if param.device.type not in ("cpu", "cuda"):
+        return "hf"
+    from trace_replay.engines.builtin.backends.static import supports
+
+    return "static" if supports(lm) else "hf"
 
 
 def make_backend(
@@ -26,7 +45,7 @@ def make_backend(
     Parameters
     ----------
     kind
-        ``"hf"``, ``"static"``, ``"deterministic"`` or ``"auto"``.
+        ``"hf"``, ``"static"``, ``"deterministic"`` or ``"auto"`` (:func:`auto_kind`).
     lm
         A transformers causal LM (the kind decides which it must be).
     pad_id
@@ -37,11 +56,7 @@ def make_backend(
     if kind not in KINDS:
         raise ValueError(f"unknown backend kind {kind!r}; choose one of {', '.join(KINDS)}")
     if kind == "auto":
-        kind = "hf"
-        if next(lm.parameters()).device.type == "cuda":
-            from trace_replay.engines.builtin.backends.static import supports
-
-            kind = "static" if supports(lm) else "hf"
+        kind = auto_kind(lm)
     if kind == "hf":
         from trace_replay.engines.builtin.backends.hf import HFBackend
 

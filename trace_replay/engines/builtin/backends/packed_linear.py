@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["PackedLinears", "packed_linears_available"]
+__all__ = ["PackedLinears", "packed_copy_fits", "packed_linears_available"]
 
 
 def packed_linears_available(dtype: torch.dtype) -> bool:
@@ -24,6 +24,26 @@ def packed_linears_available(dtype: torch.dtype) -> bool:
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
+
+
+def packed_copy_fits(lm: torch.nn.Module, available: int | None = None) -> bool:
+    """Whether a packed copy of ``lm``'s linear weights takes at most half of ``available``
+    bytes (default: the memory the system has available now, ``/proc/meminfo``; true where
+    that cannot be read).
+
+    The copy sits beside the model's own weights, which the model keeps (other backends use
+    them): a model near the machine's memory must not be doubled by the default backend.
+    """
+    weights = {m.weight for m in lm.modules() if isinstance(m, torch.nn.Linear)}
+    needed = sum(w.numel() * w.element_size() for w in weights)
+    if available is None:
+        try:
+            with open("/proc/meminfo") as meminfo:
+                fields = dict(line.split(":", 1) for line in meminfo)
+            available = int(fields["MemAvailable"].split()[0]) * 1024
+        except (OSError, KeyError, ValueError):
+            return True
+    return needed <= available // 2
 
 
 class PackedLinears:

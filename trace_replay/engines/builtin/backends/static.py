@@ -22,7 +22,9 @@ puts the linears that read the same input (q/k/v, gate/up) in one launch each
 (:mod:`~trace_replay.engines.builtin.passes.linear_groups`). On CPU everything runs eagerly;
 a float32 model's linears there multiply through oneDNN over weights packed once
 (:mod:`~trace_replay.engines.builtin.backends.packed_linear`, as vLLM's CPU build does;
-``name`` ends ``+onednn``).
+``name`` ends ``+onednn``) where the packed copy fits in half the available memory, else
+through ``F.linear``. A float32 model on the CPU runs this backend by default
+(:func:`~trace_replay.engines.builtin.backends.factory.auto_kind`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from trace_replay.engines.builtin.backends.base import check_float32_matmul
 from trace_replay.engines.builtin.backends.captured_step import StepGraph, capture, capture_step
 from trace_replay.engines.builtin.backends.packed_linear import (
     PackedLinears,
+    packed_copy_fits,
     packed_linears_available,
 )
 from trace_replay.engines.builtin.backends.static_cache import StaticKVCache, register_attention
@@ -179,7 +182,11 @@ class StaticCacheBackend:
             self.product = fp32_linear
         elif self.dtype in (torch.bfloat16, torch.float16) and self.device.type == "cuda":
             self.product = gemv
-        elif self.device.type == "cpu" and packed_linears_available(self.dtype):
+        elif (
+            self.device.type == "cpu"
+            and packed_linears_available(self.dtype)
+            and packed_copy_fits(lm)
+        ):
             self.product = PackedLinears()
         self.batch1_fusions = batch1_fusions
         self.name = (
@@ -212,11 +219,12 @@ class StaticCacheBackend:
         return {"batch1_fusions": False} if turned_off else {}
 
     def activations(self) -> Activations:
-        """None to give: the compiled, graph-captured steps call no module."""
+        """None to give: the steps run a view of the model (compiled, graph-captured on
+        CUDA; packed linears and 4-D cache masks on the CPU), not the modules hooks watch."""
         raise NotImplementedError(
-            "the static backend's compiled, graph-captured steps run "
-            "no Python forward hooks; build the engine with "
-            "backend='hf'"
+            "the static backend runs a view of the model (compiled and graph-captured "
+            "on CUDA, packed linears on the CPU) whose steps the model's forward hooks "
+            "do not see; build the engine with backend='hf' (layer attribution does)"
         )
 
     @property
