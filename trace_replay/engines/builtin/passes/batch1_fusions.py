@@ -19,6 +19,8 @@ benchmarks/RESULTS.md, "Batch-1 fusions").
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 
 from trace_replay.kernels.gated_gemv import gated_gemv
@@ -75,7 +77,7 @@ class GatedMLP(torch.nn.Module):
         self.mlp, self.act = mlp, act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mlp = self.mlp
+        mlp: Any = self.mlp  # a transformers MLP: gate_proj, up_proj, down_proj, act_fn
         gate, up = mlp.gate_proj, mlp.up_proj
         if gated_runs(x, gate.weight):
             hidden = gated_gemv(x, gate.weight, up.weight, gate.bias, up.bias, self.act)
@@ -84,16 +86,17 @@ class GatedMLP(torch.nn.Module):
         return mlp.down_proj(hidden)
 
 
-def gated_activation(module: torch.nn.Module) -> str | None:
+def gated_activation(module: torch.nn.Module | None) -> str | None:
     """The kernel's activation name when ``module`` is a gated MLP :class:`GatedMLP` can run
     (a class of :data:`GATED_MLPS` with linear gate/up/down, biases on both or neither of
     gate and up, an activation the kernel has); else None."""
     if type(module).__name__ not in GATED_MLPS:
         return None
-    linears = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
-    if not all(isinstance(m, torch.nn.Linear) for m in linears):
+    gate, up, down = (getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj"))
+    linear = torch.nn.Linear
+    if not (isinstance(gate, linear) and isinstance(up, linear) and isinstance(down, linear)):
         return None
-    if (linears[0].bias is None) != (linears[1].bias is None):
+    if (gate.bias is None) != (up.bias is None):
         return None
     act = getattr(module, "act_fn", None)
     if isinstance(act, torch.nn.GELU):
@@ -112,7 +115,7 @@ class KernelRMSNorm(torch.nn.Module):
         self.offset = RMS_NORMS[type(norm).__name__]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.norm.weight
+        weight = cast(torch.Tensor, self.norm.weight)
         if not gemv_runs(x, weight):
             return self.norm(x)
         out = rms_norm(x.reshape(-1, x.shape[-1]), Norm(weight, self.eps, self.offset))
@@ -133,11 +136,12 @@ def fuse_layer(view: torch.nn.Module, layer: torch.nn.Module) -> torch.nn.Module
     gated MLP as a :class:`GatedMLP` and its own RMSNorms (direct children, not the per-head
     norms inside attention) as :class:`KernelRMSNorm`; eligibility is read from ``layer``."""
     for name, child in layer._modules.items():
+        own = view._modules[name]  # the view's copy of child (None where child is)
         act = gated_activation(child)
-        if act is not None:
-            view._modules[name] = GatedMLP(view._modules[name], act)
-        elif (eps := _norm_eps(child)) is not None:
-            view._modules[name] = KernelRMSNorm(view._modules[name], eps)
+        if own is not None and act is not None:
+            view._modules[name] = GatedMLP(own, act)
+        elif own is not None and (eps := _norm_eps(child)) is not None:
+            view._modules[name] = KernelRMSNorm(own, eps)
     return view
 
 

@@ -27,7 +27,8 @@ those of the wider output).
 from __future__ import annotations
 
 import collections
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -44,7 +45,7 @@ _MOST = 3  # members a launch takes
 class _Kind(NamedTuple):
     """An operator the pass groups, and its group operator."""
 
-    group: object
+    group: Callable[..., Any]  # a torch.ops OpOverload
     # 3xTF32: the output is the [split, M, N] partials, so members must agree on the split
     # and their columns lie along dimension 2; the GEMV's output is [M, N]
     split: bool
@@ -125,8 +126,8 @@ def _group(
     key: tuple,
     no_bias: bool,
 ) -> None:
-    _, weights, biases = zip(*(arguments(node, "x", "weight", "bias") for node in members))
-    weights, biases = list(weights), [] if no_bias else list(biases)
+    _, weight_args, bias_args = zip(*(arguments(node, "x", "weight", "bias") for node in members))
+    weights, biases = list(weight_args), [] if no_bias else list(bias_args)
     first = members[0]
     if any(order.get(arg, len(order)) > order[first] for arg in weights + biases):
         return  # an input computed after the first member: leave them as they are

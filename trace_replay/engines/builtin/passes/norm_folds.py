@@ -18,6 +18,8 @@ it to the dtype's rounding.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
@@ -75,7 +77,7 @@ class FoldNorms(CustomGraphPass):
 def _uses(norm: torch.fx.Node) -> list[torch.fx.Node] | None:
     """The GEMV nodes that read ``norm``'s output (as their input row, through views), when
     they are all its uses and each reads it in the norm input's shape; else None."""
-    shape = norm.args[0].meta["val"].shape
+    shape = cast(torch.fx.Node, norm.args[0]).meta["val"].shape
     found, frontier = [], [norm]
     while frontier:
         node = frontier.pop()
