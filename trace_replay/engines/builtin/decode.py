@@ -248,7 +248,7 @@ class ForcedSteps:
 
     def steps(self) -> Steps:
         return [
-            (TokenScores(*(values[i] for values in self.scores)), self.sampled[i])
+            (TokenScores(*(values[i] for values in self.scores or [])), self.sampled[i])
             for i in range(self.num_steps)
         ]
 
@@ -257,14 +257,19 @@ class ForcedSteps:
         capture exists they are copied into the memory it reads and it is launched (one copy
         of ``[B, V]`` instead of the step's launches); before that the step runs eagerly."""
         captured = self._logits
-        if self._graph is None or captured.shape != logits.shape or captured.dtype != logits.dtype:
+        if (
+            self._graph is None
+            or captured is None
+            or captured.shape != logits.shape
+            or captured.dtype != logits.dtype
+        ):
             self._step(logits)
             return
         captured.copy_(logits)
         self._graph.replay()
 
     def _launch(self, logits: torch.Tensor, forward: int) -> None:
-        if self._graph is None or not _same_memory(logits, self._logits):
+        if self._graph is None or self._logits is None or not _same_memory(logits, self._logits):
             if forward > 1:
                 raise RuntimeError(
                     "the backend's decode moved its logits within a wave; "

@@ -97,8 +97,11 @@ class VerifySteps:
         self.steps: Steps = []
         self.counts: list[torch.Tensor] = []
         self.drafted = self.accepted = torch.zeros((), dtype=torch.long, device=device)
-        self.context: torch.Tensor | None = None  # committed tokens, for n-gram drafts
-        self.tokens = self.positions = self._total_len = self._done = None
+        # set by the first step: committed tokens, for n-gram drafts (empty until then)
+        self.context = torch.empty((0, 0), dtype=torch.long, device=device)
+        # set by each feed: the next forward's tokens and positions, the rows' lengths
+        unset = torch.empty(0, dtype=torch.long, device=device)
+        self.tokens = self.positions = self._total_len = self._done = unset
 
     def step(self, logits: torch.Tensor, forward: int) -> bool:
         last = self._first(logits) if forward == 0 else self._verify(logits)
