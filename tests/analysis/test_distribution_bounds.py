@@ -80,3 +80,52 @@ def test_frames_without_a_tail_are_refused(replay_pair):
     a, b = replay_pair
     with pytest.raises(ValueError, match="tail_logmass"):
         distribution_bounds(a.drop(columns="tail_logmass", errors="ignore"), b)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(make_tiny_lm, tokenizer):
+    """Two prefill engines, float32, over the embedded vocabulary: a tiny random Llama
+    (weights at init 0.3, so its distributions are far from uniform) and a copy with every
+    weight moved by 2% of its spread (a trainer one update away from the rollout)."""
+    import copy
+
+    import trace_replay as tr
+
+    model = make_tiny_lm(vocab_size=49152, max_position_embeddings=4096)
+    moved = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for weight in moved.parameters():
+            weight.add_(torch.randn(weight.shape, generator=gen) * 0.02 * weight.std())
+    engines = [tr.make_engine("prefill", model=m, batch_size=16) for m in (model, moved)]
+    for engine in engines:
+        engine.tokenizer = tokenizer
+    yield engines
+    for engine in engines:
+        engine.close()
+
+
+@pytest.mark.slow
+def test_bounds_contain_the_exact_values_on_every_bundled_token(tiny_pair):
+    """On every token of every bundled trace (both datasets, both sources), the bounds from
+    the two engines' result frames contain the exact values of their paired replay. The pair
+    is a tiny model and its moved copy, not the embedded model (whose bfloat16 pair runs on a
+    subset in test_distributions.py): its tails are heavy (the mass outside the top-5 is
+    never 0, so every tail term of the bounds is in play), its top-5 sets differ on some
+    tokens, and its lower bounds are positive, so the check is not met by bounds of 0."""
+    import trace_replay as tr
+    from trace_replay.analysis.distributions import replay_pair
+
+    a, b = tiny_pair
+    traces = tr.datasets.load()
+    exact = replay_pair(traces, a, b)
+    runs = [tr.replay(traces, engine=e, progress=False) for e in (a, b)]
+    bounds = distribution_bounds(*runs)
+    both = exact.merge(bounds, on=["trace_id", "step"], validate="one_to_one")
+    assert len(both) == len(exact) == len(bounds) == sum(len(r) for r in runs) / 2
+    assert both["trace_id"].nunique() == len(traces)
+    assert (np.exp(runs[0]["tail_logmass"]) > 0.1).all()
+    assert (both["topk_overlap_y"] < 1).any() and (both["kl_ab_lower"] > 0).all()
+    for name in METRICS:
+        inside = (both[f"{name}_lower"] <= both[name]) & (both[name] <= both[f"{name}_upper"])
+        assert inside.all(), (name, both.loc[~inside, [name, f"{name}_lower"]].head())
