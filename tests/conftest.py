@@ -63,6 +63,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=key)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Under pytest-xdist the controller converts the embedded model into its cache before
+    the workers start: on a fresh machine each worker would otherwise convert it too (safely,
+    trace_replay.models.load renames a finished folder into place, but twice the work)."""
+    config = session.config
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        return
+    from trace_replay.models.load import hf_folder
+
+    try:
+        hf_folder()
+    except Exception as exc:  # noqa: BLE001 - the tests that need the model report it
+        print(f"\nthe embedded model was not converted before the workers started: {exc}")
+
+
 @pytest.fixture(
     scope="session",
     params=[
