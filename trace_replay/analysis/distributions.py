@@ -12,8 +12,9 @@ gives, between run a (rollout) and run b (trainer):
 :func:`replay_pair` gets them exactly: both engines (in this process, each with the
 :class:`~trace_replay.engines.distributions.StepLogits` capability) are fed the same batch,
 and each step's two ``[n, V]`` logits are reduced on the device (float64) before the next
-step is asked for, so the host never holds ``[tokens, V]`` and the device at most one step's
-logits per engine. When either engine cannot give full logits (a server, vLLM), it replays
+step is asked for, so the host never holds ``[tokens, V]`` and the device no more than each
+engine's step logits take (one step's for the decode engine, one scoring chunk's for the
+prefill engine, which runs its head on several steps at once). When either engine cannot give full logits (a server, vLLM), it replays
 both the usual way and returns the bounds of
 :func:`~trace_replay.analysis.distribution_bounds.distribution_bounds`, saying so in attrs.
 """
