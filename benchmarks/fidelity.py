@@ -7,6 +7,7 @@ prompt + trace, no engine code involved). Ranks are compared up to near-ties (1e
 Usage::
 
     python benchmarks/fidelity.py --limit 6 --engines torch,prefill,vllm --dtypes float32,bfloat16
+    python benchmarks/fidelity.py --limit 4 --engines torch,torch:hf --dtypes float32  # backends
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ def score(df, ref, tie=1e-4):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit", type=int, default=6, help="traces per bundled file")
-    parser.add_argument("--engines", default="torch,prefill,vllm")
+    parser.add_argument(
+        "--engines", default="torch,prefill,vllm", help="names, or torch:<backend> (torch:hf)"
+    )
     parser.add_argument("--dtypes", default="float32,bfloat16")
     args = parser.parse_args()
     traces = datasets.load(limit=args.limit).tokenize(load_tokenizer())
@@ -69,7 +72,9 @@ def main():
     rows = []
     for engine_name in args.engines.split(","):
         for dtype in args.dtypes.split(","):
-            engine = make_engine(engine_name, dtype=dtype, device="cpu")
+            kind, _, backend = engine_name.partition(":")  # torch:hf, a built-in backend
+            options = {"backend": backend} if backend else {}
+            engine = make_engine(kind, dtype=dtype, device="cpu", **options)
             df = replay(traces, engine=engine, progress=False)
             rows.append(
                 {

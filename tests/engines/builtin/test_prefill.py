@@ -66,3 +66,24 @@ def test_cuda_chunks_of_every_size_score_as_on_cpu(tiny_llama, tiny_requests):
         np.testing.assert_allclose(ours.logprob, theirs.logprob, atol=1e-4)
         np.testing.assert_allclose(ours.top_logprobs, theirs.top_logprobs, atol=1e-4)
         np.testing.assert_allclose(ours.entropy, theirs.entropy, atol=1e-4)
+
+
+def test_batches_hold_sequences_of_similar_length_and_results_keep_the_order(
+    tiny_llama, tiny_requests
+):
+    """Requests go to forwards shortest prompt + trace first (less padding), and results come
+    back in the order given, each the same trace's as when it is scored alone."""
+    engine = make_engine("prefill", tiny_llama, batch_size=2, top_k=3)
+    announced = []
+    engine.on_batch = announced.append
+    together = engine.run(tiny_requests)
+    engine.on_batch = None
+    lengths = [[r.prompt_len + r.trace_len for r in batch] for batch in announced]
+    assert [n for batch in lengths for n in batch] == sorted(
+        r.prompt_len + r.trace_len for r in tiny_requests
+    )
+    for request, ours in zip(tiny_requests, together):
+        alone = engine.run([request])[0]
+        assert ours.trace_id == request.trace_id
+        np.testing.assert_array_equal(ours.token_ids, alone.token_ids)
+        np.testing.assert_allclose(ours.logprob, alone.logprob, atol=1e-5)

@@ -47,6 +47,18 @@ SCORE_CHUNK_BYTES = 256 * 2**20
 _BYTES_PER_LOGIT = 20  # float32 logits, log-probs, p*log(p), a comparison mask, slack
 
 
+def _batches(requests: Sequence[ReplayRequest], size: int) -> list[list[int]]:
+    """Indices of ``requests`` in batches of at most ``size``, shortest sequences first.
+
+    A batch is padded to its longest prompt + trace: sequences of similar length waste
+    fewer padded positions (measured 15% more tokens than scored in bundle order).
+    """
+    order = sorted(
+        range(len(requests)), key=lambda i: requests[i].prompt_len + requests[i].trace_len
+    )
+    return [order[start : start + size] for start in range(0, len(order), size)]
+
+
 class PrefillEngine(EngineBase):
     """Score traces with a single teacher-forced forward per batch (right padded).
 
@@ -129,15 +141,16 @@ class PrefillEngine(EngineBase):
     def run(
         self, requests: Sequence[ReplayRequest], *, on_tokens: Callable[[int], None] | None = None
     ) -> list[TraceResult]:
-        """Score ``requests``; results come back in the order given."""
-        results = []
+        """Score ``requests`` in batches of similar length; results come back in the order
+        given."""
+        results: dict[int, TraceResult] = {}
         with intra_op_threads(self.threads):
-            for start in range(0, len(requests), self.batch_size):
-                batch = requests[start : start + self.batch_size]
-                results.extend(self._run_batch(batch))
+            for indices in _batches(requests, self.batch_size):
+                batch = [requests[i] for i in indices]
+                results.update(zip(indices, self._run_batch(batch)))
                 if on_tokens is not None:
                     on_tokens(sum(r.trace_len for r in batch))
-        return results
+        return [results[i] for i in range(len(requests))]
 
     def _run_batch(self, batch: Sequence[ReplayRequest]) -> list[TraceResult]:
         if self.on_batch is not None:
