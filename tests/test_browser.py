@@ -354,3 +354,17 @@ def test_plot_output_shows_the_figure_as_an_image(page):
     from playwright.sync_api import expect
 
     expect(page.locator(".tr-tokens ~ .widget-output img")).to_be_visible(timeout=5_000)
+
+
+def test_divergence_strip_follows_the_metric_control(page):
+    """With distributions, the selected step's divergences are listed under the top-k tables
+    and picking another metric redraws the figure (its divergence strip)."""
+    from playwright.sync_api import expect
+
+    expect(page.locator(".tr-topk .tr-step-notes")).to_contain_text("full distributions (bounded)")
+    image = page.locator(".tr-tokens ~ .widget-output img")
+    expect(image).to_be_visible(timeout=5_000)
+    before = image.get_attribute("src")
+    page.locator(".tr-metric select").select_option(label="tv")
+    expect(image).not_to_have_attribute("src", before)
+    page.screenshot(path=ARTIFACTS / "explorer_divergence_tv.png", full_page=True)
