@@ -58,7 +58,10 @@ class Backend(Protocol):
 
     name: str
     forwards: int
-    static_logits: bool
+
+    @property
+    def static_logits(self) -> bool:
+        """Read-only: a backend may derive it (the static backend: whether it captures)."""
 
     def prefill(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> torch.Tensor: ...
 

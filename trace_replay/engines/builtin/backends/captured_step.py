@@ -11,7 +11,7 @@ with its static input and output tensors and launches it for any batch up to its
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -63,9 +63,12 @@ def capture_step(
     return StepGraph(graph, tokens, positions, logits)
 
 
+_Out = TypeVar("_Out")
+
+
 def capture(
-    fn: Callable[[], object], state: Sequence[torch.Tensor], *, pool=None
-) -> tuple[torch.cuda.CUDAGraph, object]:
+    fn: Callable[[], _Out], state: Sequence[torch.Tensor], *, pool=None
+) -> tuple[torch.cuda.CUDAGraph, _Out]:
     """Warm ``fn`` up on a side stream, then capture one call; returns (graph, its output).
 
     ``state`` lists the tensors a call advances: the warm-up runs change them for real, so

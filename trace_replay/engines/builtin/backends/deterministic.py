@@ -144,7 +144,7 @@ class DeterministicBackend:
         if not self.cuda_graphs or self.model.observer is not None:
             return self._decode_step(tokens, positions).view(batch, q, -1)
         graph = self._graphs.get(q) or self._capture(q)
-        return graph.launch(tokens, positions).view(self.shape[0], q, -1)[:batch]
+        return graph.launch(tokens, positions).view(self._cache()[1][0], q, -1)[:batch]
 
     @torch.inference_mode()
     def keep(self, keep: torch.Tensor) -> None:
@@ -152,8 +152,9 @@ class DeterministicBackend:
         batch, q = keep.shape
         cursor = self.cursor[:batch]
         offsets = self._arange[:q]
-        slots = (cursor[:, None] - q + offsets).clamp(0, self.shape[1] - 1)
-        self.cache.valid[:batch].scatter_(1, slots, keep)
+        cache, (_, width) = self._cache()
+        slots = (cursor[:, None] - q + offsets).clamp(0, width - 1)
+        cache.valid[:batch].scatter_(1, slots, keep)
         # trailing drops are given back: the next decode writes over them
         kept_until = torch.where(keep, offsets + 1, 0).amax(dim=1)
         cursor -= q - kept_until
@@ -162,8 +163,9 @@ class DeterministicBackend:
         """Cache rows ``0 .. len(lengths) - 1`` hold these lengths, nothing else."""
         self._allocate(len(lengths), slots)
         lens = torch.tensor(lengths, device=self.device)
-        self.cache.valid.zero_()
-        self.cache.valid[: len(lengths)] = self._arange[None, : self.shape[1]] < lens[:, None]
+        cache, (_, width) = self._cache()
+        cache.valid.zero_()
+        cache.valid[: len(lengths)] = self._arange[None, :width] < lens[:, None]
         self.cursor.zero_()
         self.cursor[: len(lengths)] = lens
 
@@ -175,17 +177,18 @@ class DeterministicBackend:
         ).to(self.device)
         slot = torch.cat([torch.arange(len(s)) for s in ids]).to(self.device)
         return self.model.forward(
-            self.cache, tokens, cache_row, slot, slot, runs=[len(s) for s in ids]
+            self._cache()[0], tokens, cache_row, slot, slot, runs=[len(s) for s in ids]
         )
 
     def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``[B * q, V]`` logits; marks the new slots valid and advances the cursor. Capturable."""
         batch, q = tokens.shape
-        slot = (self.cursor[:batch, None] + self._arange[:q]).clamp(max=self.shape[1] - 1)
+        cache, (_, width) = self._cache()
+        slot = (self.cursor[:batch, None] + self._arange[:q]).clamp(max=width - 1)
         cache_row = self._arange[:batch, None].expand(batch, q)
-        self.cache.valid[:batch].scatter_(1, slot, True)
+        cache.valid[:batch].scatter_(1, slot, True)
         hidden = self.model.forward(
-            self.cache, tokens.flatten(), cache_row.flatten(), slot.flatten(), positions.flatten()
+            cache, tokens.flatten(), cache_row.flatten(), slot.flatten(), positions.flatten()
         )
         self.cursor[:batch] += q
         return self.model.lm_head(hidden)[: batch * q]
@@ -205,11 +208,18 @@ class DeterministicBackend:
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.shape = (rows, slots)
 
+    def _cache(self) -> tuple[KVCache, tuple[int, int]]:
+        """The cache and its ``(rows, slots)``; a RuntimeError before the first batch."""
+        if self.cache is None or self.shape is None:
+            raise RuntimeError("the deterministic backend has no cache before its first prefill")
+        return self.cache, self.shape
+
     def _capture(self, q: int) -> StepGraph:
         # warm-up compiles the kernels; the keys it wrote sit at the cursor, where the
         # next decode writes anyway
+        cache, (rows, _) = self._cache()
         self._graphs[q] = capture_step(
-            self._decode_step, self.shape[0], q, (self.cursor, self.cache.valid), pool=self._pool
+            self._decode_step, rows, q, (self.cursor, cache.valid), pool=self._pool
         )
         return self._graphs[q]
 

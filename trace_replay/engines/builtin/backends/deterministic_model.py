@@ -14,7 +14,7 @@ position. The KV cache belongs to the caller
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -88,8 +88,8 @@ def unsupported_reason(lm) -> str | None:
                 layer.get_submodule(name)
     except AttributeError as exc:
         return f"unexpected module layout ({exc})"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act!r} (only silu)"
+    if (act := getattr(config, "hidden_act", "silu")) != "silu":
+        return f"activation {act!r} (only silu)"
     if any(hasattr(layer.self_attn, "q_norm") for layer in lm.model.layers):
         return "q/k norms"
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
@@ -236,7 +236,7 @@ class DeterministicLlama:
             {which: _joint_bias(group) for which, group in layer.items()}
             for layer in self._projections
         ]
-        self._cos = self._sin = None
+        self._cos = self._sin = torch.empty(0)  # the rotary table, grown by new_cache
         self.observer: RowObserver | None = None  # see RowObserver; None costs nothing
 
     def describe(self) -> dict:
@@ -266,7 +266,7 @@ class DeterministicLlama:
     def new_cache(self, rows: int, slots: int) -> KVCache:
         """A cache of ``rows`` rows (plus scratch) and ``slots`` slots (a multiple of the key
         block); the rotary table grows to cover it (a position is at most its slot)."""
-        if self._cos is None or self._cos.shape[0] < slots:
+        if self._cos.shape[0] < slots:
             self._cos, self._sin = self._rotary_table(slots)
         return KVCache(
             self.num_layers, rows, self.num_kv_heads, slots, self.head_dim, self.dtype, self.device
@@ -280,10 +280,11 @@ class DeterministicLlama:
         runs depends on ``top_k`` and the vocabulary alone, never on the rows, so decode
         steps and prefill chunks score a row alike."""
         if self.triton and triton_scores(logits, top_k):
-            scores = score_rows_triton(logits, token_ids, top_k)
-            return TokenScores(
-                *scores, tail_logmass=tail_rows(logits, scores[2], self.blocks.score)
+            logprob, rank, top_ids, top_logprobs, entropy = score_rows_triton(
+                logits, token_ids, top_k
             )
+            tail = tail_rows(logits, top_ids, self.blocks.score)
+            return TokenScores(logprob, rank, top_ids, top_logprobs, entropy, tail)
         return score_rows(logits, token_ids, top_k, self.blocks.score)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -421,13 +422,14 @@ class DeterministicLlama:
         self, parts: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, norm: torch.nn.Module
     ) -> tuple[torch.Tensor, torch.Tensor]:
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
-        return residual_norm_triton(parts, bias, x, norm.weight, eps)
+        return residual_norm_triton(parts, bias, x, cast(torch.Tensor, norm.weight), eps)
 
     def _norm(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+        weight = cast(torch.Tensor, norm.weight)
         if self.triton:
-            return rms_norm_rows_triton(x, norm.weight, eps)
-        return rms_norm_rows_reference(x, norm.weight, eps, self.blocks.rowwise)
+            return rms_norm_rows_triton(x, weight, eps)
+        return rms_norm_rows_reference(x, weight, eps, self.blocks.rowwise)
 
     def _linear(self, x: torch.Tensor, module: torch.nn.Linear) -> torch.Tensor:
         if self.linear_kind == "3xtf32":

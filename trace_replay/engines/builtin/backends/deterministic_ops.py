@@ -81,6 +81,7 @@ def _row_bits(
         if seen is not None and not torch.equal(got, seen):
             return None
         seen = got
+    assert seen is not None  # the loop ran: a block has at least one place
     return seen.cpu().view(torch.uint8).numpy().tobytes()
 
 
@@ -100,7 +101,7 @@ def probe_linear(weights: Sequence[torch.Tensor], menu: Sequence[int]) -> tuple[
         GEMM cannot be made batch-invariant this way.
     """
     generator = torch.Generator().manual_seed(0)
-    shapes = {}
+    shapes: dict[tuple, torch.Tensor] = {}
     for weight in weights:
         shapes.setdefault((tuple(weight.shape), weight.dtype), weight)
     groups: dict[tuple, list[int]] = {}

@@ -57,6 +57,7 @@ def make_backend(
         raise ValueError(f"unknown backend kind {kind!r}; choose one of {', '.join(KINDS)}")
     if kind == "auto":
         kind = auto_kind(lm)
+    backend: Backend
     if kind == "hf":
         from trace_replay.engines.builtin.backends.hf import HFBackend
 

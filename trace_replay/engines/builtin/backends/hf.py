@@ -9,6 +9,7 @@ backend whose activations can be watched.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -30,8 +31,8 @@ class HFBackend:
         self.device = next(lm.parameters()).device
         self.score = scorer_for(self.device)
         self.forwards = 0
-        self._cache = None
-        self._mask = None
+        self._cache: Any = None  # transformers' past_key_values
+        self._mask: torch.Tensor | None = None  # [B, width] of the last forward
 
     def prefill(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> torch.Tensor:
         """Start a wave: left-pad ``prompts``, run them, return ``[B, V]`` next-token logits."""
@@ -52,7 +53,8 @@ class HFBackend:
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Feed ``tokens`` ``[B, q]`` at ``positions`` ``[B, q]``; return ``[B, q, V]`` logits."""
-        self._mask = torch.cat([self._mask, self._mask.new_ones(tokens.shape)], dim=1)
+        mask = self._prefilled()
+        self._mask = torch.cat([mask, mask.new_ones(tokens.shape)], dim=1)
         out = self.lm(
             input_ids=tokens,
             attention_mask=self._mask,
@@ -66,7 +68,14 @@ class HFBackend:
 
     def keep(self, keep: torch.Tensor) -> None:
         """``keep`` ``[B, q]`` bool: which tokens of the last ``decode`` stay in context."""
-        self._mask[:, -keep.shape[1] :] = keep.to(self._mask.dtype)
+        mask = self._prefilled()
+        mask[:, -keep.shape[1] :] = keep.to(mask.dtype)
+
+    def _prefilled(self) -> torch.Tensor:
+        """The attention mask so far; a RuntimeError before the first prefill."""
+        if self._mask is None:
+            raise RuntimeError("the hf backend decodes only after a prefill")
+        return self._mask
 
     def settings(self) -> dict:
         """Nothing to add: the model's own forward, no choice of the backend's."""

@@ -33,7 +33,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -69,7 +69,9 @@ def supports(lm) -> bool:
     full or sliding-window causal attention and a static RoPE.
     """
     config = getattr(lm, "config", None)
-    if getattr(config, "model_type", None) not in MODEL_TYPES or config.sub_configs:
+    if getattr(config, "model_type", None) not in MODEL_TYPES or config is None:
+        return False
+    if config.sub_configs:
         return False
     layers = getattr(getattr(lm, "model", None), "layers", None)
     if not layers or not all(hasattr(layer, "self_attn") for layer in layers):
@@ -91,8 +93,9 @@ def _rope_types(params) -> set[str]:
     return found
 
 
-def _windows(config) -> dict[str, int | None] | None:
-    """Sliding window per layer type; ``None`` when the model takes one 4-D mask."""
+def _windows(config) -> dict[str, int | None]:
+    """Sliding window per layer type (``None``: full attention); the one type ``""`` where
+    the model's layers do not name theirs."""
     window = getattr(config, "sliding_window", None)
     if getattr(config, "layer_types", None):
         return {t: window if t == "sliding_attention" else None for t in set(config.layer_types)}
@@ -205,7 +208,8 @@ class StaticCacheBackend:
         self._graphs: dict[int, StepGraph] = {}
         self._prefill_shapes: set[tuple[int, int]] = set()  # compiled, not captured
         self._prefills: dict[int, _PrefillGraph] = {}  # captured, by prompt width
-        self._pool = self._prefill_pool = None
+        self._pool: Any = None  # CUDA graph memory pools (torch's handle), set per cache
+        self._prefill_pool: Any = None
 
     @property
     def static_logits(self) -> bool:
@@ -226,6 +230,12 @@ class StaticCacheBackend:
             "on CUDA, packed linears on the CPU) whose steps the model's forward hooks "
             "do not see; build the engine with backend='hf' (layer attribution does)"
         )
+
+    def _kv(self) -> StaticKVCache:
+        """The allocated cache; a RuntimeError before the first prefill."""
+        if self.cache is None:
+            raise RuntimeError("the static backend has no cache before its first prefill")
+        return self.cache
 
     @property
     def shape(self) -> tuple[int, int] | None:
@@ -248,7 +258,7 @@ class StaticCacheBackend:
         if self.cuda_graphs:
             width = _bucket(width)
         self._allocate(batch, width + max_new_tokens + self.max_query_len)
-        rows = self.cache.shape[0]
+        rows = self._kv().shape[0]
         tokens = torch.full((rows, width), self.pad_id, dtype=torch.long)
         present = torch.zeros((rows, width), dtype=torch.bool)
         for row, prompt in enumerate(prompts):
@@ -257,13 +267,13 @@ class StaticCacheBackend:
         tokens, present = tokens.to(self.device), present.to(self.device)
         positions = (present.long().cumsum(1) - 1).clamp(min=0)
         if not self.cuda_graphs:
-            self.cache.reset()
+            self._kv().reset()
             logits = self._forward(tokens, positions, present=present, logits_to_keep=1)
         elif rows * width <= PREFILL_GRAPH_TOKENS:
             graph = self._prefills.get(width) or self._capture_prefill(width)
             logits = graph.launch(tokens, positions, present)
         else:  # long prompts keep the GPU busy: compiled layers, no graph (no memory held)
-            self.cache.reset()
+            self._kv().reset()
             with self._compiled(startup=(rows, width) not in self._prefill_shapes):
                 logits = self._forward(tokens, positions, present=present, logits_to_keep=1)
             self._prefill_shapes.add((rows, width))
@@ -281,7 +291,7 @@ class StaticCacheBackend:
             )
         self.forwards += 1
         if not self.cuda_graphs:
-            rows = self.cache.shape[0]
+            rows = self._kv().shape[0]
             if batch < rows:
                 tokens = torch.cat([tokens, tokens.new_full((rows - batch, q), self.pad_id)])
                 positions = torch.cat([positions, positions.new_zeros((rows - batch, q))])
@@ -292,7 +302,7 @@ class StaticCacheBackend:
     @torch.inference_mode()
     def keep(self, keep: torch.Tensor) -> None:
         """``keep`` ``[B, q]`` bool: which tokens of the last ``decode`` stay in context."""
-        self.cache.keep(keep)
+        self._kv().keep(keep)
 
     def _allocate(self, batch: int, length: int) -> None:
         """Cache for ``batch`` rows of ``length`` slots; reuse the current one when it fits."""
@@ -335,7 +345,7 @@ class StaticCacheBackend:
         ``present`` (prefill) marks left padding, which stays out of context. Capturable
         when ``present`` is None.
         """
-        cache = self.cache
+        cache = self._kv()
         cache.begin(positions)
         if present is not None:
             cache.valid[:, : present.shape[1]] = present
@@ -371,7 +381,7 @@ class StaticCacheBackend:
         return graph
 
     def _capture(self, q: int) -> StepGraph:
-        cache = self.cache
+        cache = self._kv()
         with self._compiled():  # the warm-up inside compiles the layers
             self._graphs[q] = graph = capture_step(
                 self._forward,
@@ -386,7 +396,7 @@ class StaticCacheBackend:
 
 def _capture_prefill_of(backend: StaticCacheBackend, width: int) -> _PrefillGraph:
     """Capture ``backend``'s prefill of ``width`` tokens per row (warm-ups included)."""
-    cache = backend.cache
+    cache = backend._kv()
     rows, device = cache.shape[0], backend.device
     tokens = torch.full((rows, width), backend.pad_id, dtype=torch.long, device=device)
     positions = torch.arange(width, device=device).expand(rows, width).contiguous()

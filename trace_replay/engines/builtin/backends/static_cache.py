@@ -69,8 +69,8 @@ def grouped_attention(
     batch, heads, q, dim = query.shape
     groups = heads // key.shape[1]
     query = query.reshape(batch, key.shape[1], groups * q, dim)
+    scale = dim**-0.5 if scaling is None else scaling
     if softcap is None:
-        scale = dim**-0.5 if scaling is None else scaling
         if query.is_cuda and groups * q <= MAX_QUERY_ROWS:
             out = cache_attention(
                 query,
@@ -83,7 +83,7 @@ def grouped_attention(
         else:
             out = cache_attention_reference(query, key, value, attention_mask, scale)
     else:
-        scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+        scores = torch.matmul(query, key.transpose(2, 3)) * scale
         scores = torch.tanh(scores / softcap) * softcap + grouped_mask(attention_mask, groups)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         out = torch.matmul(probs, value)

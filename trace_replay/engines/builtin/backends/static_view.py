@@ -116,13 +116,15 @@ class LayerRunner:
 def model_view(lm: torch.nn.Module, backend: Any) -> torch.nn.Module:
     """The view of ``lm`` that ``backend`` runs: per its ``tensor_cores``, ``product`` and
     ``batch1_fusions`` (see the module docstring)."""
-    config = copy.copy(lm.config)
+    # transformers' modules, read and patched duck-typed (attention, layers, their forward)
+    config: Any = copy.copy(lm.config)
     config._attn_implementation = ATTENTION
-    view = shallow(lm)
-    view.model = shallow(lm.model)
+    view: Any = shallow(lm)
+    decoder: Any = lm.model
+    view.model = shallow(decoder)
     layers = []
-    for index, layer in enumerate(lm.model.layers):
-        layer = shallow(layer)
+    for index, original in enumerate(decoder.layers):
+        layer: Any = shallow(original)
         layer.self_attn = shallow(layer.self_attn)
         layer.self_attn.config = config
         if backend.tensor_cores:
