@@ -43,34 +43,15 @@ BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> str:
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    config = transformers.LlamaConfig(
+def folder(tmp_path_factory, save_random_llama) -> str:
+    return save_random_llama(
+        tmp_path_factory.mktemp("random-llama-tp"),
+        byte_tokenizer=True,
         vocab_size=VOCAB,
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=32,
-        max_position_embeddings=256,
-        initializer_range=0.3,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
     )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("random-llama-tp")
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
