@@ -8,6 +8,7 @@ requests through :func:`run_checked`, so each engine result passes the same chec
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -49,7 +50,7 @@ REQUIRED = ("trace_id", "step", "token_id", "logprob", "rank")
 
 
 def tokens_digest(
-    prompt_token_ids: Sequence[int] | None, trace_token_ids: Sequence[int]
+    prompt_token_ids: Sequence[int] | None, trace_token_ids: Sequence[int] | np.ndarray
 ) -> str | None:
     """A trace's ``tokens_digest``: 16 hex digits of a SHA-256 of its prompt and trace token
     ids (``None`` without prompt ids). Two runs' rows of one trace id are compared only
@@ -176,12 +177,12 @@ class TokenDecoder:
         pending, done = [], ""  # done: the text given to the pending tokens so far
         for at, token_id in enumerate(run):
             pending.append(token_id)
-            before = self(context[0]) if context else ""
+            prefix = self(context[0]) if context else ""
             full = self.tokenizer.decode(context + pending)
-            if not full.startswith(before):  # no common text to cut: the lone decode stays
+            if not full.startswith(prefix):  # no common text to cut: the lone decode stays
                 context, pending, done = pending[-1:], [], ""
                 continue
-            text = full[len(before) :]
+            text = full[len(prefix) :]
             complete = text if at == len(run) - 1 else text.rstrip(_SPLIT)
             if complete.startswith(done):
                 texts[at] = complete[len(done) :]
@@ -260,7 +261,7 @@ def to_frame(
         ).astype(np.float64),
     }
     for name in dict.fromkeys(k for r in results for k in r.extra):
-        columns[name] = _per_step(results, steps, name, lambda r, n=name: r.extra.get(n))
+        columns[name] = _per_step(results, steps, name, functools.partial(_extra, name=name))
     columns["ref_logprob"] = _per_step(
         results, steps, "ref_logprob", lambda r: traces[r.trace_id].ref_logprobs, fill=np.nan
     ).astype(np.float64)
@@ -280,6 +281,11 @@ def to_frame(
 
 def _joined(arrays) -> np.ndarray:
     return np.concatenate([np.asarray(a).reshape(-1) for a in arrays])
+
+
+def _extra(result: TraceResult, name: str) -> Any:
+    """``result``'s extra column ``name`` (None where it has none)."""
+    return result.extra.get(name)
 
 
 def _per_step(

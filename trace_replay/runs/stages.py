@@ -132,7 +132,8 @@ def prepare_requests(
     """
     requests, notes = [], []
     for trace in traces:
-        prompt, tokens = trace.prompt_token_ids, trace.trace_token_ids
+        prompt, tokens = trace.prompt_token_ids or (), trace.trace_token_ids
+        assert tokens is not None  # tokenized by prepare_run
         if not prompt:
             raise TraceError(
                 "empty prompt: decode replay needs at least one prompt token",
