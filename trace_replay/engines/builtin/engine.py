@@ -152,7 +152,8 @@ class TorchEngine(EngineBase):
         return stats
 
     def close(self) -> None:
-        self.backend = self.lm = None
+        # released; every method that reads them refuses a closed engine (EngineClosed)
+        self.backend = self.lm = None  # type: ignore[assignment]
         self._captured.clear()
 
     def activations(self) -> Activations:

@@ -161,7 +161,9 @@ class PrefillEngine(EngineBase):
         width = max(r.prompt_len + r.trace_len - 1 for r in batch)
         input_ids = torch.zeros((len(batch), width), dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
-        rows, cols, targets = [], [], []
+        rows: list[int] = []
+        cols: list[int] = []
+        targets: list[int] = []
         for row, r in enumerate(batch):
             seq = list(r.prompt_token_ids) + list(r.trace_token_ids[:-1])
             input_ids[row, : len(seq)] = torch.tensor(seq)
@@ -195,7 +197,9 @@ class PrefillEngine(EngineBase):
         sequences = [r.prompt_token_ids + r.trace_token_ids[:-1] for r in batch]
         # logits at position p predict the token at p + 1
         scored = [range(r.prompt_len - 1, r.prompt_len - 1 + r.trace_len) for r in batch]
-        states = self.backend.teacher_forced_states(sequences, scored)
+        backend = self.backend
+        assert backend is not None  # this path runs only with the deterministic backend
+        states = backend.teacher_forced_states(sequences, scored)
         targets = torch.tensor(
             [t for r in batch for t in r.trace_token_ids], device=self.torch_device
         )
@@ -204,9 +208,9 @@ class PrefillEngine(EngineBase):
         scores = self._score_in_chunks(
             states,
             targets,
-            self.backend.lm_head,
-            self.backend.score,
-            multiple=self.backend.model.blocks.score,
+            backend.lm_head,
+            backend.score,
+            multiple=backend.model.blocks.score,
         )
         host = collect_rows(scores, targets)
         bounds = np.cumsum([0] + [r.trace_len for r in batch])
@@ -215,7 +219,9 @@ class PrefillEngine(EngineBase):
     def _chunk_rows(self, multiple: int = 1) -> int:
         """Scored positions per chunk: as many as ``score_chunk_bytes`` holds, rounded down to
         a multiple of ``multiple`` (at least one multiple)."""
-        rows = self.score_chunk_bytes // (self.vocab_size * _BYTES_PER_LOGIT)
+        vocab_size = self.vocab_size
+        assert vocab_size is not None  # a model in this process: its head's size
+        rows = self.score_chunk_bytes // (vocab_size * _BYTES_PER_LOGIT)
         return max(multiple, rows // multiple * multiple)
 
     def _score_in_chunks(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -291,7 +291,7 @@ def collect_rows(scores: TokenScores, token_ids: torch.Tensor) -> dict[str, np.n
 # from device scores to per-trace host results
 def split_results(
     requests: Sequence[ReplayRequest],
-    host: dict[str, np.ndarray],
+    host: dict[str, Any],  # TraceResult's array fields by name: collect_rows' arrays
     rows: Sequence[np.ndarray | slice],
 ) -> list[TraceResult]:
     """One :class:`TraceResult` per request from host arrays, taking ``rows[i]`` for request i."""
