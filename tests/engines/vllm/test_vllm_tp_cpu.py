@@ -130,6 +130,12 @@ def test_tp2_served_agrees_with_tp1(folder, requests, tp1, tmp_path, monkeypatch
             "8",
             "--tensor-parallel-size",
             "2",
+            # what 8 sequences of 128 tokens need, many times over: left to itself the CPU
+            # build's server takes ~6.4 GiB per rank (the in-process engine sizes its own);
+            # an engine-core start failed here while another run's TP=2 server held ~13 GiB
+            # of the 24 GiB machine
+            "--kv-cache-memory-bytes",
+            str(64 << 20),
         ],
     )
     log = tmp_path / "server.log"
