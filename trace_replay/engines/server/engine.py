@@ -239,8 +239,10 @@ class ServerEngine(EngineBase):
         fails (``ServerError``), or whose answer holds an impossible logprob that its result
         would not keep (an alternative past the top-k:
         :class:`~trace_replay.engines.validate.ImpossibleResult`), raises
-        :class:`~trace_replay.engines.base.BatchFailed` once the requests in flight have
-        finished, with their results.
+        :class:`~trace_replay.engines.base.BatchFailed` once every other request of the
+        call that was in flight has finished, with their results: the first ``batch_size``
+        requests are in flight, whether or not their threads had started when the error came
+        (none is dropped because its thread started late); requests past them stay unsent.
         """
         pool = self._pool
         assert pool is not None, "a closed engine runs nothing (EngineClosed first)"
@@ -251,11 +253,16 @@ class ServerEngine(EngineBase):
                     on_tokens(len(future.result().token_ids))
             return [future.result() for future in futures]
         except BaseException as error:
-            for future in futures:  # requests not sent yet stay unsent
-                future.cancel()
             if not isinstance(error, (ServerError, ImpossibleResult)):
+                for future in futures:  # interrupted: requests not sent yet stay unsent
+                    future.cancel()
                 raise
-            wait([f for f in futures if not f.cancelled()])  # those in flight are kept
+            # the first batch_size requests are in flight (the pool is that wide and takes them
+            # in order), whether or not a thread had picked one up when the error came: they
+            # are all asked and kept; requests past them stay unsent
+            for future in futures[self.batch_size :]:
+                future.cancel()
+            wait([f for f in futures if not f.cancelled()])
             raise BatchFailed(error, [_finished(f) for f in futures]) from error
 
     def close(self) -> None:
