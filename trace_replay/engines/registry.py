@@ -11,7 +11,6 @@ one :func:`register_engine` call (here for the package's own; anywhere for a use
 from __future__ import annotations
 
 import importlib
-import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +18,6 @@ from typing import Any
 __all__ = [
     "ENGINES",
     "ENGINE_OPTIONS",
-    "SPECS",
     "EngineSpec",
     "engine_spec",
     "engine_specs",
@@ -74,8 +72,6 @@ class EngineSpec:
 
 
 _SPECS: dict[str, EngineSpec] = {}
-# the specs by name, read-only and current (a caller on every replay reads it as data)
-SPECS: Mapping[str, EngineSpec] = types.MappingProxyType(_SPECS)
 
 
 def register_engine(spec: EngineSpec, *, replace: bool = False) -> EngineSpec:

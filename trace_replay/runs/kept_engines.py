@@ -127,11 +127,10 @@ def _key(name: str, model: Any, config: dict[str, Any]) -> tuple[tuple, str] | N
     now; None when the engine is not kept."""
     import torch
 
-    from trace_replay.engines.registry import SPECS
+    from trace_replay.engines.registry import ENGINES, engine_spec
     from trace_replay.models.load import folder_digest, hf_folder, resolve_dtype
 
-    spec = SPECS.get(name)  # None: make_engine names what is wrong with the name
-    if spec is None or not spec.kept or isinstance(model, torch.nn.Module):
+    if name not in ENGINES or not engine_spec(name).kept or isinstance(model, torch.nn.Module):
         return None
     try:
         folder = hf_folder(model).resolve()

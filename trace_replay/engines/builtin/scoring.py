@@ -147,7 +147,7 @@ def _tail_from_logits(
     ``logsumexp = logit(token) - logprob(token)``, so one ``logsumexp`` (of the rest) instead
     of two. Equal to :func:`tail_logmass` within a float32 rounding of the normaliser."""
     if top_ids.shape[1] == 0:
-        return logprob - logprob
+        return torch.zeros_like(logprob)
     x = logits.float()
     normaliser = x.gather(1, token_ids.long()[:, None]).squeeze(1) - logprob
     return torch.logsumexp(x.scatter(1, top_ids.long(), float("-inf")), dim=1) - normaliser
