@@ -11,8 +11,6 @@
 #   bash benchmarks/h200_vllm.sh bench SHAPE [BATCHES] [ROUNDS] [PARTS] [SECONDS]
 #       # SHAPE: smollm2-135m | llama-3.1-8b; PARTS: speed, or speed,in-process;
 #       # SECONDS: add rounds per batch until its timed calls reach this (short calls)
-#   bash benchmarks/h200_vllm.sh overhead SHAPE [BATCHES] [ROUNDS]   # greedy vs replay, one engine
-#   bash benchmarks/h200_vllm.sh steps SHAPE [BATCHES] [ROUNDS] [PY_SPY_S]   # per-step split (issue 45)
 # Two GPUs (nvidia-h200-x2, issue 33; tensor parallelism, TP=2):
 #   bash benchmarks/h200_vllm.sh tp-tests                         # tests/gpu/test_vllm_tp_gpu.py
 #   bash benchmarks/h200_vllm.sh tp SHAPE PARTS [LAYERS] [BATCHES] [ROUNDS]
@@ -105,14 +103,6 @@ tests)
 bench)
   timeout 560 python3 benchmarks/bench_vllm_gpu.py --shape "$2" --batches "${3:-1,16,64,256}" \
     --rounds "${4:-5}" --parts "${5:-speed}" --seconds "${6:-0}" 2>&1 | grep -v -i "warn" | tee "$out/bench_$2.txt"
-  ;;
-overhead)
-  timeout 560 python3 benchmarks/probe_vllm_overhead.py --shape "$2" --batches "${3:-16,64,256}" \
-    --rounds "${4:-5}" 2>&1 | grep -v -i "warn" | tee "$out/overhead_$2.txt"
-  ;;
-steps)
-  timeout 560 python3 benchmarks/probe_vllm_steps.py --shape "$2" --batches "${3:-1,16}" \
-    --rounds "${4:-9}" --py-spy "${5:-0}" 2>&1 | grep -v -i "warn" | tee "$out/steps_$2.txt"
   ;;
 routing-tests)
   timeout 400 python3 -m pytest -q -ra -p no:cacheprovider tests/gpu/test_routing_gpu.py 2>&1 \
