@@ -12,9 +12,11 @@ agree with ``F.linear`` to float32 rounding, not bit for bit.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-__all__ = ["PackedLinears", "packed_copy_fits", "packed_linears_available"]
+__all__ = ["PackedLinears", "linear_bytes", "packed_copy_fits", "packed_linears_available"]
 
 
 def packed_linears_available(dtype: torch.dtype) -> bool:
@@ -26,6 +28,12 @@ def packed_linears_available(dtype: torch.dtype) -> bool:
     )
 
 
+def linear_bytes(lm: torch.nn.Module) -> int:
+    """Bytes of ``lm``'s linear weights, each weight once (a tied one is one weight)."""
+    weights = {m.weight for m in lm.modules() if isinstance(m, torch.nn.Linear)}
+    return sum(w.numel() * w.element_size() for w in weights)
+
+
 def packed_copy_fits(lm: torch.nn.Module, available: int | None = None) -> bool:
     """Whether a packed copy of ``lm``'s linear weights takes at most half of ``available``
     bytes (default: the memory the system has available now, ``/proc/meminfo``; true where
@@ -34,8 +42,7 @@ def packed_copy_fits(lm: torch.nn.Module, available: int | None = None) -> bool:
     The copy sits beside the model's own weights, which the model keeps (other backends use
     them): a model near the machine's memory must not be doubled by the default backend.
     """
-    weights = {m.weight for m in lm.modules() if isinstance(m, torch.nn.Linear)}
-    needed = sum(w.numel() * w.element_size() for w in weights)
+    needed = linear_bytes(lm)
     if available is None:
         try:
             with open("/proc/meminfo") as meminfo:
@@ -49,27 +56,62 @@ def packed_copy_fits(lm: torch.nn.Module, available: int | None = None) -> bool:
 class PackedLinears:
     """``product(x, weight, bias)`` (the signature of
     :class:`~trace_replay.engines.builtin.backends.static_view.KernelLinear`'s product) over
-    oneDNN-packed copies of the weights it is given.
+    oneDNN-packed copies of the weights it is given; :meth:`group` multiplies by several
+    weights that read the same input as one product over their packed concatenation.
 
-    Design contract: a weight is packed at its first product and again whenever it was
-    changed in place since (torch's version counter), so an edited model is never
-    multiplied with its old weights. The packed copies live as long as this object (one
-    per backend): one more copy of every linear's weight in memory.
+    Design contract: a weight (or group) is packed at its first product and again whenever
+    it (any member's weight or bias) was changed in place since (torch's version counter),
+    so an edited model is never multiplied with its old weights. A group's packed copy
+    holds its members' rows; a weight multiplied only in its group has no copy of its own.
+    The packed copies live as long as this object (one per backend): one more copy of every
+    linear's weight in memory.
     """
 
     def __init__(self) -> None:
-        # id(weight) -> (weight, its version when packed, packed copy)
-        self._packed: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        # the weights' ids -> (weights and biases, their versions when packed, packed
+        # weight, concatenated biases or None)
+        self._packed: dict[tuple[int, ...], tuple[tuple, tuple, torch.Tensor, Any]] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed weights held now (their shapes' elements; oneDNN may pad)."""
+        return sum(entry[2].numel() * entry[2].element_size() for entry in self._packed.values())
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        entry = self._packed.get(id(weight))
-        if entry is None or entry[1] != weight._version:
-            entry = (
-                weight,
-                weight._version,
-                torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None),
-            )
-            self._packed[id(weight)] = entry
-        return torch.ops.mkldnn._linear_pointwise(x, entry[2], bias, "none", [], "")
+        packed, _ = self._pack((weight,), ())
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    def group(
+        self,
+        x: torch.Tensor,
+        weights: tuple[torch.Tensor, ...],
+        biases: tuple[torch.Tensor, ...] = (),
+    ) -> torch.Tensor:
+        """``x`` times every one of ``weights`` (``[N_i, K]``, plus ``biases``: one per
+        weight, or none), their outputs side by side in the last dimension: ``[..., ΣN_i]``.
+
+        Each column is the same float32 dot product as the member's own, summed in another
+        order: equal to the separate products to float32 rounding.
+        """
+        packed, bias = self._pack(weights, biases)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    def _pack(
+        self, weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The packed concatenation of ``weights`` and of ``biases``, made again where any
+        of them changed since it was made."""
+        key = tuple(map(id, weights))
+        tensors = weights + biases
+        versions = tuple(t._version for t in tensors)
+        entry = self._packed.get(key)
+        if entry is None or entry[1] != versions:
+            merged = weights[0] if len(weights) == 1 else torch.cat(weights)
+            packed = torch.ops.mkldnn._reorder_linear_weight(merged.detach(), None)
+            bias = torch.cat(biases).detach() if biases else None
+            # the tensors are kept so that their ids stay theirs while the entry lives
+            entry = (tensors, versions, packed, bias)
+            self._packed[key] = entry
+        return entry[2], entry[3]

@@ -22,9 +22,10 @@ puts the linears that read the same input (q/k/v, gate/up) in one launch each
 (:mod:`~trace_replay.engines.builtin.passes.linear_groups`). On CPU everything runs eagerly;
 a float32 model's linears there multiply through oneDNN over weights packed once
 (:mod:`~trace_replay.engines.builtin.backends.packed_linear`, as vLLM's CPU build does;
-``name`` ends ``+onednn``) where the packed copy fits in half the available memory, else
-through ``F.linear``. A float32 model on the CPU runs this backend by default
-(:func:`~trace_replay.engines.builtin.backends.factory.auto_kind`).
+``name`` ends ``+onednn``), q/k/v and gate/up each as one product
+(:func:`~trace_replay.engines.builtin.backends.static_view.group_linears`), where the
+packed copy fits in half the available memory, else through ``F.linear``. A float32 model
+on the CPU runs this backend by default (:func:`~trace_replay.engines.builtin.backends.factory.auto_kind`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,19 @@ itself is never modified:
   :func:`~trace_replay.kernels.fp32_linear.fp32_linear` (float32, 3xTF32 on tensor cores)
   or :func:`~trace_replay.kernels.gemv.gemv` (half precision, one row);
 * with the GEMV, the batch-1 fusions unless turned off
-  (:mod:`~trace_replay.engines.builtin.passes.batch1_fusions`).
+  (:mod:`~trace_replay.engines.builtin.passes.batch1_fusions`);
+* with the CPU's packed product
+  (:class:`~trace_replay.engines.builtin.backends.packed_linear.PackedLinears`), the linears
+  that read the same input (q/k/v, gate/up) as one product each (:func:`group_linears`).
+
+The CPU groups: at decode sizes each oneDNN product streams its weight once and pays a fixed
+cost besides; one product over the members' concatenated packed weight pays it once per
+group (4 products a layer instead of 7), as vLLM's CPU build does with its merged linears
+(``QKVParallelLinear``, ``MergedColumnParallelLinear``). The model's code is not touched:
+a group member's first call computes the whole group's product and returns its own columns;
+the other members, called with the same input, return theirs from it (:class:`LinearGroup`).
+The CUDA path groups in the compiler instead
+(:mod:`~trace_replay.engines.builtin.passes.linear_groups`).
 """
 
 from __future__ import annotations
@@ -23,13 +35,18 @@ from typing import Any
 
 import torch
 
+from trace_replay.engines.builtin.backends.packed_linear import PackedLinears
 from trace_replay.engines.builtin.backends.static_cache import ATTENTION
 from trace_replay.engines.builtin.passes import batch1_fusions
 from trace_replay.kernels.gemv import gemv
 
 __all__ = [
+    "GROUPS",
+    "GroupMember",
     "KernelLinear",
+    "LinearGroup",
     "LayerRunner",
+    "group_linears",
     "kernel_layer",
     "kernel_modules",
     "layer_forward",
@@ -82,6 +99,112 @@ def kernel_modules(module: torch.nn.Module, product) -> torch.nn.Module:
     return clone
 
 
+# children of one module that the model calls on the same input (attention, gated MLP)
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class LinearGroup:
+    """The product of linears that read the same input, computed once per input.
+
+    Design contract: a member's call returns exactly what a product over the whole group
+    computed from the input it was given. The group's output is reused only for a member
+    that has not read it yet, called with the same tensor object holding the same values
+    (compared with a copy taken when it was computed: decode runs in inference mode, whose
+    tensors have no version counter); anything else computes the product again. Once every
+    member has read it, the input, its copy and the output are dropped.
+
+    Parameters
+    ----------
+    linears
+        The members' ``nn.Linear`` modules (the model's own; shared, not copied): one input
+        width, one dtype, all with a bias or none.
+    packed
+        The backend's packed product (:meth:`PackedLinears.group`).
+    """
+
+    def __init__(self, linears: list[torch.nn.Linear], packed: PackedLinears) -> None:
+        self.linears, self.packed = tuple(linears), packed
+        ends = torch.tensor([m.out_features for m in self.linears]).cumsum(0).tolist()
+        self.columns = [slice(end - m.out_features, end) for m, end in zip(self.linears, ends)]
+        self._input: torch.Tensor | None = None
+        self._copy: torch.Tensor | None = None
+        self._output: torch.Tensor | None = None
+        self._unread: set[int] = set()
+
+    def read(self, member: int, x: torch.Tensor) -> torch.Tensor:
+        """Member ``member``'s output for ``x``: its columns of the group's product."""
+        fresh = x is self._input and member in self._unread and torch.equal(x, self._copy)
+        if not fresh:
+            weights = tuple(m.weight for m in self.linears)
+            biases = tuple(m.bias for m in self.linears if m.bias is not None)
+            self._output = self.packed.group(x, weights, biases)
+            self._input, self._copy = x, x.clone()
+            self._unread = set(range(len(self.linears)))
+        output = self._output
+        self._unread.discard(member)
+        if not self._unread:
+            self._input = self._copy = self._output = None
+        return output[..., self.columns[member]]
+
+
+class GroupMember(KernelLinear):
+    """A view's linear (sharing the model's weights) whose output is its columns of its
+    :class:`LinearGroup`'s product."""
+
+    def __init__(self, linear: torch.nn.Linear, group: LinearGroup, member: int) -> None:
+        super().__init__(linear, group.packed)
+        self.group, self.member = group, member
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.read(self.member, x)
+
+
+def group_linears(module: torch.nn.Module, packed: PackedLinears) -> torch.nn.Module:
+    """``module`` (a view, or a part of one, its linears :class:`KernelLinear` of ``packed``)
+    with every group of :data:`GROUPS` it holds made
+    :class:`GroupMember` of one :class:`LinearGroup`, in place.
+
+    A group is made only where all its members are there, are ``KernelLinear`` of
+    ``packed`` over ``nn.Linear`` of one input width, dtype and device, and all have a bias
+    or none; otherwise those linears stay as they are (separate products). A module holding
+    ``KernelLinear`` children is the view's own copy (``kernel_modules`` made it when it
+    replaced them), so the model's modules are never changed.
+    """
+    for parent in list(module.modules()):
+        for names in GROUPS:
+            linears = _members(parent, names, packed)
+            if linears is None:
+                continue
+            group = LinearGroup(linears, packed)
+            for member, name in enumerate(names):
+                parent._modules[name] = GroupMember(linears[member], group, member)
+    return module
+
+
+def _members(
+    parent: torch.nn.Module, names: tuple[str, ...], packed: PackedLinears
+) -> list[torch.nn.Linear] | None:
+    """The ``nn.Linear`` of ``parent``'s children ``names`` where they form a group."""
+    children = [parent._modules.get(name) for name in names]
+    if not all(
+        type(child) is KernelLinear and child.product is packed  # noqa: E721 (not a member)
+        for child in children
+    ):
+        return None
+    linears = [child.linear for child in children]  # type: ignore[union-attr]
+    first = linears[0].weight
+    if not all(
+        isinstance(m, torch.nn.Linear)
+        and m.in_features == linears[0].in_features
+        and m.weight.dtype == first.dtype
+        and m.weight.device == first.device
+        and (m.bias is None) == (linears[0].bias is None)
+        for m in linears
+    ):
+        return None
+    return linears
+
+
 def kernel_layer(layer: torch.nn.Module, product, *, fusions: bool = True) -> torch.nn.Module:
     """A decoder layer's view: :func:`kernel_modules`, and with the GEMV and ``fusions`` the
     batch-1 fusions (:mod:`~trace_replay.engines.builtin.passes.batch1_fusions`)."""
@@ -114,8 +237,9 @@ class LayerRunner:
 
 
 def model_view(lm: torch.nn.Module, backend: Any) -> torch.nn.Module:
-    """The view of ``lm`` that ``backend`` runs: per its ``tensor_cores``, ``product`` and
-    ``batch1_fusions`` (see the module docstring)."""
+    """The view of ``lm`` that ``backend`` runs: per its ``tensor_cores``, ``product`` (the
+    CPU's packed product with its groups) and ``batch1_fusions`` (see the module
+    docstring)."""
     # transformers' modules, read and patched duck-typed (attention, layers, their forward)
     config: Any = copy.copy(lm.config)
     config._attn_implementation = ATTENTION
@@ -136,4 +260,6 @@ def model_view(lm: torch.nn.Module, backend: Any) -> torch.nn.Module:
     view.model.layers = torch.nn.ModuleList(layers)
     if backend.product is not None and isinstance(lm.lm_head, torch.nn.Linear):
         view.lm_head = KernelLinear(lm.lm_head, backend.product)
+    if isinstance(backend.product, PackedLinears):
+        group_linears(view, backend.product)
     return view
