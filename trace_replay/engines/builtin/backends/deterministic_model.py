@@ -151,9 +151,10 @@ class DeterministicLlama:
         The Triton attention: ``"tiles"`` (default), a prefill's queries a tile of one trace
         at a time (:mod:`~trace_replay.kernels.deterministic_tiled_attention`, tensor-core
         products), or ``"rows"``, one program per query row
-        (:mod:`~trace_replay.kernels.deterministic_attention`). Tiles: teacher-forced prefill
-        0.92x the default path's time where rows take 1.37x, with the same bitwise promises
-        (H200, RESULTS "Deterministic mode"; bench_determinism.py). The two round
+        (:mod:`~trace_replay.kernels.deterministic_attention`). With tiles, float32
+        teacher-forced prefill on an H200 takes 0.70x the default path's time (RESULTS
+        "Deterministic mode"); rows took 1.37x where tiles then took 0.92x (HISTORY.md,
+        2026-12-03), with the same bitwise promises (bench_determinism.py). The two round
         differently: decode and prefill must share one.
     linear
         How linear layers run: ``"3xtf32"``, the 3xTF32 tensor-core GEMM at one
