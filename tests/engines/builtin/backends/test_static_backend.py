@@ -197,13 +197,15 @@ def test_keep_with_sliding_window_equals_plain_forward(arch, tiny_model):
 
 
 def test_smaller_wave_reuses_cache(tiny_model):
-    """A wave with fewer rows in the same length bucket reuses the cache; padding rows are inert."""
+    """A wave with fewer rows in the same length bucket reuses the cache; padding rows are
+    inert (eager, not computed: the rows after the wave's keep their keys)."""
     lm = tiny_model("llama")
     ours, theirs = StaticCacheBackend(lm, 0), HFBackend(lm, 0)
     with torch.inference_mode():
         ours.prefill(PROMPTS, max_new_tokens=4)
         cache = ours.cache
         small = PROMPTS[1:3]
+        rest = cache.keys[0][len(small) :].clone()
         a = ours.prefill(small, max_new_tokens=5)
         b = theirs.prefill(small, max_new_tokens=5)
         assert ours.cache is cache
@@ -211,6 +213,7 @@ def test_smaller_wave_reuses_cache(tiny_model):
         a2 = ours.decode(a.argmax(-1)[:, None], positions).clone()
         b2 = theirs.decode(b.argmax(-1)[:, None], positions)
     assert a2.shape == b2.shape
+    assert torch.equal(cache.keys[0][len(small) :], rest)
     torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
     torch.testing.assert_close(a2, b2, atol=1e-4, rtol=0)
 

@@ -115,8 +115,9 @@ class StaticCacheBackend:
       takes dropped drafts back. Positions come from the caller (rotary uses them) and are
       independent of cache slots.
     * The cache length is bucketed (powers of two to 256, then multiples of 256) and a
-      wave no larger than the allocated rows reuses cache and graphs (its rows are
-      padded), so a run of waves captures and compiles once.
+      wave no larger than the allocated rows reuses cache and graphs (with graphs its rows
+      are padded, so a run of waves captures and compiles once; eager, it computes its own
+      rows only: :meth:`StaticKVCache.head`).
     * ``decode`` returns a view of the graph's static output: valid until the next
       ``decode``.
     * ``compile_seconds`` sums the time spent compiling and capturing (start-up cost).
@@ -259,7 +260,8 @@ class StaticCacheBackend:
         if self.cuda_graphs:
             width = _bucket(width)
         self._allocate(batch, width + max_new_tokens + self.max_query_len)
-        rows = self._kv().shape[0]
+        # eager, a wave computes its own rows only; a captured graph has the cache's rows
+        rows = self._kv().shape[0] if self.cuda_graphs else batch
         tokens = torch.full((rows, width), self.pad_id, dtype=torch.long)
         present = torch.zeros((rows, width), dtype=torch.bool)
         for row, prompt in enumerate(prompts):
@@ -269,7 +271,9 @@ class StaticCacheBackend:
         positions = (present.long().cumsum(1) - 1).clamp(min=0)
         if not self.cuda_graphs:
             self._kv().reset()
-            logits = self._forward(tokens, positions, present=present, logits_to_keep=1)
+            logits = self._forward(
+                tokens, positions, present=present, logits_to_keep=1, cache=self._kv().head(rows)
+            )
         elif rows * width <= PREFILL_GRAPH_TOKENS:
             graph = self._prefills.get(width) or self._capture_prefill(width)
             logits = graph.launch(tokens, positions, present)
@@ -292,11 +296,7 @@ class StaticCacheBackend:
             )
         self.forwards += 1
         if not self.cuda_graphs:
-            rows = self._kv().shape[0]
-            if batch < rows:
-                tokens = torch.cat([tokens, tokens.new_full((rows - batch, q), self.pad_id)])
-                positions = torch.cat([positions, positions.new_zeros((rows - batch, q))])
-            return self._forward(tokens, positions)[:batch]
+            return self._forward(tokens, positions, cache=self._kv().head(batch))
         graph = self._graphs.get(q) or self._capture(q)
         return graph.launch(tokens, positions)[:batch]
 
@@ -340,13 +340,15 @@ class StaticCacheBackend:
         *,
         present: torch.Tensor | None = None,
         logits_to_keep: int = 0,
+        cache: StaticKVCache | None = None,
     ) -> torch.Tensor:
-        """Logits ``[rows, q or logits_to_keep, V]`` of a forward over all cache rows.
+        """Logits ``[rows, q or logits_to_keep, V]`` of a forward over the rows of ``cache``
+        (default: all the backend's cache rows).
 
         ``present`` (prefill) marks left padding, which stays out of context. Capturable
         when ``present`` is None.
         """
-        cache = self._kv()
+        cache = cache or self._kv()
         cache.begin(positions)
         if present is not None:
             cache.valid[:, : present.shape[1]] = present

@@ -18,6 +18,8 @@ capturable in a CUDA graph and compiles once per shape.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from trace_replay.kernels.cache_attention import (
@@ -139,6 +141,19 @@ class StaticKVCache:
         self.shape = (rows, length)
         self.dtype = dtype
         self.slots = self.rows  # [rows, q] of the forward in progress, set by begin()
+
+    def head(self, rows: int) -> StaticKVCache:
+        """The first ``rows`` rows as a cache of their own, sharing this one's tensors (what
+        a wave of ``rows`` sequences reads and writes, without computing the others)."""
+        if rows == self.shape[0]:
+            return self
+        view = copy.copy(self)
+        view.keys = [keys[:rows] for keys in self.keys]
+        view.values = [values[:rows] for values in self.values]
+        view.cursor, view.valid = self.cursor[:rows], self.valid[:rows]
+        view.slot_pos, view.rows = self.slot_pos[:rows], self.rows[:rows]
+        view.shape, view.slots = (rows, self.shape[1]), view.rows
+        return view
 
     def reset(self) -> None:
         """Forget every row's context (a new wave)."""

@@ -222,16 +222,18 @@ def layer_forward(layer: torch.nn.Module, hidden_states, *args, **kwargs):
 class LayerRunner:
     """A decoder layer's ``forward`` in the view: its own slice of the cache, maybe compiled.
 
-    ``backend`` (a :class:`~trace_replay.engines.builtin.backends.static.StaticCacheBackend`)
-    is read at each call: its ``cache``, whether it is ``compiling`` and its
-    ``compiled_layer``.
+    The cache is the one the model's forward was given (``past_key_values``, a
+    :class:`~trace_replay.engines.builtin.backends.static_cache.StaticKVCache`: the
+    backend's, or the rows of a smaller wave), else the backend's ``cache``. ``backend`` (a
+    :class:`~trace_replay.engines.builtin.backends.static.StaticCacheBackend`) is read at
+    each call: its ``cache``, whether it is ``compiling`` and its ``compiled_layer``.
     """
 
     def __init__(self, layer: torch.nn.Module, index: int, backend: Any) -> None:
         self.layer, self.index, self.backend = layer, index, backend
 
     def __call__(self, hidden_states, *args, past_key_values=None, **kwargs):
-        cache = self.backend.cache.layer(self.index)
+        cache = (past_key_values or self.backend.cache).layer(self.index)
         run = self.backend.compiled_layer if self.backend.compiling else layer_forward
         return run(self.layer, hidden_states, *args, past_key_values=cache, **kwargs)
 
