@@ -87,3 +87,62 @@ def test_batches_hold_sequences_of_similar_length_and_results_keep_the_order(
         assert ours.trace_id == request.trace_id
         np.testing.assert_array_equal(ours.token_ids, alone.token_ids)
         np.testing.assert_allclose(ours.logprob, alone.logprob, atol=1e-5)
+
+
+def _body_shapes(lm, run):
+    """``run()``'s result and the ``(rows, width)`` of each forward of ``lm``'s body in it."""
+    shapes = []
+    hook = lm.base_model.register_forward_hook(
+        lambda module, args, out: shapes.append(tuple(out.last_hidden_state.shape[:2]))
+    )
+    try:
+        return run(), shapes
+    finally:
+        hook.remove()
+
+
+def _own_logprobs(lm, request):
+    """The forced tokens' logprobs under ``lm``'s own forward of the sequence alone."""
+    ids = torch.tensor([request.prompt_token_ids + request.trace_token_ids])
+    with torch.inference_mode():
+        logits = lm(input_ids=ids).logits[0, request.prompt_len - 1 : -1].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return logprobs[torch.arange(request.trace_len), list(request.trace_token_ids)].numpy()
+
+
+def test_a_batch_runs_as_one_unpadded_row_and_scores_as_the_reference(
+    tiny_llama, tiny_requests, assert_results_match
+):
+    """On the CPU a batch's sequences run back to back in one row (no padding: prompt + trace
+    but its last token each), each attending only to itself: every trace scores as the
+    float64 reference and as when scored alone, and the model's attention is its own after."""
+    engine = make_engine("prefill", tiny_llama, batch_size=len(tiny_requests), top_k=3)
+    together, shapes = _body_shapes(tiny_llama, lambda: engine.run(tiny_requests))
+    assert shapes == [(1, sum(r.prompt_len + r.trace_len - 1 for r in tiny_requests))]
+    assert tiny_llama.config._attn_implementation == "sdpa"
+    assert_results_match(together)
+    for request, ours in zip(tiny_requests, together):
+        np.testing.assert_allclose(ours.logprob, engine.run([request])[0].logprob, atol=1e-5)
+
+
+def test_packed_rows_keep_a_sliding_window(make_tiny_lm, tiny_requests):
+    """A model with a sliding window shorter than the sequences runs packed and scores as its
+    own forward of each sequence alone (its own windowed mask)."""
+    lm = make_tiny_lm("MistralConfig", sliding_window=3)
+    engine = make_engine("prefill", lm, batch_size=len(tiny_requests), top_k=3)
+    results, shapes = _body_shapes(lm, lambda: engine.run(tiny_requests))
+    assert shapes == [(1, sum(r.prompt_len + r.trace_len - 1 for r in tiny_requests))]
+    for request, ours in zip(tiny_requests, results):
+        np.testing.assert_allclose(ours.logprob, _own_logprobs(lm, request), atol=1e-5)
+
+
+def test_a_model_packing_cannot_run_is_padded(make_tiny_lm, tiny_requests):
+    """Attention scores soft-capped (Gemma-2), which SDPA cannot do: the batch runs padded
+    through the model's own attention and scores as its own forward."""
+    lm = make_tiny_lm("Gemma2Config", attn_implementation="eager", attn_logit_softcapping=1.0)
+    engine = make_engine("prefill", lm, batch_size=len(tiny_requests), top_k=3)
+    results, shapes = _body_shapes(lm, lambda: engine.run(tiny_requests))
+    width = max(r.prompt_len + r.trace_len - 1 for r in tiny_requests)
+    assert shapes == [(len(tiny_requests), width)]
+    for request, ours in zip(tiny_requests, results):
+        np.testing.assert_allclose(ours.logprob, _own_logprobs(lm, request), atol=1e-5)

@@ -31,6 +31,7 @@ from trace_replay.engines.base import (
     TraceResult,
 )
 from trace_replay.engines.builtin.backends.base import BackendOptions
+from trace_replay.engines.builtin.packing import pack, packed_states, packing_is_exact
 from trace_replay.engines.builtin.scoring import (
     TokenScores,
     collect_rows,
@@ -104,6 +105,14 @@ class PrefillEngine(EngineBase):
             self._backend_settings = self.backend.settings()
         self._forwards = 0
         self._split = self._head_is_separable()
+        # sequences packed into one row, no padding: the CPU's default forward where it is
+        # exact (on CUDA, a loop of per-sequence attention launches, not measured there)
+        self._packed = (
+            self._split
+            and not self.deterministic
+            and weight.device.type == "cpu"
+            and packing_is_exact(self.lm, self.torch_device)
+        )
 
     def settings(self) -> dict:
         settings = super().settings()
@@ -157,6 +166,9 @@ class PrefillEngine(EngineBase):
             self.on_batch(batch)
         if self.deterministic:
             return self._run_deterministic(batch)
+        # watched forwards (on_batch set) run the model's own modules: the Engine contract
+        if self._packed and self.on_batch is None:
+            return self._run_packed(batch)
         # the last trace token is scored but never fed
         width = max(r.prompt_len + r.trace_len - 1 for r in batch)
         input_ids = torch.zeros((len(batch), width), dtype=torch.long)
@@ -176,7 +188,6 @@ class PrefillEngine(EngineBase):
         rows_t, cols_t = torch.tensor(rows, device=device), torch.tensor(cols, device=device)
         targets_t = torch.tensor(targets, device=device)
         input_ids, mask = input_ids.to(device), mask.to(device)
-        # watched forwards (on_batch set) run the model's own modules: the Engine contract
         if self._split and self.on_batch is None:
             states = self.lm.base_model(input_ids=input_ids, attention_mask=mask)
             scored, head = states.last_hidden_state[rows_t, cols_t], self._head
@@ -189,6 +200,18 @@ class PrefillEngine(EngineBase):
         # chunks' row counts differ per batch: one dynamic-shape scoring graph for them all
         score = scorer_for(device, rows="dynamic")
         host = collect_rows(self._score_in_chunks(scored, targets_t, head, score), targets_t)
+        bounds = np.cumsum([0] + [r.trace_len for r in batch])
+        return split_results(batch, host, [np.arange(a, b) for a, b in zip(bounds, bounds[1:])])
+
+    def _run_packed(self, batch: Sequence[ReplayRequest]) -> list[TraceResult]:
+        """The batch's sequences back to back in one row, each attending only to itself."""
+        packed = pack(batch, self.torch_device)
+        scored = packed_states(self.lm, packed)[packed.scored]
+        self._forwards += 1
+        score = scorer_for(self.torch_device, rows="dynamic")
+        host = collect_rows(
+            self._score_in_chunks(scored, packed.targets, self._head, score), packed.targets
+        )
         bounds = np.cumsum([0] + [r.trace_len for r in batch])
         return split_results(batch, host, [np.arange(a, b) for a, b in zip(bounds, bounds[1:])])
 
