@@ -92,16 +92,19 @@ def test_layer_update_writes_at_each_rows_slots():
     assert not k[0, :, :2].any() and not k[1, :, 3:].any()
 
 
-def test_head_is_the_first_rows_sharing_the_cache():
-    """``head(rows)``: a wave of the first rows writes and advances through it into the
-    whole cache (keys, cursors, slots in context), and the rows after it stay untouched."""
+def test_head_is_the_first_rows_and_slots_sharing_the_cache():
+    """``head(rows, length)``: a wave of the first rows writes and advances through it into
+    the whole cache (keys, cursors, slots in context), reads and masks only the first
+    ``length`` slots, and the rows after it stay untouched."""
     cache = new_cache(rows=3)
     forward(cache, [[0], [0], [0]])
-    head = cache.head(2)
-    assert head.shape == (2, 8) and cache.head(3) is cache
+    head = cache.head(2, 3)
+    assert head.shape == (2, 3) and cache.head(3) is cache and cache.head(3, 8) is cache
     head.begin(torch.tensor([[1, 2], [1, 2]]))
+    assert head.mask(torch.tensor([[1, 2], [1, 2]]), None).shape == (2, 1, 2, 3)
     keys = torch.ones(2, 2, 2, 4)
-    head.layer(0).update(keys, -keys, 0)
+    k, _ = head.layer(0).update(keys, -keys, 0)
+    assert k.shape == (2, 2, 3, 4)
     head.finish()
     assert cache.cursor.tolist() == [3, 3, 1]
     assert cache.valid[:, :3].tolist() == [[True] * 3, [True] * 3, [True, False, False]]

@@ -13,6 +13,7 @@ from trace_replay.engines.builtin.backends.packed_linear import (
 )
 from trace_replay.engines.builtin.backends.static import StaticCacheBackend
 from trace_replay.engines.builtin.backends.static_view import (
+    FusedRMSNorm,
     GroupMember,
     KernelLinear,
     group_linears,
@@ -164,3 +165,24 @@ def test_a_group_holds_one_packed_copy_of_its_members(make_tiny_lm):
     backend.prefill([[5, 6, 7]], 2)
     backend.decode(torch.tensor([[4]]), torch.tensor([[3]]))
     assert backend.product.nbytes == linear_bytes(lm)
+
+
+@packing
+def test_cpu_view_norms_are_one_operator_equal_to_the_models(make_tiny_lm):
+    """The CPU view's RMSNorms without weight offset (Llama's, Qwen3's per-head ones too)
+    are ``F.rms_norm`` and equal the model's to float32 rounding; Gemma's (``1 + weight``)
+    stay the model's own modules."""
+    gen = torch.Generator().manual_seed(3)
+    for config, fused in (("Qwen3Config", True), ("GemmaConfig", False)):
+        lm = make_tiny_lm(config)
+        view = StaticCacheBackend(lm, pad_id=0).view
+        layer, own = view.model.layers[0], lm.model.layers[0]
+        assert isinstance(view.model.norm, FusedRMSNorm) == fused
+        assert isinstance(layer.input_layernorm, FusedRMSNorm) == fused
+        if fused:
+            assert isinstance(layer.self_attn.k_norm, FusedRMSNorm)
+            x = 3 * torch.randn(2, 3, lm.config.hidden_size, generator=gen)
+            _close(layer.post_attention_layernorm(x), own.post_attention_layernorm(x))
+            heads = torch.randn(2, 3, 4, lm.config.head_dim, generator=gen)
+            _close(layer.self_attn.q_norm(heads), own.self_attn.q_norm(heads))
+        assert not any(isinstance(m, FusedRMSNorm) for m in lm.modules())

@@ -296,7 +296,13 @@ class StaticCacheBackend:
             )
         self.forwards += 1
         if not self.cuda_graphs:
-            return self._forward(tokens, positions, cache=self._kv().head(batch))
+            cache = self._kv()
+            # on the CPU, attention reads only the slots some row has reached (the cursors
+            # are host memory there: no synchronization)
+            reached = None
+            if self.device.type == "cpu":
+                reached = min(int(cache.cursor[:batch].max()) + q, cache.shape[1])
+            return self._forward(tokens, positions, cache=cache.head(batch, reached))
         graph = self._graphs.get(q) or self._capture(q)
         return graph.launch(tokens, positions)[:batch]
 

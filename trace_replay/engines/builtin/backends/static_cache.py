@@ -142,17 +142,20 @@ class StaticKVCache:
         self.dtype = dtype
         self.slots = self.rows  # [rows, q] of the forward in progress, set by begin()
 
-    def head(self, rows: int) -> StaticKVCache:
-        """The first ``rows`` rows as a cache of their own, sharing this one's tensors (what
-        a wave of ``rows`` sequences reads and writes, without computing the others)."""
-        if rows == self.shape[0]:
+    def head(self, rows: int, length: int | None = None) -> StaticKVCache:
+        """The first ``rows`` rows and ``length`` slots (default: all) as a cache of their
+        own, sharing this one's tensors: what a wave of ``rows`` sequences reads and writes,
+        without computing the other rows, and with ``length`` at least every cursor plus
+        the tokens of the next forward, without reading slots no row has reached."""
+        length = self.shape[1] if length is None else length
+        if (rows, length) == self.shape:
             return self
         view = copy.copy(self)
-        view.keys = [keys[:rows] for keys in self.keys]
-        view.values = [values[:rows] for values in self.values]
-        view.cursor, view.valid = self.cursor[:rows], self.valid[:rows]
-        view.slot_pos, view.rows = self.slot_pos[:rows], self.rows[:rows]
-        view.shape, view.slots = (rows, self.shape[1]), view.rows
+        view.keys = [keys[:rows, :, :length] for keys in self.keys]
+        view.values = [values[:rows, :, :length] for values in self.values]
+        view.cursor, view.rows = self.cursor[:rows], self.rows[:rows]
+        view.valid, view.slot_pos = self.valid[:rows, :length], self.slot_pos[:rows, :length]
+        view.arange, view.shape, view.slots = self.arange[:length], (rows, length), view.rows
         return view
 
     def reset(self) -> None:

@@ -16,7 +16,8 @@ itself is never modified:
   (:mod:`~trace_replay.engines.builtin.passes.batch1_fusions`);
 * with the CPU's packed product
   (:class:`~trace_replay.engines.builtin.backends.packed_linear.PackedLinears`), the linears
-  that read the same input (q/k/v, gate/up) as one product each (:func:`group_linears`).
+  that read the same input (q/k/v, gate/up) as one product each (:func:`group_linears`)
+  and the RMSNorms as one operator each (:func:`fuse_norms`).
 
 The CPU groups: at decode sizes each oneDNN product streams its weight once and pays a fixed
 cost besides; one product over the members' concatenated packed weight pays it once per
@@ -34,18 +35,22 @@ import copy
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from trace_replay.engines.builtin.backends.packed_linear import PackedLinears
 from trace_replay.engines.builtin.backends.static_cache import ATTENTION
 from trace_replay.engines.builtin.passes import batch1_fusions
+from trace_replay.engines.builtin.passes.batch1_fusions import RMS_NORMS
 from trace_replay.kernels.gemv import gemv
 
 __all__ = [
     "GROUPS",
+    "FusedRMSNorm",
     "GroupMember",
     "KernelLinear",
     "LinearGroup",
     "LayerRunner",
+    "fuse_norms",
     "group_linears",
     "kernel_layer",
     "kernel_modules",
@@ -97,6 +102,33 @@ def kernel_modules(module: torch.nn.Module, product) -> torch.nn.Module:
         clone = shallow(module)
         clone._modules.update(children)
     return clone
+
+
+class FusedRMSNorm(torch.nn.Module):
+    """An RMSNorm of :data:`~trace_replay.engines.builtin.passes.batch1_fusions.RMS_NORMS`
+    without a weight offset (Llama, Mistral, Qwen2/3; shared, not copied) as one operator on
+    float32 inputs: ``F.rms_norm``, the same float32 arithmetic as transformers' six
+    operators, summed in its own order (equal to float32 rounding)."""
+
+    def __init__(self, norm: torch.nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            return self.norm(x)
+        norm: Any = self.norm
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+
+
+def fuse_norms(modules: list[torch.nn.Module]) -> None:
+    """Each child of ``modules`` (the view's own copies) that is an RMSNorm without weight
+    offset made a :class:`FusedRMSNorm`, in place."""
+    plain = {name for name, offset in RMS_NORMS.items() if offset == 0.0}
+    for parent in modules:
+        for name, child in parent._modules.items():
+            if type(child).__name__ in plain and hasattr(child, "variance_epsilon"):
+                parent._modules[name] = FusedRMSNorm(child)
 
 
 # children of one module that the model calls on the same input (attention, gated MLP)
@@ -264,4 +296,5 @@ def model_view(lm: torch.nn.Module, backend: Any) -> torch.nn.Module:
         view.lm_head = KernelLinear(lm.lm_head, backend.product)
     if isinstance(backend.product, PackedLinears):
         group_linears(view, backend.product)
+        fuse_norms([view.model, *layers, *(layer.self_attn for layer in layers)])
     return view
