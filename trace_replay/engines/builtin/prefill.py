@@ -8,9 +8,7 @@ numbers do not depend on the batch, and they are the bits its decode replay give
 Memory: the model body runs once per batch; the lm_head and the log-softmax run over the
 scored positions in chunks of ``score_chunk_bytes``, so full-vocabulary logits never exist
 for more than one chunk and peak memory does not grow with trace length beyond the model's
-own activations. On the CPU a batch's sequences run packed, back to back in one row with
-no padding (:mod:`~trace_replay.engines.builtin.packing`), where the model passes the
-packing check. Deterministic mode chunks the same way (in whole scoring blocks): its
+own activations. Deterministic mode chunks the same way (in whole scoring blocks): its
 head and scoring are row-invariant, so the chunks change no bit. While ``on_batch`` is set
 (the :class:`~trace_replay.engines.base.Engine` contract for watched forwards), the default
 mode runs the model's own forward instead, logits included, so hooks on its modules see
