@@ -91,7 +91,11 @@ def matmul(threads: int, size: int) -> Callable[[], None]:
 def prefill_flops(config, requests: list[ReplayRequest]) -> float:
     """FLOPs the prefill engine's forward must do for ``requests``: every linear over each
     fed token (prompt and trace but its last), causal attention over them, and the lm_head
-    at the scored positions only (what it computes; padding is not counted)."""
+    at the scored positions only (what it computes; padding is not counted). The products
+    agree with torch's ``FlopCounterMode`` over a packed prefill run (662.7 GFLOP of
+    ``aten.mm`` on the default 16 traces × 64 tokens, this function's linear and lm_head
+    terms exactly); attention (causal half, 18.5 GFLOP there) is by formula, as the counter
+    does not count SDPA's CPU kernel. Norms, rotary, activations and softmax: not counted."""
     d, layers = config.hidden_size, config.num_hidden_layers
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or d // heads
