@@ -127,7 +127,11 @@ def fuse_norms(modules: list[torch.nn.Module]) -> None:
     plain = {name for name, offset in RMS_NORMS.items() if offset == 0.0}
     for parent in modules:
         for name, child in parent._modules.items():
-            if type(child).__name__ in plain and hasattr(child, "variance_epsilon"):
+            if (
+                child is not None
+                and type(child).__name__ in plain
+                and hasattr(child, "variance_epsilon")
+            ):
                 parent._modules[name] = FusedRMSNorm(child)
 
 
@@ -165,14 +169,19 @@ class LinearGroup:
 
     def read(self, member: int, x: torch.Tensor) -> torch.Tensor:
         """Member ``member``'s output for ``x``: its columns of the group's product."""
-        fresh = x is self._input and member in self._unread and torch.equal(x, self._copy)
-        if not fresh:
+        kept, output = self._copy, self._output
+        fresh = (
+            x is self._input
+            and member in self._unread
+            and kept is not None
+            and torch.equal(x, kept)
+        )
+        if output is None or not fresh:
             weights = tuple(m.weight for m in self.linears)
             biases = tuple(m.bias for m in self.linears if m.bias is not None)
-            self._output = self.packed.group(x, weights, biases)
+            output = self._output = self.packed.group(x, weights, biases)
             self._input, self._copy = x, x.clone()
             self._unread = set(range(len(self.linears)))
-        output = self._output
         self._unread.discard(member)
         if not self._unread:
             self._input = self._copy = self._output = None
@@ -218,16 +227,15 @@ def _members(
 ) -> list[torch.nn.Linear] | None:
     """The ``nn.Linear`` of ``parent``'s children ``names`` where they form a group."""
     children = [parent._modules.get(name) for name in names]
-    if not all(
-        type(child) is KernelLinear and child.product is packed  # noqa: E721 (not a member)
-        for child in children
-    ):
+    kernels = [c for c in children if type(c) is KernelLinear and c.product is packed]
+    if len(kernels) != len(names):  # a member missing, or not a plain KernelLinear
         return None
-    linears = [child.linear for child in children]  # type: ignore[union-attr]
+    linears = [k.linear for k in kernels]
+    if not all(isinstance(m, torch.nn.Linear) for m in linears):
+        return None
     first = linears[0].weight
     if not all(
-        isinstance(m, torch.nn.Linear)
-        and m.in_features == linears[0].in_features
+        m.in_features == linears[0].in_features
         and m.weight.dtype == first.dtype
         and m.weight.device == first.device
         and (m.bias is None) == (linears[0].bias is None)
