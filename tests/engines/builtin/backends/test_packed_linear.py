@@ -44,11 +44,17 @@ def test_weights_edited_in_place_are_packed_again():
 
 
 def test_the_packed_copy_fits_in_half_the_available_memory(tiny_llama):
-    """The copy of a model's linear weights (tied ones once) must take at most half the
-    memory available: the machine's now for a tiny model, and not a byte more in the
-    boundary cases."""
+    """The packed copies (every linear weight once, tied ones once, and the grouped q/k/v
+    and gate/up weights a second time) must take at most half the memory available: the
+    machine's now for a tiny model, and not a byte more in the boundary cases."""
     weights = {m.weight for m in tiny_llama.modules() if isinstance(m, torch.nn.Linear)}
-    size = sum(w.numel() * w.element_size() for w in weights)
+    grouped = {
+        getattr(part, name).weight
+        for layer in tiny_llama.model.layers
+        for part, names in ((layer.self_attn, "qkv"), (layer.mlp, ("gate", "up")))
+        for name in (f"{n}_proj" for n in names)
+    }
+    size = sum(w.numel() * w.element_size() for w in [*weights, *grouped])
     assert packed_copy_fits(tiny_llama)
     assert packed_copy_fits(tiny_llama, available=2 * size)
     assert not packed_copy_fits(tiny_llama, available=2 * size - 2)

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from trace_replay.engines.builtin.backends.packed_linear import (
+    GROUP_ROWS,
     PackedLinears,
+    grouped_bytes,
     linear_bytes,
     packed_linears_available,
 )
@@ -156,15 +158,34 @@ def test_unrecognized_groups_stay_separate_products():
 
 
 @packing
-def test_a_group_holds_one_packed_copy_of_its_members(make_tiny_lm):
-    """After a step every linear weight is packed exactly once: a group's copy replaces its
-    members' own, so the packed bytes are the model's linear bytes (``packed_copy_fits``'s
-    count)."""
+def test_the_packed_copies_are_what_packed_copy_fits_counts(make_tiny_lm):
+    """A short prompt and a step pack every linear weight once (a group's copy replaces its
+    members' own); a prompt longer than GROUP_ROWS rows adds the members' own copies: the
+    packed bytes then reach ``packed_copy_fits``'s count, linear bytes plus grouped bytes."""
     lm = make_tiny_lm("LlamaConfig")
     backend = StaticCacheBackend(lm, pad_id=0)
     backend.prefill([[5, 6, 7]], 2)
     backend.decode(torch.tensor([[4]]), torch.tensor([[3]]))
     assert backend.product.nbytes == linear_bytes(lm)
+    backend.prefill([list(range(3, 3 + GROUP_ROWS + 1))], 2)
+    assert backend.product.nbytes == linear_bytes(lm) + grouped_bytes(lm) > linear_bytes(lm)
+
+
+@packing
+def test_a_long_input_runs_each_members_own_product(tiny_llama):
+    """Above GROUP_ROWS rows a member's output is its own product (equal to its linear's)
+    and the group's product is not computed."""
+    layer = tiny_llama.model.layers[0]
+    packed = PackedLinears()
+    view = _grouped_layer(layer, packed)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(1, GROUP_ROWS + 1, tiny_llama.config.hidden_size, generator=gen)
+    with torch.inference_mode():
+        for name in MEMBERS["self_attn"]:
+            _close(getattr(view.self_attn, name)(x), getattr(layer.self_attn, name)(x))
+    assert view.self_attn.q_proj.group._output is None
+    own = sum(getattr(layer.self_attn, n).weight.numel() * 4 for n in MEMBERS["self_attn"])
+    assert packed.nbytes == own
 
 
 @packing

@@ -25,6 +25,8 @@ group (4 products a layer instead of 7), as vLLM's CPU build does with its merge
 (``QKVParallelLinear``, ``MergedColumnParallelLinear``). The model's code is not touched:
 a group member's first call computes the whole group's product and returns its own columns;
 the other members, called with the same input, return theirs from it (:class:`LinearGroup`).
+Only short inputs (decode steps, at most ``GROUP_ROWS`` rows) run grouped; a prompt's
+rows run each member's own product, which was faster there.
 The CUDA path groups in the compiler instead
 (:mod:`~trace_replay.engines.builtin.passes.linear_groups`).
 """
@@ -37,14 +39,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trace_replay.engines.builtin.backends.packed_linear import PackedLinears
+from trace_replay.engines.builtin.backends.packed_linear import GROUP_ROWS, GROUPS, PackedLinears
 from trace_replay.engines.builtin.backends.static_cache import ATTENTION
 from trace_replay.engines.builtin.passes import batch1_fusions
 from trace_replay.engines.builtin.passes.batch1_fusions import RMS_NORMS
 from trace_replay.kernels.gemv import gemv
 
 __all__ = [
-    "GROUPS",
     "FusedRMSNorm",
     "GroupMember",
     "KernelLinear",
@@ -135,10 +136,6 @@ def fuse_norms(modules: list[torch.nn.Module]) -> None:
                 parent._modules[name] = FusedRMSNorm(child)
 
 
-# children of one module that the model calls on the same input (attention, gated MLP)
-GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
 class LinearGroup:
     """The product of linears that read the same input, computed once per input.
 
@@ -168,7 +165,11 @@ class LinearGroup:
         self._unread: set[int] = set()
 
     def read(self, member: int, x: torch.Tensor) -> torch.Tensor:
-        """Member ``member``'s output for ``x``: its columns of the group's product."""
+        """Member ``member``'s output for ``x``: its columns of the group's product where
+        ``x`` has at most :data:`GROUP_ROWS` rows, else its own product."""
+        if x.numel() > GROUP_ROWS * x.shape[-1]:
+            linear = self.linears[member]
+            return self.packed(x, linear.weight, linear.bias)
         kept, output = self._copy, self._output
         fresh = (
             x is self._input
