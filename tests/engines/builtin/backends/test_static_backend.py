@@ -175,8 +175,24 @@ def test_keep_then_decode_equals_hf(tiny_model):
     ours = StaticCacheBackend(lm, 0, max_query_len=3)
     for a, b in zip(_decode_keep_decode(ours), _decode_keep_decode(HFBackend(lm, 0))):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
-    # trailing drops are given back: cursor = prompt width + slots up to the last kept one
-    assert ours.cache.cursor.tolist() == [4 + 1 + 2, 4 + 3 + 2, 4 + 3 + 2, 4 + 0 + 2]
+    # trailing drops are given back: cursor = prompt + slots up to the last kept one (the
+    # CPU writes each prompt unpadded from slot 0; left-padded, the prompts' width)
+    starts = [len(p) for p in PROMPTS] if ours.unpadded_prefill else [4] * 4
+    assert ours.cache.cursor.tolist() == [s + n + 2 for s, n in zip(starts, [1, 3, 3, 0])]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_unpadded_prefill_equals_the_left_padded_batch(arch, tiny_model):
+    """The CPU's prefill (each prompt its own forward from slot 0 of its row) gives the
+    left-padded batch's logits, then and after drafts are decoded, dropped and decoded
+    again (Mistral: a sliding window of 4 positions); only the cursors differ."""
+    lm = tiny_model(arch)
+    unpadded = StaticCacheBackend(lm, 0, max_query_len=3)
+    padded = StaticCacheBackend(lm, 0, max_query_len=3)
+    padded.unpadded_prefill = False
+    for a, b in zip(_decode_keep_decode(unpadded), _decode_keep_decode(padded)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert unpadded.cache.cursor.tolist() != padded.cache.cursor.tolist()
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma3"])

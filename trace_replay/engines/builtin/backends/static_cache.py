@@ -158,6 +158,20 @@ class StaticKVCache:
         view.arange, view.shape, view.slots = self.arange[:length], (rows, length), view.rows
         return view
 
+    def row(self, index: int, length: int) -> StaticKVCache:
+        """Row ``index`` and its first ``length`` slots as a cache of their own (sharing this
+        one's tensors): what a prompt of ``length`` tokens, run alone, writes and reads."""
+        view = self.head(self.shape[0], length)
+        if view is self:
+            view = copy.copy(self)
+        rows = slice(index, index + 1)
+        view.keys = [keys[rows] for keys in view.keys]
+        view.values = [values[rows] for values in view.values]
+        view.cursor, view.rows = view.cursor[rows], self.rows[:1]
+        view.valid, view.slot_pos = view.valid[rows], view.slot_pos[rows]
+        view.shape, view.slots = (1, length), view.rows
+        return view
+
     def reset(self) -> None:
         """Forget every row's context (a new wave)."""
         self.cursor.zero_()
