@@ -589,7 +589,7 @@ class VLLMEngine(EngineBase):
 
         Requests give vLLM's ``FINAL_ONLY`` output (one per request, when it finishes): a
         ``DELTA`` output per request and step cost the front end ~8 µs each, which at batch
-        256 is more host time than the rest of a step's output (measured, RESULTS). Progress
+        256 is more host time than the rest of a step's output (measured, HISTORY.md). Progress
         in between is :class:`_StepProgress`'s count.
         """
         assert self.llm is not None, "a closed engine runs nothing (EngineClosed first)"
