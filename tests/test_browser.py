@@ -43,7 +43,7 @@ CHROMIUM_ARGS = [
 ]
 APT_S = 900  # apt-get update + install chromium on a fresh machine
 SERVER_S = 60  # Voilà answering HTTP
-RENDER_S = 240  # page request -> kernel start, two replays on CPU, widgets drawn
+RENDER_S = 420  # page request -> kernel start, two replays on CPU, widgets drawn
 UPDATE_S = 30  # one widget interaction -> the views redrawn by the kernel
 STACKS_S = RENDER_S - 15  # kernel start -> its stacks written (a failed render shows them)
 TOKEN_ID = re.compile(r"token id (\d+)")

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from trace_replay.engines.base import ReplayRequest
+from trace_replay.engines.builtin.packing import pack, packed_states
 from trace_replay.engines.threads import intra_op_threads
 
 __all__ = ["decode_step_logits", "prefill_step_logits"]
@@ -67,12 +68,17 @@ def prefill_step_logits(engine, requests: Sequence[ReplayRequest]) -> Iterator[t
     lengths = torch.tensor([r.trace_len for r in requests])
     # logits at position p predict the token at p + 1
     sequences = [r.prompt_token_ids + r.trace_token_ids[:-1] for r in requests]
+    starts = torch.cumsum(lengths, 0) - lengths  # a trace's first scored row (flat states)
+    flat = engine.deterministic or engine._packed
     with torch.inference_mode(), intra_op_threads(engine.threads):
         if engine.deterministic:
             scored = [range(r.prompt_len - 1, r.prompt_len - 1 + r.trace_len) for r in requests]
             states = engine.backend.teacher_forced_states(sequences, scored)
             head = engine.backend.lm_head
-            starts = torch.cumsum(lengths, 0) - lengths  # a trace's first scored row
+        elif engine._packed:  # the arithmetic of the engine's run: one unpadded row
+            packed = pack(requests, device)
+            states = packed_states(engine.lm, packed)[packed.scored]
+            head = engine._head
         else:
             width = max(len(s) for s in sequences)
             input_ids = torch.zeros((len(requests), width), dtype=torch.long)
@@ -91,7 +97,7 @@ def prefill_step_logits(engine, requests: Sequence[ReplayRequest]) -> Iterator[t
         rows = torch.cat([live[step] for step in block])
         steps = torch.cat([torch.full_like(live[step], step) for step in block])
         with torch.inference_mode(), intra_op_threads(engine.threads):
-            if engine.deterministic:
+            if flat:
                 hidden = states[(starts[rows] + steps).to(device)]
             else:
                 hidden = states[rows.to(device), (prompt_len[rows] - 1 + steps).to(device)]
