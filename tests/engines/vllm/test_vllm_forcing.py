@@ -109,18 +109,24 @@ def test_forces_each_trace_and_leaves_other_rows_alone(host_steps):
     assert outputs[0] == [5, 6, 7] and outputs[2] == [9, 8, 7]
 
 
-def test_lengths_are_sent_only_when_rows_do_not_advance_by_one():
-    """Device path: steady steps send nothing to the device; a row that did not commit a
-    token (a discarded chunked-prefill sample) makes the next step resend, and forcing stays
-    exact."""
-    proc = processor(host_steps=False)
-    outputs = [[], []]
+def _two_traced_rows() -> tuple[list[list[int]], BatchUpdate]:
+    """Two rows' output lists and the update that adds them, traces [1..4] and [11..14]."""
+    outputs: list[list[int]] = [[], []]
     update = BatchUpdate(
         batch_size=2,
         removed=[],
         moved=[],
         added=[added(0, [1, 2, 3, 4], 2, outputs[0]), added(1, [11, 12, 13, 14], 2, outputs[1])],
     )
+    return outputs, update
+
+
+def test_lengths_are_sent_only_when_rows_do_not_advance_by_one():
+    """Device path: steady steps send nothing to the device; a row that did not commit a
+    token (a discarded chunked-prefill sample) makes the next step resend, and forcing stays
+    exact."""
+    proc = processor(host_steps=False)
+    outputs, update = _two_traced_rows()
     assert step(proc, outputs, update) == [1, 11]
     assert step(proc, outputs) == [2, 12]
     assert proc.num_length_uploads == 1
@@ -138,13 +144,7 @@ def test_on_the_cpu_each_step_is_read_from_the_output_lists():
     staged, sent to or advanced on the device. Speculative decoding keeps the device path."""
     proc = processor()
     assert proc.host_steps
-    outputs = [[], []]
-    update = BatchUpdate(
-        batch_size=2,
-        removed=[],
-        moved=[],
-        added=[added(0, [1, 2, 3, 4], 2, outputs[0]), added(1, [11, 12, 13, 14], 2, outputs[1])],
-    )
+    outputs, update = _two_traced_rows()
     assert step(proc, outputs, update) == [1, 11]
     outputs[1].pop()  # row 1's sample of this step is discarded by the engine
     assert step(proc, outputs) == [2, 11]
