@@ -23,22 +23,11 @@ pytestmark = pytest.mark.vllm
 VOCAB = 50
 
 
-def processor(max_num_seqs: int = 4, *, host_steps: bool | None = None) -> TraceForcingProcessor:
-    """V1's processor as vLLM builds it on the CPU; ``host_steps=False`` takes the device
-    path (what a CUDA device runs) on CPU tensors."""
-    from trace_replay.engines.vllm.forcing import V1TraceForcing
-
+def processor(max_num_seqs: int = 4) -> TraceForcingProcessor:
     config = SimpleNamespace(
         scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs), speculative_config=None
     )
-    if host_steps is None:
-        return TraceForcingProcessor(config, torch.device("cpu"), False)
-    return V1TraceForcing(config, torch.device("cpu"), False, host_steps=host_steps)
-
-
-# both ways V1's processor finds a row's step: from the host's output lists (the CPU's),
-# and from lengths kept on the device (CUDA's)
-both_paths = pytest.mark.parametrize("host_steps", [True, False], ids=["host", "device"])
+    return TraceForcingProcessor(config, torch.device("cpu"), False)
 
 
 def params(trace=None) -> SamplingParams:
@@ -66,12 +55,11 @@ def step(proc: TraceForcingProcessor, outputs: list[list[int]], update=None) -> 
     return forced
 
 
-@both_paths
-def test_a_forced_row_samples_its_token_at_any_temperature(host_steps):
+def test_a_forced_row_samples_its_token_at_any_temperature():
     """The forced logit wins argmax and takes all the probability under the temperatures
     vLLM samples with (1e-5 .. 100), with top-p/min-p style filters too: no NaN, no other
     token with a non-zero probability, even against logits of +-1e4."""
-    proc = processor(host_steps=host_steps)
+    proc = processor()
     outputs = [[]]
     proc.update_state(
         BatchUpdate(batch_size=1, removed=[], moved=[], added=[added(0, [17, 3], 2, outputs[0])])
@@ -89,10 +77,9 @@ def added(index: int, trace, prompt_len: int, output: list[int]):
     return (index, params(trace), list(range(prompt_len)), output)
 
 
-@both_paths
-def test_forces_each_trace_and_leaves_other_rows_alone(host_steps):
+def test_forces_each_trace_and_leaves_other_rows_alone():
     """Traced rows sample exactly their trace, step by step; an untraced row is untouched."""
-    proc = processor(host_steps=host_steps)
+    proc = processor()
     outputs = [[], [], []]
     update = BatchUpdate(
         batch_size=3,
@@ -109,24 +96,17 @@ def test_forces_each_trace_and_leaves_other_rows_alone(host_steps):
     assert outputs[0] == [5, 6, 7] and outputs[2] == [9, 8, 7]
 
 
-def _two_traced_rows() -> tuple[list[list[int]], BatchUpdate]:
-    """Two rows' output lists and the update that adds them, traces [1..4] and [11..14]."""
-    outputs: list[list[int]] = [[], []]
+def test_lengths_are_sent_only_when_rows_do_not_advance_by_one():
+    """Steady steps send nothing to the device; a row that did not commit a token (a
+    discarded chunked-prefill sample) makes the next step resend, and forcing stays exact."""
+    proc = processor()
+    outputs = [[], []]
     update = BatchUpdate(
         batch_size=2,
         removed=[],
         moved=[],
         added=[added(0, [1, 2, 3, 4], 2, outputs[0]), added(1, [11, 12, 13, 14], 2, outputs[1])],
     )
-    return outputs, update
-
-
-def test_lengths_are_sent_only_when_rows_do_not_advance_by_one():
-    """Device path: steady steps send nothing to the device; a row that did not commit a
-    token (a discarded chunked-prefill sample) makes the next step resend, and forcing stays
-    exact."""
-    proc = processor(host_steps=False)
-    outputs, update = _two_traced_rows()
     assert step(proc, outputs, update) == [1, 11]
     assert step(proc, outputs) == [2, 12]
     assert proc.num_length_uploads == 1
@@ -138,29 +118,9 @@ def test_lengths_are_sent_only_when_rows_do_not_advance_by_one():
     assert step(proc, outputs)[1] == 14
 
 
-def test_on_the_cpu_each_step_is_read_from_the_output_lists():
-    """On the CPU the processor takes the host path: the step is the output list's length at
-    each call, so a discarded sample is forced again at the same step, and nothing is ever
-    staged, sent to or advanced on the device. Speculative decoding keeps the device path."""
-    proc = processor()
-    assert proc.host_steps
-    outputs, update = _two_traced_rows()
-    assert step(proc, outputs, update) == [1, 11]
-    outputs[1].pop()  # row 1's sample of this step is discarded by the engine
-    assert step(proc, outputs) == [2, 11]
-    assert step(proc, outputs) == [3, 12]
-    assert proc.num_length_uploads == 0 and proc.trace_state.num_staged_copies == 0
-    assert not proc.trace_state.has_traces
-    speculative = SimpleNamespace(
-        scheduler_config=SimpleNamespace(max_num_seqs=4), speculative_config=object()
-    )
-    assert not TraceForcingProcessor(speculative, torch.device("cpu"), False).host_steps
-
-
-@both_paths
-def test_moves_and_swaps_carry_the_trace_position(host_steps):
+def test_moves_and_swaps_carry_the_trace_position():
     """Rows that vLLM moves or swaps keep replaying their own trace from where they were."""
-    proc = processor(host_steps=host_steps)
+    proc = processor()
     outputs = [[], [], []]
     update = BatchUpdate(
         batch_size=3,
@@ -185,12 +145,11 @@ def test_moves_and_swaps_carry_the_trace_position(host_steps):
     assert step(proc, outputs) == [23, 33]
 
 
-@both_paths
-def test_a_trace_token_outside_the_vocabulary_leaves_its_row_alone(host_steps):
+def test_a_trace_token_outside_the_vocabulary_leaves_its_row_alone():
     """An id the logits have no column for is not written (no out-of-bounds store): the row
     samples freely, the engine's emitted-token check then names the trace; others still
     follow their traces."""
-    proc = processor(host_steps=host_steps)
+    proc = processor()
     outputs = [[], []]
     update = BatchUpdate(
         batch_size=2,

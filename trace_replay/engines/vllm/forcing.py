@@ -110,8 +110,7 @@ class V1TraceForcing(V1LogitsProcessor):
     ``total_len`` (prompt plus committed tokens) lives on the device and advances by one
     after every step.
 
-    Design contract. On a CUDA device (and under speculative decoding) the per-step work is
-    device-side and nothing waits for the GPU:
+    Design contract (the per-step work is device-side; nothing waits for the GPU):
 
     * Each step the host checks, with one C-level pass over the live output lists vLLM
       hands to logits processors, that every row committed exactly one token since the
@@ -134,26 +133,9 @@ class V1TraceForcing(V1LogitsProcessor):
       each sampling step (under async scheduling: a wait on the previous step's copy and a
       Python loop over the batch); :func:`read_lengths_only` tells it, where this processor
       is the only custom one.
-
-    On the CPU (``host_steps``, its default there without speculative decoding) the host is
-    the device, so none of that is needed: each row's step is its output list's length,
-    read at every call, its trace token comes from the host's copy of the trace, and the
-    batch's forced logits are written with one indexed store. Nothing is staged, sent or
-    advanced. In the engine (SmolLM2-135M, this project's 2-core CPU, 1 thread) the device
-    path's ~20 small torch ops took 0.47 ms of a ~75 ms step, the host path 0.13 ms, at
-    batches 1 and 8 alike (docs/engines.md, vllm). Rows, forced tokens, out-of-vocabulary
-    rows, the forced logit's effect and the lengths-only reading above are the same on both
-    paths.
     """
 
-    def __init__(
-        self,
-        vllm_config,
-        device: torch.device,
-        is_pin_memory: bool,
-        *,
-        host_steps: bool | None = None,
-    ) -> None:
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         max_num_reqs = vllm_config.scheduler_config.max_num_seqs
         self.req_states = RequestState(max_num_reqs, device)
         self.trace_state = TraceReplayState(self.req_states)
@@ -168,11 +150,6 @@ class V1TraceForcing(V1LogitsProcessor):
         # several tokens per step per row would defeat the one-token-per-step check
         self._check_lengths = getattr(vllm_config, "speculative_config", None) is None
         self._committed: tuple[int, int] | None = None  # (rows, sum of output lengths)
-        # None: the host path wherever the host is the device (class docstring); False
-        # keeps the device path, which a CUDA device always takes
-        if host_steps is None:
-            host_steps = torch.device(device).type == "cpu" and self._check_lengths
-        self.host_steps = host_steps
 
     @classmethod
     def validate_params(cls, params: SamplingParams) -> None:
@@ -187,8 +164,7 @@ class V1TraceForcing(V1LogitsProcessor):
         self.traces[index] = trace
         self.prompt_lens[index] = prompt_len
         self.outputs[index] = output
-        if not self.host_steps:
-            self.trace_state.add_request(index, trace)
+        self.trace_state.add_request(index, trace)
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is None:
@@ -205,8 +181,6 @@ class V1TraceForcing(V1LogitsProcessor):
                 self._place(a, *moved_b)
             else:
                 self._place(a, None, 0, _NO_OUTPUT)
-        if self.host_steps:
-            return
         self.trace_state.apply_staged_writes()
         self.req_states.prompt_len.copy_(self._to_device(self.prompt_lens), non_blocking=True)
         self._committed = None
@@ -215,9 +189,6 @@ class V1TraceForcing(V1LogitsProcessor):
         if self.num_traced == 0:
             return logits
         rows = logits.shape[0]
-        if self.host_steps:
-            self._force_from_host(logits, rows)
-            return logits
         outputs = self.outputs[:rows]
         committed = (rows, sum(map(len, outputs)))
         expected = None if self._committed is None else (rows, self._committed[1] + rows)
@@ -232,18 +203,6 @@ class V1TraceForcing(V1LogitsProcessor):
         # before the next call)
         self.trace_state.force_logits(logits, self._rows[:rows], value=FORCED_LOGIT, advance=True)
         return logits
-
-    def _force_from_host(self, logits: torch.Tensor, rows: int) -> None:
-        """Raise each traced row's trace-token logit, the step read from the host's lists."""
-        vocab = logits.shape[1]
-        forced_rows, tokens = [], []
-        for row, (trace, output) in enumerate(zip(self.traces[:rows], self.outputs[:rows])):
-            # a step past the trace, or a token outside the vocabulary: the row is left alone
-            if trace is not None and (step := len(output)) < len(trace) and trace[step] < vocab:
-                forced_rows.append(row)
-                tokens.append(trace[step])
-        if forced_rows:
-            logits[forced_rows, tokens] = FORCED_LOGIT
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         """``values`` as int32 on the device, sent from pinned memory without waiting."""
